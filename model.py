@@ -50,6 +50,7 @@ class Config:
     rope_scaling: dict = field(default_factory=dict)  # {} | {"rope_type": "linear"|"llama3", ...}
     max_seq_len: int = 2048         # context length
     tie_embeddings: bool = False    # LM head shares the input embedding matrix
+    eos_ids: tuple = ()             # token ids that end a reply
     name: str = "random"            # identity of the weights (heads check it)
 
     @staticmethod
@@ -61,6 +62,7 @@ class Config:
         if rope_type not in ("default", "linear", "llama3"):
             raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
         rope["rope_type"] = rope_type
+        eos = hf.get("eos_token_id")
         dim, heads = hf["hidden_size"], hf["num_attention_heads"]
         return Config(
             vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
@@ -69,7 +71,8 @@ class Config:
             norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta,
             rope_scaling={} if rope_type == "default" else rope,
             max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), name=name)
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), name=name)
 
 
 # --- rotary position embedding ---------------------------------------------------------------
@@ -247,7 +250,8 @@ class Transformer(nn.Module):
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
-        read; with last_only, only the last position's (B, 1, V) and (B, 1, D)."""
+        read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
+        needs no more), hidden states still everywhere."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
@@ -258,10 +262,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
-        if last_only:
-            x = x[:, -1:]
         hidden = self.norm(x)                                                 # (B, T, D)
-        return self.lm_head(hidden), hidden                                   # (B, T, V), (B, T, D)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)       # (B, T|1, V)
+        return logits, hidden
 
 
 # --- loading -------------------------------------------------------------------------------------

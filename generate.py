@@ -1,0 +1,384 @@
+"""
+Generate text with a Llama-family model, plainly or with draft heads and tree verification.
+
+    python generate.py --prompt "Write a haiku about the sea."            # shipped heads, greedy
+    python generate.py --prompt "..." --heads none                        # plain decoding
+    python generate.py --prompt "..." --heads medusa --tree chain:3 --show
+    python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
+    python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
+
+One decode loop serves every method. Each step:
+    heads draft a tree of candidate tokens from the last hidden state   (draft)
+    -> one forward of the base model over the whole tree, tree mask     (model.Transformer)
+    -> verification picks the longest acceptable path + a bonus token   (verify.py)
+    -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
+    -> their hidden states become the next draft state                  (heads.context)
+Plain decoding is the same loop with no heads: the tree is only its root.
+
+Contracts (tested in tests/test_generate.py): greedy speculative output is token-identical to
+plain greedy decoding, whatever the heads; speculative sampling samples from the base model's
+own distribution. Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import heads as heads_lib
+import model as model_lib
+import tree as tree_lib
+import verify as verify_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
+HEAD_KINDS = ("medusa", "hydra", "hydra++")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # what to say
+    p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
+    p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ..., \"id\": ...} per line, instead of --prompt")
+    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    # the model and the heads
+    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--heads", default="auto", help="none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
+    p.add_argument("--tree", default="auto", help="chain:N | cartesian:4,3,2 | a tree JSON file; auto = the tree saved with the heads, else a chain as deep as the heads")
+    # decoding
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "sample"],
+                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling); auto = greedy at T=0, else sample. At T=0 every verifier is greedy")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    # machine
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
+    # output
+    p.add_argument("--show", action="store_true", help="colour each token by where it came from (draft head k or the base model)")
+    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
+    return p
+
+
+# --- drafting ------------------------------------------------------------------------------------
+# Fill the tree with tokens: node (d, r) gets the r-th best token of head d. Hydra heads depend on
+# the tokens above them, so the tree is filled depth by depth, one batched head call per depth.
+
+@dataclass
+class DepthPlan:                 # what drafting needs at one depth d, computed once per tree
+    nodes: torch.Tensor          # (n,) node indices at depth d
+    rank: torch.Tensor           # (n,) rank of each node's token in its head's top-k
+    row: torch.Tensor            # (n,) which parent row each node hangs under
+    paths: torch.Tensor          # (P, d) node indices root..parent for each distinct parent
+    k: int                       # top-k needed at this depth
+
+
+def draft_plan(tree):
+    plan = []
+    for d, nodes in enumerate(tree.by_depth, start=1):
+        parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
+        paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)  # ancestors, in depth order
+        plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
+    return plan
+
+
+def draft(heads, h, root, plan, num_nodes):
+    """h (1, D) draft state, root = the last emitted token -> tokens (N,) for every tree node."""
+    tokens = torch.full((num_nodes,), root, dtype=torch.long, device=h.device)   # (N,)
+    for d, step in enumerate(plan, start=1):
+        z = heads.head(d, h, tokens[step.paths])                   # (P, D), or (1, D) for Medusa
+        top = heads.project(z, d).topk(step.k, dim=-1).indices      # (P|1, k)
+        top = heads.full_ids(top).expand(len(step.paths), -1)       # (P, k) base-vocabulary ids
+        tokens[step.nodes] = top[step.row, step.rank]
+    return tokens
+
+
+# --- the decode loop -----------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    tokens: list = field(default_factory=list)    # generated ids (EOS included if reached)
+    sources: list = field(default_factory=list)   # per token: 0 = the base model, d = draft head d
+    accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
+    steps: int = 0                                 # base forward passes, the prefill included
+    seconds: float = 0.0
+    stopped: str = ""                              # "eos" | "length"
+
+
+def choose_verifier(verify, temperature, top_p, generator):
+    """verify(logits (N, V), tokens (N,), tree) -> (accepted node indices, bonus token)."""
+    if temperature == 0 or verify == "greedy":
+        return verify_lib.greedy
+    if verify == "typical":
+        return lambda l, t, tr: verify_lib.typical(l, t, tr, temperature, top_p, generator=generator)
+    return lambda l, t, tr: verify_lib.speculative(l, t, tr, temperature, top_p, generator)
+
+
+@torch.inference_mode()
+def generate(model, prompt, max_new_tokens, heads=None, tree=None, verify="auto", temperature=0.0,
+             top_p=1.0, generator=None, eos_ids=(), on_tokens=None) -> Result:
+    """Decode up to max_new_tokens after `prompt` (list of ids). on_tokens(new_ids, sources) is
+    called as tokens are produced. With heads=None (or a root-only tree) this is plain decoding."""
+    dev = model.device
+    tree = tree if heads is not None and tree is not None else tree_lib.build([])
+    assert tree.max_depth <= (heads.cfg.num_heads if heads is not None else 0), "tree deeper than the heads"
+    assert len(prompt) + max_new_tokens <= model.cfg.max_seq_len, "prompt + max_new_tokens exceed the context"
+    mask, depth = tree.mask.to(dev), tree.depth.to(dev)
+    mask = mask if tree.num_nodes > 1 else None
+    plan = draft_plan(tree)
+    verifier = choose_verifier(verify, temperature, top_p, generator)
+    eos_ids = set(eos_ids)
+    out = Result()
+    t0 = time.perf_counter()
+
+    def emit(new, sources):  # append, stop at EOS or the length limit; True when done
+        new, sources = new[:max_new_tokens - len(out.tokens)], sources[:max_new_tokens - len(out.tokens)]
+        for i, t in enumerate(new):
+            if t in eos_ids:
+                new, sources, out.stopped = new[:i + 1], sources[:i + 1], "eos"
+                break
+        out.tokens += new
+        out.sources += sources
+        if on_tokens:
+            on_tokens(new, sources)
+        if not out.stopped and len(out.tokens) >= max_new_tokens:
+            out.stopped = "length"
+        return bool(out.stopped)
+
+    # prefill: the prompt in one forward; its last logits give the first token
+    cache = model.new_cache(len(prompt) + max_new_tokens + tree.num_nodes)
+    head_cache = heads.new_cache(len(prompt) + max_new_tokens + tree.num_nodes) if heads is not None else None
+    positions = torch.arange(len(prompt), device=dev)
+    logits, hidden = model(torch.tensor([prompt], device=dev), positions, None, cache, last_only=True)
+    cache.keep(range(len(prompt)))
+    if heads is not None:
+        h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
+    probs = verify_lib.logits_to_probs(logits[0, -1].float(), temperature, top_p)   # (V,)
+    root = int(verify_lib.sample(probs, generator)) if temperature > 0 else int(probs.argmax())
+    out.steps = 1
+    done = emit([root], [0])
+
+    while not done:
+        tokens = draft(heads, h, root, plan, tree.num_nodes) if heads is not None else torch.tensor([root], device=dev)
+        positions = cache.length + depth                                            # (N,)
+        logits, hidden = model(tokens[None], positions, mask, cache)                # (1, N, V), (1, N, D)
+        nodes, bonus = verifier(logits[0].float(), tokens, tree)
+        cache.keep(nodes)
+        out.steps += 1
+        out.accepted.append(len(nodes) - 1)
+        drafted = tokens[nodes[1:]].tolist()
+        done = emit(drafted + [int(bonus)], tree.depth[nodes[1:].cpu()].tolist() + [0])
+        if heads is not None and not done:
+            h = heads.context(hidden[:, nodes], positions[nodes], head_cache)[:, -1]  # (1, D)
+        root = int(bonus)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def acceptance_by_depth(accepted, max_depth):
+    """Fraction of speculative steps whose accepted path reached depth d, for d = 1..max_depth."""
+    steps = max(len(accepted), 1)
+    return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
+
+
+# --- setting up: device, dtype, heads, tree, prompts ---------------------------------------------
+
+class UsageError(Exception):
+    """Bad input from the command line or a file; the message names it and the fix."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(name):
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        return name
+    if name != "cpu":
+        raise UsageError(f"--device {name}: unknown device; use auto, cpu, cuda or cuda:N")
+    return name
+
+
+def pick_dtype(name, device):
+    if name == "auto":  # measured (README): bf16 is faster on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX)
+        if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return torch.float32
+        return torch.bfloat16
+    if name not in DTYPES:
+        raise UsageError(f"--dtype {name}: unknown dtype; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_heads(name, model):
+    """--heads: none, a shipped kind, or a folder. Returns (heads or None, their folder)."""
+    if name == "none":
+        return None, None
+    if name == "auto":
+        folder = os.path.join(SHIPPED, "hydra++")
+        if not os.path.isdir(folder):
+            return None, None
+        try:
+            return heads_lib.load(folder, model), folder
+        except heads_lib.HeadsError:
+            return None, None  # shipped heads belong to the default model; another model runs plain
+    if name in HEAD_KINDS:
+        folder = os.path.join(SHIPPED, name)
+        if not os.path.isdir(folder):
+            raise UsageError(f"--heads {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
+    elif os.path.isdir(name):
+        folder = name
+    else:
+        raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(HEAD_KINDS)}")
+    return heads_lib.load(folder, model), folder
+
+
+def load_tree(spec, heads, heads_folder):
+    """--tree: a spec, or auto = the tree saved next to the heads, else a chain as deep as the heads."""
+    if heads is None:
+        return None
+    if spec == "auto":
+        saved = os.path.join(heads_folder, "tree.json") if heads_folder else None
+        paths = tree_lib.load(saved) if saved and os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
+    else:
+        paths = tree_lib.parse(spec)
+    t = tree_lib.build(paths)
+    if t.max_depth > heads.cfg.num_heads:
+        raise UsageError(f"--tree {spec}: depth {t.max_depth} needs {t.max_depth} heads, the heads have {heads.cfg.num_heads}")
+    return t
+
+
+def read_prompts(path):
+    """JSONL with a "prompt" field (and optional "id"): [(id, prompt)], errors name the line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise UsageError(f"--prompts {path}: cannot read it ({e.strerror})")
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompts {path}: not valid UTF-8 text")
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"--prompts {path}, line {n}: not valid JSON")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UsageError(f"--prompts {path}, line {n}: needs a string field \"prompt\"")
+        prompts.append((obj.get("id", n), obj["prompt"]))
+    if not prompts:
+        raise UsageError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def encode(tokenizer, text, system=None, raw=False):
+    if not text.strip():
+        raise UsageError("the prompt is empty; pass some text with --prompt")
+    if raw or not tokenizer.chat_template:
+        return tokenizer(text).input_ids
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, head 1, 2, ...
+
+
+class Printer:
+    """Streams decoded text to stdout; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, show):
+        self.tok, self.show, self.ids, self.printed = tokenizer, show, [], ""
+
+    def __call__(self, new, sources):
+        for t, s in zip(new, sources):
+            self.ids.append(t)
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            piece, self.printed = text[len(self.printed):], text
+            if piece:
+                sys.stdout.write(COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0] if self.show else piece)
+        sys.stdout.flush()
+
+
+def stats_line(r: Result, max_depth):
+    n = len(r.tokens)
+    line = f"[{n} new tokens, {r.steps} steps, tau {n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
+    if max_depth:
+        line += ", accepted by depth " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth))
+    return line + "]"
+
+
+def main(args):
+    if args.prompt is None and args.prompts is None:
+        raise UsageError("give a --prompt \"...\" or a --prompts FILE.jsonl")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.verify == "greedy" and args.temperature > 0:
+        raise UsageError("--verify greedy decodes at temperature 0; drop --temperature or use --verify sample")
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    prompts = read_prompts(args.prompts) if args.prompts else [(0, args.prompt)]
+    torch.manual_seed(args.seed)
+    model, tokenizer = model_lib.load(args.model, device, dtype)
+    heads, heads_folder = load_heads(args.heads, model)
+    tree = load_tree(args.tree, heads, heads_folder)
+    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text in prompts]
+    for pid, ids in encoded:
+        room = model.cfg.max_seq_len - len(ids)
+        if room < 1:
+            raise UsageError(f"prompt {pid} has {len(ids)} tokens, more than the model's context of {model.cfg.max_seq_len}")
+        if args.max_new_tokens > room:
+            raise UsageError(f"--max-new-tokens {args.max_new_tokens}: prompt {pid} leaves room for only {room} tokens in the context")
+    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
+          f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
+    writer = open(args.out, "w", encoding="utf-8") if args.out else None
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    printer = None
+    try:
+        for pid, ids in encoded:
+            printer = None if args.quiet else Printer(tokenizer, args.show)
+            r = generate(model, ids, args.max_new_tokens, heads, tree, args.verify, args.temperature,
+                         args.top_p, generator, eos, printer)
+            if printer:
+                print()
+            print(stats_line(r, tree.max_depth if tree else 0), file=sys.stderr)
+            if writer:
+                writer.write(json.dumps({"id": pid, "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                                         "token_ids": r.tokens, "new_tokens": len(r.tokens), "steps": r.steps,
+                                         "seconds": round(r.seconds, 4)}) + "\n")
+                writer.flush()
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if writer:
+            writer.close()
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
+    try:
+        main(args)
+    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

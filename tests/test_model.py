@@ -1,0 +1,129 @@
+"""model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep()."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import model as model_lib
+import tree as tree_lib
+from conftest import tiny_config
+
+
+def hf_twin(cfg, rope_scaling=None, tie=False):
+    """A random HF Llama and our Transformer holding the same weights."""
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         intermediate_size=cfg.hidden_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
+                         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie)
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    ours_cfg = model_lib.Config.from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
+    ours = model_lib.Transformer(ours_cfg).eval()
+    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    ours.load_state_dict(state, strict=not tie)
+    return hf, ours
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("tie", [False, True])
+def test_parity_tiny(rope_scaling, tie):
+    hf, ours = hf_twin(tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie)
+    tokens = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        logits, hidden = ours(tokens, torch.arange(40))
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    assert hidden.shape == (2, 40, 32)
+
+
+def test_parity_default_model(default_model):
+    model, tok = default_model
+    hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
+    tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Germany is")])
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        logits, _ = model(tokens, torch.arange(tokens.shape[1]))
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_tree_forward_equals_sequential(tiny):
+    """Logits at every tree node equal those of running its root-to-node path after the prefix."""
+    torch.manual_seed(1)
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
+    prefix = torch.randint(0, 64, (1, 7))
+    tokens = torch.randint(0, 64, (tree.num_nodes,))
+    cache = tiny.new_cache(64)
+    tiny(prefix, torch.arange(7), None, cache)
+    cache.keep(range(7))
+    logits, _ = tiny(tokens[None], 7 + tree.depth, tree.mask, cache)
+    for node in range(tree.num_nodes):
+        path = tree.mask[node].nonzero()[:, 0]                   # ancestors root..node
+        seq = torch.cat([prefix[0], tokens[path]])[None]
+        ref, _ = tiny(seq, torch.arange(seq.shape[1]))
+        torch.testing.assert_close(logits[0, node], ref[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_keep_accepted_path(tiny):
+    """After keeping a tree path, the next forward equals one over a cache built from scratch."""
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    torch.manual_seed(2)
+    prefix = torch.randint(0, 64, (1, 5))
+    tokens = torch.randint(0, 64, (tree.num_nodes,))
+    cache = tiny.new_cache(64)
+    tiny(prefix, torch.arange(5), None, cache)
+    cache.keep(range(5))
+    tiny(tokens[None], 5 + tree.depth, tree.mask, cache)
+    path = torch.tensor([0, 2, 5])                               # root -> (1,) -> (1, 0)
+    assert tree.parent[5] == 2 and tree.parent[2] == 0
+    cache.keep(path)
+    nxt = torch.tensor([[7, 9]])
+    logits, _ = tiny(nxt, torch.arange(8, 10), None, cache)
+    seq = torch.cat([prefix[0], tokens[path], nxt[0]])[None]
+    fresh = tiny.new_cache(64)
+    ref, _ = tiny(seq, torch.arange(seq.shape[1]), None, fresh)
+    torch.testing.assert_close(logits[0], ref[0, -2:], atol=1e-5, rtol=1e-5)
+    assert cache.length == 8
+
+
+def test_key_mask_padding_equals_unpadded(tiny):
+    """Left padding hidden by key_mask changes nothing for the real tokens."""
+    torch.manual_seed(3)
+    seq = torch.randint(0, 64, (1, 6))
+    ref, _ = tiny(seq, torch.arange(6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), seq], dim=1)
+    key_mask = torch.tensor([[False] * 3 + [True] * 6])
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5]])
+    logits, _ = tiny(padded, positions, None, tiny.new_cache(16), key_mask=key_mask)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[:, 3:], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_corrupted_cache_is_rebuilt(tmp_path, monkeypatch):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"hello")
+    digest = model_lib._sha256(folder / "a.bin")
+    (folder / "manifest.json").write_text(json.dumps({"a.bin": [5, digest]}))
+    assert model_lib.cache_is_valid(str(folder))
+    (folder / "a.bin").write_bytes(b"hellO")                      # same size, other bytes
+    assert not model_lib.cache_is_valid(str(folder))
+    (folder / "a.bin").write_bytes(b"hell")                       # truncated
+    assert not model_lib.cache_is_valid(str(folder))
+    (folder / "manifest.json").unlink()                           # conversion died before the manifest
+    assert not model_lib.cache_is_valid(str(folder))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(model_lib.LoadError, match="not supported.*llama"):
+        model_lib.load(str(tmp_path))
+
+
+def test_missing_model():
+    with pytest.raises(model_lib.LoadError, match="not a folder nor a hub id"):
+        model_lib.load("/no/such/folder")

@@ -1,0 +1,177 @@
+"""Verification: which drafted tokens the base model keeps, and the one token it adds.
+
+One decoding step runs the base model over every tree node at once. Row i of its logits predicts
+the token after node i, so a drafted node is checked against the logits at its parent. Every
+verifier returns (nodes, bonus): the accepted node indices along one root-to-node path, starting
+with the root 0, and the base model's own next token after the last of them. The step emits
+tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries of `nodes`.
+
+    logits_to_probs(logits, temperature, top_p) -> probs      the one sampling primitive
+    sample(probs, generator) -> token ids
+    greedy(logits, tokens, tree)                               lossless at temperature 0
+    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance, lossy
+    speculative(logits, tokens, tree, temperature, top_p, generator)   lossless sampling on a tree
+
+Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
+formula node by node, speculative sampling against the exact two-token joint distribution).
+Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tree import Tree
+
+# --- sampling -----------------------------------------------------------------------------------
+# Plain decoding, drafting and verification all turn logits into probabilities here.
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax over the last dim at `temperature`, restricted to the top-p nucleus; float32.
+
+    temperature 0 means greedy: a one-hot at the argmax. top-p keeps the smallest set of most
+    likely tokens whose mass reaches top_p (always at least the top token) and renormalises.
+    """
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()           # (..., V)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)                # (..., V)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)              # (..., V)
+        mass_above = sorted_probs.cumsum(-1) - sorted_probs                    # (..., V) mass ranked above
+        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)      # (..., V) nucleus full
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)       # (..., V)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of probs: (V,) -> (), (B, V) -> (B,)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# --- choosing a path ----------------------------------------------------------------------------
+# Per-node verdicts become the accepted prefix of every root-to-leaf row of tree.retrieve.
+
+
+def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
+    n = tree.num_nodes
+    assert logits.dim() == 2 and logits.shape[0] == n, f"logits must be (N={n}, V), not {tuple(logits.shape)}"
+    assert tokens.shape == (n,), f"tokens must be (N={n},), got {tuple(tokens.shape)}"
+
+
+def _accepted_prefixes(ok: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each leaf row: how many leading nodes (root included) are accepted, and the last one."""
+    rows = tree.retrieve.to(ok.device)                                         # (L, D) padded with -1
+    ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)                              # (L, D)
+    length = ok_rows.long().cumprod(-1).sum(-1)                                # (L,) >= 1: root is ok
+    last = rows.gather(1, (length - 1)[:, None]).squeeze(1)                    # (L,)
+    return length, last
+
+
+def _path_to(node: int, tree: Tree, device: torch.device) -> torch.Tensor:
+    """Node indices from the root down to `node`, as a 1-D long tensor."""
+    nodes = [node]
+    while nodes[-1] != 0:
+        nodes.append(int(tree.parent[nodes[-1]]))
+    return torch.tensor(nodes[::-1], dtype=torch.long, device=device)
+
+
+# --- greedy -------------------------------------------------------------------------------------
+# A node is accepted iff its token is the argmax at its parent and its parent is accepted. The
+# output is token-identical to plain greedy decoding with the base model.
+
+
+def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, int]:
+    """Longest accepted path (ties: lowest last-node index); bonus = argmax after it."""
+    _check_shapes(logits, tokens, tree)
+    n = tree.num_nodes
+    best = logits.argmax(-1)                                                   # (N,)
+    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
+    ok[1:] = tokens[1:] == best[tree.parent[1:].to(tokens.device)]             # (N-1,)
+    length, last = _accepted_prefixes(ok, tree)                                # (L,), (L,)
+    score = length * n - last                           # (L,) longest first, then lowest end index
+    end = int(last[score.argmax()])
+    return _path_to(end, tree, tokens.device), int(best[end])
+
+
+# --- typical acceptance -------------------------------------------------------------------------
+# Medusa/Hydra's lossy rule: accept token x at parent distribution p iff
+# p(x) > min(eps, alpha * exp(-H(p))), so uncertain (high-entropy) positions accept more.
+
+
+def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float,
+            top_p: float, eps: float = 0.09, alpha: float = 0.3,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+    """Longest accepted path (ties: highest sum of log p); bonus ~ logits_to_probs at its end.
+
+    p = softmax(logits / temperature) without top-p; top_p only shapes the bonus. Temperature must
+    be > 0: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule becomes
+    greedy, so at exactly 0 use greedy() instead (the division by 0 is not defined).
+    """
+    if temperature <= 0:
+        raise ValueError(f"typical acceptance needs temperature > 0, got {temperature}; use greedy at 0")
+    _check_shapes(logits, tokens, tree)
+    n = tree.num_nodes
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)             # (N, V)
+    entropy = torch.special.entr(logp.exp()).sum(-1)                           # (N,) -sum p log p
+    threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)                   # (N,)
+    parent = tree.parent[1:].to(tokens.device)                                 # (N-1,)
+    token_logp = torch.zeros(n, device=tokens.device)                          # (N,) log p at the parent
+    token_logp[1:] = logp[parent, tokens[1:]]
+    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
+    ok[1:] = token_logp[1:].exp() > threshold[parent]
+    length, last = _accepted_prefixes(ok, tree)                                # (L,), (L,)
+    rows = tree.retrieve.to(tokens.device)                                     # (L, D)
+    kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]   # (L, D)
+    total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)     # (L,)
+    total = total.masked_fill(length < length.max(), -torch.inf)               # only the longest compete
+    end = int(last[total.argmax()])
+    bonus = sample(logits_to_probs(logits[end], temperature, top_p), generator)
+    return _path_to(end, tree, tokens.device), int(bonus)
+
+
+# --- speculative sampling -----------------------------------------------------------------------
+# Lossless sampling on a tree whose children are deterministic top-k picks (SpecInfer's rule):
+# the emitted tokens are distributed exactly as if the base model had sampled them one by one.
+
+
+def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float,
+                top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    """Walk down from the root; at each node try its children in rank order; bonus ~ final residual.
+
+    With q' the residual at the current node (q' = q = the node's probs on arrival), child c is
+    accepted with probability q'(c); on rejection q'(c) is set to 0 and q' renormalised before the
+    next child; when no child is accepted the bonus is drawn from q'. Why it is lossless: the first
+    child c is emitted with probability q'(c), and any other token t only after c is rejected
+    (probability 1 - q'(c)), then from the renormalised residual q'(t) / (1 - q'(c)); the product is
+    q'(t) again, so by induction over the children every token is emitted with probability q(t).
+    """
+    _check_shapes(logits, tokens, tree)
+    probs = logits_to_probs(logits, temperature, top_p)                        # (N, V) one batched call
+    token = tokens.tolist()
+    nodes, residual = [0], probs[0].clone()                                    # (V,)
+    while True:
+        accepted = None
+        for c in tree.children[nodes[-1]]:
+            u = torch.rand((), device=probs.device, generator=generator)
+            if u < residual[token[c]]:  # a token already zeroed (a duplicate sibling) is rejected here
+                accepted = c
+                break
+            residual[token[c]] = 0.0
+            mass = residual.sum()
+            if mass <= 0:  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+                residual = probs[nodes[-1]].clone()
+                break
+            residual /= mass
+        if accepted is None:
+            break
+        nodes.append(accepted)
+        residual = probs[accepted].clone()
+    bonus = sample(residual, generator)
+    return torch.tensor(nodes, dtype=torch.long, device=tokens.device), int(bonus)
