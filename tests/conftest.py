@@ -4,7 +4,7 @@ import torch
 
 import model as model_lib
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
 
 
 def tiny_config(**kw):

@@ -1,0 +1,168 @@
+"""generate.py's contracts: greedy speculative output equals plain greedy output whatever the heads;
+speculative sampling samples from the base model's own distribution; plain decoding matches
+transformers' generate(); EOS and --max-new-tokens are respected."""
+import collections
+import itertools
+
+import pytest
+import torch
+
+import generate as G
+import heads as heads_lib
+import model as model_lib
+import tree as tree_lib
+from conftest import tiny_config
+
+TREES = ["chain:3", "cartesian:3,2,2", "chain:1"]
+
+
+def random_heads(base, kind, k=3, scale=0.5, seed=0):
+    """Untrained heads with their zero-initialised weights perturbed, so that they draft junk."""
+    torch.manual_seed(seed)
+    h = heads_lib.build(heads_lib.HeadsConfig(kind=kind, num_heads=k), base)
+    with torch.no_grad():
+        for p in h.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5)
+    return h.eval()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A tiny model with a 12-token vocabulary, so random drafts are often accepted."""
+    torch.manual_seed(0)
+    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", heads_lib.KINDS)
+@pytest.mark.parametrize("spec", TREES)
+def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
+    heads = random_heads(small, kind)
+    tree = tree_lib.build(tree_lib.parse(spec))
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = G.generate(small, prompt, 40)
+        spec_r = G.generate(small, prompt, 40, heads, tree)
+        assert spec_r.tokens == plain.tokens
+        assert spec_r.steps <= plain.steps
+        accepted += sum(spec_r.accepted)
+    if spec.startswith("cartesian"):  # random heads on a chain may never be right; a bushy tree is
+        assert accepted > 0, "no draft was ever accepted: the test would not exercise the tree path"
+
+
+@pytest.mark.parametrize("kind", heads_lib.KINDS)
+def test_greedy_speculative_equals_plain_default_model(default_model, kind):
+    model, tok = default_model
+    prompt = G.encode(tok, "List three fruits and say one thing about each.")
+    plain = G.generate(model, prompt, 24)
+    heads = random_heads(model, kind, k=3, scale=0.05)
+    for spec in ["chain:3", "cartesian:2,2,1"]:
+        r = G.generate(model, prompt, 24, heads, tree_lib.build(tree_lib.parse(spec)))
+        assert r.tokens == plain.tokens, (kind, spec)
+
+
+def test_plain_greedy_equals_transformers_generate(default_model):
+    from transformers import LlamaForCausalLM
+    model, tok = default_model
+    hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
+    for text in ["What is the capital of France?", "Write a short poem about rain."]:
+        prompt = G.encode(tok, text)
+        ours = G.generate(model, prompt, 20, eos_ids={tok.eos_token_id})
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.eos_token_id)
+        assert ours.tokens == ref[0, len(prompt):].tolist()
+
+
+def test_max_new_tokens_and_eos_exact(small):
+    heads = random_heads(small, "hydra")
+    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
+    prompt = [1, 2, 3, 4]
+    for n in [1, 2, 5, 17]:
+        assert len(G.generate(small, prompt, n, heads, tree).tokens) == n
+    full = G.generate(small, prompt, 40).tokens
+    eos = full[10]                                  # pretend the 11th token is EOS
+    first = full.index(eos)
+    r = G.generate(small, prompt, 40, heads, tree, eos_ids={eos})
+    assert r.tokens == full[:first + 1] and r.stopped == "eos"
+
+
+def test_plain_decoding_has_tau_one(small):
+    r = G.generate(small, [1, 2, 3], 12)
+    assert r.steps == len(r.tokens) == 12 and r.accepted == [0] * 11
+
+
+# --- speculative sampling is lossless ------------------------------------------------------------
+
+def exact_joint(model, prompt, n, temperature):
+    """P(first n tokens) under plain sampling from the model, by enumeration."""
+    V = model.cfg.vocab_size
+    joint = {}
+    for seq in itertools.product(range(V), repeat=n):
+        p = 1.0
+        for i in range(n):
+            ids = torch.tensor([prompt + list(seq[:i])])
+            logits, _ = model(ids, torch.arange(ids.shape[1]))
+            p *= torch.softmax(logits[0, -1].double() / temperature, -1)[seq[i]].item()
+        joint[seq] = p
+    return joint
+
+
+def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
+    ref = exact_joint(model, prompt, 3, temperature)
+    g = torch.Generator().manual_seed(0)
+    counts = collections.Counter(
+        tuple(G.generate(model, prompt, 3, heads, tree, verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
+    return sum((counts[s] - n_samples * p) ** 2 / (n_samples * p) for s, p in ref.items() if n_samples * p > 0)
+
+
+def test_speculative_sampling_matches_base_distribution():
+    """The first three tokens of speculative sampling on a tree (Hydra heads that draft the
+    likeliest tokens) follow the base model's own joint distribution: chi-square with 63 degrees of
+    freedom stays below its 99.9% quantile (103); with the rejected token kept in the residual the
+    same check fails by far."""
+    torch.manual_seed(0)
+    model = model_lib.Transformer(tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)).eval()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # peakier distributions: drafts get accepted and rejected
+    heads = random_heads(model, "hydra", k=2, scale=0.1)
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    assert chi_square(model, heads, tree, "sample", 3000, [1, 2]) < 103
+
+
+def test_broken_residual_rule_is_caught(monkeypatch):
+    import verify
+
+    def broken(logits, tokens, tree, temperature, top_p, generator):  # never removes rejected tokens
+        q = verify.logits_to_probs(logits, temperature, top_p)
+        node = 0
+        while True:
+            for c in tree.children[node]:
+                if torch.rand((), generator=generator) < q[node, tokens[c]]:
+                    node = c
+                    break
+            else:
+                path = tree.mask[node].nonzero()[:, 0]
+                return path, int(verify.sample(q[node], generator))
+
+    torch.manual_seed(0)
+    model = model_lib.Transformer(tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)).eval()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    heads = random_heads(model, "hydra", k=2, scale=0.1)
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    monkeypatch.setattr(verify, "speculative", broken)
+    assert chi_square(model, heads, tree, "sample", 3000, [1, 2]) > 103
+
+
+def test_same_seed_same_output(small):
+    heads = random_heads(small, "hydra++")
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    runs = [G.generate(small, [1, 2, 3], 30, heads, tree, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    plain = [G.generate(small, [1, 2, 3], 30, None, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
+             for _ in range(2)]
+    assert plain[0] == plain[1]
