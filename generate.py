@@ -17,11 +17,16 @@ Plain decoding is the same loop with no heads: the tree is only its root.
 
 Contracts (tested in tests/test_generate.py): greedy speculative output is token-identical to
 plain greedy decoding, whatever the heads; speculative sampling samples from the base model's
-own distribution. Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
+own distribution. The command line (tests/test_cli.py, tests/test_reliability.py): bad input ends
+with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback; Ctrl-C keeps the
+text so far and exits 130; the same --seed gives the same output.
+Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
 """
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,9 +43,18 @@ SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads traine
 HEAD_KINDS = ("medusa", "hydra", "hydra++")
 
 
+class UsageError(Exception):
+    """Bad input from the command line or a file; the message names it and the fix."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage + message and exit; we want one line
+        raise UsageError(f"{message} (see --help)")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0].strip(),
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # what to say
     p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
     p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ..., \"id\": ...} per line, instead of --prompt")
@@ -50,14 +64,15 @@ def build_parser():
     # the model and the heads
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--heads", default="auto", help="none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
-    p.add_argument("--tree", default="auto", help="chain:N | cartesian:4,3,2 | a tree JSON file; auto = the tree saved with the heads, else a chain as deep as the heads")
+    p.add_argument("--tree", default="auto", help="chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads, else a chain as deep as the heads")
     # decoding
-    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else sample at this temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "sample"],
-                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling); auto = greedy at T=0, else sample. At T=0 every verifier is greedy")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling); auto = greedy at T=0, else sample. "
+                        "At --temperature 0, sample and typical reduce to greedy and give exactly its output")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
@@ -129,7 +144,9 @@ def generate(model, prompt, max_new_tokens, heads=None, tree=None, verify="auto"
     dev = model.device
     tree = tree if heads is not None and tree is not None else tree_lib.build([])
     assert tree.max_depth <= (heads.cfg.num_heads if heads is not None else 0), "tree deeper than the heads"
-    assert len(prompt) + max_new_tokens <= model.cfg.max_seq_len, "prompt + max_new_tokens exceed the context"
+    if not prompt or len(prompt) + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
+                         f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}")
     mask, depth = tree.mask.to(dev), tree.depth.to(dev)
     mask = mask if tree.num_nodes > 1 else None
     plan = draft_plan(tree)
@@ -189,10 +206,8 @@ def acceptance_by_depth(accepted, max_depth):
 
 
 # --- setting up: device, dtype, heads, tree, prompts ---------------------------------------------
-
-class UsageError(Exception):
-    """Bad input from the command line or a file; the message names it and the fix."""
-
+# Bad input is caught here, where it enters, and named with its fix. main() runs every check that
+# needs no model before loading one: a typo costs a second, not a model load.
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -200,12 +215,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def pick_device(name):
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if name == "cpu":
         return name
-    if name != "cpu":
+    if not re.fullmatch(r"cuda(:[0-9]+)?", name):
         raise UsageError(f"--device {name}: unknown device; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if int(name.partition(":")[2] or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return name
 
 
@@ -219,66 +237,90 @@ def pick_dtype(name, device):
     return DTYPES[name]
 
 
-def load_heads(name, model):
-    """--heads: none, a shipped kind, or a folder. Returns (heads or None, their folder)."""
+def find_heads(name):
+    """--heads -> the folder to load heads from, or None (plain decoding). Loads nothing."""
     if name == "none":
-        return None, None
+        return None
     if name == "auto":
         folder = os.path.join(SHIPPED, "hydra++")
-        if not os.path.isdir(folder):
-            return None, None
-        try:
-            return heads_lib.load(folder, model), folder
-        except heads_lib.HeadsError:
-            return None, None  # shipped heads belong to the default model; another model runs plain
+        return folder if os.path.isdir(folder) else None
     if name in HEAD_KINDS:
         folder = os.path.join(SHIPPED, name)
         if not os.path.isdir(folder):
             raise UsageError(f"--heads {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
-    elif os.path.isdir(name):
-        folder = name
-    else:
-        raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(HEAD_KINDS)}")
-    return heads_lib.load(folder, model), folder
+        return folder
+    if os.path.isdir(name):
+        return name
+    raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(HEAD_KINDS)}")
+
+
+def load_heads(name, model):
+    """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder)."""
+    folder = find_heads(name)
+    if folder is None:
+        return None, None
+    try:
+        return heads_lib.load(folder, model), folder
+    except heads_lib.HeadsError as e:
+        if name == "auto":
+            return None, None  # shipped heads belong to the default model; another model runs plain
+        raise UsageError(f"--heads {name}: {e}") from None
+
+
+def parse_tree(spec):
+    """--tree spec -> paths (tree.parse: data only, nothing in it is ever evaluated)."""
+    try:
+        return tree_lib.parse(spec)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--tree: {e}") from None
 
 
 def load_tree(spec, heads, heads_folder):
     """--tree: a spec, or auto = the tree saved next to the heads, else a chain as deep as the heads."""
     if heads is None:
         return None
-    if spec == "auto":
-        saved = os.path.join(heads_folder, "tree.json") if heads_folder else None
-        paths = tree_lib.load(saved) if saved and os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
+    saved = os.path.join(heads_folder, "tree.json") if heads_folder else None
+    if spec != "auto":
+        paths = parse_tree(spec)
+    elif saved and os.path.exists(saved):
+        paths, spec = parse_tree(saved), saved
     else:
-        paths = tree_lib.parse(spec)
+        paths = tree_lib.chain(heads.cfg.num_heads)
     t = tree_lib.build(paths)
     if t.max_depth > heads.cfg.num_heads:
-        raise UsageError(f"--tree {spec}: depth {t.max_depth} needs {t.max_depth} heads, the heads have {heads.cfg.num_heads}")
+        raise UsageError(f"--tree {spec}: depth {t.max_depth} needs {t.max_depth} heads, the heads have "
+                         f"{heads.cfg.num_heads}; use a tree at most {heads.cfg.num_heads} deep")
+    vocab = heads.cfg.kept_tokens or heads.cfg.vocab_size
+    if t.num_nodes > 1 and int(t.rank.max()) >= vocab:
+        raise UsageError(f"--tree {spec}: rank {int(t.rank.max())} asks a head for its top-{int(t.rank.max()) + 1} "
+                         f"tokens, the heads predict {vocab}; use smaller ranks")
     return t
 
 
 def read_prompts(path):
     """JSONL with a "prompt" field (and optional "id"): [(id, prompt)], errors name the line."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of line 1
             lines = f.read().splitlines()
     except OSError as e:
         raise UsageError(f"--prompts {path}: cannot read it ({e.strerror})")
-    except UnicodeDecodeError:
-        raise UsageError(f"--prompts {path}: not valid UTF-8 text")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompts {path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8")
     prompts = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"--prompts {path}, line {n}: not valid JSON")
+        except (json.JSONDecodeError, RecursionError):
+            raise UsageError(f"--prompts {path}, line {n}: not valid JSON; write one {{\"prompt\": \"...\"}} object per line")
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UsageError(f"--prompts {path}, line {n}: needs a string field \"prompt\"")
+            raise UsageError(f"--prompts {path}, line {n}: needs a string field \"prompt\", as in {{\"prompt\": \"...\"}}")
+        if not obj["prompt"].strip():
+            raise UsageError(f"--prompts {path}, line {n}: the prompt is empty; give it some text or drop the line")
         prompts.append((obj.get("id", n), obj["prompt"]))
     if not prompts:
-        raise UsageError(f"--prompts {path}: no prompts in the file")
+        raise UsageError(f"--prompts {path}: no prompts in the file; write one {{\"prompt\": \"...\"}} object per line")
     return prompts
 
 
@@ -324,36 +366,57 @@ def stats_line(r: Result, max_depth):
 
 
 def main(args):
+    # checks that need no model
     if args.prompt is None and args.prompts is None:
         raise UsageError("give a --prompt \"...\" or a --prompts FILE.jsonl")
+    if args.prompt is not None and args.prompts is not None:
+        raise UsageError("give either --prompt or --prompts, not both")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("the prompt is empty; pass some text with --prompt")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.verify == "greedy" and args.temperature > 0:
         raise UsageError("--verify greedy decodes at temperature 0; drop --temperature or use --verify sample")
+    if not 0 <= args.seed < 2 ** 63:
+        raise UsageError(f"--seed {args.seed}: must be in [0, 2**63)")
+    if args.heads == "none" and args.tree != "auto":
+        raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        raise UsageError(f"--out {args.out}: not a file in an existing folder; give a path such as replies.jsonl")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     prompts = read_prompts(args.prompts) if args.prompts else [(0, args.prompt)]
+    if args.tree != "auto":
+        parse_tree(args.tree)  # checked now, built once the heads are loaded
+    find_heads(args.heads)
+
+    # the model, then what depends on it
     torch.manual_seed(args.seed)
     model, tokenizer = model_lib.load(args.model, device, dtype)
     heads, heads_folder = load_heads(args.heads, model)
     tree = load_tree(args.tree, heads, heads_folder)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text in prompts]
+    context = model.cfg.max_seq_len
     for pid, ids in encoded:
-        room = model.cfg.max_seq_len - len(ids)
+        which = "the prompt" if args.prompts is None else f"prompt {pid}"
+        room = context - len(ids)
         if room < 1:
-            raise UsageError(f"prompt {pid} has {len(ids)} tokens, more than the model's context of {model.cfg.max_seq_len}")
+            raise UsageError(f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and reply together); shorten it")
         if args.max_new_tokens > room:
-            raise UsageError(f"--max-new-tokens {args.max_new_tokens}: prompt {pid} leaves room for only {room} tokens in the context")
+            raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {which} ({len(ids)} tokens) leaves room for "
+                             f"{room} in the model's context of {context}; ask for at most {room}")
+    try:
+        writer = open(args.out, "w", encoding="utf-8") if args.out else None
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot write it ({e.strerror})") from None
     print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
           f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
-    writer = open(args.out, "w", encoding="utf-8") if args.out else None
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    printer = None
     try:
         for pid, ids in encoded:
             printer = None if args.quiet else Printer(tokenizer, args.show)
@@ -367,18 +430,29 @@ def main(args):
                                          "token_ids": r.tokens, "new_tokens": len(r.tokens), "steps": r.steps,
                                          "seconds": round(r.seconds, 4)}) + "\n")
                 writer.flush()
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        sys.exit(130)
     finally:
         if writer:
             writer.close()
 
 
-if __name__ == "__main__":
-    args = build_parser().parse_args()
+def cli(argv=None) -> int:
+    """The command line. Bad input: one line on stderr naming it and the fix, exit code 2. Ctrl-C:
+    the text so far is already on stdout; a notice, exit code 130. No traceback for either."""
     try:
-        main(args)
-    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        main(build_parser().parse_args(argv))
+        return 0
+    except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\n[interrupted by Ctrl-C; the text above is what was generated so far]", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
+    sys.exit(cli())

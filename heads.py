@@ -234,7 +234,8 @@ def _check_base(cfg: HeadsConfig, base) -> None:
     have = {"dim": cfg.dim, "vocab_size": cfg.vocab_size, "LM head fingerprint": cfg.base_fingerprint}
     diff = [f"{k} {have[k]} != {want[k]}" for k in want if have[k] != want[k]]
     if diff:
-        raise HeadsError(f"heads were trained for {cfg.base_name}, not {base.cfg.name} ({', '.join(diff)})")
+        raise HeadsError(f"heads were trained for {cfg.base_name}, not {base.cfg.name} ({', '.join(diff)}); "
+                         "use them with that model, or train heads for this one with train.py")
 
 
 def _check_kept(kept_ids, cfg: HeadsConfig, vocab_size: int):

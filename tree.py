@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_NODES = 1024  # root included; the (N, N) mask and one forward over N tokens must stay small
+MAX_RANK = 2 ** 31  # a rank is a top-k index, below any vocabulary size (generate.py checks the heads')
 
 Path = tuple[int, ...]
 
@@ -81,11 +82,13 @@ def _validate(paths) -> list[Path]:
             raise ValueError("tree path () is empty; the root is implicit and must not be listed")
         if any(r < 0 for r in p):
             raise ValueError(f"tree path {p} has a negative rank")
+        if any(r >= MAX_RANK for r in p):
+            raise ValueError(f"tree path {p} has a rank >= {MAX_RANK}; ranks index a head's top-k tokens")
         if p in seen:
             raise ValueError(f"tree path {p} appears twice")
         seen.add(p)
     if len(seen) + 1 > MAX_NODES:
-        raise ValueError(f"tree has {len(seen) + 1} nodes (root included), over MAX_NODES={MAX_NODES}")
+        raise ValueError(f"tree has {len(seen) + 1} nodes (root included), over MAX_NODES={MAX_NODES}; use a smaller tree")
     ordered = sorted(seen, key=lambda p: (len(p), p))
     for p in ordered:
         if len(p) > 1 and p[:-1] not in seen:
@@ -140,7 +143,7 @@ def cartesian(topk: list[int]) -> list[Path]:
         raise ValueError(f"cartesian top-k values must be ints >= 1, got {topk!r}")
     sizes = list(itertools.accumulate(topk, lambda a, b: a * b))
     if 1 + sum(sizes) > MAX_NODES:
-        raise ValueError(f"cartesian({list(topk)}) has {1 + sum(sizes)} nodes, over MAX_NODES={MAX_NODES}")
+        raise ValueError(f"cartesian({list(topk)}) has {1 + sum(sizes)} nodes, over MAX_NODES={MAX_NODES}; use smaller top-k values")
     return [p for d in range(1, len(topk) + 1) for p in itertools.product(*(range(k) for k in topk[:d]))]
 
 
@@ -204,11 +207,18 @@ def save(paths, file) -> None:
 
 
 def load(file) -> list[Path]:
-    with open(file) as f:
-        data = json.load(f)  # malformed JSON raises json.JSONDecodeError, a ValueError
+    """Paths from a file written by save(); every error is a ValueError that names the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, RecursionError) as e:  # malformed JSON, not UTF-8, nested too deep
+        raise ValueError(f"{file}: not a JSON tree file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
         raise ValueError(f'{file}: expected a JSON object {{"paths": [[0], [0, 1], ...]}}')
-    return build(data["paths"]).paths
+    try:
+        return build(data["paths"]).paths
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def parse(spec: str) -> list[Path]:
@@ -220,7 +230,7 @@ def parse(spec: str) -> list[Path]:
         return cartesian([int(k) for k in m[1].split(",")])
     if os.path.isfile(spec):
         return load(spec)
-    raise ValueError(f"--tree {spec!r}: expected 'chain:N', 'cartesian:K1,K2,...' (or 'K1,K2,...'), "
+    raise ValueError(f"{spec!r} is not a tree: expected 'chain:N', 'cartesian:K1,K2,...' (or 'K1,K2,...'), "
                      "or the path of an existing JSON tree file")
 
 

@@ -1,0 +1,446 @@
+"""
+Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted) and draft heads
+(Medusa, Hydra, Hydra++), side by side on the same prompts, in the same run, on this machine.
+
+    python bench.py                                          # every available method, eval/prompts.jsonl
+    python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
+    python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
+    python bench.py --draft-model some/small-llama ...               # adds transformers assisted generation
+    python bench.py --tune-tree --heads hydra++              # pick the tree size for this machine -> tree.json
+
+Every method decodes through generate.generate() (plain, medusa, hydra, hydra++ and the sampling
+variants) or transformers' generate() (hf, pld, assisted); nothing here is a decode loop.
+Honest timing: one warm-up generation per method; the device is synchronised around every timed
+region; repeats are interleaved (each repeat runs every prompt, and every method on it in an order
+rotated per prompt) so machine noise hits all methods alike; the median over repeats per prompt.
+tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain decoding's in this run;
+tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
+
+--tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
+of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
+step (a forward of the tree after a cached prefix) and one draft on this machine, and save the tree
+that maximises expected tau / (step + draft time) as tree.json next to the heads.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import generate
+import heads as heads_lib
+import model as model_lib
+import tree as tree_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # what to run
+    p.add_argument("--prompts", default=os.path.join(HERE, "eval", "prompts.jsonl"), help="JSONL with \"prompt\" (and \"id\", \"category\") per line")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--methods", default="all", help=f"comma list of {', '.join(METHODS)}; all = every available one (plain always runs: it is the baseline)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of every (prompt, method); the median counts")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of hydra++-typical and hydra++-sample")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
+    # the model and the heads
+    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--heads-dir", default=generate.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
+    p.add_argument("--draft-model", default=None, help="a small model sharing the tokenizer: enables the 'assisted' method")
+    # machine
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
+    # output
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plots", default=None, help="write PNG plots to this folder (needs matplotlib)")
+    # tree tuning
+    p.add_argument("--tune-tree", action="store_true", help="choose the tree size for this machine instead of benchmarking (see --heads)")
+    p.add_argument("--heads", default="hydra++", help="with --tune-tree: medusa | hydra | hydra++ (in --heads-dir) or a heads folder with eval.json")
+    p.add_argument("--max-budget", type=int, default=64, help="with --tune-tree: try trees of 1..N non-root nodes")
+    p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
+    p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree: timed runs per tree size; the median counts")
+    return p
+
+
+# --- the machine ----------------------------------------------------------------------------------
+# Printed next to every table and saved in the JSON: numbers mean nothing without it.
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def hardware(device):
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown CPU"
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def machine(device, dtype, **extra):
+    return {"hardware": hardware(device), "device": str(device), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), **extra}
+
+
+def machine_line(m):
+    return "_" + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in m.items()) + "_"
+
+
+# --- methods --------------------------------------------------------------------------------------
+# A method is run(ids, max_new, seed) -> (new token ids, base forward passes or None, accepted per
+# step or None). Ours wrap generate.generate(); transformers' count the base model's forward calls.
+
+@dataclass
+class Method:
+    name: str
+    run: Callable
+    greedy: bool    # its output must equal plain decoding's
+    depth: int = 0  # tree depth, for acceptance by depth (0: none)
+
+
+def ours(model, heads, tree, verify, temperature, eos):
+    def run(ids, max_new, seed):
+        g = torch.Generator(device=model.device).manual_seed(seed)
+        r = generate.generate(model, ids, max_new, heads=heads, tree=tree, verify=verify,
+                              temperature=temperature, generator=g, eos_ids=eos)
+        return r.tokens, r.steps, r.accepted
+    return run
+
+
+def load_hf(name, device, dtype):
+    """transformers' own model (LlamaForCausalLM for Llama folders) on the same weights folder."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_lib.resolve(name), dtype=dtype).to(device).eval()
+
+
+class ForwardCounter:
+    """Counts a module's forward calls: transformers' generate() does not report its steps."""
+
+    def __init__(self, module):
+        self.n = 0
+        module.register_forward_hook(self.hook)
+
+    def hook(self, module, args, out):
+        self.n += 1
+
+
+def theirs(hf, counter, eos, **kw):
+    def run(ids, max_new, seed):
+        counter.n = 0
+        x = torch.tensor([ids], device=hf.device)                                  # (1, T)
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=sorted(eos), pad_token_id=min(eos), **kw)   # (1, T + new)
+        return out[0, len(ids):].tolist(), counter.n, None
+    return run
+
+
+def build_methods(args, model, eos, device, dtype):
+    """The methods asked for, and a note for each one skipped."""
+    wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in wanted if m not in METHODS]:
+        raise generate.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    wanted = ["plain"] + [m for m in wanted if m != "plain"]
+    methods, notes, hf, loaded = {}, [], None, {}
+    for name in wanted:
+        if name == "plain":
+            methods[name] = Method(name, ours(model, None, None, "greedy", 0.0, eos), greedy=True)
+        elif name in ("hf", "pld", "assisted"):
+            if name == "assisted" and not args.draft_model:
+                notes.append("assisted: skipped (needs --draft-model)")
+                continue
+            if hf is None:
+                hf = load_hf(args.model, device, dtype)
+                counter = ForwardCounter(hf)  # counts the base model only, never the draft model
+            kw = {"pld": {"prompt_lookup_num_tokens": 10}, "hf": {}}.get(name)
+            if name == "assisted":
+                kw = {"assistant_model": load_hf(args.draft_model, device, dtype)}
+            methods[name] = Method(name, theirs(hf, counter, eos, **kw), greedy=True)
+        else:
+            kind, _, verify = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
+            folder = os.path.join(args.heads_dir, kind)
+            if not os.path.isfile(os.path.join(folder, heads_lib.CONFIG)):
+                notes.append(f"{name}: skipped (no heads in {folder})")
+                continue
+            if kind not in loaded:
+                heads, _ = generate.load_heads(folder, model)
+                loaded[kind] = heads, generate.load_tree("auto", heads, folder)
+            heads, tree = loaded[kind]
+            temperature = args.temperature if verify else 0.0
+            methods[name] = Method(name, ours(model, heads, tree, verify or "greedy", temperature, eos),
+                                   greedy=not verify, depth=tree.max_depth)
+            if not verify:
+                notes.append(f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}")
+    return methods, notes
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+def measure(methods, prompts, args, device):
+    """Median seconds per (method, prompt) over interleaved repeats, and each run's output."""
+    from tqdm import tqdm
+    names = list(methods)
+    for name in names:  # warm-up: first calls allocate, compile kernels, fill caches
+        methods[name].run(prompts[0][2], min(16, args.max_new_tokens), args.seed)
+    seconds = {m: [[] for _ in prompts] for m in names}
+    outputs = {m: [None] * len(prompts) for m in names}
+    bar = tqdm(total=args.repeats * len(prompts) * len(names), desc="bench", unit="run", disable=None)
+    for rep in range(args.repeats):
+        for i, (_, _, ids) in enumerate(prompts):
+            k = (i + rep) % len(names)
+            for name in names[k:] + names[:k]:
+                sync(device)
+                t0 = time.perf_counter()
+                out = methods[name].run(ids, args.max_new_tokens, args.seed + i)
+                sync(device)
+                seconds[name][i].append(time.perf_counter() - t0)
+                outputs[name][i] = out
+                bar.update()
+    bar.close()
+    return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
+
+
+def summary(idx, secs, outs, plain):
+    """Metrics of one method over the prompts idx; plain = plain decoding's summary over idx."""
+    tokens = sum(len(outs[i][0]) for i in idx)
+    steps = [outs[i][1] for i in idx]
+    row = {"tokens_per_s": tokens / max(sum(secs[i] for i in idx), 1e-9), "new_tokens": tokens,
+           "seconds": sum(secs[i] for i in idx),
+           "tau": tokens / sum(steps) if None not in steps else None}
+    row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else 1.0
+    return row
+
+
+def results(methods, prompts, secs, outs):
+    """The JSON "methods" object: overall and per-category metrics of every method."""
+    cats = list(dict.fromkeys(cat for _, cat, _ in prompts))
+    every = range(len(prompts))
+    by_cat = {c: [i for i, p in enumerate(prompts) if p[1] == c] for c in cats}
+    plain = summary(every, secs["plain"], outs["plain"], None)
+    plain_cat = {c: summary(idx, secs["plain"], outs["plain"], None) for c, idx in by_cat.items()}
+    res = {}
+    for name, m in methods.items():
+        row = summary(every, secs[name], outs[name], plain)
+        accepted = [a for out in outs[name] if out[2] is not None for a in out[2]]
+        row["accept_by_depth"] = generate.acceptance_by_depth(accepted, m.depth) if m.depth else None
+        differ = [prompts[i][0] for i in every if outs[name][i][0] != outs["plain"][i][0]]
+        row["identical"] = not differ if m.greedy else None
+        row["differs_on"] = differ if m.greedy else None
+        row["by_category"] = {c: {k: v for k, v in summary(idx, secs[name], outs[name], plain_cat[c]).items()
+                                  if k in ("tokens_per_s", "speedup", "tau")} for c, idx in by_cat.items()}
+        row["per_prompt"] = [{"id": prompts[i][0], "new_tokens": len(outs[name][i][0]), "seconds": round(secs[name][i], 4),
+                              "steps": outs[name][i][1]} for i in every]
+        res[name] = row
+    return res
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def tables(res, mach):
+    lines = [machine_line(mach), "",
+             "| method | tokens/s | speedup | tau | accepted by depth | identical to plain |",
+             "|---|---:|---:|---:|---|:---:|"]
+    for name, r in res.items():
+        acc = " ".join(f"{a:.2f}" for a in r["accept_by_depth"]) if r["accept_by_depth"] else "-"
+        same = "-" if r["identical"] is None else "yes" if r["identical"] else f"NO ({len(r['differs_on'])})"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {fmt(r['tau'])} | {acc} | {same} |")
+    names = list(res)
+    cats = list(res["plain"]["by_category"])
+    lines += ["", machine_line(mach), "", "Speedup over plain decoding by category:", "",
+              "| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for c in cats:
+        lines.append(f"| {c} | " + " | ".join(f"{res[n]['by_category'][c]['speedup']:.2f}x" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def plotting():
+    """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+
+
+def plot_bench(res, mach, folder):
+    if (plt := plotting()) is None:
+        return
+    os.makedirs(folder, exist_ok=True)
+    names = [n for n in res if n != "plain"]
+    groups = list(res["plain"]["by_category"]) + ["all"]
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.2), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for j, n in enumerate(names):
+        vals = [res[n]["by_category"][g]["speedup"] if g != "all" else res[n]["speedup"] for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=n)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"{mach['hardware']}, {mach['dtype']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "speedup.png"), dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n, r in res.items():
+        if r["accept_by_depth"]:
+            ax.plot(range(1, len(r["accept_by_depth"]) + 1), r["accept_by_depth"], marker="o", label=n)
+    ax.set_xticks(range(1, max([len(r["accept_by_depth"] or []) for r in res.values()] + [1]) + 1))
+    ax.set_xlabel("depth (draft head)")
+    ax.set_ylabel("fraction of steps accepting this deep")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "acceptance.png"), dpi=120)
+    print(f"[plots] {folder}/speedup.png, {folder}/acceptance.png", file=sys.stderr)
+
+
+# --- tree tuning ----------------------------------------------------------------------------------
+# Expected tokens/s of a tree = expected tau / (verify step + draft), both measured here.
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def tune_tree(args, model, prompts, device):
+    folder = os.path.join(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
+    heads, _ = generate.load_heads(folder, model)
+    try:
+        with open(os.path.join(folder, "eval.json")) as f:
+            acc = json.load(f)["rank_acceptance"][:heads.cfg.num_heads]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise generate.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
+    # a realistic cached prefix: eval prompts, encoded one after another
+    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    n_max = args.max_budget + 1
+    cache, head_cache = model.new_cache(len(prefix) + n_max), heads.new_cache(len(prefix) + n_max)
+    positions = torch.arange(len(prefix), device=device)
+    logits, hidden = model(torch.tensor([prefix], device=device), positions, None, cache, last_only=True)
+    cache.keep(range(len(prefix)))
+    h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
+    root = int(logits[0, -1].argmax())
+    rows = []
+    for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
+        paths = tree_lib.sparse(acc, budget)
+        t = tree_lib.build(paths)
+        plan = generate.draft_plan(t)
+        draft = lambda t=t, plan=plan: generate.draft(heads, h, root, plan, t.num_nodes)   # (N,)
+        tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
+        mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
+        step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
+        step(), step(), draft()  # warm-up
+        rows.append({"budget": budget, "depth": t.max_depth, "expected_tau": tree_lib.expected_tau(acc, paths),
+                     "paths": paths, "step": step, "draft": draft if budget else None, "step_s": [], "draft_s": []})
+    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+        for r in rows:
+            r["step_s"].append(timed(r["step"], device))
+            r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
+    for r in rows:
+        r["step_ms"], r["draft_ms"] = statistics.median(r["step_s"]) * 1e3, statistics.median(r["draft_s"]) * 1e3
+        r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
+    best = max(rows[1:], key=lambda r: r["tokens_per_s"])
+    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats)
+    print(machine_line(mach) + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
+        print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
+    tree_lib.save(best["paths"], os.path.join(folder, "tree.json"))
+    print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
+          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {folder}/tree.json")
+    if args.json:
+        with open(args.json, "w") as f:
+            keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
+            json.dump({"machine": mach, "trees": [{k: r[k] for k in keys} for r in rows],
+                       "chosen": best["budget"]}, f, indent=1)
+    if args.plots and (plt := plotting()) is not None:
+        os.makedirs(args.plots, exist_ok=True)
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        nodes = [r["budget"] + 1 for r in rows]
+        a.plot(nodes, [r["expected_tau"] for r in rows], marker=".")
+        b.plot(nodes, [r["tokens_per_s"] for r in rows], marker=".")
+        b.axvline(best["budget"] + 1, color="gray", linestyle="--", label="chosen")
+        a.set(xlabel="tree nodes (root included)", ylabel="expected tau")
+        b.set(xlabel="tree nodes (root included)", ylabel="expected tokens/s")
+        b.legend()
+        fig.suptitle(f"{os.path.basename(os.path.normpath(folder))}: {mach['hardware']}, {mach['dtype']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
+        print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def read_eval(path, limit):
+    """[(id, category, text)]: generate.read_prompts checks the file, categories come alongside."""
+    prompts = generate.read_prompts(path)
+    with open(path, encoding="utf-8-sig") as f:
+        cats = [json.loads(line).get("category", "all") for line in f if line.strip()]
+    rows = [(pid, cat, text) for (pid, text), cat in zip(prompts, cats)]
+    return rows[:limit] if limit > 0 else rows
+
+
+def main(args):
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.max_budget < 1 or args.tune_repeats < 1:
+        raise generate.UsageError("--max-new-tokens, --repeats, --max-budget and --tune-repeats must be at least 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = generate.pick_device(args.device)
+    dtype = generate.pick_dtype(args.dtype, device)
+    model, tokenizer = model_lib.load(args.model, device, dtype)
+    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in read_eval(args.prompts, args.limit)]
+    if args.tune_tree:
+        return tune_tree(args, model, prompts, device)
+    methods, notes = build_methods(args, model, eos, device, dtype)
+    for note in notes:
+        print(f"[bench] {note}", file=sys.stderr)
+    secs, outs = measure(methods, prompts, args, device)
+    res = results(methods, prompts, secs, outs)
+    mach = machine(device, dtype, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
+                   max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    print(tables(res, mach))
+    for name, r in res.items():
+        if r["identical"] is False:
+            why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "
+                                                     "from a 1-token one, so near-ties can flip; fp32 is exact)")
+            print(f"[bench] {name}: output differs from plain decoding on {', '.join(map(str, r['differs_on']))}{why}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": mach, "methods": res}, f, indent=1)
+    if args.plots:
+        plot_bench(res, mach, args.plots)
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
+    try:
+        main(args)
+    except (generate.UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
