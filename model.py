@@ -360,7 +360,10 @@ def read_weights(folder):
         raise LoadError(f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers first)")
     state = {}
     for f in files:
-        state.update(load_file(os.path.join(folder, f)))
+        try:
+            state.update(load_file(os.path.join(folder, f)))
+        except Exception as e:  # truncated or corrupted file
+            raise LoadError(f"{os.path.join(folder, f)} is unreadable or corrupted ({e}); replace it") from None
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 

@@ -4,6 +4,8 @@ Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model, offline.
     python train.py --heads hydra++                      # self-distilled data, teacher loss
     python train.py --heads medusa --loss next-token     # Medusa-1's loss on the data tokens
     python train.py --heads hydra --data chats.jsonl     # your ShareGPT-style conversations
+    python train.py --heads hydra++ --resume             # continue after Ctrl-C, a crash or kill -9
+    torchrun --nproc_per_node 4 train.py --heads hydra++ # one process per GPU (DistributedDataParallel)
 
 Pipeline, each stage cached on disk and reused:
 1. data: the base model writes user prompts itself (Magpie-style: the chat template up to the
@@ -12,17 +14,27 @@ Pipeline, each stage cached on disk and reused:
 2. features: one pass of the frozen base model stores, per token, its final hidden state and its
    top-k next-token probabilities (the teacher); later epochs never run the base model again.
 3. heads: trained on those features over the most frequent tokens of the data (a kept-token map),
-   with all heads' vocabulary projections in one matrix product.
+   with all heads' vocabulary projections in one matrix product. Checkpoints (state.pt) hold
+   everything a resumed run needs to continue exactly as if it had never stopped. Ctrl-C finishes
+   the current step, writes a checkpoint and exits with status 130. Under torchrun, rank 0 builds
+   the data, every rank trains on its share of the batches, rank 0 evaluates, saves and prints.
+
+Test: `python -m pytest -q tests/test_train.py`. Shapes: B batch, T time, D hidden, K heads,
+V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
 import argparse
 import json
 import math
 import os
 import re
+import signal
 import sys
 import time
+from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 from tqdm import tqdm
 
 import model as model_lib
@@ -57,10 +69,10 @@ def build_parser():
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every this many steps")
-    p.add_argument("--save-every", type=float, default=120, help="checkpoint every this many seconds")
+    p.add_argument("--save-every", type=float, default=120, help="checkpoint every this many seconds (0 = after every step)")
     p.add_argument("--out", default=None, help="heads folder (default: <work>/heads-<kind>)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, order)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (same flags and data), exactly where it stopped")
+    p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)")
     return p
 
 
@@ -258,8 +270,12 @@ def read_sharegpt(path, tokenizer):
 
 @torch.inference_mode()
 def features_of(model, convs, folder, top_k, batch_tokens=4096):
-    """One pass of the base model over user conversations -> shards like self_distill's."""
-    os.makedirs(folder, exist_ok=True)
+    """One pass of the base model over user conversations -> shards like self_distill's. They are
+    written into folder.tmp, renamed to folder at the end: an interrupted pass leaves no folder."""
+    import shutil
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     batch, size, n = [], 0, 0
     for i, (ids, loss) in enumerate(tqdm(convs, desc="features", disable=None)):
         ids = ids[:model.cfg.max_seq_len]
@@ -269,8 +285,9 @@ def features_of(model, convs, folder, top_k, batch_tokens=4096):
                           top_ids=top.indices.cpu(), top_p=top.values.cpu()))
         size += len(ids)
         if size >= batch_tokens or i == len(convs) - 1:
-            write_shard(os.path.join(folder, f"shard-{n:05d}.safetensors"), batch)
+            write_shard(os.path.join(tmp, f"shard-{n:05d}.safetensors"), batch)
             batch, size, n = [], 0, n + 1
+    os.replace(tmp, folder)
 
 
 def load_data(folder):
@@ -292,18 +309,48 @@ def load_data(folder):
 # only ever draft the assistant's reply, so prompt tokens would teach them nothing they use.
 
 def teacher_loss(logits, top_ids, top_p):
-    """Soft cross-entropy -sum_i p_i log q(i) over the teacher's top-k (ids in head vocabulary,
-    -1 where the token is not kept). logits (M, V'), top_ids / top_p (M, k) -> (M,)"""
+    """Cross-entropy against the teacher's top-k probabilities and its residual mass.
+    logits (M, V') of the heads; top_ids (M, k) the teacher's top-k in head-vocabulary ids (-1 where
+    the token is not kept); top_p (M, k) their probabilities. -> (M,)
+
+    Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is spread
+    over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
+
+        L = - sum_i p_i log q_i  -  r log(1 - sum_i q_i)          (i over the teacher's top-k)
+
+    This is the exact cross-entropy once the other tokens are lumped together, and it is smallest
+    where the head gives each top-k token the teacher's probability and mass r to the rest. It is
+    preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is sure
+    the next token is among its k when it is not: where the teacher hesitates (large r) the head would
+    be pushed hardest to crush every other token, learning overconfidence exactly where drafts are
+    rarely accepted, and its probabilities would stop meaning "chance the base model says this"
+    (which a confidence-based tree, or speculative sampling with the heads as the draft, needs).
+    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say them.
+    1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e. r = 0 in fp16.
+    """
     logq = logits.float().log_softmax(-1)                                   # (M, V')
-    kept = top_ids >= 0
-    picked = logq.gather(1, top_ids.clamp(min=0))                           # (M, k)
-    return -(top_p.float() * picked * kept).sum(-1)
+    kept = top_ids >= 0                                                     # (M, k)
+    picked = logq.gather(1, top_ids.clamp(min=0)) * kept                    # (M, k) log q_i, 0 if not kept
+    p = top_p.float() * kept                                                # (M, k)
+    rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)                       # (M,) teacher mass beyond its top-k
+    rest_q = 1 - (picked.exp() * kept).sum(-1)                              # (M,) head mass beyond them
+    return -(p * picked).sum(-1) - rest_p * torch.log(rest_q.clamp(min=1e-6))
 
 
 def next_token_loss(logits, target):
     """Cross-entropy against the data token (head-vocabulary id, -1 if not kept). -> (M,)"""
     logq = logits.float().log_softmax(-1)
     return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
+
+
+def batch_loss(kind, logits, j, top_ids, top_p, target):
+    """The mean loss of a batch's M predictions; j (M,) is head - 1. Teacher loss: every head alike;
+    next-token loss: head j+1 weighted 0.8^(j+1) (Medusa-1). A batch with no predictions gives 0."""
+    if kind == "teacher":
+        per = teacher_loss(logits, top_ids, top_p)                          # (M,)
+    else:
+        per = next_token_loss(logits, target) * 0.8 ** (j + 1).float()     # (M,)
+    return per.sum() / max(len(per), 1)
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -319,7 +366,8 @@ def make_batches(lengths, conv_ids, batch_tokens, seed, epoch):
             batches.append(cur)
             cur = []
         cur.append(i)
-    batches.append(cur)
+    if cur:
+        batches.append(cur)
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
@@ -345,12 +393,14 @@ def collate(data, convs, to_kept, K, device):
                 top_ids=to_kept[top_ids].to(device), top_p=top_p.to(device), targets=to_kept[ids].to(device))
 
 
-def head_outputs(heads, batch, noise=0.0):
-    """Run the heads on a batch: logits at the valid (b, t, j) and their teacher / data targets."""
+def head_outputs(heads, batch, noise=0.0, generator=None):
+    """Run the heads on a batch: logits at the valid (b, t, j) and their teacher / data targets.
+    noise > 0 adds NEFTune-style noise drawn from `generator` (the caller seeds it per step)."""
     h = batch["hidden"].float()                                            # (B, T, D)
     B, T, D = h.shape
-    if noise > 0:  # NEFTune-style input noise, U(-1, 1) * alpha / sqrt(T * D)
-        h = h + (torch.rand_like(h) * 2 - 1) * noise / (T * D) ** 0.5
+    if noise > 0:  # U(-1, 1) * alpha / sqrt(T * D)
+        u = torch.rand(h.shape, generator=generator, device=h.device)      # (B, T, D)
+        h = h + (u * 2 - 1) * noise / (T * D) ** 0.5
     positions = torch.arange(T, device=h.device).expand(B, T)
     z = heads(heads.context(h, positions), batch["ids"])                  # (B, T, K, D)
     valid = batch["valid"]                                                 # (B, T, K)
@@ -364,6 +414,19 @@ def head_outputs(heads, batch, noise=0.0):
         logits = heads.project(z[b, t, j])                                 # (M, V')
     # head j+1 at t: the teacher's distribution sits at t+j+1, the data token at t+j+2
     return logits, j, batch["top_ids"][b, t + j + 1], batch["top_p"][b, t + j + 1], batch["targets"][b, t + j + 2]
+
+
+class TrainForward(nn.Module):
+    """head_outputs as one module's forward. DistributedDataParallel averages the gradients only of
+    what runs inside the forward of the module it wraps, and training uses more of the heads than
+    their forward (context, i.e. Hydra++'s PrefixMLP, and project, i.e. an own LM head)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, batch, noise=0.0, generator=None):
+        return head_outputs(self.heads, batch, noise, generator)
 
 
 # --- evaluation ---------------------------------------------------------------------------------------
@@ -403,110 +466,242 @@ def evaluate(heads, data, convs, to_kept, args, device):
 
 
 # --- checkpoints -------------------------------------------------------------------------------------
-# heads in heads.safetensors + heads.json (heads.save), and the optimizer and progress in
-# state.pt, each written to a temporary file and renamed, so a kill -9 never leaves half a file.
+# Invariant: state.pt alone is the checkpoint. It holds the heads' weights, the optimizer state and
+# the step they belong to, in one file written to state.pt.tmp (flushed to disk) and renamed over
+# the old one, so after a kill -9 it is the old checkpoint or the new one, whole, never a mix.
+# heads.safetensors + heads.json next to it (heads.save, what generate.py loads) are written after
+# it: a crash between the two leaves them one checkpoint older than state.pt, and --resume never
+# reads them. Nothing else needs saving: batches are fixed by (seed, epoch), the noise by (seed,
+# step, rank), the learning rate by the step. `identity` (heads config, data size) must match on
+# resume, so that a checkpoint is never continued with other heads or other data.
 
-def save_checkpoint(folder, heads, opt, step, extra):
+STATE = "state.pt"
+
+
+def save_checkpoint(folder, heads, opt, step, identity):
     import heads as heads_lib
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, STATE)
+    with open(path + ".tmp", "wb") as f:
+        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, **identity}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
     heads_lib.save(heads, folder)
-    torch.save({"opt": opt.state_dict(), "step": step, **extra}, os.path.join(folder, "state.pt.tmp"))
-    os.replace(os.path.join(folder, "state.pt.tmp"), os.path.join(folder, "state.pt"))
 
 
-def main(args):
+def load_checkpoint(folder, heads, opt, identity):
+    """Load state.pt into heads and opt (built as for a fresh run); returns the step to continue at."""
+    state = torch.load(os.path.join(folder, STATE), map_location="cpu", weights_only=True)
+    if "heads" not in state:
+        raise ValueError(f"{folder}/{STATE} was written by an older train.py (no heads inside); "
+                         "start again without --resume, or with another --out")
+    saved, mine = state["heads"].get("kept_ids"), heads.kept_ids
+    same_vocab = saved is None if mine is None else saved is not None and torch.equal(saved, mine.cpu())
+    if any(state.get(k) != v for k, v in identity.items()) or not same_vocab:
+        raise ValueError(f"{folder}/{STATE} was written for other heads or data ({state.get('config')}, "
+                         f"data {state.get('data')}); resume with the same flags and data, or use another --out")
+    heads.load_state_dict(state["heads"])
+    opt.load_state_dict(state["opt"])
+    return state["step"]
+
+
+# --- training -----------------------------------------------------------------------------------------
+# One step: forward on one batch, loss, backward, clip, AdamW. A non-finite loss or gradient stops
+# training before the weights change. Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, or
+# torchrun passing a signal on) only raise a flag: the loop finishes its step, saves and exits with
+# 128 + the signal number (130 for Ctrl-C). Stopping mid-step could save a half-updated optimizer.
+
+class StopFlag:
+    """Within `with StopFlag() as stop:`, SIGINT and SIGTERM set stop.signum instead of stopping."""
+
+    def __enter__(self):
+        self.signum = 0
+        self.previous = {s: signal.signal(s, self.catch) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def catch(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None):
+    """One optimizer step on one collated batch; returns the loss. forward is TrainForward(heads),
+    possibly wrapped in DistributedDataParallel. Raises FloatingPointError, with the weights
+    untouched, if the loss or the gradient norm is not finite (under DDP the gradients, hence the
+    norm, are averaged over ranks: a NaN on one rank stops them all at the same step)."""
+    cuda = batch["hidden"].device.type == "cuda"
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
+        logits, j, top_ids, top_p, target = forward(batch, noise, generator)  # (M, V'), (M,), (M, k) x2, (M,)
+    loss = batch_loss(loss_kind, logits, j, top_ids, top_p, target)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    if not (torch.isfinite(loss) and torch.isfinite(norm)):
+        raise FloatingPointError(f"loss {loss.item()}, gradient norm {norm.item()}")
+    opt.step()
+    return loss.item()
+
+
+def kept_vocabulary(data, vocab_size, n):
+    """The heads' vocabulary: the n most frequent assistant tokens and teacher top-1s (sorted ids),
+    or None for all. Returns (kept, to_kept: base id -> head id or -1, share of those tokens kept)."""
+    counts = torch.bincount(data["ids"][data["loss"]].long(), minlength=vocab_size)
+    counts += torch.bincount(data["top_ids"][:, 0][data["top_p"][:, 0] > 0].long(), minlength=vocab_size)
+    kept = counts.topk(n).indices.sort().values if 0 < n < vocab_size else None
+    ids = kept if kept is not None else torch.arange(vocab_size)
+    to_kept = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_kept[ids] = torch.arange(len(ids))
+    return kept, to_kept, float(counts[ids].sum() / counts.sum().clamp(min=1))
+
+
+def eval_line(step, report):
+    return (f"[eval step {step}] top1 " + " ".join(f"{a:.2f}" for a in report["top1"]) + " | top5 " +
+            " ".join(f"{a:.2f}" for a in report["top5"]) + f" | chain tau {report['chain_tau']:.2f}")
+
+
+def train(model, data, out, args):
+    """Train heads for the frozen `model` on `data` (load_data's dict) as `args` say, checkpointing
+    to `out`; returns the heads. Under torch.distributed each rank trains on every world-th batch
+    and rank 0 alone evaluates, saves and prints."""
     import heads as heads_lib
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+    device, K = model.device, args.num_heads
+    kept, to_kept, coverage = kept_vocabulary(data, model.cfg.vocab_size, args.kept_tokens)
+    if kept is not None:
+        log(f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens")
+
+    # heads and optimizer, the same on every rank (same seed), then the checkpoint if resuming
     torch.manual_seed(args.seed)
-    model, tokenizer = model_lib.load(args.model, device, torch.float32)
-    work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
-    if args.data == "self":
-        folder = os.path.join(work, "self_distill")
-        self_distill(model, tokenizer, folder, args)
-    else:
-        folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
-        if not os.path.isdir(folder):
-            features_of(model, read_sharegpt(args.data, tokenizer), folder, args.teacher_k)
-    data = load_data(folder)
-    n_conv = len(data["offsets"]) - 1
-    print(f"[train] {n_conv} conversations, {len(data['ids'])} tokens, {int(data['loss'].sum())} assistant tokens", file=sys.stderr)
-
-    # the kept vocabulary: the most frequent assistant tokens (and the teacher's top-1s)
-    V = model.cfg.vocab_size
-    counts = torch.bincount(data["ids"][data["loss"]].long(), minlength=V)
-    counts += torch.bincount(data["top_ids"][:, 0][data["top_p"][:, 0] > 0].long(), minlength=V)
-    kept = None
-    if 0 < args.kept_tokens < V:
-        kept = counts.topk(args.kept_tokens).indices.sort().values
-        print(f"[train] kept {args.kept_tokens} tokens cover {counts[kept].sum() / counts.sum():.1%} of assistant tokens", file=sys.stderr)
-    to_kept = torch.full((V,), -1, dtype=torch.long)
-    to_kept[kept if kept is not None else torch.arange(V)] = torch.arange(len(kept) if kept is not None else V)
-
-    out = args.out or os.path.join(work, "heads-" + args.heads)
-    cfg = heads_lib.HeadsConfig(kind=args.heads, num_heads=args.num_heads, num_layers=args.num_layers, own_lm_head=args.own_lm_head)
+    cfg = heads_lib.HeadsConfig(kind=args.heads, num_heads=K, num_layers=args.num_layers, own_lm_head=args.own_lm_head)
     heads = heads_lib.build(cfg, model, kept).train()
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    n_conv = len(data["offsets"]) - 1
+    identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"])]}
+    step = saved_step = 0
+    if args.resume and os.path.exists(os.path.join(out, STATE)):  # every rank reads it: --out must be shared
+        step = saved_step = load_checkpoint(out, heads, opt, identity)
+        log(f"[train] resumed from step {step} in {out}")
+    elif args.resume:
+        log(f"[train] no checkpoint in {out}; starting from step 0")
+    forward = TrainForward(heads)
+    if world > 1:  # its backward averages gradients over ranks; the frozen shared buffers are never sent
+        # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them once)
+        forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
+
+    # the data order: 5% held out for evaluation; batches fixed by (seed, epoch); rank r takes r, r + world, ...
     g = torch.Generator().manual_seed(args.seed)
     held_out = torch.randperm(n_conv, generator=g)[:max(1, n_conv // 20)].tolist()
     train_convs = sorted(set(range(n_conv)) - set(held_out))
     lengths = data["offsets"].diff()
-    per_epoch = len(make_batches(lengths, train_convs, args.batch_tokens, args.seed, 0))
+    n_batches = len(make_batches(lengths, train_convs, args.batch_tokens, args.seed, 0))
+    per_epoch = n_batches // world                                   # steps per epoch
+    if per_epoch == 0:
+        raise ValueError(f"{n_batches} batch(es) of training data for {world} ranks: add data or lower --batch-tokens")
     total = per_epoch * args.epochs
-    step = 0
-    if args.resume and os.path.exists(os.path.join(out, "state.pt")):
-        heads = heads_lib.load(out, model).train()
-        params = [p for p in heads.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-        state = torch.load(os.path.join(out, "state.pt"), weights_only=True)
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        print(f"[train] resumed from step {step} in {out}", file=sys.stderr)
     lr_at = lambda s: args.lr * min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / max(total, 1)))
-    weights = torch.tensor([0.8 ** j for j in range(1, args.num_heads + 1)], device=device)
 
-    bar = tqdm(total=total, initial=step, desc=f"train {args.heads}", unit="step", disable=None)
-    t0, seen, last_save = time.time(), 0, time.time()
-    try:
+    bar = tqdm(total=total, initial=step, desc=f"train {args.heads}", unit="step", disable=None if rank == 0 else True)
+    t0, seen, last_save, batches_epoch = time.time(), 0, time.time(), None
+    with StopFlag() as stop:
         while step < total:
             epoch, i = divmod(step, per_epoch)
-            convs = make_batches(lengths, train_convs, args.batch_tokens, args.seed, epoch)[i]
-            batch = collate(data, convs, to_kept, args.num_heads, device)
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-                logits, j, top_ids, top_p, target = head_outputs(heads, batch, args.noise)
-            if args.loss == "teacher":
-                loss = teacher_loss(logits, top_ids, top_p).mean()
-            else:
-                loss = (next_token_loss(logits, target) * weights[j]).mean()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at step {step}; the last good checkpoint in {out} is kept")
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if epoch != batches_epoch:
+                batches, batches_epoch = make_batches(lengths, train_convs, args.batch_tokens, args.seed, epoch), epoch
+            batch = collate(data, batches[i * world + rank], to_kept, K, device)
+            noise_gen = torch.Generator(device=device).manual_seed(args.seed * 10**9 + step * world + rank) if args.noise > 0 else None
+            try:
+                loss = train_step(forward, opt, batch, lr_at(step), args.loss, args.noise, noise_gen)
+            except FloatingPointError as e:
+                kept_msg = f"the last checkpoint (step {saved_step}) in {out} is kept" if saved_step else "no checkpoint was written"
+                raise FloatingPointError(f"step {step + 1}: {e}; training stopped, {kept_msg}") from None
             step += 1
             seen += int(batch["valid"][..., 0].sum())
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss.item():.3f}, {seen / (time.time() - t0):.0f} tok/s")
-            if step % args.eval_every == 0 or step == total:
-                report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+            bar.set_postfix_str(f"loss {loss:.3f}, {seen * world / (time.time() - t0):.0f} tok/s")
+            signum = torch.tensor([stop.signum], device=device)
+            if world > 1:  # a signal on any rank stops every rank after this same step
+                dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+            signum = int(signum)
+            if rank == 0 and step % args.eval_every == 0 and step < total and not signum:
+                log("\n" + eval_line(step, evaluate(heads.eval(), data, held_out, to_kept, args, device)))
                 heads.train()
-                print(f"\n[eval step {step}] top1 " + " ".join(f"{a:.2f}" for a in report["top1"]) +
-                      " | top5 " + " ".join(f"{a:.2f}" for a in report["top5"]) + f" | chain tau {report['chain_tau']:.2f}", file=sys.stderr)
-            if time.time() - last_save > args.save_every or step == total:
-                save_checkpoint(out, heads, opt, step, {})
-                last_save = time.time()
-    except KeyboardInterrupt:
-        save_checkpoint(out, heads, opt, step, {})
-        print(f"\n[train] interrupted at step {step}; checkpoint written to {out} (--resume continues)", file=sys.stderr)
-        sys.exit(130)
+            if rank == 0 and (signum or step == total or time.time() - last_save >= args.save_every):
+                save_checkpoint(out, heads, opt, step, identity)
+                last_save, saved_step = time.time(), step
+            if signum:
+                if world > 1:
+                    dist.barrier()  # nobody exits (and gets the others killed) before rank 0 has saved
+                log(f"\n[train] stopped by signal {signum} at step {step}; checkpoint written to {out} (--resume continues)")
+                sys.exit(128 + signum)
     bar.close()
-    report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
-    with open(os.path.join(out, "eval.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"[train] done: {step} steps, {time.time() - t0:.0f} s; heads in {out}; chain tau {report['chain_tau']:.2f}", file=sys.stderr)
+    if rank == 0:
+        report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "eval.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        log(eval_line(step, report))
+        log(f"[train] done: {step} steps, {time.time() - t0:.0f} s; heads in {out}; chain tau {report['chain_tau']:.2f}")
+    return heads
+
+
+# --- main ----------------------------------------------------------------------------------------------
+# Plain `python train.py` is rank 0 of 1. Under torchrun (WORLD_SIZE > 1) every process joins a
+# process group; rank 0 converts the model and builds the data while the others wait at a barrier,
+# then they find both on disk.
+
+def init_distributed(device):
+    """Returns (rank, world size, torch.device). Under torchrun: NCCL and one GPU per rank
+    (LOCAL_RANK) on CUDA, gloo on CPU."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device(device)
+    import datetime
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    # a long timeout: the other ranks wait at the first barrier while rank 0 builds the data
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=12))
+    return dist.get_rank(), world, torch.device(device)
+
+
+def main(args):
+    rank, world, device = init_distributed(args.device)
+    if rank > 0:
+        dist.barrier()  # wait for rank 0 (below)
+    model, tokenizer = model_lib.load(args.model, device, torch.float32)
+    work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
+    if args.data == "self":
+        folder = os.path.join(work, "self_distill")
+    else:
+        folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
+    if rank == 0:
+        if args.data == "self":
+            self_distill(model, tokenizer, folder, args)
+        elif not os.path.isdir(folder):
+            features_of(model, read_sharegpt(args.data, tokenizer), folder, args.teacher_k)
+        if world > 1:
+            dist.barrier()  # the model cache and the data are on disk: let the others go
+    data = load_data(folder)
+    if rank == 0:
+        print(f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
+              f"{int(data['loss'].sum())} assistant tokens", file=sys.stderr)
+    train(model, data, args.out or os.path.join(work, "heads-" + args.heads), args)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(build_parser().parse_args())
+    try:
+        main(build_parser().parse_args())
+    except (FloatingPointError, ValueError, model_lib.LoadError) as e:  # bad data, flags or a NaN: one line, exit 1
+        sys.exit("[train] error: " + " ".join(str(e).splitlines()))

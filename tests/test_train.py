@@ -1,0 +1,312 @@
+"""Tests for train.py, on a tiny random base model and features it computed (CPU, seeded).
+
+A few steps lower the loss for every head kind and loss; the teacher and next-token losses equal
+values worked out by hand, and the teacher loss is smallest at the teacher's own probabilities,
+residual mass included; a run stopped by a crash (kill -9), by a crash between the checkpoint's
+two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an uninterrupted
+run; a NaN stops training at a named step and keeps the last good checkpoint; a malformed ShareGPT
+line is reported with its number; two CPU processes (gloo) train one set of heads with DDP.
+Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions, V vocabulary, k teacher top-k.
+"""
+import json
+import math
+import os
+import signal
+import socket
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import heads as heads_lib
+import model as model_lib
+import train as T
+from conftest import tiny_config
+
+KINDS = ["medusa", "hydra", "hydra++"]
+V = 64  # tiny_config's vocabulary
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def tiny_base(seed=0):
+    """A tiny random Llama whose LM head is scaled up 4x, so that its next-token distributions are
+    as peaked as a trained model's (top-8 mass ~0.8) and the teacher loss has something to teach."""
+    torch.manual_seed(seed)
+    base = model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    base.lm_head.weight.mul_(4)
+    return base
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """(base, folder): 24 random conversations (prompt 3-8 tokens, answer 4-12) and the tiny base
+    model's features of them, written by train.features_of as for a user's data set."""
+    base = tiny_base()
+    g = torch.Generator().manual_seed(0)
+    convs = []
+    for _ in range(24):
+        p, a = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((3, 9), (4, 13)))
+        convs.append((torch.randint(1, V, (p + a,), generator=g).tolist(), [False] * p + [True] * a))
+    folder = str(tmp_path_factory.mktemp("data") / "features")
+    T.features_of(base, convs, folder, top_k=8, batch_tokens=64)
+    return base, folder
+
+
+def args_for(out, *flags):
+    """Command-line flags for a tiny run: 2 epochs of ~8 batches, a checkpoint after every step."""
+    return T.build_parser().parse_args(["--heads", "hydra++", "--num-heads", "2", "--kept-tokens", "32",
+                                        "--epochs", "2", "--batch-tokens", "48", "--lr", "3e-3",
+                                        "--save-every", "0", "--eval-every", "1000", "--noise", "5",
+                                        "--out", str(out), *flags])
+
+
+def run(features, out, *flags):
+    base, folder = features
+    return T.train(base, T.load_data(folder), str(out), args_for(out, *flags))
+
+
+def record_steps(monkeypatch, before=None):
+    """Wrap train.train_step: record each batch's ids once the step is done; before(n, batch) runs
+    first at the n-th call (1-based) and may raise to stop training."""
+    real, done, calls = T.train_step, [], [0]
+
+    def step(forward, opt, batch, *a, **kw):
+        calls[0] += 1
+        if before:
+            before(calls[0], batch)
+        loss = real(forward, opt, batch, *a, **kw)
+        done.append(batch["ids"].clone())
+        return loss
+    monkeypatch.setattr(T, "train_step", step)
+    return done
+
+
+def checkpoint(out):
+    return torch.load(os.path.join(out, T.STATE), weights_only=True)
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs: max |a - b| = {(a[k] - b[k]).abs().max()}"
+
+
+@pytest.fixture(scope="module")
+def reference(features, tmp_path_factory):
+    """An uninterrupted run: the ids of every batch it trained on, and its final checkpoint."""
+    out = tmp_path_factory.mktemp("reference")
+    mp = pytest.MonkeyPatch()
+    try:
+        done = record_steps(mp)
+        run(features, out)
+    finally:
+        mp.undo()
+    return done, checkpoint(out)
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing of the run is written after it."""
+
+
+# --- losses -------------------------------------------------------------------------------------
+
+# Three predictions over a 4-token head vocabulary; each logits row is log q, so softmax(row) = q.
+Q = torch.tensor([[0.5, 0.25, 0.125, 0.125],
+                  [0.25, 0.25, 0.25, 0.25],
+                  [0.1, 0.2, 0.3, 0.4]])
+TOP_IDS = torch.tensor([[0, 2], [3, -1], [1, 2]])          # -1: a top-k token outside the heads' vocabulary
+TOP_P = torch.tensor([[0.6, 0.3], [0.5, 0.25], [0.75, 0.25]])
+TARGET = torch.tensor([1, -1, 3])                           # data tokens; -1 is not kept
+J = torch.tensor([0, 1, 2])                                 # head - 1
+
+
+def test_teacher_loss_by_hand():
+    # row 0: r = 1 - 0.9 = 0.1, head mass outside {0, 2} = 1 - 0.625 = 0.375
+    #   -(0.6 ln 0.5 + 0.3 ln 0.125 + 0.1 ln 0.375) = 0.4158883 + 0.6238325 + 0.0980829 = 1.1378037
+    # row 1: token -1 is dropped; r = 1 - 0.75 = 0.25, head mass outside {3} = 0.75
+    #   -(0.5 ln 0.25 + 0.25 ln 0.75) = 0.6931472 + 0.0719205 = 0.7650677
+    # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 = 1.5080716
+    want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
+    assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
+    # the batch loss is their mean: 3.4109430 / 3
+    assert math.isclose(T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6)
+
+
+def test_next_token_loss_by_hand():
+    # -ln q(target): -ln 0.25 = 1.3862944; target -1 (not kept) counts 0; -ln 0.4 = 0.9162907
+    want = torch.tensor([1.3862944, 0.0, 0.9162907])
+    assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
+    # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 + 0.4691408) / 3
+    assert math.isclose(T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 0.5260588, abs_tol=1e-6)
+
+
+def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residual():
+    # teacher: top-2 = {0: 0.6, 2: 0.3}, residual 0.1 spread over tokens 1 and 3 in some unrecorded way
+    ids, p = torch.tensor([[0, 2]]), torch.tensor([[0.6, 0.3]])
+    for q in ([0.6, 0.05, 0.3, 0.05], [0.6, 0.1, 0.3, 0.0001]):   # any split of the residual is optimal
+        logits = torch.tensor([q]).log().requires_grad_()
+        T.teacher_loss(logits, ids, p).sum().backward()
+        assert logits.grad.abs().max() < 1e-4, logits.grad
+    # renormalising over the top-k (q = 2/3, 1/3 on the two) is worse, and a gradient step leaves it
+    renormalised = torch.tensor([[2 / 3, 1e-6, 1 / 3, 1e-6]]).log()
+    best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
+    assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
+    # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
+    assert T.batch_loss("teacher", torch.zeros(0, 4), torch.zeros(0, dtype=torch.long),
+                        torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
+
+
+@pytest.mark.parametrize("loss", ["teacher", "next-token"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_few_steps_lower_the_loss(features, kind, loss):
+    base, folder = features
+    data = T.load_data(folder)
+    kept, to_kept, _ = T.kept_vocabulary(data, V, 32)
+    torch.manual_seed(0)
+    heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=3), base, kept).train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    batch = T.collate(data, list(range(6)), to_kept, 3, "cpu")
+    assert batch["valid"].any(), "the batch must hold something to predict"
+    losses = [T.train_step(T.TrainForward(heads), opt, batch, 1e-2, loss) for _ in range(12)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+# --- checkpoints and resuming -------------------------------------------------------------------
+
+def crash_during_step(monkeypatch, n):
+    def before(calls, batch):
+        if calls == n:
+            raise Crash
+    return record_steps(monkeypatch, before), Crash
+
+
+def crash_between_writes(monkeypatch, n):
+    """The n-th checkpoint dies after state.pt is renamed into place, before the heads files."""
+    real, saves = heads_lib.save, [0]
+
+    def save(heads, folder):
+        saves[0] += 1
+        if saves[0] == n:
+            raise Crash
+        real(heads, folder)
+    monkeypatch.setattr(heads_lib, "save", save)
+    return record_steps(monkeypatch), Crash
+
+
+def ctrl_c_during_step(monkeypatch, n):
+    def before(calls, batch):
+        if calls == n:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the step
+    return record_steps(monkeypatch, before), SystemExit
+
+
+@pytest.mark.parametrize("stop", [crash_during_step, crash_between_writes, ctrl_c_during_step])
+def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, stop):
+    ref_batches, ref_state = reference
+    n = 11                                                          # in the second epoch
+    assert len(ref_batches) == ref_state["step"] > n
+    with monkeypatch.context() as mp:
+        done, raised = stop(mp, n)
+        with pytest.raises(raised) as e:
+            run(features, tmp_path)
+    if raised is SystemExit:
+        assert e.value.code == 130                                  # Ctrl-C: checkpoint of the finished step, 130
+    state = checkpoint(tmp_path)
+    assert state["step"] == len(done) in (n - 1, n)                 # the checkpoint is of the last step done
+    if stop is crash_between_writes:                                # the heads files lag state.pt by one step...
+        lagging = heads_lib.load(str(tmp_path), features[0]).state_dict()
+        assert not all(torch.equal(lagging[k], state["heads"][k]) for k in lagging)
+    after = record_steps(monkeypatch)                               # ...and resuming ignores them
+    run(features, tmp_path, "--resume")
+    done = done + after
+    assert len(done) == len(ref_batches)
+    assert all(torch.equal(a, b) for a, b in zip(done, ref_batches)), "the resumed run saw other batches"
+    final = checkpoint(tmp_path)
+    assert final["step"] == ref_state["step"]
+    assert_same_weights(final["heads"], ref_state["heads"])
+    assert_same_weights(heads_lib.load(str(tmp_path), features[0]).state_dict(), ref_state["heads"])
+
+
+def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
+    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), features[0])
+    T.save_checkpoint(str(tmp_path), heads, torch.optim.AdamW(heads.parameters()), 3,
+                      {"config": asdict(heads.cfg), "data": [24, 0]})
+    with pytest.raises(ValueError, match="other heads or data"):
+        run(features, tmp_path, "--resume")
+
+
+def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_path, monkeypatch):
+    def poison(calls, batch):
+        if calls == 5:                                              # NaN hidden states where heads predict
+            batch["hidden"][batch["valid"].any(-1)] = float("nan")
+    record_steps(monkeypatch, poison)
+    with pytest.raises(FloatingPointError, match=r"step 5: loss nan.*last checkpoint \(step 4\)"):
+        run(features, tmp_path)
+    state = checkpoint(tmp_path)
+    assert state["step"] == 4
+    assert all(torch.isfinite(w).all() for w in state["heads"].values())
+    exported = heads_lib.load(str(tmp_path), features[0]).state_dict()
+    assert_same_weights(exported, state["heads"])                   # nothing of step 5 reached the disk
+
+
+# --- user data ----------------------------------------------------------------------------------
+
+GOOD = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello, friend!"}]}
+
+
+@pytest.mark.parametrize("bad", [
+    '{"conversations": [{"from": "human", "value": "unterminated}',          # not JSON
+    '{"messages": []}',                                                      # no "conversations"
+    '{"conversations": []}',                                                 # empty
+    '{"conversations": [{"from": "robot", "value": "beep"}]}',              # unknown role
+    '{"conversations": [{"role": "user", "content": 42}]}',                 # content not text
+    '["a", "list"]',                                                         # not an object
+])
+def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_path, bad):
+    _, tokenizer = default_model
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + bad + "\n" + json.dumps(GOOD) + "\n")
+    with pytest.raises(ValueError, match=r"chats\.jsonl, line 3:"):
+        T.read_sharegpt(str(path), tokenizer)
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({"conversations": [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}) + "\n")
+    (ids, loss), (ids2, loss2) = T.read_sharegpt(str(path), tokenizer)
+    assert (ids, loss) == (ids2, loss2)                             # from/value and role/content alike
+    assert "Hello, friend!" in tokenizer.decode([t for t, m in zip(ids, loss) if m])
+    assert "Hi there" not in tokenizer.decode([t for t, m in zip(ids, loss) if m])
+
+
+# --- several processes --------------------------------------------------------------------------
+
+def ddp_worker(rank, port, folder, out, results):
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    assert T.init_distributed("cpu")[:2] == (rank, 2)
+    mp = pytest.MonkeyPatch()
+    done = record_steps(mp)
+    heads = T.train(tiny_base(), T.load_data(folder), out, args_for(out))
+    torch.save({"heads": heads.state_dict(), "done": done}, os.path.join(results, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path):
+    """torchrun's setup by hand (fork, gloo): each rank takes every other batch of the single-process
+    order, DDP keeps the two ranks' heads identical, and only rank 0 writes the checkpoint."""
+    ref_batches, ref_state = reference
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "heads"
+    torch.multiprocessing.start_processes(ddp_worker, args=(port, features[1], str(out), str(tmp_path)),
+                                          nprocs=2, start_method="fork")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    per_epoch = len(ref_batches) // 2                               # single-process steps per epoch
+    for rank, r in enumerate((r0, r1)):
+        want = [ref_batches[e * per_epoch + 2 * i + rank] for e in range(2) for i in range(per_epoch // 2)]
+        assert len(r["done"]) == len(want) and all(torch.equal(a, b) for a, b in zip(r["done"], want))
+    assert_same_weights(r0["heads"], r1["heads"])
+    state = checkpoint(out)
+    assert state["step"] == len(r0["done"])
+    assert_same_weights(state["heads"], r0["heads"])
+    assert state["heads"]["mlps.0.2.weight"].abs().sum() > 0     # trained: it starts at zero
