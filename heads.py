@@ -273,12 +273,14 @@ def build(cfg: HeadsConfig, base, kept_ids=None) -> nn.Module:
     return heads.to(device=base.device, dtype=base.dtype)  # no-op for the shared base buffers
 
 
-def save(heads, folder) -> None:
-    """folder/heads.safetensors (trainable weights and kept_ids, never base tensors) and
-    folder/heads.json (the config); each written to a temporary file, then renamed."""
+def save(heads, folder, dtype=torch.float16) -> None:
+    """folder/heads.safetensors (trainable weights in `dtype`, half precision by default: decoding
+    runs in bf16 or fp32 and loses nothing it can use; kept_ids as they are; never base tensors)
+    and folder/heads.json (the config); each written to a temporary file, then renamed."""
     os.makedirs(folder, exist_ok=True)
     weights, config = os.path.join(folder, WEIGHTS), os.path.join(folder, CONFIG)
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, weights + ".tmp")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    save_file(state, weights + ".tmp")
     with open(config + ".tmp", "w") as f:
         json.dump(asdict(heads.cfg), f, indent=1)
     os.replace(weights + ".tmp", weights)

@@ -159,7 +159,7 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
     base = tiny_base()
     heads = perturb(build(HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base,
                           kept(n_kept) if n_kept else None))
-    save(heads, tmp_path)
+    save(heads, tmp_path, dtype=torch.float32)  # exact round trip; the default half precision is tested below
     assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors"]
     saved = load_file(tmp_path / "heads.safetensors")
     trainable = {n for n, p in heads.named_parameters()}
@@ -179,6 +179,18 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
     assert torch.equal(again.context(hidden, torch.arange(T)), h)
     assert torch.equal(again.project(again(h, tokens)), heads.project(heads(h, tokens)))
     assert torch.equal(again.full_ids(torch.arange(3)), heads.full_ids(torch.arange(3)))
+
+
+def test_default_save_is_half_precision_and_close(tmp_path):
+    base = tiny_base()
+    heads = perturb(build(HeadsConfig("hydra++", num_heads=K), base))
+    save(heads, tmp_path)
+    assert all(v.dtype == torch.float16 for v in load_file(tmp_path / "heads.safetensors").values())
+    again = load(tmp_path, base)
+    tokens, _, hidden = inputs(base)
+    h = heads.context(hidden, torch.arange(T))
+    ref, got = heads.project(heads(h, tokens)), again.project(again(again.context(hidden, torch.arange(T)), tokens))
+    assert (got - ref).abs().max() < 1e-2 * ref.abs().max()
 
 
 @pytest.mark.parametrize("other", [dict(seed=1), dict(dim=16)])
