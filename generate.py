@@ -417,6 +417,7 @@ def main(args):
     print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
           f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    total = Result()
     try:
         for pid, ids in encoded:
             printer = None if args.quiet else Printer(tokenizer, args.show)
@@ -425,6 +426,9 @@ def main(args):
             if printer:
                 print()
             print(stats_line(r, tree.max_depth if tree else 0), file=sys.stderr)
+            total.tokens += r.tokens
+            total.accepted += r.accepted
+            total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
             if writer:
                 writer.write(json.dumps({"id": pid, "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
                                          "token_ids": r.tokens, "new_tokens": len(r.tokens), "steps": r.steps,
@@ -433,6 +437,8 @@ def main(args):
     finally:
         if writer:
             writer.close()
+    if len(encoded) > 1:
+        print("[all prompts: " + stats_line(total, tree.max_depth if tree else 0)[1:], file=sys.stderr)
 
 
 def cli(argv=None) -> int:
