@@ -353,7 +353,7 @@ class Printer:
                 continue
             piece, self.printed = text[len(self.printed):], text
             if piece:
-                sys.stdout.write(COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0] if self.show else piece)
+                sys.stdout.write(COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0] if self.show and s else piece)
         sys.stdout.flush()
 
 
@@ -416,6 +416,9 @@ def main(args):
         raise UsageError(f"--out {args.out}: cannot write it ({e.strerror})") from None
     print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
           f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
+    if args.show and tree is not None:
+        print("[--show: plain = the base model's own token, " + ", ".join(
+            f"{COLOURS[min(d, len(COLOURS) - 1)]}head {d}{COLOURS[0]}" for d in range(1, tree.max_depth + 1)) + " = drafted by that head]", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     total = Result()
     try:
