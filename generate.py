@@ -40,7 +40,6 @@ import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
-HEAD_KINDS = ("medusa", "hydra", "hydra++")
 
 
 class UsageError(Exception):
@@ -244,14 +243,14 @@ def find_heads(name):
     if name == "auto":
         folder = os.path.join(SHIPPED, "hydra++")
         return folder if os.path.isdir(folder) else None
-    if name in HEAD_KINDS:
+    if name in heads_lib.KINDS:
         folder = os.path.join(SHIPPED, name)
         if not os.path.isdir(folder):
             raise UsageError(f"--heads {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
         return folder
     if os.path.isdir(name):
         return name
-    raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(HEAD_KINDS)}")
+    raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS)}")
 
 
 def load_heads(name, model):

@@ -77,7 +77,7 @@ def build_parser():
 
 
 # --- data: self-distillation -------------------------------------------------------------------
-# A conversation is stored as token ids plus the index where the assistant's answer starts.
+# A conversation is token ids plus a per-token loss mask (True on the assistant's answer).
 
 def user_turn_prefix(tokenizer):
     """The chat template rendered up to where the user's words begin (Magpie-style prompting)."""
