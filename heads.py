@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from model import Block, Config, KVCache, RMSNorm, attention_mask, lm_head_fingerprint, rope_frequencies
+from model import Block, Config, KVCache, RMSNorm, Rope, attention_mask, lm_head_fingerprint
 
 KINDS = ("medusa", "hydra", "hydra++")
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
@@ -159,7 +159,7 @@ class PrefixMLP(nn.Module):
         self.norm = RMSNorm(self.cfg.dim, self.cfg.norm_eps)
         nn.init.zeros_(self.block.self_attn.o_proj.weight)
         nn.init.zeros_(self.block.mlp.down_proj.weight)
-        self.register_buffer("inv_freq", rope_frequencies(self.cfg), persistent=False)  # (Dh/2,)
+        self.rope = Rope(self.cfg)                                   # fp32 frequencies, as the base model's
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -168,9 +168,7 @@ class PrefixMLP(nn.Module):
             assert B == 1, f"the PrefixMLP cache holds one sequence, got a batch of {B}"
             if start + T > cache.max_len:
                 raise ValueError(f"PrefixMLP cache full: {start} + {T} positions > {cache.max_len} slots")
-        angles = positions.view(-1, 1, T, 1).float() * self.inv_freq     # (B, 1, T, Dh/2), as model.Transformer.rope
-        angles = torch.cat([angles, angles], dim=-1)                      # (B, 1, T, Dh)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self.rope(positions, x.dtype)                          # (B|1, 1, T, Dh)
         mask = attention_mask(T, start, None, None, x.device)            # causal, cached prefix visible
         kv = None if cache is None else (cache.k[0], cache.v[0], start)
         y = self.norm(self.block(x, cos, sin, mask, kv))                  # (B, T, D)

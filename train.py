@@ -54,7 +54,9 @@ def build_parser():
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)")
     p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit")
-    p.add_argument("--gen-batch", type=int, default=32, help="self-distillation: generation batch size")
+    p.add_argument("--gen-batch", type=int, default=64, help="self-distillation: generation batch size (rows decoded together)")
+    p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: tasks and topics that seed the prompts the model writes")
+    p.add_argument("--dtype", default="auto", help="self-distillation and features: the base model's dtype, auto (bf16 where it is fast, as in generate.py) | fp32 | bf16")
     p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)")
     p.add_argument("--teacher-k", type=int, default=16, help="teacher targets: keep the base model's top-k probabilities per token")
     # heads and training
@@ -91,114 +93,243 @@ def chat_ids(tokenizer, prompt):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+# --- batched decoding: the data stage's engine ----------------------------------------------------
+# Rows of a batch share one KV cache and one slot counter: every step writes the same slot of
+# every row. Prompts are left-padded so that they end at the same slot, and a key mask hides the
+# padding. When a row finishes, a waiting prompt takes it over: it is prefilled into the slots just
+# before the current one, so it too ends there, and its own key mask hides what the previous
+# conversation left in that row. A row is refilled only while there is room for a whole answer
+# after it; then finished rows are dropped (the batch is compacted), and when every row is done
+# the next wave starts with a fresh cache. So no step computes rows that are done for nothing, and
+# recording is one tensor write per step for all rows: tokens, hidden states and the teacher's
+# top-k go into per-slot buffers, and a finished row's conversation is sliced out of them.
+
 @torch.inference_mode()
-def sample_batch(model, prompts, max_new, temperature, top_p, stop_ids, generator, top_k=0):
-    """Batched decoding with a static KV cache: left-pad the prompts, hide the padding with a key
-    mask, and step every row until it says a stop token. Returns the new ids of each row; with
-    top_k > 0 also each row's features (see `features`): final hidden states at every position and
-    the model's top-k next-token probabilities, recorded as the tokens are generated."""
-    dev = model.device
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
-    key_mask = torch.zeros(B, L + max_new, dtype=torch.bool, device=dev)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p)
-        key_mask[b, L - len(p):] = True                          # the answer slots are all real
-    positions = (key_mask[:, :L].long().cumsum(1) - 1).clamp(min=0)          # (B, L)
-    cache = model.new_cache(L + max_new, batch=B)
-    logits, hidden = model(ids, positions, None, cache, key_mask=key_mask[:, :L], last_only=True)
-    cache.keep(range(L))
-    out = [[] for _ in range(B)]
-    hid = [[hidden[b, L - len(p):]] for b, p in enumerate(prompts)]          # per row: (T, D) pieces
-    tops = [[] for _ in range(B)]
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
+def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0):
+    """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
+    after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
+    are recorded (see `features`): hidden (T-1, D) at every position but the last of prompt + answer,
+    top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities before each
+    answer token. Else features is None."""
+    dev, D = model.device, model.cfg.dim
     stop = torch.tensor(sorted(stop_ids), device=dev)
-    pos = positions[:, -1:]                                                   # (B, 1)
-    for step in range(max_new):
-        logits = logits[:, -1].float()                                        # (B, V)
-        probs = logits_to_probs(logits, temperature, top_p)
-        nxt = sample(probs, generator) if temperature > 0 else probs.argmax(-1)  # (B,)
-        top = logits.softmax(-1).topk(top_k, dim=-1) if top_k else None       # teacher: (B, k)
-        rows = alive.nonzero()[:, 0].tolist()
-        for b in rows:
-            out[b].append(int(nxt[b]))
+    waiting = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))   # longest first: pop() takes the shortest
+    while waiting:
+        rows = [waiting.pop() for _ in range(min(batch, len(waiting)))][::-1]
+        L = max(len(prompts[i]) for i in rows)
+        capacity = L + 2 * max_new                                   # refills happen in the first max_new steps
+        B = len(rows)
+        cache = model.new_cache(capacity, batch=B)
+        key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)          # (B, S)
+        conv = torch.tensor(rows, device=dev)                        # (B,) prompt index of each row, -1 = done
+        start = torch.zeros(B, dtype=torch.long, device=dev)         # (B,) slot of the row's first prompt token
+        plen = torch.zeros(B, dtype=torch.long, device=dev)          # (B,) prompt lengths
+        tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)            # (B, S) every row's ids by slot
+        hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None      # (B, S, D)
+        top_ids = torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None  # (B, S, k)
+        top_p_ = torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
+
+        def prefill(idx, ids_list, end):
+            """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r, V)."""
+            Lr = max(map(len, ids_list))
+            ids = torch.zeros(len(idx), Lr, dtype=torch.long, device=dev)
+            km = torch.zeros(len(idx), Lr, dtype=torch.bool, device=dev)
+            for r, p in enumerate(ids_list):
+                ids[r, Lr - len(p):], km[r, Lr - len(p):] = torch.tensor(p, device=dev), True
+            positions = (km.long().cumsum(1) - 1).clamp(min=0)                     # (r, Lr)
+            sub = model.new_cache(Lr, batch=len(idx))
+            logits, hidden = model(ids, positions, None, sub, key_mask=km, last_only=True)  # (r, 1, V), (r, Lr, D)
+            cache.k[:, idx, :, end - Lr:end], cache.v[:, idx, :, end - Lr:end] = sub.k, sub.v
+            key_mask[idx] = False
+            key_mask[idx, end - Lr:end] = km
+            tokens[idx, end - Lr:end] = ids
             if top_k:
-                tops[b].append((top.indices[b], top.values[b]))
-                if step > 0:
-                    hid[b].append(hidden[b])
-        alive &= ~torch.isin(nxt, stop)
-        if not alive.any():
-            break
-        pos = pos + 1
-        logits, hidden = model(nxt[:, None], pos, None, cache, key_mask=key_mask[:, :cache.length + 1])
-        cache.keep([0])
-    if not top_k:
-        return out
-    feats = [dict(hidden=torch.cat(hid[b])[:len(p) + len(out[b]) - 1],                  # (T-1, D)
-                  top_ids=torch.stack([i for i, _ in tops[b]]), top_p=torch.stack([v for _, v in tops[b]]))
-             for b, p in enumerate(prompts)]
-    return out, feats
+                hid[idx, end - Lr:end] = hidden.half()
+            lengths = torch.tensor([len(p) for p in ids_list], device=dev)
+            start[idx], plen[idx] = end - lengths, lengths
+            return logits[:, -1].float()                                            # (r, V)
+
+        def take(idx, logits, slot):
+            """Choose the next token of rows idx from their logits (r, V) at `slot`; record it at
+            slot + 1; return the rows that finished."""
+            probs = logits_to_probs(logits, temperature, top_p)
+            nxt = sample(probs, generator) if temperature > 0 else logits.argmax(-1)            # (r,)
+            tokens[idx, slot + 1] = nxt
+            if top_k:
+                top = logits.softmax(-1).topk(top_k, dim=-1)                                  # (r, k)
+                top_ids[idx, slot], top_p_[idx, slot] = top.indices.int(), top.values.half()
+            n_new = slot + 2 - start[idx] - plen[idx]                                          # (r,)
+            return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
+
+        def finish(done, slot):
+            """Emit the rows `done` whose last token is at slot + 1; mark them free."""
+            for b in done.tolist():
+                s, p, i = int(start[b]), int(plen[b]), int(conv[b])
+                answer = tokens[b, s + p:slot + 2].tolist()
+                feats = None if not top_k else dict(hidden=hid[b, s:slot + 1].clone(),  # copies: the row is reused
+                                                     top_ids=top_ids[b, s + p - 1:slot + 1].clone(),
+                                                     top_p=top_p_[b, s + p - 1:slot + 1].clone())
+                yield i, answer, feats
+            conv[done] = -1
+
+        logits = prefill(torch.arange(B, device=dev), [prompts[i] for i in rows], L)            # (B, V)
+        cache.length = L
+        done = take(torch.arange(B, device=dev), logits, L - 1)
+        while True:
+            slot = cache.length                                       # the slot the next tokens go to
+            yield from finish(done, slot - 1)
+            free = (conv < 0).nonzero()[:, 0]
+            if len(free) >= min(len(waiting), max(1, len(conv) // 8)) and waiting and slot + max_new <= capacity:
+                # refill, once an eighth of the rows are free: each prefill reads every weight once, so they are grouped
+                fits = [waiting.pop() for _ in range(len(free)) if waiting and len(prompts[waiting[-1]]) <= slot]
+                if fits:
+                    idx = free[:len(fits)]
+                    conv[idx] = torch.tensor(fits, device=dev)
+                    first = take(idx, prefill(idx, [prompts[i] for i in fits], slot), slot - 1)
+                    yield from finish(first, slot - 1)
+            alive = (conv >= 0).nonzero()[:, 0]
+            if len(alive) == 0:
+                break
+            if len(alive) <= len(conv) * 3 // 4 and not (waiting and slot + max_new <= capacity):  # compact
+                cache.select_rows(alive)
+                key_mask, conv, start, plen, tokens = key_mask[alive], conv[alive], start[alive], plen[alive], tokens[alive]
+                if top_k:
+                    hid, top_ids, top_p_ = hid[alive], top_ids[alive], top_p_[alive]
+            B = len(conv)
+            nxt = tokens[:, slot]                                                               # (B,)
+            positions = (slot - start)[:, None]                                                 # (B, 1)
+            key_mask[:, slot] = True
+            logits, hidden = model(nxt[:, None], positions, None, cache, key_mask=key_mask[:, :slot + 1])
+            cache.keep([0])
+            if top_k:
+                hid[:, slot] = hidden[:, 0].half()
+            rows_alive = (conv >= 0).nonzero()[:, 0]
+            done = take(rows_alive, logits[rows_alive, -1].float(), slot)
 
 
 def normalise(text):
     return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
-def keep_prompt(text, seen):
-    """Length and near-duplicate filter: 3-80 words, and no earlier prompt sharing the same first
-    six words or most of its word trigrams."""
-    words = normalise(text)
-    if not 3 <= len(words) <= 80 or "im_start" in text or "im_end" in text:
-        return False
-    head = " ".join(words[:6])
-    grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
-    for other_head, other in seen:
-        if head == other_head or (grams and len(grams & other) / len(grams | other) > 0.5):
+class PromptFilter:
+    """Length and near-duplicate filter: 3-80 words, no chat-template markers, and no earlier
+    prompt with the same first six words or sharing over half of its word trigrams (Jaccard).
+    An index from trigram to prompts keeps each check proportional to the prompt, not the data."""
+
+    def __init__(self):
+        self.heads, self.grams, self.index = set(), [], {}
+        self.tried = self.rejected_duplicate = 0
+
+    def keep(self, text):
+        from collections import Counter
+        self.tried += 1
+        words = normalise(text)
+        if not 3 <= len(words) <= 80 or "im_start" in text or "im_end" in text:
             return False
-    seen.append((head, grams))
-    return True
+        head = " ".join(words[:6])
+        grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
+        shared = Counter(j for g in grams for j in self.index.get(g, ()))
+        if head in self.heads or any(n / len(grams | self.grams[j]) > 0.5 for j, n in shared.items()):
+            self.rejected_duplicate += 1
+            return False
+        self.heads.add(head)
+        for g in grams:
+            self.index.setdefault(g, []).append(len(self.grams))
+        self.grams.append(grams)
+        return True
+
+
+def read_seeds(path):
+    """data/magpie.json: {"tasks": {category: [openers]}, "topics": [...]}, checked field by field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            seeds = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another") from None
+    tasks, topics = seeds.get("tasks") if isinstance(seeds, dict) else None, seeds.get("topics") if isinstance(seeds, dict) else None
+    if not (isinstance(tasks, dict) and tasks and all(isinstance(v, list) and v and all(isinstance(o, str) for o in v) for v in tasks.values())
+            and isinstance(topics, list) and topics and all(isinstance(t, str) and t.strip() for t in topics)):
+        raise ValueError(f"--seeds {path}: needs {{\"tasks\": {{category: [opener, ...]}}, \"topics\": [topic, ...]}}, "
+                         "each list non-empty and of strings")
+    return tasks, topics
+
+
+def seeded_prefix(tokenizer, rng, tasks, topics):
+    """Magpie with a seed: a system message naming a task and a topic drawn at random, then the
+    chat template up to where the user's words begin, then an opener of that task. The model
+    writes the rest of the user's message. Returns (prefix ids, opener)."""
+    category = rng.choice(sorted(tasks))
+    opener, topic = rng.choice(tasks[category]), rng.choice(topics)
+    system = f"You are a helpful AI assistant. The user asks you for help with a {category} task about {topic}."
+    marker = "\x00MARK\x00"
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text[:text.index(marker)] + opener, add_special_tokens=False).input_ids, opener
 
 
 def self_distill(model, tokenizer, folder, args):
-    """Grow the data set in `folder` to args.num_prompts conversations, one shard per batch."""
+    """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
+    (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
+    recorded as it goes. One shard per args.gen_batch finished conversations, each written whole
+    or not at all: a run that stops loses at most the conversations in flight, and the next run
+    continues from the shards on disk (its random draws seeded by how many there are)."""
+    import random
     os.makedirs(folder, exist_ok=True)
     shards = sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
-    prompts_so_far = [p for f in shards for p in read_shard(os.path.join(folder, f), meta_only=True)]
-    seen = []
-    for p in prompts_so_far:
-        keep_prompt(p, seen)
-    have = len(prompts_so_far)
+    filt = PromptFilter()
+    for p in (p for f in shards for p in read_shard(os.path.join(folder, f), meta_only=True)):
+        filt.keep(p)
+    have = len(filt.grams)
+    if have >= args.num_prompts:
+        return
     stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
-    prefix = user_turn_prefix(tokenizer)
-    gen = torch.Generator(device=model.device).manual_seed(args.seed + have)
-    t0, new_tokens, tried, kept = time.time(), 0, 0, 0
+    tasks, topics = read_seeds(args.seeds)
+    rng = random.Random(args.seed * 1_000_003 + have)
+    gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
+    t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
-    while have < args.num_prompts:
-        written = sample_batch(model, [prefix] * args.gen_batch, 64, 1.0, 0.95, stop, gen)
-        prompts = []
-        for w in written:
-            tried += 1
-            if w and w[-1] in stop:
-                text = tokenizer.decode(w[:-1], skip_special_tokens=True).strip()
-                if keep_prompt(text, seen):
-                    prompts.append(text)
-        new_tokens += sum(map(len, written))
-        prompts = prompts[:args.num_prompts - have]
-        if not prompts:
-            continue
-        encoded = sorted((chat_ids(tokenizer, p), p) for p in prompts)          # similar lengths together
-        answers, feats = sample_batch(model, [e for e, _ in encoded], args.max_answer_tokens,
-                                      args.answer_temperature, 1.0, stop, gen, top_k=args.teacher_k)
-        new_tokens += sum(map(len, answers))
-        convs = [dict(prompt=p, ids=ids + a, loss=[False] * len(ids) + [True] * len(a), teacher_from=len(ids) - 1, **f)
-                 for (ids, p), a, f in zip(encoded, answers, feats)]
-        write_shard(os.path.join(folder, f"shard-{len(shards):05d}.safetensors"), convs)
+    pending = []
+
+    def flush():  # the finished conversations -> one shard, written whole or not at all
+        nonlocal have, pending
+        write_shard(os.path.join(folder, f"shard-{len(shards):05d}.safetensors"), pending)
         shards.append(None)
-        have += len(convs)
-        kept += len(convs)
-        bar.update(len(convs))
-        bar.set_postfix_str(f"{new_tokens / (time.time() - t0):.0f} new tok/s, kept {kept}/{tried} prompts")
-    bar.close()
+        have, counts["kept"] = have + len(pending), counts["kept"] + len(pending)
+        bar.update(len(pending))
+        bar.set_postfix_str(f"{counts['new'] / (time.time() - t0):.0f} new tok/s, kept {counts['kept']}/{counts['tried']} prompts")
+        pending = []
+
+    try:
+        while have < args.num_prompts:
+            # 1. prompts for a round of 8 batches: the model writes twice that, the filter keeps new ones
+            want = min(8 * args.gen_batch, args.num_prompts - have)
+            seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
+            prompts = []
+            for i, written, _ in decode_batched(model, [p for p, _ in seeded], 64, stop, args.gen_batch, 1.0, 0.95, gen):
+                counts["new"] += len(written)
+                text = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
+                if written[-1] in stop and len(prompts) < want and filt.keep(text):
+                    prompts.append(text)
+            counts["tried"] += len(seeded)
+            # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
+            # a shard whenever gen_batch of them are done
+            encoded = [chat_ids(tokenizer, p) for p in prompts]
+            for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, args.gen_batch,
+                                                   args.answer_temperature, 1.0, gen, top_k=args.teacher_k):
+                ids = encoded[i]
+                pending.append(dict(prompt=prompts[i], ids=ids + answer, loss=[False] * len(ids) + [True] * len(answer),
+                                    teacher_from=len(ids) - 1, **{k: v.cpu() for k, v in feats.items()}))
+                counts["new"] += len(answer)
+                counts["answer"] += len(answer)
+                if len(pending) == args.gen_batch:
+                    flush()
+            if pending:
+                flush()
+    finally:
+        bar.close()
+        seconds = time.time() - t0
+        print(f"[data] {counts['kept']} conversations, {counts['new']} new tokens ({counts['answer']} in answers) in "
+              f"{seconds:.0f} s: {counts['new'] / max(seconds, 1e-9):.0f} new tokens/s; prompts kept {counts['kept']}/{counts['tried']}, "
+              f"{filt.rejected_duplicate} near-duplicates rejected; {have} conversations in {folder}", file=sys.stderr, flush=True)
 
 
 # --- features on disk ----------------------------------------------------------------------------
@@ -674,6 +805,15 @@ def init_distributed(device):
     return dist.get_rank(), world, torch.device(device)
 
 
+def data_model(model, dtype):
+    """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16,
+    where bf16 is fast (the data stage runs 3-4x faster in bf16 on a CPU with native bf16)."""
+    import copy
+    import generate
+    dtype = generate.pick_dtype(dtype, model.device.type)
+    return model if dtype == model.dtype else copy.deepcopy(model).to(dtype=dtype)
+
+
 def main(args):
     rank, world, device = init_distributed(args.device)
     if rank > 0:
@@ -686,7 +826,7 @@ def main(args):
         folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
     if rank == 0:
         if args.data == "self":
-            self_distill(model, tokenizer, folder, args)
+            self_distill(data_model(model, args.dtype), tokenizer, folder, args)
         elif not os.path.isdir(folder):
             features_of(model, read_sharegpt(args.data, tokenizer), folder, args.teacher_k)
         if world > 1:

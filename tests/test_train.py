@@ -312,3 +312,42 @@ def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path)
     assert state["step"] == len(r0["done"])
     assert_same_weights(state["heads"], r0["heads"])
     assert state["heads"]["mlps.0.2.weight"].abs().sum() > 0     # trained: it starts at zero
+
+
+# --- the data stage's batched decoding ----------------------------------------------------------
+
+def plain_answers(model, prompts, max_new, stop):
+    import generate
+    return [generate.generate(model, p, max_new, eos_ids=stop).tokens for p in prompts]
+
+
+def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forward():
+    """decode_batched with fewer rows than prompts (so finished rows are refilled and the batch
+    compacted) gives every prompt the greedy answer of one-sequence plain decoding, in fp32; its
+    features are what one forward over prompt + answer computes."""
+    base = tiny_base()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (int(torch.randint(2, 14, (), generator=g)),), generator=g).tolist() for _ in range(11)]
+    stop = {3, 7}
+    got = {i: (a, f) for i, a, f in T.decode_batched(base, prompts, 12, stop, 4, top_k=5)}
+    assert sorted(got) == list(range(11))
+    want = plain_answers(base, prompts, 12, stop)
+    assert [got[i][0] for i in range(11)] == want
+    assert any(len(a) < 12 for a in want) and any(len(a) == 12 for a in want)  # both ways to stop happen
+    for i, p in enumerate(prompts):
+        answer, f = got[i]
+        ids = torch.tensor([p + answer])
+        logits, hidden = base(ids[:, :-1], torch.arange(ids.shape[1] - 1))
+        torch.testing.assert_close(f["hidden"].float(), hidden[0], atol=2e-3, rtol=2e-3)  # stored in fp16
+        top = logits[0, len(p) - 1:].softmax(-1).topk(5)
+        assert torch.equal(f["top_ids"].long(), top.indices)
+        torch.testing.assert_close(f["top_p"].float(), top.values, atol=1e-3, rtol=1e-3)
+
+
+def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model):
+    model, tok = default_model
+    prompts = [T.chat_ids(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
+                                            "Explain photosynthesis in two sentences.", "What is 15% of 240?")]
+    stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
+    got = {i: a for i, a, _ in T.decode_batched(model, prompts, 24, stop, 3)}
+    assert [got[i] for i in range(4)] == plain_answers(model, prompts, 24, stop)
