@@ -67,6 +67,22 @@ def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, u
     assert file.read_text() == "old results"
 
 
+def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\udc80 escape"}\n')
+    check_one_line_error(*run_bench(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: not valid Unicode text")
+
+
+def test_flags_without_effect_get_a_notice(capsys):
+    B.check_args(B.build_parser().parse_args(["--max-budget", "8"]))
+    assert capsys.readouterr().err == "notice: --max-budget has no effect without --tune-tree\n"
+    B.check_args(B.build_parser().parse_args(["--tune-tree", "--repeats", "2", "--temperature", "1e-9"]))
+    err = capsys.readouterr().err
+    assert "notice: --repeats has no effect with --tune-tree" in err and "--temperature has no effect with --tune-tree" in err
+    B.check_args(B.build_parser().parse_args(["--temperature", "1e-9"]))
+    assert "the sampling methods decode greedily" in capsys.readouterr().err
+
+
 def test_draft_model_not_llama_family(no_model, capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
     check_one_line_error(*run_bench(capsys, "--draft-model", tmp_path, "--methods", "plain,assisted")[::2],
