@@ -443,15 +443,14 @@ def check_args(args):
         generate.writable_file("--json", args.json, "results/bench.json")
     if args.plots:
         generate.writable_folder("--plots", args.plots)
-    if args.draft_model:
+    if args.draft_model and wants_assisted(args) and not args.tune_tree:
         draft_folder(args.draft_model)
     default = build_parser().get_default
-    changed = [f"--{n.replace('_', '-')}" for n in vars(args) if getattr(args, n) != default(n)]
-    ignored = ("--methods", "--repeats", "--max-new-tokens", "--temperature", "--seed", "--draft-model") if args.tune_tree \
-        else ("--heads", "--max-budget", "--prefix-len", "--tune-repeats")
-    for flag in changed:
-        if flag in ignored:
-            generate.notice(f"{flag} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
+    ignored = (["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"] if args.tune_tree
+               else ["heads", "max_budget", "prefix_len", "tune_repeats"])
+    for name in ignored:
+        if getattr(args, name) != default(name):
+            generate.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
     if args.draft_model and not args.tune_tree and not wants_assisted(args):
         generate.notice("--draft-model has no effect unless --methods includes assisted")
     if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
