@@ -16,6 +16,11 @@ rotated per prompt) so machine noise hits all methods alike; the median over rep
 tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain decoding's in this run;
 tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
 
+The command line (tests/test_bench_cli.py): bad input ends with one line on stderr, "error: <what>
+...; <fix>", exit code 2, before the model loads where it can (--json and --plots included: a
+folder that cannot be written is found before the run, not after it). Ctrl-C prints the tables of
+what was measured so far and exits 130.
+
 --tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
 of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
 step (a forward of the tree after a cached prefix) and one draft on this machine, and save the tree
