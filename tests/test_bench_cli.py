@@ -19,7 +19,6 @@ import pytest
 
 import bench as B
 import generate as G
-import model as model_lib
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
