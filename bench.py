@@ -16,6 +16,11 @@ rotated per prompt) so machine noise hits all methods alike; the median over rep
 tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain decoding's in this run;
 tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
 
+The command line (tests/test_bench_cli.py): bad input ends with one line on stderr, "error: <what>
+...; <fix>", exit code 2, before the model loads where it can (--json and --plots included: a
+folder that cannot be written is found before the run, not after it). Ctrl-C prints the tables of
+what was measured so far and exits 130.
+
 --tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
 of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
 step (a forward of the tree after a cached prefix) and one draft on this machine, and save the tree
@@ -23,6 +28,7 @@ that maximises expected tau / (step + draft time) as tree.json next to the heads
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -36,33 +42,34 @@ import generate
 import heads as heads_lib
 import model as model_lib
 import tree as tree_lib
+import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = generate.Parser(description=__doc__.split("\n\n")[0].strip(),
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # what to run
     p.add_argument("--prompts", default=os.path.join(HERE, "eval", "prompts.jsonl"), help="JSONL with \"prompt\" (and \"id\", \"category\") per line")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--methods", default="all", help=f"comma list of {', '.join(METHODS)}; all = every available one (plain always runs: it is the baseline)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every (prompt, method); the median counts")
-    p.add_argument("--temperature", type=float, default=0.7, help="temperature of hydra++-typical and hydra++-sample")
+    p.add_argument("--temperature", type=float, default=0.7, help=f"temperature of hydra++-typical and hydra++-sample (below {verify_lib.GREEDY_BELOW}: greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--heads-dir", default=generate.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
-    p.add_argument("--draft-model", default=None, help="a small model sharing the tokenizer: enables the 'assisted' method")
+    p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'assisted' method")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.add_argument("--plots", default=None, help="write PNG plots to this folder (needs matplotlib)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")
+    p.add_argument("--plots", default=None, help="write PNG plots to this folder, created if need be (needs matplotlib; checked before the run)")
     # tree tuning
     p.add_argument("--tune-tree", action="store_true", help="choose the tree size for this machine instead of benchmarking (see --heads)")
     p.add_argument("--heads", default="hydra++", help="with --tune-tree: medusa | hydra | hydra++ (in --heads-dir) or a heads folder with eval.json")
@@ -191,8 +198,18 @@ def build_methods(args, model, eos, device, dtype):
 
 # --- measuring ------------------------------------------------------------------------------------
 
+class Interrupted(Exception):
+    """Ctrl-C during measure(): .done lists the prompts every method has run at least once, with
+    their median seconds and outputs so far (as measure returns them, for those prompts only)."""
+
+    def __init__(self, done, seconds, outputs):
+        super().__init__("interrupted by Ctrl-C")
+        self.done, self.seconds, self.outputs = done, seconds, outputs
+
+
 def measure(methods, prompts, args, device):
-    """Median seconds per (method, prompt) over interleaved repeats, and each run's output."""
+    """Median seconds per (method, prompt) over interleaved repeats, and each run's output.
+    Ctrl-C raises Interrupted with what was measured so far."""
     from tqdm import tqdm
     names = list(methods)
     for name in names:  # warm-up: first calls allocate, compile kernels, fill caches
@@ -200,17 +217,23 @@ def measure(methods, prompts, args, device):
     seconds = {m: [[] for _ in prompts] for m in names}
     outputs = {m: [None] * len(prompts) for m in names}
     bar = tqdm(total=args.repeats * len(prompts) * len(names), desc="bench", unit="run", disable=None)
-    for rep in range(args.repeats):
-        for i, (_, _, ids) in enumerate(prompts):
-            k = (i + rep) % len(names)
-            for name in names[k:] + names[:k]:
-                sync(device)
-                t0 = time.perf_counter()
-                out = methods[name].run(ids, args.max_new_tokens, args.seed + i)
-                sync(device)
-                seconds[name][i].append(time.perf_counter() - t0)
-                outputs[name][i] = out
-                bar.update()
+    try:
+        for rep in range(args.repeats):
+            for i, (_, _, ids) in enumerate(prompts):
+                k = (i + rep) % len(names)
+                for name in names[k:] + names[:k]:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    out = methods[name].run(ids, args.max_new_tokens, args.seed + i)
+                    sync(device)
+                    seconds[name][i].append(time.perf_counter() - t0)
+                    outputs[name][i] = out
+                    bar.update()
+    except KeyboardInterrupt:
+        bar.close()
+        done = [i for i in range(len(prompts)) if all(seconds[m][i] for m in names)]
+        raise Interrupted(done, {m: [statistics.median(seconds[m][i]) for i in done] for m in names},
+                          {m: [outputs[m][i] for i in done] for m in names}) from None
     bar.close()
     return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
 
@@ -272,7 +295,7 @@ def tables(res, mach):
     return "\n".join(lines)
 
 
-def plotting():
+def plotting(quiet=False):
     """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
     try:
         import matplotlib
@@ -280,7 +303,8 @@ def plotting():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        if not quiet:
+            print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return None
 
 
@@ -405,22 +429,99 @@ def read_eval(path, limit):
     return rows[:limit] if limit > 0 else rows
 
 
+# Bad input is refused before the model loads where it can (a typo costs a second, and an output
+# folder that cannot be written is found before an hour of measuring, not after).
+
+def check_args(args):
+    """Every check that needs no model; notices for flags without effect in the chosen mode."""
+    if min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len) < 1:
+        raise generate.UsageError("--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be at least 1")
+    if args.limit < 0:
+        raise generate.UsageError(f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts")
+    if args.threads < 0:
+        raise generate.UsageError(f"--threads {args.threads}: must be 0 (torch's default) or a number of threads")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise generate.UsageError(f"--temperature {args.temperature}: must be a number >= 0")
+    if not 0 <= args.seed < 2 ** 62:
+        raise generate.UsageError(f"--seed {args.seed}: must be in [0, 2**62)")
+    if args.json:
+        generate.writable_file("--json", args.json, "results/bench.json")
+    if args.plots:
+        generate.writable_folder("--plots", args.plots)
+    if args.draft_model and wants_assisted(args) and not args.tune_tree:
+        draft_folder(args.draft_model)
+    default = build_parser().get_default
+    ignored = (["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"] if args.tune_tree
+               else ["heads", "max_budget", "prefix_len", "tune_repeats"])
+    for name in ignored:
+        if getattr(args, name) != default(name):
+            generate.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
+    if args.draft_model and not args.tune_tree and not wants_assisted(args):
+        generate.notice("--draft-model has no effect unless --methods includes assisted")
+    if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
+        generate.notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling methods decode greedily")
+    if args.plots and plotting(quiet=True) is None:
+        generate.notice("--plots: matplotlib is not installed, so no plots will be drawn (pip install matplotlib)")
+
+
+def wants_assisted(args):
+    return args.methods == "all" or "assisted" in [m.strip() for m in args.methods.split(",")]
+
+
+def draft_folder(name):
+    """--draft-model: the folder of a Llama-family model (config.json read; nothing loaded)."""
+    folder = model_lib.resolve(name)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        arch = config.get("model_type") if isinstance(config, dict) else None
+    except (OSError, ValueError, RecursionError) as e:
+        raise generate.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
+    if arch not in model_lib.SUPPORTED:
+        raise generate.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
+                                  f"({', '.join(model_lib.SUPPORTED)}); give a small model of the base model's family")
+    return folder
+
+
+def check_draft_tokenizer(name, tokenizer):
+    """Assisted generation compares token ids: the draft model must share the base model's tokenizer."""
+    from transformers import AutoTokenizer
+    try:
+        draft = AutoTokenizer.from_pretrained(draft_folder(name))
+    except (OSError, ValueError, TypeError) as e:
+        raise generate.UsageError(f"--draft-model {name}: no tokenizer could be read ({e})") from None
+    if draft.get_vocab() != tokenizer.get_vocab():
+        raise generate.UsageError(f"--draft-model {name}: its tokenizer is not the base model's ({len(draft)} tokens against "
+                                  f"{len(tokenizer)}, or other ids); give a draft model with the same tokenizer")
+
+
 def main(args):
-    if args.max_new_tokens < 1 or args.repeats < 1 or args.max_budget < 1 or args.tune_repeats < 1:
-        raise generate.UsageError("--max-new-tokens, --repeats, --max-budget and --tune-repeats must be at least 1")
+    """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is printed)."""
+    check_args(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = generate.pick_device(args.device)
     dtype = generate.pick_dtype(args.dtype, device)
+    rows = read_eval(args.prompts, args.limit)
     model, tokenizer = model_lib.load(args.model, device, dtype)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in read_eval(args.prompts, args.limit)]
+    prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.tune_tree:
         return tune_tree(args, model, prompts, device)
+    if args.draft_model and wants_assisted(args):
+        check_draft_tokenizer(args.draft_model, tokenizer)
     methods, notes = build_methods(args, model, eos, device, dtype)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
-    secs, outs = measure(methods, prompts, args, device)
+    print(f"[bench] measuring {len(methods)} methods on {len(prompts)} prompts, {args.repeats} repeats "
+          "(Ctrl-C prints what was measured so far)", file=sys.stderr, flush=True)
+    total, interrupted = len(prompts), False
+    try:
+        secs, outs = measure(methods, prompts, args, device)
+    except Interrupted as stop:
+        if not stop.done:
+            raise KeyboardInterrupt from None
+        prompts, secs, outs, interrupted = [prompts[i] for i in stop.done], stop.seconds, stop.outputs, True
     res = results(methods, prompts, secs, outs)
     mach = machine(device, dtype, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats)
@@ -430,17 +531,33 @@ def main(args):
             why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "
                                                      "from a 1-token one, so near-ties can flip; fp32 is exact)")
             print(f"[bench] {name}: output differs from plain decoding on {', '.join(map(str, r['differs_on']))}{why}", file=sys.stderr)
+    if interrupted:
+        print(f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} prompts that every method "
+              "ran, over the repeats done so far; --json and --plots were not written", file=sys.stderr)
+        return 130
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": mach, "methods": res}, f, indent=1)
     if args.plots:
         plot_bench(res, mach, args.plots)
+    return 0
+
+
+def cli(argv=None) -> int:
+    """The command line. Bad input: one line on stderr naming it and the fix, exit code 2. Ctrl-C:
+    the tables of what was measured so far, exit code 130. No traceback for either."""
+    try:
+        return main(build_parser().parse_args(argv)) or 0
+    except BrokenPipeError:  # the reader went away (bench.py ... | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (generate.UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\n[bench] interrupted by Ctrl-C before any result: nothing to report", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    args = build_parser().parse_args()
-    try:
-        main(args)
-    except (generate.UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli())

@@ -19,7 +19,9 @@ Contracts (tested in tests/test_generate.py): greedy speculative output is token
 plain greedy decoding, whatever the heads; speculative sampling samples from the base model's
 own distribution. The command line (tests/test_cli.py, tests/test_reliability.py): bad input ends
 with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback; Ctrl-C keeps the
-text so far and exits 130; the same --seed gives the same output.
+text so far and exits 130; the same --seed gives the same output. stdout holds only the generated
+text: remarks ("notice: ...", e.g. a flag without effect in the chosen mode) go to stderr, and colour
+codes (--show) only to a terminal.
 Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
 """
 import argparse
@@ -28,6 +30,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -66,7 +69,9 @@ def build_parser():
     p.add_argument("--tree", default="auto", help="chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads, else a chain as deep as the heads")
     # decoding
     p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else sample at this temperature")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is greedy too "
+                        "(the probabilities are one-hot there, and overflow far below it)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "sample"],
                    help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling); auto = greedy at T=0, else sample. "
@@ -76,7 +81,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
     # output
-    p.add_argument("--show", action="store_true", help="colour each token by where it came from (draft head k or the base model)")
+    p.add_argument("--show", action="store_true", help="colour each token by where it came from (draft head k or the base model); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
     return p
 
@@ -128,7 +133,7 @@ class Result:
 
 def choose_verifier(verify, temperature, top_p, generator):
     """verify(logits (N, V), tokens (N,), tree) -> (accepted node indices, bonus token)."""
-    if temperature == 0 or verify == "greedy":
+    if temperature < verify_lib.GREEDY_BELOW or verify == "greedy":
         return verify_lib.greedy
     if verify == "typical":
         return lambda l, t, tr: verify_lib.typical(l, t, tr, temperature, top_p, generator=generator)
@@ -296,6 +301,43 @@ def load_tree(spec, heads, heads_folder):
     return t
 
 
+def writable_file(flag, path, example):
+    """Fail now, not after the work: `path` must be a file (new or not) in an existing folder that
+    takes new files. Tried, not read off permission bits (root ignores those). Writes nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: not a file in an existing folder; give a path such as {example}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        if os.path.exists(path):
+            open(path, "ab").close()  # append mode: the file is left as it is
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder") from None
+
+
+def writable_folder(flag, path):
+    """Fail now, not after the work: `path` must be a folder that takes new files; it is created
+    (with its parents) if it does not exist."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a folder; give a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder") from None
+
+
+def check_text(text, what):
+    """Text must be valid Unicode to be tokenized and printed. A lone surrogate is not: Python makes
+    one of each command-line byte that is not UTF-8, and JSON of an unpaired escape like \\ud800."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what}: not valid Unicode text (a lone surrogate {text[e.start]!r} at character {e.start}, "
+                         "from bytes that are not UTF-8 or an unpaired \\ud800-\\udfff escape); pass UTF-8 text") from None
+    return text
+
+
 def read_prompts(path):
     """JSONL with a "prompt" field (and optional "id"): [(id, prompt)], errors name the line."""
     try:
@@ -317,7 +359,7 @@ def read_prompts(path):
             raise UsageError(f"--prompts {path}, line {n}: needs a string field \"prompt\", as in {{\"prompt\": \"...\"}}")
         if not obj["prompt"].strip():
             raise UsageError(f"--prompts {path}, line {n}: the prompt is empty; give it some text or drop the line")
-        prompts.append((obj.get("id", n), obj["prompt"]))
+        prompts.append((obj.get("id", n), check_text(obj["prompt"], f"--prompts {path}, line {n}")))
     if not prompts:
         raise UsageError(f"--prompts {path}: no prompts in the file; write one {{\"prompt\": \"...\"}} object per line")
     return prompts
@@ -335,11 +377,36 @@ def encode(tokenizer, text, system=None, raw=False):
 
 # --- printing ------------------------------------------------------------------------------------
 
+def notice(message):
+    """A one-line remark on stderr (never stdout, which holds only the generated text)."""
+    print(f"notice: {message}", file=sys.stderr)
+
+
+def flags_without_effect(args):
+    """One notice for each flag set away from its default that the chosen mode ignores."""
+    changed = lambda name: getattr(args, name) != build_parser().get_default(name)
+    ignored = []
+    if args.temperature == 0:
+        ignored += [f"--{n.replace('_', '-')} has no effect at --temperature 0 (greedy decoding)"
+                    for n in ("top_p", "seed") if changed(n)]
+        if args.verify in ("sample", "typical"):
+            ignored.append(f"--verify {args.verify} at --temperature 0 is greedy verification (same output)")
+    if args.heads == "none" and changed("verify"):
+        ignored.append("--verify has no effect without draft heads (--heads none)")
+    if args.raw and args.system is not None:
+        ignored.append("--system has no effect with --raw (no chat template)")
+    if args.show and args.quiet:
+        ignored.append("--show has no effect with --quiet (no text is printed)")
+    elif args.show and not sys.stdout.isatty():
+        ignored.append("--show colours only a terminal; stdout is not one, so the text is written plain")
+    return ignored
+
+
 COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, head 1, 2, ...
 
 
 class Printer:
-    """Streams decoded text to stdout; holds back an incomplete UTF-8 character."""
+    """Streams decoded text to stdout; holds back an incomplete UTF-8 character. show: colour codes."""
 
     def __init__(self, tokenizer, show):
         self.tok, self.show, self.ids, self.printed = tokenizer, show, [], ""
@@ -372,10 +439,16 @@ def main(args):
         raise UsageError("give either --prompt or --prompts, not both")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("the prompt is empty; pass some text with --prompt")
+    for flag in ("prompt", "system"):
+        if getattr(args, flag) is not None:
+            check_text(getattr(args, flag), f"--{flag}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
+    if 0 < args.temperature < verify_lib.GREEDY_BELOW:
+        notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: decoding greedily, as at 0")
+        args.temperature = 0.0
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.verify == "greedy" and args.temperature > 0:
@@ -384,14 +457,19 @@ def main(args):
         raise UsageError(f"--seed {args.seed}: must be in [0, 2**63)")
     if args.heads == "none" and args.tree != "auto":
         raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
-        raise UsageError(f"--out {args.out}: not a file in an existing folder; give a path such as replies.jsonl")
+    if args.out:
+        writable_file("--out", args.out, "replies.jsonl")
+        if args.prompts and os.path.isfile(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
+            raise UsageError(f"--out {args.out} is the --prompts file: the replies would overwrite the prompts; give another --out")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     prompts = read_prompts(args.prompts) if args.prompts else [(0, args.prompt)]
     if args.tree != "auto":
         parse_tree(args.tree)  # checked now, built once the heads are loaded
     find_heads(args.heads)
+    for message in flags_without_effect(args):
+        notice(message)
+    show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe
 
     # the model, then what depends on it
     torch.manual_seed(args.seed)
@@ -415,14 +493,14 @@ def main(args):
         raise UsageError(f"--out {args.out}: cannot write it ({e.strerror})") from None
     print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
           f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
-    if args.show and tree is not None:
+    if show and tree is not None and sys.stderr.isatty():  # the legend is colours too
         print("[--show: plain = the base model's own token, " + ", ".join(
             f"{COLOURS[min(d, len(COLOURS) - 1)]}head {d}{COLOURS[0]}" for d in range(1, tree.max_depth + 1)) + " = drafted by that head]", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     total = Result()
     try:
         for pid, ids in encoded:
-            printer = None if args.quiet else Printer(tokenizer, args.show)
+            printer = None if args.quiet else Printer(tokenizer, show)
             r = generate(model, ids, args.max_new_tokens, heads, tree, args.verify, args.temperature,
                          args.top_p, generator, eos, printer)
             if printer:

@@ -37,6 +37,20 @@ class LoadError(Exception):
 
 # --- configuration ---------------------------------------------------------------------------
 
+def _positive(hf: dict, key: str, default=None, number=False, where=""):
+    """hf[key] (default when absent or null): a positive int, or with number=True any positive
+    finite number; otherwise a LoadError naming the field."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise LoadError(f"field '{where}{key}' is missing; a Llama-family config needs it")
+    kinds = (int, float) if number else int
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0 or value == math.inf:
+        raise LoadError(f"field '{where}{key}' must be a positive {'number' if number else 'integer'}, got {value!r}")
+    return value
+
+
 @dataclass
 class Config:
     vocab_size: int = 256
@@ -56,24 +70,46 @@ class Config:
 
     @staticmethod
     def from_hf(hf: dict, name: str) -> "Config":
-        """Read a transformers config.json dict (transformers 4.x and 5.x spellings)."""
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        """Read a transformers config.json dict (transformers 4.x and 5.x spellings). A missing,
+        mistyped or inconsistent field is a LoadError that names it."""
+        if not isinstance(hf, dict):
+            raise LoadError(f"not a JSON object {{...}} but a JSON {type(hf).__name__}")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise LoadError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
+        rope = dict(rope)
+        theta = _positive(hf, "rope_theta", 10000.0, number=True)      # transformers 4.x: top level
+        theta = _positive(rope, "rope_theta", theta, number=True)      # 5.x: inside rope_parameters
+        rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
         rope["rope_type"] = rope_type
+        for key in {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
+                                                     "original_max_position_embeddings"]}.get(rope_type, []):
+            _positive(rope, key, number=True, where="rope_scaling.")
+        dim, heads = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
+        kv_heads = _positive(hf, "num_key_value_heads", heads)
+        if hf.get("head_dim") is None and dim % heads:
+            raise LoadError(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (and there is no head_dim)")
+        head_dim = _positive(hf, "head_dim", dim // heads)
+        if heads % kv_heads or head_dim % 2:
+            raise LoadError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
+                            f"and head_dim {head_dim} even (rotary embedding)")
         eos = hf.get("eos_token_id")
-        dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+            raise LoadError(f"field 'eos_token_id' must be a token id, a list of them or null, got {hf.get('eos_token_id')!r}")
+        tie = hf.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
         return Config(
-            vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or dim // heads, hidden_dim=hf["intermediate_size"],
-            norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta,
+            vocab_size=_positive(hf, "vocab_size"), dim=dim, n_layers=_positive(hf, "num_hidden_layers"), n_heads=heads,
+            n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=_positive(hf, "intermediate_size"),
+            norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True), rope_theta=theta,
             rope_scaling={} if rope_type == "default" else rope,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), name=name)
+            max_seq_len=_positive(hf, "max_position_embeddings", 2048),
+            tie_embeddings=tie, eos_ids=tuple(eos), name=name)
 
 
 # --- rotary position embedding ---------------------------------------------------------------
@@ -456,7 +492,7 @@ def convert_gguf(gguf_path, folder):
     import shutil
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", flush=True)
+    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", file=sys.stderr, flush=True)
     src, name = os.path.split(gguf_path)
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -515,15 +551,21 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     """Load a Llama-family model and its tokenizer. Returns (Transformer in eval mode, tokenizer)."""
     from transformers import AutoTokenizer
     folder = resolve(name_or_path)
+    path = os.path.join(folder, "config.json")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(path, encoding="utf-8") as f:
             hf = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise LoadError(f"{folder} has no readable config.json ({e})") from None
+    if not isinstance(hf, dict):
+        raise LoadError(f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass another model")
     arch = hf.get("model_type")
     if arch not in SUPPORTED:
         raise LoadError(f"architecture '{arch}' is not supported; supported Llama-family types: {', '.join(SUPPORTED)}")
-    cfg = Config.from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
+    try:
+        cfg = Config.from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}; fix it or pass another model") from None
     if name_or_path != DEFAULT and cfg.name in ("", None):
         cfg.name = name_or_path
     with torch.device("meta"):
@@ -531,7 +573,10 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     state = read_weights(folder)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shapes that config.json does not describe
+        raise LoadError(f"weights in {folder} do not fit its config.json: {(str(e).splitlines() + [''])[1].strip()}") from None
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise LoadError(f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -552,18 +597,45 @@ def lm_head_fingerprint(model) -> str:
     return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]
 
 
+# --- as a script: load a model, print a short greedy reply ---------------------------------------
+
+def main(argv=None) -> int:
+    """`python model.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.
+    Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
+    import argparse
+
+    def refuse(message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    p = argparse.ArgumentParser(description="Load a model and print a 20-token greedy reply.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--prompt", default="What is 2+2?", help="the user message")
+    p.error = refuse  # argparse would print its usage too; one line is the convention
+    args = p.parse_args(argv)
+    try:
+        t0 = time.time()
+        model, tok = load(args.model)
+        print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = torch.tensor([ids if isinstance(ids, list) else ids["input_ids"]])
+        cache = model.new_cache(ids.shape[1] + 20)
+        logits, _ = model(ids, torch.arange(ids.shape[1]), None, cache, last_only=True)
+        cache.keep(range(ids.shape[1]))
+        out = []
+        for _ in range(20):
+            out.append(int(logits[0, -1].argmax()))
+            logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([cache.length]), None, cache)
+            cache.keep([0])
+        print(repr(tok.decode(out)))
+        return 0
+    except (LoadError, ValueError) as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\n[interrupted by Ctrl-C]", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    t0 = time.time()
-    model, tok = load()
-    print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
-    ids = torch.tensor([ids if isinstance(ids, list) else ids["input_ids"]])
-    cache = model.new_cache(512)
-    logits, _ = model(ids, torch.arange(ids.shape[1]), None, cache, last_only=True)
-    cache.keep(range(ids.shape[1]))
-    out = []
-    for _ in range(20):
-        out.append(int(logits[0, -1].argmax()))
-        logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([cache.length]), None, cache)
-        cache.keep([0])
-    print(repr(tok.decode(out)))
+    sys.exit(main())

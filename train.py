@@ -19,10 +19,17 @@ Pipeline, each stage cached on disk and reused:
    the current step, writes a checkpoint and exits with status 130. Under torchrun, rank 0 builds
    the data, every rank trains on its share of the batches, rank 0 evaluates, saves and prints.
 
-Test: `python -m pytest -q tests/test_train.py`. Shapes: B batch, T time, D hidden, K heads,
-V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
+The command line (tests/test_train_cli.py): bad input (a flag outside its range, given in --help; a
+--data file that is missing; a folder that cannot be written; --resume with flags other than the
+checkpoint's) ends with one line on stderr, "error: <what> ...; <fix>", and exit code 2, before the
+model loads where it can. Cached features are keyed by what shapes them and rebuilt, with a notice,
+when stale or damaged. Ctrl-C while the data is built keeps the finished shards and exits 130.
+
+Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes: B batch, T time,
+D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -38,43 +45,72 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import model as model_lib
+from generate import Parser, UsageError, check_text, notice, pick_device, pick_dtype, writable_folder
 from verify import logits_to_probs, sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Sane ranges of the numeric flags (inclusive), checked before anything loads and shown in --help.
+# Once the model is loaded, --teacher-k and --kept-tokens must also fit its vocabulary and
+# --max-answer-tokens its context.
+RANGES = {
+    "--num-prompts": (2, 10_000_000),     # one conversation is held out, at least one trains
+    "--max-answer-tokens": (1, 32768),
+    "--gen-batch": (1, 1024),
+    "--answer-temperature": (0.0, 10.0),
+    "--teacher-k": (1, 256),              # stored for every token: 6 bytes each
+    "--num-heads": (1, 16),
+    "--num-layers": (1, 16),
+    "--kept-tokens": (0, 1_000_000),
+    "--noise": (0.0, 100.0),
+    "--epochs": (1, 1000),
+    "--batch-tokens": (16, 1_048_576),
+    "--lr": (1e-7, 1.0),
+    "--eval-every": (1, 10 ** 9),
+    "--save-every": (0.0, 1e9),
+    "--seed": (0, 2 ** 32 - 1),           # combined as seed * 10**9 + step into a 64-bit seed
+}
+
+
+def span(flag):
+    low, high = RANGES[flag]
+    return f"; {low} to {high}"
+
+
 def build_parser():
-    p = argparse.ArgumentParser(description="Train draft heads on a frozen base model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description="Train draft heads on a frozen base model.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # base model
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default', a local HF folder or a hub id")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers) or a ShareGPT-style JSONL file")
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
-    p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)")
-    p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit")
-    p.add_argument("--gen-batch", type=int, default=64, help="self-distillation: generation batch size (rows decoded together)")
-    p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: tasks and topics that seed the prompts the model writes")
-    p.add_argument("--dtype", default="auto", help="self-distillation and features: the base model's dtype, auto (bf16 where it is fast, as in generate.py) | fp32 | bf16")
-    p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)")
-    p.add_argument("--teacher-k", type=int, default=16, help="teacher targets: keep the base model's top-k probabilities per token")
+    p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
+    p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
+    p.add_argument("--gen-batch", type=int, default=64, help="self-distillation: generation batch size (rows decoded together)" + span("--gen-batch"))
+    p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: JSON of tasks and topics that seed the prompts the model writes")
+    p.add_argument("--dtype", default="auto", help="self-distillation: the base model's dtype while it writes data, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
+    p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)" + span("--answer-temperature"))
+    p.add_argument("--teacher-k", type=int, default=16, help="teacher targets: keep the base model's top-k probabilities per token" + span("--teacher-k") + ", at most the vocabulary")
     # heads and training
     p.add_argument("--heads", default="hydra++", choices=["medusa", "hydra", "hydra++"], help="which draft heads to train")
-    p.add_argument("--num-heads", type=int, default=4, help="K, number of draft heads")
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per Medusa head / hidden layers per Hydra MLP")
+    p.add_argument("--num-heads", type=int, default=4, help="K, number of draft heads" + span("--num-heads"))
+    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per Medusa head / hidden layers per Hydra MLP" + span("--num-layers"))
     p.add_argument("--own-lm-head", action="store_true", help="a trainable LM head per head (Medusa-1) instead of the shared frozen one")
-    p.add_argument("--kept-tokens", type=int, default=8192, help="heads predict over this many most frequent tokens (0 = whole vocabulary)")
+    p.add_argument("--kept-tokens", type=int, default=8192, help="heads predict over this many most frequent tokens (0 = whole vocabulary)" + span("--kept-tokens") + ", at most the vocabulary")
     p.add_argument("--loss", default="teacher", choices=["teacher", "next-token"], help="teacher: the base model's distribution (Hydra); next-token: data tokens, weights 0.8^k (Medusa-1)")
-    p.add_argument("--noise", type=float, default=0.0, help="NEFTune-style input noise alpha (0 = off)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the data")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)")
-    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every this many steps")
-    p.add_argument("--save-every", type=float, default=120, help="checkpoint every this many seconds (0 = after every step)")
+    p.add_argument("--noise", type=float, default=0.0, help="NEFTune-style input noise alpha (0 = off)" + span("--noise"))
+    p.add_argument("--epochs", type=int, default=2, help="passes over the data" + span("--epochs"))
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch" + span("--batch-tokens"))
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)" + span("--lr"))
+    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every this many steps" + span("--eval-every"))
+    p.add_argument("--save-every", type=float, default=120, help="checkpoint every this many seconds (0 = after every step)" + span("--save-every"))
     p.add_argument("--out", default=None, help="heads folder (default: <work>/heads-<kind>)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (same flags and data), exactly where it stopped")
-    p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out, exactly where it stopped; "
+                   "flags that shape the training must be the checkpoint's (refused otherwise), --eval-every and --save-every may change")
+    p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)" + span("--seed"))
     return p
 
 
@@ -245,11 +281,11 @@ def read_seeds(path):
         with open(path, encoding="utf-8") as f:
             seeds = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another") from None
+        raise UsageError(f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another") from None
     tasks, topics = seeds.get("tasks") if isinstance(seeds, dict) else None, seeds.get("topics") if isinstance(seeds, dict) else None
     if not (isinstance(tasks, dict) and tasks and all(isinstance(v, list) and v and all(isinstance(o, str) for o in v) for v in tasks.values())
             and isinstance(topics, list) and topics and all(isinstance(t, str) and t.strip() for t in topics)):
-        raise ValueError(f"--seeds {path}: needs {{\"tasks\": {{category: [opener, ...]}}, \"topics\": [topic, ...]}}, "
+        raise UsageError(f"--seeds {path}: needs {{\"tasks\": {{category: [opener, ...]}}, \"topics\": [topic, ...]}}, "
                          "each list non-empty and of strings")
     return tasks, topics
 
@@ -374,35 +410,45 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 def read_sharegpt(path, tokenizer):
     """[(ids, loss mask)] from a JSONL file of {"conversations": [{"from"|"role", "value"|"content"}]}.
     The loss mask marks the assistant's tokens. Errors name the line; nothing is dropped silently."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
     convs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["conversations"]
-                messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
-                            for t in turns]
-                assert messages and all(isinstance(m["content"], str) for m in messages)
-            except (json.JSONDecodeError, KeyError, TypeError, AssertionError, AttributeError):
-                raise ValueError(f"{path}, line {n}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", "
-                                 f"\"value\": \"...\"}}, ...]}} (or role/content)")
-            ids, loss = [], []
-            for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
-                text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-                new = tokenizer(text, add_special_tokens=False).input_ids[len(ids):]
-                ids += new
-                loss += [m["role"] == "assistant"] * len(new)
-            convs.append((ids, loss))
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["conversations"]
+            messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
+                        for t in turns]
+            assert messages and all(isinstance(m["content"], str) for m in messages)
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, AttributeError, RecursionError):
+            raise ValueError(f"{path}, line {n}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", "
+                             f"\"value\": \"...\"}}, ...]}} (or role/content)")
+        for m in messages:
+            check_text(m["content"], f"{path}, line {n}")
+        ids, loss = [], []
+        for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
+            text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+            new = tokenizer(text, add_special_tokens=False).input_ids[len(ids):]
+            ids += new
+            loss += [m["role"] == "assistant"] * len(new)
+        convs.append((ids, loss))
     if not convs:
         raise ValueError(f"{path}: no conversations in the file")
+    if not any(any(loss) for _, loss in convs):
+        raise ValueError(f"{path}: no conversation has an assistant turn (\"from\": \"gpt\" or \"role\": \"assistant\"); "
+                         "heads learn from the assistant's replies, so add them")
     return convs
 
 
 @torch.inference_mode()
-def features_of(model, convs, folder, top_k, batch_tokens=4096):
+def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None):
     """One pass of the base model over user conversations -> shards like self_distill's. They are
-    written into folder.tmp, renamed to folder at the end: an interrupted pass leaves no folder."""
+    written into folder.tmp with key.json last (see data_key), and renamed over folder at the end:
+    an interrupted pass leaves the old folder or none, never a part."""
     import shutil
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -418,6 +464,9 @@ def features_of(model, convs, folder, top_k, batch_tokens=4096):
         if size >= batch_tokens or i == len(convs) - 1:
             write_shard(os.path.join(tmp, f"shard-{n:05d}.safetensors"), batch)
             batch, size, n = [], 0, n + 1
+    with open(os.path.join(tmp, KEY_FILE), "w") as f:
+        json.dump({"key": key or {}, "shards": [f"shard-{i:05d}.safetensors" for i in range(n)]}, f, indent=1)
+    shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
 
 
@@ -431,6 +480,130 @@ def load_data(folder):
     lengths = torch.cat([p["offsets"].diff() for p in parts])
     data["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     return data
+
+
+# --- the data cache: keyed by what shapes it, checked before use ----------------------------------
+# Next to its shards a data folder holds key.json: what the stored features depend on (data_key:
+# the base model, its dtype and context, --teacher-k, and for --data FILE the sha256 of the file's
+# bytes). Features of a user's file are reused only when that key is this run's and every shard
+# is there and readable; otherwise they are computed again, with a notice saying why.
+# Self-distilled data records its features while it is written (hours), so it is never thrown
+# away: a run with other settings is refused, and an unreadable shard is set aside as *.broken.
+
+KEY_FILE = "key.json"
+SHARD_KEYS = {"ids", "loss", "hidden", "top_ids", "top_p", "offsets"}
+
+
+def file_digest(path):
+    """--data FILE: the sha256 of its bytes, or a UsageError saying what is wrong with the path."""
+    fix = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
+    if os.path.isdir(path):
+        raise UsageError(f"--data {path}: is a folder; {fix}")
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {fix}") from None
+    return h.hexdigest()
+
+
+def data_key(model, teacher_k, digest=None):
+    """What stored features depend on; digest: the --data file's sha256 (None for self-distilled)."""
+    key = {"model": model.cfg.name, "lm_head": model_lib.lm_head_fingerprint(model), "dim": model.cfg.dim,
+           "max_seq_len": model.cfg.max_seq_len, "dtype": str(model.dtype).removeprefix("torch."), "teacher_k": teacher_k}
+    return key | ({"data_sha256": digest} if digest else {})
+
+
+def key_differences(saved, key):
+    return ["the data file's content" if k == "data_sha256" else f"{k} {saved.get(k)!r}, now {v!r}"
+            for k, v in key.items() if saved.get(k) != v]
+
+
+def shard_shape(path):
+    """(teacher k, hidden width) of a data shard, read from its header; ValueError if it is damaged."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            if set(f.keys()) == SHARD_KEYS:
+                return f.get_slice("top_ids").get_shape()[1], f.get_slice("hidden").get_shape()[1]
+            problem = f"it holds {sorted(f.keys())}"
+    except Exception as e:  # safetensors raises its own error type on a truncated or damaged file
+        problem = str(e)
+    raise ValueError(f"{os.path.basename(path)} is unreadable ({problem})")
+
+
+def shards_in(folder):
+    return sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
+
+
+def features_problem(folder, key):
+    """Why the features in `folder` cannot be used for `key`, or None when they can."""
+    try:
+        with open(os.path.join(folder, KEY_FILE)) as f:
+            saved = json.load(f)
+        saved_key, shards = saved["key"], saved["shards"]
+        assert isinstance(saved_key, dict) and isinstance(shards, list)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"no valid {KEY_FILE} (an interrupted pass, or an older train.py)"
+    if differ := key_differences(saved_key, key):
+        return "made from other data or settings: " + "; ".join(differ)
+    if shards_in(folder) != shards or not shards:
+        return f"its shards are not the {len(shards)} listed in {KEY_FILE}"
+    for name in shards:
+        try:
+            if shard_shape(os.path.join(folder, name)) != (key["teacher_k"], key["dim"]):
+                return f"{name} holds features of another shape"
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def check_self_data(folder, key):
+    """Before self-distillation grows the data in `folder`: its features must have been made with
+    this run's key (else a UsageError; the data is kept), and each shard must be readable (else it
+    is set aside as *.broken and the rest renumbered: self_distill names a new shard by the count)."""
+    os.makedirs(folder, exist_ok=True)
+    fix = "use the same --model and --teacher-k, or another --work to make new data"
+    try:
+        with open(os.path.join(folder, KEY_FILE)) as f:
+            saved = json.load(f)["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        saved = None  # none yet, or written by an older train.py: the shards' shapes are checked below
+    if saved is not None and (differ := key_differences(saved, key)):
+        raise UsageError(f"the self-distilled data in {folder} was made with other settings ({'; '.join(differ)}); "
+                         f"its features were recorded as it was written and cannot be recomputed: {fix}")
+    good = []
+    for name in shards_in(folder):
+        path = os.path.join(folder, name)
+        try:
+            k, dim = shard_shape(path)
+        except ValueError as e:
+            notice(f"{e}; set aside as {name}.broken, self-distillation writes as many conversations again")
+            os.replace(path, path + ".broken")
+            continue
+        if (k, dim) != (key["teacher_k"], key["dim"]):
+            raise UsageError(f"the self-distilled data in {folder} holds features of teacher-k {k} and width {dim}, this run "
+                             f"needs {key['teacher_k']} and {key['dim']}: {fix}")
+        good.append(name)
+    for i, name in enumerate(good):  # no gaps; a target name is never a later shard's (numbers only go down)
+        if name != f"shard-{i:05d}.safetensors":
+            os.replace(os.path.join(folder, name), os.path.join(folder, f"shard-{i:05d}.safetensors"))
+    with open(os.path.join(folder, KEY_FILE + ".tmp"), "w") as f:
+        json.dump({"key": key}, f, indent=1)
+    os.replace(os.path.join(folder, KEY_FILE + ".tmp"), os.path.join(folder, KEY_FILE))
+
+
+def saved_so_far(folder, self_data):
+    """What an interrupted data stage leaves: a sentence for the Ctrl-C notice."""
+    if not self_data:
+        return "the features pass keeps nothing partial; the same command computes them again"
+    try:
+        kept = f"{sum(len(read_shard(os.path.join(folder, f), meta_only=True)) for f in shards_in(folder))} conversations"
+    except Exception:  # a damaged shard: the next run checks them all
+        kept = "the conversations"
+    return f"{kept} saved in {folder} are kept; the same command continues from them"
 
 
 # --- losses ------------------------------------------------------------------------------------------
@@ -603,10 +776,49 @@ def evaluate(heads, data, convs, to_kept, args, device):
 # heads.safetensors + heads.json next to it (heads.save, what generate.py loads) are written after
 # it: a crash between the two leaves them one checkpoint older than state.pt, and --resume never
 # reads them. Nothing else needs saving: batches are fixed by (seed, epoch), the noise by (seed,
-# step, rank), the learning rate by the step. `identity` (heads config, data size) must match on
-# resume, so that a checkpoint is never continued with other heads or other data.
+# step, rank), the learning rate by the step. `identity` (heads config, data size and digest, the
+# flags) must match on resume, so that a checkpoint is never continued with other heads, other data
+# or another recipe; only flags that never touch the weights may change, and a notice says so.
 
 STATE = "state.pt"
+RESUME_MAY_CHANGE = ("eval_every", "save_every")                # the new value is used
+NOT_RECORDED = ("resume", "out", "work", "device", "model", "data")  # places; model and data: by identity
+SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "gen_batch", "answer_temperature", "seeds", "dtype")
+
+
+def recorded_flags(args):
+    """The flags a checkpoint records (those shaping self-distilled data only with --data self)."""
+    skip = NOT_RECORDED + (() if args.data == "self" else SELF_DISTILL_FLAGS)
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def resume_differences(saved, now):
+    """Flags recorded in both that differ, as '--flag new (checkpoint: old)': (refused, may change)."""
+    differ = [k for k in saved if k in now and saved[k] != now[k]]
+    say = lambda k: f"--{k.replace('_', '-')} {now[k]} (checkpoint: {saved[k]})"
+    return [say(k) for k in differ if k not in RESUME_MAY_CHANGE], [say(k) for k in differ if k in RESUME_MAY_CHANGE]
+
+
+def read_checkpoint(folder):
+    path = os.path.join(folder, STATE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or not a checkpoint: torch raises several kinds
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}); start afresh without --resume or with another --out") from None
+
+
+def refuse_other_flags(folder, refused):
+    if refused:
+        raise ValueError(f"{folder}/{STATE} was written with other flags: {', '.join(refused)}; resume with the "
+                         "checkpoint's values, or start afresh with another --out")
+
+
+def data_digest(data):
+    """A short digest of the training data's tokens, loss mask and conversation bounds."""
+    h = hashlib.sha256()
+    for name in ("offsets", "ids", "loss"):
+        h.update(data[name].contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def save_checkpoint(folder, heads, opt, step, identity):
@@ -623,15 +835,24 @@ def save_checkpoint(folder, heads, opt, step, identity):
 
 def load_checkpoint(folder, heads, opt, identity):
     """Load state.pt into heads and opt (built as for a fresh run); returns the step to continue at."""
-    state = torch.load(os.path.join(folder, STATE), map_location="cpu", weights_only=True)
+    state = read_checkpoint(folder)
     if "heads" not in state:
         raise ValueError(f"{folder}/{STATE} was written by an older train.py (no heads inside); "
                          "start again without --resume, or with another --out")
+    refused, changed = resume_differences(state.get("flags", {}), identity["flags"])
+    refuse_other_flags(folder, refused)
+    for flag in changed:
+        notice(f"{flag}: the new value is used")
     saved, mine = state["heads"].get("kept_ids"), heads.kept_ids
     same_vocab = saved is None if mine is None else saved is not None and torch.equal(saved, mine.cpu())
-    if any(state.get(k) != v for k, v in identity.items()) or not same_vocab:
-        raise ValueError(f"{folder}/{STATE} was written for other heads or data ({state.get('config')}, "
-                         f"data {state.get('data')}); resume with the same flags and data, or use another --out")
+    config, data = state.get("config") or {}, state.get("data") or []
+    differ = [f"heads {k} {v} (checkpoint: {config.get(k)})" for k, v in identity["config"].items() if config.get(k) != v]
+    if data != identity["data"][:len(data)]:  # older checkpoints record the size only, not the digest
+        differ.append(f"data: {identity['data'][0]} conversations, {identity['data'][1]} tokens, digest "
+                      f"{identity['data'][2]} (checkpoint: {', '.join(map(str, data))})")
+    if differ or not same_vocab:
+        raise ValueError(f"{folder}/{STATE} was written for other heads or data ({'; '.join(differ) or 'another kept vocabulary'}); "
+                         "resume with the same flags and data, or use another --out")
     heads.load_state_dict(state["heads"])
     opt.load_state_dict(state["opt"])
     return state["step"]
@@ -716,7 +937,8 @@ def train(model, data, out, args):
     heads = heads_lib.build(cfg, model, kept).train()
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     n_conv = len(data["offsets"]) - 1
-    identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"])]}
+    identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"]), data_digest(data)],
+                "flags": recorded_flags(args)}
     step = saved_step = 0
     if args.resume and os.path.exists(os.path.join(out, STATE)):  # every rank reads it: --out must be shared
         step = saved_step = load_checkpoint(out, heads, opt, identity)
@@ -733,6 +955,14 @@ def train(model, data, out, args):
     held_out = torch.randperm(n_conv, generator=g)[:max(1, n_conv // 20)].tolist()
     train_convs = sorted(set(range(n_conv)) - set(held_out))
     lengths = data["offsets"].diff()
+    in_train = torch.zeros(n_conv, dtype=torch.bool)
+    in_train[train_convs] = True
+    position = torch.arange(len(data["ids"])) - data["offsets"][:-1].repeat_interleave(lengths)  # within its conversation
+    if not (data["loss"] & (position >= 2) & in_train.repeat_interleave(lengths)).any():  # head 1 at t predicts t+2
+        raise ValueError("nothing to learn from: no assistant token in the training data (no assistant turns, or only "
+                         "in the 5% held out); heads learn the assistant's replies, so give data that has them")
+    if args.epochs < 1:
+        raise ValueError(f"--epochs {args.epochs} trains nothing; use 1 or more")
     n_batches = len(make_batches(lengths, train_convs, args.batch_tokens, args.seed, 0))
     per_epoch = n_batches // world                                   # steps per epoch
     if per_epoch == 0:
@@ -809,39 +1039,123 @@ def data_model(model, dtype):
     """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16,
     where bf16 is fast (the data stage runs 3-4x faster in bf16 on a CPU with native bf16)."""
     import copy
-    import generate
-    dtype = generate.pick_dtype(dtype, model.device.type)
+    dtype = pick_dtype(dtype, model.device.type)
     return model if dtype == model.dtype else copy.deepcopy(model).to(dtype=dtype)
 
 
+# Bad input is caught where it enters, each check as early as what it needs allows: the flags and
+# paths before anything loads, what depends on the model right after it loads, a --resume
+# checkpoint's flags before any data is built (which can take hours).
+
+class Interrupted(Exception):
+    """Ctrl-C while the data is built; the message says what is kept."""
+
+
+def check_args(args):
+    """Every check that needs no model: ranges, the device, the folders, a --resume checkpoint."""
+    for flag, (low, high) in RANGES.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not low <= value <= high:  # NaN fails too
+            raise UsageError(f"{flag} {value}: out of range; use {low} to {high}")
+    pick_device(args.device)
+    pick_dtype(args.dtype, "cpu")
+    if args.data == "self":
+        read_seeds(args.seeds)
+    for flag in ("work", "out"):
+        if getattr(args, flag) is not None:
+            writable_folder(f"--{flag}", getattr(args, flag))
+    if args.out is not None:
+        check_resume(args.out, args)
+    default = build_parser().get_default
+    if args.data != "self":
+        for name in SELF_DISTILL_FLAGS:
+            if getattr(args, name) != default(name):
+                notice(f"--{name.replace('_', '-')} has no effect with --data FILE (it shapes self-distilled data)")
+
+
+def check_model_args(args, model):
+    """The flags bounded by the loaded model."""
+    vocab, context = model.cfg.vocab_size, model.cfg.max_seq_len
+    if args.teacher_k > vocab:
+        raise UsageError(f"--teacher-k {args.teacher_k}: the model's vocabulary has {vocab} tokens; use at most {vocab}")
+    if args.kept_tokens > vocab:
+        raise UsageError(f"--kept-tokens {args.kept_tokens}: the model's vocabulary has {vocab} tokens; "
+                         f"use at most {vocab} (or 0 for all of them)")
+    if args.data == "self" and args.max_answer_tokens > context:
+        raise UsageError(f"--max-answer-tokens {args.max_answer_tokens}: the model's context holds {context} tokens; use less")
+
+
+def check_resume(out, args):
+    """--resume: refuse a checkpoint written with other flags now, before the data is built."""
+    if args.resume and os.path.exists(os.path.join(out, STATE)):
+        refuse_other_flags(out, resume_differences(read_checkpoint(out).get("flags", {}), recorded_flags(args))[0])
+
+
 def main(args):
+    check_args(args)
+    digest = file_digest(args.data) if args.data != "self" else None
     rank, world, device = init_distributed(args.device)
     if rank > 0:
         dist.barrier()  # wait for rank 0 (below)
     model, tokenizer = model_lib.load(args.model, device, torch.float32)
+    check_model_args(args, model)
     work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
+    out = args.out or os.path.join(work, "heads-" + args.heads)
+    if args.out is None:  # the default folders, known now that the model has a name
+        writable_folder("--work", work)
+        writable_folder("--out", out)
+        check_resume(out, args)
+    writer = data_model(model, args.dtype) if args.data == "self" else model  # the model that computes features
+    key = data_key(writer, args.teacher_k, digest)
     if args.data == "self":
         folder = os.path.join(work, "self_distill")
     else:
         folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
     if rank == 0:
-        if args.data == "self":
-            self_distill(data_model(model, args.dtype), tokenizer, folder, args)
-        elif not os.path.isdir(folder):
-            features_of(model, read_sharegpt(args.data, tokenizer), folder, args.teacher_k)
+        try:
+            if args.data == "self":
+                check_self_data(folder, key)
+                print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
+                self_distill(writer, tokenizer, folder, args)
+            elif problem := features_problem(folder, key):
+                if os.path.isdir(folder):
+                    notice(f"the features in {folder} cannot be used: {problem}; computing them again")
+                convs = read_sharegpt(args.data, tokenizer)
+                print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
+                features_of(model, convs, folder, args.teacher_k, key=key)
+        except KeyboardInterrupt:
+            raise Interrupted(saved_so_far(folder, args.data == "self")) from None
         if world > 1:
             dist.barrier()  # the model cache and the data are on disk: let the others go
     data = load_data(folder)
     if rank == 0:
         print(f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
               f"{int(data['loss'].sum())} assistant tokens", file=sys.stderr)
-    train(model, data, args.out or os.path.join(work, "heads-" + args.heads), args)
+    train(model, data, out, args)
     if world > 1:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """The command line. Bad input or data: one line on stderr naming it and the fix, exit code 2.
+    A NaN loss: one line, exit code 1. Ctrl-C: what is kept, exit code 130 (during training the
+    loop itself saves a checkpoint and exits 130). No traceback for any of them."""
     try:
-        main(build_parser().parse_args())
-    except (FloatingPointError, ValueError, model_lib.LoadError) as e:  # bad data, flags or a NaN: one line, exit 1
-        sys.exit("[train] error: " + " ".join(str(e).splitlines()))
+        main(build_parser().parse_args(argv))
+        return 0
+    except (UsageError, ValueError, OSError, model_lib.LoadError) as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # training diverged: not a mistake in the input
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"\n[train] interrupted by Ctrl-C while building the data: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("\n[train] interrupted by Ctrl-C", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

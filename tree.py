@@ -23,7 +23,7 @@ build() runs once per generation, with plain Python loops on small lists.
     sparse(acc, budget) -> paths   expected_tau(acc, paths): trees tuned to measured acceptance
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
 
-Run `python tree.py` for a picture, `python -m pytest -q tests/test_tree.py` to test.
+Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to test.
 Shape legend: N tree nodes (root included), L leaves.
 """
 import heapq
@@ -256,5 +256,26 @@ def ascii(tree: Tree) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> int:
+    """`python tree.py [--tree SPEC]`: draw a tree. Bad input: one line on stderr, exit code 2."""
+    import argparse
+    import sys
+
+    def refuse(message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    p = argparse.ArgumentParser(description="Draw a candidate tree and its attention mask.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tree", default="cartesian:2,2", help="chain:N | cartesian:4,3,2 | a tree JSON file (as generate.py --tree)")
+    p.error = refuse  # argparse would print its usage too; one line is the convention
+    args = p.parse_args(argv)
+    try:
+        print(ascii(build(parse(args.tree))))
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"error: --tree: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    print(ascii(build(cartesian([2, 2]))))
+    raise SystemExit(main())

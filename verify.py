@@ -30,15 +30,21 @@ if TYPE_CHECKING:
 # Plain decoding, drafting and verification all turn logits into probabilities here.
 
 
+# Below this temperature sampling is greedy decoding. There softmax(logits / T) is already one-hot
+# in float32 (a logit gap of 0.01 becomes 100 nats), and far below it logits / T overflows to inf.
+GREEDY_BELOW = 1e-4
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Softmax over the last dim at `temperature`, restricted to the top-p nucleus; float32.
 
-    temperature 0 means greedy: a one-hot at the argmax. top-p keeps the smallest set of most
-    likely tokens whose mass reaches top_p (always at least the top token) and renormalises.
+    temperature 0 (or below GREEDY_BELOW) means greedy: a one-hot at the argmax. top-p keeps the
+    smallest set of most likely tokens whose mass reaches top_p (always at least the top token)
+    and renormalises.
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()           # (..., V)
     probs = torch.softmax(logits.float() / temperature, dim=-1)                # (..., V)
     if top_p < 1:
@@ -111,11 +117,12 @@ def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature:
     """Longest accepted path (ties: highest sum of log p); bonus ~ logits_to_probs at its end.
 
     p = softmax(logits / temperature) without top-p; top_p only shapes the bonus. Temperature must
-    be > 0: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule becomes
-    greedy, so at exactly 0 use greedy() instead (the division by 0 is not defined).
+    be >= GREEDY_BELOW: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule
+    becomes greedy, so below it use greedy() instead (logits / 0 is not defined).
     """
-    if temperature <= 0:
-        raise ValueError(f"typical acceptance needs temperature > 0, got {temperature}; use greedy at 0")
+    if temperature < GREEDY_BELOW:
+        raise ValueError(f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
+                         f"got {temperature}; use greedy below it")
     _check_shapes(logits, tokens, tree)
     n = tree.num_nodes
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)             # (N, V)

@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny random Llama (fast, most tests) and the real default model (a few)."""
+"""Shared fixtures: a tiny random Llama (fast, most tests) and the real default model (a few);
+for command-line tests, a tripwire for model loading and a folder that cannot be written."""
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -24,3 +28,57 @@ def tiny():
 def default_model():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, fp32 on CPU."""
     return model_lib.load(model_lib.DEFAULT, "cpu", torch.float32)
+
+
+def save_tiny_model(folder, seed=0, **config):
+    """A tiny random Llama saved as a transformers folder (config.json, safetensors) with the default
+    model's tokenizer, so that the scripts load it like any model, in well under a second."""
+    import json
+    import shutil
+    from safetensors.torch import save_file
+    hf = dict(model_type="llama", vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+              tie_word_embeddings=True, eos_token_id=2, _name_or_path="tiny-random-llama") | config
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_lib.Transformer(model_lib.Config.from_hf(hf, hf["_name_or_path"]))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    default = model_lib.resolve(model_lib.DEFAULT)
+    for name in os.listdir(default):
+        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(default, name), folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The folder of a tiny random Llama with the default model's tokenizer (see save_tiny_model)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """model.load raises: the checks under test must fail before any model loads."""
+    def tripwire(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    monkeypatch.setattr(model_lib, "load", tripwire)
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder in which this process cannot create files: read-only for a user; for root, who
+    ignores permission bits, sysfs."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    candidate = str(folder) if os.geteuid() != 0 else "/sys"
+    try:
+        tempfile.TemporaryFile(dir=candidate).close()
+        pytest.skip(f"{candidate} is writable here")
+    except OSError:
+        yield candidate
+    finally:
+        folder.chmod(0o700)

@@ -50,13 +50,6 @@ def run_script(*argv, timeout=180):
 
 
 @pytest.fixture
-def no_model(monkeypatch):
-    def tripwire(*a, **k):
-        raise AssertionError("the model was loaded before the arguments were checked")
-    monkeypatch.setattr(model_lib, "load", tripwire)
-
-
-@pytest.fixture
 def loaded(monkeypatch, default_model):
     """model.load("default") answers with the session's model; other names load for real."""
     real = model_lib.load
@@ -310,3 +303,120 @@ def test_script_prompt_too_long_after_loading_the_model():
     code, out, err = run_script("--raw", "--prompt", "hello world " * 4600, "--heads", "none")
     check_one_line_error(code, err, "tokens, the model's context holds 8192")
     assert out == ""
+
+
+# --- text, files and the model's config.json, checked where they enter -------------------------
+
+def test_text_that_is_not_valid_unicode(no_model, capsys, tmp_path):
+    """A lone surrogate cannot be tokenized or printed: Python makes one of each command-line byte
+    that is not UTF-8 ("caf\\xe9" in Latin-1), and JSON of an unpaired \\ud800 escape."""
+    check_one_line_error(*run_cli(capsys, "--prompt", "caf\udce9")[::2], "--prompt: not valid Unicode text", "pass UTF-8 text")
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--system", "\ud800")[::2], "--system: not valid Unicode text")
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\ud800 escape"}\n')
+    check_one_line_error(*run_cli(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: not valid Unicode text")
+
+
+def test_script_prompt_bytes_that_are_not_utf8():
+    p = subprocess.run([sys.executable, "generate.py", "--prompt", b"caf\xe9"], cwd=ROOT, capture_output=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", LC_ALL="C.UTF-8"))
+    check_one_line_error(p.returncode, p.stderr.decode("utf-8", "replace"), "--prompt: not valid Unicode text")
+
+
+def test_out_that_is_the_prompts_file_is_refused(no_model, capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    text = '{"prompt": "Name a river."}\n'
+    prompts.write_text(text)
+    os.symlink(prompts, tmp_path / "link.jsonl")
+    os.link(prompts, tmp_path / "hard.jsonl")
+    for out in (prompts, tmp_path / "link.jsonl", tmp_path / "hard.jsonl", tmp_path / "." / "prompts.jsonl"):
+        check_one_line_error(*run_cli(capsys, "--prompts", prompts, "--out", out)[::2], "is the --prompts file", "give another --out")
+    code, _, err = run_script("--prompts", prompts, "--out", prompts)  # the real entry point
+    check_one_line_error(code, err, "the replies would overwrite the prompts")
+    assert prompts.read_text() == text
+
+
+TINY_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+               "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize("change, words", [
+    ([1, 2], "not a JSON object {...} but a JSON list"),
+    ("llama", "not a JSON object {...} but a JSON str"),
+    ({"hidden_size": None}, "field 'hidden_size' is missing"),
+    ({"hidden_size": "16"}, "field 'hidden_size' must be a positive integer, got '16'"),
+    ({"num_hidden_layers": 1.5}, "field 'num_hidden_layers' must be a positive integer, got 1.5"),
+    ({"num_attention_heads": 0}, "field 'num_attention_heads' must be a positive integer, got 0"),
+    ({"vocab_size": True}, "field 'vocab_size' must be a positive integer, got True"),
+    ({"rms_norm_eps": -1e-5}, "field 'rms_norm_eps' must be a positive number"),
+    ({"hidden_size": 18, "num_attention_heads": 4}, "hidden_size 18 is not a multiple of num_attention_heads 4"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 2 must be a multiple of num_key_value_heads 3"),
+    ({"eos_token_id": "</s>"}, "field 'eos_token_id' must be a token id"),
+    ({"tie_word_embeddings": "yes"}, "field 'tie_word_embeddings' must be true or false"),
+    ({"rope_scaling": [2.0]}, "field 'rope_scaling' must be an object or null"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "field 'rope_scaling.factor' is missing"),
+])
+def test_model_config_json_damaged(capsys, tmp_path, change, words):
+    config = change if not isinstance(change, dict) else {k: v for k, v in (TINY_CONFIG | change).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2], f"{tmp_path}/config.json: ", words,
+                         "fix it or pass another model")
+
+
+def test_model_weights_that_do_not_fit_config_json(capsys, tmp_path, tiny_model_dir):
+    import shutil
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": 48}))
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--model", folder)[::2], "do not fit its config.json: size mismatch")
+
+
+# --- temperatures, notices and colour -----------------------------------------------------------
+
+def test_tiny_temperatures_decode_greedily(capsys, tmp_path, tiny_model_dir):
+    ids = {}
+    for t in ("0", "1e-30", "1e-45"):  # 1e-45: logits / T is inf, softmax NaN, without the threshold
+        out = tmp_path / f"{t}.jsonl"
+        code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--temperature", t,
+                               "--max-new-tokens", 6, "--quiet", "--out", out)
+        assert code == 0, err
+        assert (t == "0") != (f"notice: --temperature {float(t)} is below 0.0001: decoding greedily" in err), err
+        ids[t] = json.loads(out.read_text())["token_ids"]
+    assert ids["1e-30"] == ids["1e-45"] == ids["0"]
+
+
+def test_library_verifiers_at_a_tiny_temperature_are_greedy():
+    torch.manual_seed(0)
+    model = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model).eval()
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    want = G.generate(model, [1, 2, 3], 20).tokens
+    for verify in ("sample", "typical"):
+        got = G.generate(model, [1, 2, 3], 20, heads, tree, verify, 1e-40, generator=torch.Generator().manual_seed(0))
+        assert got.tokens == want, verify
+
+
+def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
+    code, out, err = run_cli(capsys, "--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--max-new-tokens", 3,
+                             "--top-p", 0.5, "--seed", 4, "--verify", "sample", "--raw", "--system", "Be brief.")
+    assert code == 0, err
+    for words in ("--top-p has no effect at --temperature 0", "--seed has no effect at --temperature 0",
+                  "--verify sample at --temperature 0 is greedy verification", "--verify has no effect without draft heads",
+                  "--system has no effect with --raw"):
+        assert f"notice: {words}" in err
+    assert "notice" not in out and len(out.strip().splitlines()) <= 1  # stdout: only the generated text
+    code, out, err = run_cli(capsys, "--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--max-new-tokens", 3)
+    assert code == 0 and "notice" not in err, err
+
+
+def test_colour_codes_only_on_a_terminal(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """--show colours drafted tokens on a terminal; into a file or a pipe the text stays plain."""
+    model, _ = model_lib.load(tiny_model_dir)
+    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path)
+    argv = ["--model", tiny_model_dir, "--heads", tmp_path, "--prompt", "hi", "--max-new-tokens", 16, "--show"]
+    code, out, err = run_cli(capsys, *argv)                  # capsys: not a terminal
+    assert code == 0, err
+    assert "\033[" not in out + err and "notice: --show colours only a terminal" in err
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and "\033[" in out and "notice: --show" not in err  # the tiny model repeats: drafts are accepted

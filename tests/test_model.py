@@ -198,3 +198,41 @@ def test_bf16_agrees_with_fp32_at_long_positions(default_model):
     agree = (ref == got).float()
     short, long = agree[:1000].mean().item(), agree[2000:].mean().item()
     assert long >= short - 0.003, (short, long)
+
+
+# --- as a script, and what it says ---------------------------------------------------------------
+
+def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
+    """`python model.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
+    def one_line_error(words):
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, err
+
+    with pytest.raises(SystemExit) as e:
+        model_lib.main(["--help"])
+    assert e.value.code == 0 and "--model" in capsys.readouterr().out
+    assert model_lib.main(["--model", tiny_model_dir, "--prompt", "Hello"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("loaded tiny-random-llama in ") and err == ""
+    assert model_lib.main(["--model", "/no/such/model"]) == 2
+    one_line_error("not a folder nor a hub id")
+    with pytest.raises(SystemExit) as e:  # argparse's own exit, with our one line
+        model_lib.main(["--bogus"])
+    assert e.value.code == 2
+    one_line_error("unrecognized arguments: --bogus")
+
+
+def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """The one-time conversion of the default model says so on stderr: stdout holds only what the
+    scripts generate. (transformers' GGUF reading is replaced by the tiny model: the same calls.)"""
+    import transformers
+    real = transformers.AutoTokenizer.from_pretrained
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda src, gguf_file, dtype: hf)
+    model_lib.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
+    out, err = capsys.readouterr()
+    assert out == "" and "[model] converting model.gguf" in err
+    assert model_lib.cache_is_valid(str(tmp_path / "converted"))

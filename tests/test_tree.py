@@ -203,3 +203,20 @@ def test_random_trees():
                 gone = rng.choice(inner)
                 with pytest.raises(ValueError, match="no parent"):
                     T.build([p for p in paths if p != gone])
+
+
+# --- as a script ----------------------------------------------------------------------------------
+
+def test_script_draws_a_tree_and_refuses_bad_arguments(capsys):
+    """`python tree.py` runs main(): --help, --tree SPEC, one line and exit code 2 on bad input."""
+    with pytest.raises(SystemExit) as e:
+        T.main(["--help"])
+    assert e.value.code == 0 and "--tree" in capsys.readouterr().out
+    assert T.main(["--tree", "chain:2"]) == 0
+    assert capsys.readouterr().out.startswith("tree: 3 nodes, depth 2, 1 leaves")
+    assert T.main(["--tree", "chain:x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tree: 'chain:x' is not a tree") and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        T.main(["extra"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "error: unrecognized arguments: extra (see --help)"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tree import build, cartesian, chain
-from verify import greedy, logits_to_probs, sample, speculative, typical
+from verify import GREEDY_BELOW, greedy, logits_to_probs, sample, speculative, typical
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -69,6 +69,16 @@ def test_temperature_zero_is_one_hot_at_argmax():
     probs = logits_to_probs(logits, 0.0)
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 7).float())
     assert sample(probs, None).tolist() == logits.argmax(-1).tolist()
+
+
+def test_tiny_temperatures_are_greedy_not_nan():
+    """Below GREEDY_BELOW sampling is greedy; at 1e-40, logits / T would overflow to inf and NaN."""
+    logits = 30 * torch.randn(5, 7, generator=torch.Generator().manual_seed(0))  # (B, V)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 7).float()
+    for temperature in (1e-40, 1e-30, GREEDY_BELOW / 2):
+        assert torch.equal(logits_to_probs(logits, temperature, 0.9), one_hot)
+    assert torch.isfinite(logits_to_probs(logits, GREEDY_BELOW)).all()
+    assert torch.isnan(torch.softmax(logits / 1e-40, -1)).any()  # what the threshold prevents
 
 
 @pytest.mark.parametrize("top_p, kept", [

@@ -1,0 +1,134 @@
+"""bench.py's command line on bad input: one line on stderr, "error: <what> ...; <fix>", exit code 2,
+no traceback, before the model loads where it can (an output folder that cannot be written is
+found before the run, not after an hour of measuring); Ctrl-C prints what was measured so far and
+exits 130.
+
+Most cases call bench.cli(argv) in-process, with model.load replaced by a tripwire or on a tiny
+random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python bench.py`.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import bench as B
+import generate as G
+from test_cli import check_one_line_error
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(capsys, *argv):
+    code = B.cli([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def prompts_file(folder, n=3):
+    path = os.path.join(folder, "prompts.jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"p{i}", "category": "test", "prompt": f"Count to {i + 3}."}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--limit", "-1"], "--limit -1: must be 0 (all prompts) or a number of prompts"),
+    (["--threads", "-1"], "--threads -1: must be 0 (torch's default) or a number of threads"),
+    (["--repeats", "0"], "must be at least 1"),
+    (["--prefix-len", "0"], "must be at least 1"),
+    (["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+    (["--seed", "-1"], "--seed -1"),
+    (["--json", "/no/such/folder/bench.json"], "not a file in an existing folder"),
+    (["--limit", "ten"], "invalid int value"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_flags_before_the_model_loads(no_model, capsys, argv, words):
+    check_one_line_error(*run_bench(capsys, *argv)[::2], words)
+
+
+def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, unwritable):
+    file = tmp_path / "a-file"
+    file.write_text("old results")
+    for argv, words in [(["--json", tmp_path], "not a file in an existing folder"),
+                        (["--json", os.path.join(unwritable, "bench.json")], "cannot write there"),
+                        (["--plots", file], "is a file, not a folder"),
+                        (["--plots", unwritable], "cannot write there"),
+                        (["--plots", os.path.join(unwritable, "plots")], "cannot write there")]:
+        check_one_line_error(*run_bench(capsys, *argv)[::2], f"{argv[0]} ", words)
+    G.writable_file("--json", str(file), "bench.json")  # a writable file passes, untouched
+    assert file.read_text() == "old results"
+
+
+def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\udc80 escape"}\n')
+    check_one_line_error(*run_bench(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: not valid Unicode text")
+
+
+def test_flags_without_effect_get_a_notice(capsys):
+    B.check_args(B.build_parser().parse_args(["--max-budget", "8"]))
+    assert capsys.readouterr().err == "notice: --max-budget has no effect without --tune-tree\n"
+    B.check_args(B.build_parser().parse_args(["--tune-tree", "--repeats", "2", "--temperature", "1e-9"]))
+    err = capsys.readouterr().err
+    assert "notice: --repeats has no effect with --tune-tree" in err and "--temperature has no effect with --tune-tree" in err
+    B.check_args(B.build_parser().parse_args(["--temperature", "1e-9"]))
+    assert "the sampling methods decode greedily" in capsys.readouterr().err
+
+
+def test_draft_model_not_llama_family(no_model, capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    check_one_line_error(*run_bench(capsys, "--draft-model", tmp_path, "--methods", "plain,assisted")[::2],
+                         "architecture 'gpt2' is not Llama-family (llama, mistral)")
+
+
+def test_draft_model_with_another_tokenizer(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """Found once the base tokenizer is loaded, before anything is measured."""
+    draft = shutil.copytree(tiny_model_dir, tmp_path / "draft")
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["the"], vocab["and"] = vocab["and"], vocab["the"]  # the same tokens under other ids
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before the draft model was checked"))
+    check_one_line_error(*run_bench(capsys, "--model", tiny_model_dir, "--draft-model", draft, "--methods", "plain,assisted",
+                                    "--prompts", prompts_file(tmp_path), "--heads-dir", tmp_path)[::2],
+                         "its tokenizer is not the base model's", "give a draft model with the same tokenizer")
+
+
+def test_model_config_json_damaged(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16}))
+    check_one_line_error(*run_bench(capsys, "--model", tmp_path, "--prompts", prompts_file(tmp_path))[::2],
+                         "config.json: field 'num_attention_heads' is missing")
+
+
+def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir):
+    p = subprocess.Popen([sys.executable, "bench.py", "--model", tiny_model_dir, "--methods", "plain", "--heads-dir", str(tmp_path),
+                          "--prompts", prompts_file(tmp_path), "--repeats", "100000", "--max-new-tokens", "4", "--dtype", "fp32",
+                          "--json", str(tmp_path / "bench.json")],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watchdog = threading.Timer(120, p.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if "[bench] measuring" in line:
+                break
+        time.sleep(1.5)  # every prompt measured many times over by now
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+    err = "".join(lines) + err
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    assert "| plain |" in out and "prompts: 3" in out
+    assert "interrupted by Ctrl-C: the tables cover the 3 of 3 prompts" in err
+    assert not os.path.exists(tmp_path / "bench.json")

@@ -1,0 +1,240 @@
+"""train.py's command line on bad input: each case ends with one line on stderr, "error: <what> ...;
+<fix>", exit code 2 and no traceback, before the model loads where it can; cached features are
+keyed by the data's content and the settings that shape them, and rebuilt with a notice when stale
+or damaged; --resume refuses flags other than the checkpoint's; Ctrl-C while the model writes its
+own data keeps the shards written and exits 130.
+
+Most cases call train.cli(argv) in-process, with model.load replaced by a tripwire (checks that must
+fail before the model loads) or on a tiny random Llama saved to a folder (conftest.tiny_model_dir);
+two run `python train.py` in a subprocess, as a user meets it.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import model as model_lib
+import train as T
+from conftest import tiny_config
+from test_cli import check_one_line_error
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(capsys, *argv):
+    code = T.cli([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def conversations(path, n=30, seed=0, assistant=True):
+    """A ShareGPT-style JSONL file of n short random conversations."""
+    g = torch.Generator().manual_seed(seed)
+    words = "the cat sat on a mat and then it ran to see the dog who was very happy".split()
+    say = lambda k: " ".join(words[int(i)] for i in torch.randint(len(words), (k,), generator=g))
+    with open(path, "w") as f:
+        for _ in range(n):
+            turns = [{"from": "human", "value": say(6)}] + ([{"from": "gpt", "value": say(12)}] if assistant else [])
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+TINY_RUN = ["--epochs", 1, "--batch-tokens", 256, "--num-heads", 2, "--kept-tokens", 64, "--eval-every", 1000]
+
+
+# --- checks that need no model ------------------------------------------------------------------
+
+OUT_OF_RANGE = [(flag, value) for flag, (low, high) in T.RANGES.items() for value in (low - 1, high + 1)] + \
+               [(flag, "nan") for flag, (low, _) in T.RANGES.items() if isinstance(low, float)]
+
+
+@pytest.mark.parametrize("flag, value", OUT_OF_RANGE, ids=[f"{f} {v}" for f, v in OUT_OF_RANGE])
+def test_numeric_flags_outside_their_range(no_model, capsys, flag, value):
+    low, high = T.RANGES[flag]
+    check_one_line_error(*run_train(capsys, flag, value)[::2], f"{flag} ", f"out of range; use {low} to {high}")
+
+
+def test_help_states_every_range():
+    text = " ".join(T.build_parser().format_help().split())  # undo the line wrapping
+    for flag, (low, high) in T.RANGES.items():
+        assert f"{low} to {high}" in text.split(flag, 2)[2], flag  # in the flag's own help, after its usage
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "eagle"], "invalid choice"),
+    (["--epochs", "two"], "invalid int value"),
+    (["--device", "tpu"], "unknown device"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_flags(no_model, capsys, argv, words):
+    check_one_line_error(*run_train(capsys, *argv)[::2], words)
+
+
+def test_data_missing_or_a_folder(no_model, capsys, tmp_path):
+    check_one_line_error(*run_train(capsys, "--data", tmp_path / "nope.jsonl")[::2], "cannot read it", "or 'self'")
+    check_one_line_error(*run_train(capsys, "--data", tmp_path)[::2], "is a folder", "ShareGPT-style JSONL file")
+
+
+@pytest.mark.parametrize("flag", ["--work", "--out"])
+def test_work_and_out_must_be_writable_folders(no_model, capsys, tmp_path, unwritable, flag):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    check_one_line_error(*run_train(capsys, flag, file)[::2], f"{flag} {file}: is a file, not a folder")
+    check_one_line_error(*run_train(capsys, flag, unwritable)[::2], f"{flag} {unwritable}: cannot write there")
+    check_one_line_error(*run_train(capsys, flag, os.path.join(unwritable, "sub"))[::2], "cannot write there")
+    assert file.read_text() == "x"
+
+
+def test_script_usage_errors_exit_2():
+    """The real entry point: exit code 2 (it was 1), one line, no traceback, before the model loads."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "train.py", "--epochs", "0"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=120)
+    check_one_line_error(p.returncode, p.stderr, "--epochs 0: out of range; use 1 to 1000")
+    assert time.time() - t0 < 30 and p.stdout == ""
+
+
+# --- on a tiny model ----------------------------------------------------------------------------
+
+def test_epochs_0_and_data_without_assistant_turns_train_nothing_and_are_refused(capsys, tmp_path, tiny_model_dir):
+    chats = conversations(tmp_path / "chats.jsonl", assistant=False)
+    out = tmp_path / "heads"
+    check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--data", chats, "--work", tmp_path, "--out", out,
+                                    *TINY_RUN)[::2], "no conversation has an assistant turn")
+    assert not os.path.exists(out / "heads.safetensors")
+    check_one_line_error(*run_train(capsys, "--epochs", 0, "--data", chats)[::2], "--epochs 0: out of range")
+
+
+def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
+    """train() itself refuses data it could learn nothing from, rather than exit 0 with no heads."""
+    torch.manual_seed(0)
+    base = model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    convs = [(list(range(1, 12)), [False] * 11) for _ in range(20)]
+    T.features_of(base, convs, str(tmp_path / "f"), top_k=4)
+    args = T.build_parser().parse_args(["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")])
+    with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
+        T.train(base, T.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+    assert not os.path.exists(tmp_path / "h" / T.STATE)
+
+
+def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_model_dir):
+    chats = conversations(tmp_path / "chats.jsonl")
+    folder = tmp_path / "features-chats.jsonl"
+    shard = folder / "shard-00000.safetensors"
+    run = lambda *flags: run_train(capsys, "--model", tiny_model_dir, "--data", chats, "--work", tmp_path, *TINY_RUN, *flags)
+
+    code, _, err = run("--gen-batch", 4)
+    assert code == 0, err
+    assert "computing the features" in err and "cannot be used" not in err
+    assert "notice: --gen-batch has no effect with --data FILE" in err
+    first = T.read_shard(str(shard))["ids"]
+
+    code, _, err = run()                                           # same data and settings: reused
+    assert code == 0 and "computing the features" not in err, err
+
+    conversations(chats, seed=1)                                   # same name, other content
+    code, _, err = run()
+    assert code == 0 and "made from other data or settings: the data file's content; computing them again" in err, err
+    assert not torch.equal(T.read_shard(str(shard))["ids"], first)
+
+    code, _, err = run("--teacher-k", 8)                           # a flag that shapes the features
+    assert code == 0 and "teacher_k 16, now 8" in err, err
+    assert T.read_shard(str(shard))["top_ids"].shape[1] == 8
+
+    shard.write_bytes(shard.read_bytes()[:1000])                   # damaged (a full disk, a bad copy)
+    code, _, err = run("--teacher-k", 8)
+    assert code == 0 and "shard-00000.safetensors is unreadable" in err, err
+    os.remove(folder / T.KEY_FILE)                                 # as an older train.py left it
+    code, _, err = run("--teacher-k", 8)
+    assert code == 0 and "no valid key.json" in err, err
+    assert T.features_problem(str(folder), json.loads((folder / T.KEY_FILE).read_text())["key"]) is None
+
+
+def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    chats, out = conversations(tmp_path / "chats.jsonl"), tmp_path / "heads"
+    common = ["--model", tiny_model_dir, "--data", chats, "--work", tmp_path, "--out", out, *TINY_RUN]
+    code, _, err = run_train(capsys, *common)
+    assert code == 0, err
+    state = (out / T.STATE).read_bytes()
+
+    real_load = model_lib.load
+    with monkeypatch.context() as mp:                              # refused before the model loads
+        mp.setattr(model_lib, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        check_one_line_error(*run_train(capsys, *common, "--resume", "--lr", 0.01, "--seed", 3)[::2],
+                             "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
+                             "start afresh with another --out")
+        check_one_line_error(*run_train(capsys, *common, "--resume", "--epochs", 2)[::2], "--epochs 2 (checkpoint: 1)")
+    assert model_lib.load is real_load and (out / T.STATE).read_bytes() == state
+
+    code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)  # harmless: the new value is used
+    assert code == 0 and "notice: --eval-every 5 (checkpoint: 1000): the new value is used" in err, err
+
+    other = conversations(tmp_path / "other.jsonl", seed=2)        # same size, other data: found once it is read
+    code, _, err = run_train(capsys, *common[:2], "--data", other, *common[4:], "--resume")
+    check_one_line_error(code, err.strip().splitlines()[-1], "written for other heads or data (data: 30 conversations")
+    assert (out / T.STATE).read_bytes() == state
+
+
+def self_distilled_shard(folder, n=2, k=16, dim=16):
+    """A shard of n short conversations with features as self_distill writes them."""
+    os.makedirs(folder, exist_ok=True)
+    convs = [dict(prompt=f"prompt {i}", ids=[1, 2, 3, 4, 5], loss=[False, False, True, True, True], teacher_from=1,
+                  hidden=torch.zeros(4, dim), top_ids=torch.zeros(3, k, dtype=torch.long), top_p=torch.zeros(3, k))
+             for i in range(n)]
+    path = os.path.join(folder, f"shard-{len(T.shards_in(folder)):05d}.safetensors")
+    T.write_shard(path, convs)
+    return path
+
+
+def test_self_distilled_data_of_other_settings_is_refused_and_kept(capsys, tmp_path, tiny_model_dir):
+    shard = self_distilled_shard(tmp_path / "self_distill", k=16)
+    before = open(shard, "rb").read()
+    check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--work", tmp_path, "--teacher-k", 8)[::2],
+                         "holds features of teacher-k 16 and width 16, this run needs 8 and 16", "another --work")
+    assert open(shard, "rb").read() == before
+
+
+def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(capsys, tmp_path):
+    folder = str(tmp_path / "self_distill")
+    paths = [self_distilled_shard(folder, n=i + 1) for i in range(3)]     # 1, 2, 3 conversations
+    with open(paths[1], "r+b") as f:
+        f.truncate(100)
+    T.check_self_data(folder, {"teacher_k": 16, "dim": 16})
+    assert "shard-00001.safetensors is unreadable" in capsys.readouterr().err
+    assert T.shards_in(folder) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert [len(T.read_shard(os.path.join(folder, f), meta_only=True)) for f in T.shards_in(folder)] == [1, 3]
+    assert os.path.exists(paths[1] + ".broken")
+    with pytest.raises(T.UsageError, match="made with other settings"):  # key.json now records the settings
+        T.check_self_data(folder, {"teacher_k": 16, "dim": 32})
+
+
+def test_ctrl_c_while_self_distilling_keeps_the_shards_and_exits_130(tmp_path, tiny_model_dir):
+    shard = self_distilled_shard(tmp_path / "self_distill", n=2)
+    before = open(shard, "rb").read()
+    p = subprocess.Popen([sys.executable, "train.py", "--model", tiny_model_dir, "--work", str(tmp_path), "--gen-batch", "4"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watchdog = threading.Timer(120, p.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in p.stderr:  # the random model writes prompts that fail the filter: it never finishes
+            lines.append(line)
+            if "self-distilled data in" in line:
+                break
+        time.sleep(1.0)  # inside self_distill, generating
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+    err = "".join(lines) + err
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted by Ctrl-C while building the data: 2 conversations saved in" in err and "are kept" in err
+    assert open(shard, "rb").read() == before
