@@ -125,7 +125,7 @@ def copy_plain(default_model):
     return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
 
 
-@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:15", "model"])
+@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model"])
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
@@ -133,14 +133,14 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     if name == "heads+lookup":
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
         d = D.Merged(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), lookup, "cpu")
-    elif name == "layers:15":
-        d = D.ModelDrafter(model, 4, 0.0, 1.0, None, 15, "layers:15")
+    elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
+        d = D.ModelDrafter(model, 4, 0.0, 1.0, None, 27, "layers:27")
     elif name == "model":  # the model as its own draft model: the only one at hand with its tokenizer
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
     else:
         d = lookup
     r = G.generate(model, prompt, 24, d, eos_ids=eos)
-    assert r.tokens == plain.tokens and r.stopped == "eos"
+    assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
     if "lookup" in name:  # the reply copies the prompt: lookup's chain is accepted whole
         assert max(r.accepted) >= 8 and r.steps <= 4, (r.accepted, r.steps)
 
