@@ -1,15 +1,20 @@
 """
-Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted) and draft heads
-(Medusa, Hydra, Hydra++), side by side on the same prompts, in the same run, on this machine.
+Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted), draft heads
+(Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the model's first layers, heads +
+lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this machine.
 
     python bench.py                                          # every available method, eval/prompts.jsonl
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
-    python bench.py --draft-model some/small-llama ...               # adds transformers assisted generation
+    python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree size for this machine -> tree.json
+    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
 
-Every method decodes through generate.generate() (plain, medusa, hydra, hydra++ and the sampling
-variants) or transformers' generate() (hf, pld, assisted); nothing here is a decode loop.
+Every method decodes through generate.generate() (plain, the heads and their sampling variants,
+lookup, hydra++-lookup, layers, draft-model) or transformers' generate() (hf, pld, assisted);
+nothing here is a decode loop. Drafting settings are generate.py's defaults (DRAFT_DEFAULTS);
+'layers' uses the N and gamma that --tune-layers saved in --heads-dir/layers.json for this model,
+else half the layers (reported as untuned).
 Honest timing: one warm-up generation per method; the device is synchronised around every timed
 region; repeats are interleaved (each repeat runs every prompt, and every method on it in an order
 rotated per prompt) so machine noise hits all methods alike; the median over repeats per prompt.
@@ -20,6 +25,11 @@ The command line (tests/test_bench_cli.py): bad input ends with one line on stde
 ...; <fix>", exit code 2, before the model loads where it can (--json and --plots included: a
 folder that cannot be written is found before the run, not after it). Ctrl-C prints the tables of
 what was measured so far and exits 130.
+
+--tune-layers: for each N (first layers drafting), decode the prompts greedily with a long chain
+and count how deep drafts are accepted; time a 1-token forward of N layers (one draft) and a
+(gamma+1)-token forward of the model (one verify) after a cached prefix; save the N and gamma that
+maximise expected tau / (gamma drafts + verify) as layers.json next to the heads.
 
 --tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
 of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
@@ -38,6 +48,7 @@ from typing import Callable
 
 import torch
 
+import drafters
 import generate
 import heads as heads_lib
 import model as model_lib
@@ -45,7 +56,8 @@ import tree as tree_lib
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample")
+METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample",
+           "lookup", "hydra++-lookup", "layers", "draft-model")
 
 
 def build_parser():
@@ -62,7 +74,7 @@ def build_parser():
     # the model and the heads
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--heads-dir", default=generate.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
-    p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'assisted' method")
+    p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
@@ -75,7 +87,10 @@ def build_parser():
     p.add_argument("--heads", default="hydra++", help="with --tune-tree: medusa | hydra | hydra++ (in --heads-dir) or a heads folder with eval.json")
     p.add_argument("--max-budget", type=int, default=64, help="with --tune-tree: try trees of 1..N non-root nodes")
     p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
-    p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree: timed runs per tree size; the median counts")
+    p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree / --tune-layers: timed runs per size; the median counts")
+    # layers tuning
+    p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
+    p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
     return p
 
 
@@ -119,10 +134,10 @@ class Method:
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
 
 
-def ours(model, heads, tree, verify, temperature, eos):
+def ours(model, drafter, verify, temperature, eos):
     def run(ids, max_new, seed):
         g = torch.Generator(device=model.device).manual_seed(seed)
-        r = generate.generate(model, ids, max_new, heads=heads, tree=tree, verify=verify,
+        r = generate.generate(model, ids, max_new, drafter=drafter, verify=verify,
                               temperature=temperature, generator=g, eos_ids=eos)
         return r.tokens, r.steps, r.accepted
     return run
@@ -157,16 +172,48 @@ def theirs(hf, counter, eos, **kw):
     return run
 
 
-def build_methods(args, model, eos, device, dtype):
+def layers_setting(args, model):
+    """(N, gamma, how chosen) of the 'layers' method: --tune-layers' layers.json for this model, else half the layers."""
+    try:
+        with open(os.path.join(args.heads_dir, "layers.json")) as f:
+            tuned = json.load(f)
+        if tuned["model"] == model.cfg.name and 1 <= tuned["layers"] < model.cfg.n_layers and tuned["gamma"] >= 1:
+            return tuned["layers"], tuned["gamma"], f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return model.cfg.n_layers // 2, generate.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
+
+
+def build_methods(args, model, tokenizer, eos, device, dtype):
     """The methods asked for, and a note for each one skipped."""
     wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in wanted if m not in METHODS]:
         raise generate.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
+    look = generate.DRAFT_DEFAULTS["lookup"]
+    lookup = lambda: drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
     for name in wanted:
         if name == "plain":
-            methods[name] = Method(name, ours(model, None, None, "greedy", 0.0, eos), greedy=True)
+            methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
+        elif name == "lookup":
+            d = lookup()
+            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
+            notes.append(d.name)
+        elif name == "layers":
+            n, gamma, how = layers_setting(args, model)
+            d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, n, f"layers:{n}")
+            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
+            notes.append(f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})")
+        elif name == "draft-model":
+            if not args.draft_model:
+                notes.append("draft-model: skipped (needs --draft-model)")
+                continue
+            gamma = generate.DRAFT_DEFAULTS["model"]["gamma"]
+            d = drafters.ModelDrafter(generate.load_draft_model(args.draft_model, model, tokenizer, device, dtype),
+                                      gamma, 0.0, 1.0, None)
+            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
+            notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -179,7 +226,7 @@ def build_methods(args, model, eos, device, dtype):
                 kw = {"assistant_model": load_hf(args.draft_model, device, dtype)}
             methods[name] = Method(name, theirs(hf, counter, eos, **kw), greedy=True)
         else:
-            kind, _, verify = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
+            kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
             folder = os.path.join(args.heads_dir, kind)
             if not os.path.isfile(os.path.join(folder, heads_lib.CONFIG)):
                 notes.append(f"{name}: skipped (no heads in {folder})")
@@ -188,10 +235,14 @@ def build_methods(args, model, eos, device, dtype):
                 heads, _ = generate.load_heads(folder, model)
                 loaded[kind] = heads, generate.load_tree("auto", heads, folder)
             heads, tree = loaded[kind]
-            temperature = args.temperature if verify else 0.0
-            methods[name] = Method(name, ours(model, heads, tree, verify or "greedy", temperature, eos),
-                                   greedy=not verify, depth=tree.max_depth)
-            if not verify:
+            d = generate.HeadsDrafter(heads, tree)
+            if variant == "lookup":  # heads and lookup in one tree, verified greedily
+                d = drafters.Merged(d, lookup(), device)
+            verify = variant if variant in ("typical", "sample") else "greedy"
+            temperature = args.temperature if verify != "greedy" else 0.0
+            methods[name] = Method(name, ours(model, d, verify, temperature, eos),
+                                   greedy=verify == "greedy", depth=d.max_depth)
+            if not variant:
                 notes.append(f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}")
     return methods, notes
 
@@ -418,6 +469,76 @@ def tune_tree(args, model, prompts, device):
         print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
 
 
+# --- layers tuning --------------------------------------------------------------------------------
+# Self-speculative drafting with the first N layers: expected tokens/s of (N, gamma) = expected tau /
+# (gamma one-token forwards of N layers + one (gamma+1)-token forward of the model). A chain of gamma
+# drafts accepts min(a, gamma) where a chain of max_gamma accepts a (greedy), so one decoding run per
+# N with the longest chain gives the expected tau of every shorter one: 1 + P(a >= 1) + ... + P(a >= gamma).
+
+@torch.inference_mode()
+def tune_layers(args, model, prompts, device, eos):
+    if args.max_gamma < 1:
+        raise generate.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
+    L, G = model.cfg.n_layers, args.max_gamma
+    candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
+    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    P = len(prefix)
+    cache = model.new_cache(P + G + 1)
+    model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, cache, last_only=True)
+    cache.keep(range(P))
+    chain = torch.full((1, G + 1), prefix[-1], device=device)                     # (1, G+1) any tokens do
+    at_end = torch.tensor([P], device=device)                                      # (1,) the position after the prefix
+    verify = {g: lambda g=g: model(chain[:, :g + 1], P + torch.arange(g + 1, device=device), None, cache)
+              for g in range(1, G + 1)}
+    rows = []
+    for n in candidates:
+        drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, n, f"layers:{n}")
+        accepted = [a for _, _, ids in prompts for a in generate.generate(model, ids, args.max_new_tokens, drafter, eos_ids=eos).accepted]
+        dcache = model.new_cache(P + 1, num_layers=n)
+        model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, dcache, last_only=True, num_layers=n)
+        dcache.keep(range(P))
+        rows.append({"layers": n, "reach": generate.acceptance_by_depth(accepted, G), "draft_s": [],
+                     "draft": lambda n=n, dcache=dcache: model(chain[:, :1], at_end, None, dcache, num_layers=n)})
+    verify_s = {g: [] for g in verify}
+    plain = lambda: model(chain[:, :1], at_end, None, cache)
+    plain_s = []
+    for fn in [plain, *verify.values(), *(r["draft"] for r in rows)]:
+        fn()  # warm-up
+    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+        plain_s.append(timed(plain, device))
+        for g, fn in verify.items():
+            verify_s[g].append(timed(fn, device))
+        for r in rows:
+            r["draft_s"].append(timed(r["draft"], device))
+    plain_ms = statistics.median(plain_s) * 1e3
+    verify_ms = {g: statistics.median(v) * 1e3 for g, v in verify_s.items()}
+    table = []
+    for r in rows:
+        draft_ms = statistics.median(r["draft_s"]) * 1e3
+        for g in verify:
+            tau = 1 + sum(r["reach"][:g])
+            table.append({"layers": r["layers"], "gamma": g, "expected_tau": tau, "draft_ms": draft_ms, "verify_ms": verify_ms[g],
+                          "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3})
+    best = max(table, key=lambda t: t["tokens_per_s"])
+    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats)
+    print(machine_line(mach) + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
+          "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    for n in candidates:
+        t = max((t for t in table if t["layers"] == n), key=lambda t: t["tokens_per_s"])
+        mark = " **<- chosen**" if t is best else ""
+        print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
+    speedup = best["tokens_per_s"] * plain_ms / 1e3
+    out = os.path.join(args.heads_dir, "layers.json")
+    with open(out, "w") as f:
+        json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
+                   "expected_speedup": speedup}, f, indent=1)
+    print(f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau {best['expected_tau']:.2f}, "
+          f"{speedup:.2f}x plain decoding{'' if speedup > 1 else ' (no setting beats plain decoding on this machine)'}; saved {out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": mach, "plain_ms": plain_ms, "rows": table, "chosen": {k: best[k] for k in ("layers", "gamma")}}, f, indent=1)
+
+
 # --- main -----------------------------------------------------------------------------------------
 
 def read_eval(path, limit):
@@ -465,7 +586,7 @@ def check_args(args):
 
 
 def wants_assisted(args):
-    return args.methods == "all" or "assisted" in [m.strip() for m in args.methods.split(",")]
+    return args.methods == "all" or {"assisted", "draft-model"} & {m.strip() for m in args.methods.split(",")}
 
 
 def draft_folder(name):
@@ -508,9 +629,11 @@ def main(args):
     prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.tune_tree:
         return tune_tree(args, model, prompts, device)
+    if args.tune_layers:
+        return tune_layers(args, model, prompts, device, eos)
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
-    methods, notes = build_methods(args, model, eos, device, dtype)
+    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(f"[bench] measuring {len(methods)} methods on {len(prompts)} prompts, {args.repeats} repeats "

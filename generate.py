@@ -1,27 +1,31 @@
 """
-Generate text with a Llama-family model, plainly or with draft heads and tree verification.
+Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
+a draft model or the model's own first layers propose tokens, one forward verifies them.
 
     python generate.py --prompt "Write a haiku about the sea."            # shipped heads, greedy
     python generate.py --prompt "..." --heads none                        # plain decoding
     python generate.py --prompt "..." --heads medusa --tree chain:3 --show
     python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
+    python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
+    python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
+    python generate.py --model big/llama --draft model --draft-model small/llama
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
 
 One decode loop serves every method. Each step:
-    heads draft a tree of candidate tokens from the last hidden state   (draft)
+    the drafter fills a tree of candidate tokens after the last one     (HeadsDrafter, drafters.py)
     -> one forward of the base model over the whole tree, tree mask     (model.Transformer)
     -> verification picks the longest acceptable path + a bonus token   (verify.py)
     -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
-    -> their hidden states become the next draft state                  (heads.context)
-Plain decoding is the same loop with no heads: the tree is only its root.
+    -> the drafter learns what was accepted                             (drafter.accept)
+Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
 
-Contracts (tested in tests/test_generate.py): greedy speculative output is token-identical to
-plain greedy decoding, whatever the heads; speculative sampling samples from the base model's
-own distribution. The command line (tests/test_cli.py, tests/test_reliability.py): bad input ends
-with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback; Ctrl-C keeps the
-text so far and exits 130; the same --seed gives the same output. stdout holds only the generated
-text: remarks ("notice: ...", e.g. a flag without effect in the chosen mode) go to stderr, and colour
-codes (--show) only to a terminal.
+Contracts (tested in tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
+token-identical to plain greedy decoding, whatever the drafter; speculative sampling samples from
+the base model's own distribution. The command line (tests/test_cli.py, tests/test_reliability.py):
+bad input ends with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback;
+Ctrl-C keeps the text so far and exits 130; the same --seed gives the same output. stdout holds only the generated text: remarks ("notice: ...", e.g.
+a flag without effect in the chosen mode) go to stderr, and colour codes (--show) only to a
+terminal.
 Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
 """
 import argparse
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import drafters as drafters_lib
 import heads as heads_lib
 import model as model_lib
 import tree as tree_lib
@@ -54,6 +59,10 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+# what --gamma, --ngram and --matches are for each drafter that takes them, when not given
+DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4}}
+
+
 def build_parser():
     p = Parser(description=__doc__.split("\n\n")[0].strip(),
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -63,10 +72,18 @@ def build_parser():
     p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    # the model and the heads
+    # the model and the drafter
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
-    p.add_argument("--heads", default="auto", help="none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
-    p.add_argument("--tree", default="auto", help="chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads, else a chain as deep as the heads")
+    p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
+                   "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
+                   "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model)")
+    p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
+    p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads, else a chain as deep as the heads")
+    p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
+    p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N and model; unless given: " +
+                   ", ".join(f"{k} {v['gamma']}" for k, v in DRAFT_DEFAULTS.items()))
+    p.add_argument("--ngram", type=int, default=None, help=f"lookup: match the last n tokens, n from this down to 1; unless given: {DRAFT_DEFAULTS['lookup']['ngram']}")
+    p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {DRAFT_DEFAULTS['lookup']['matches']}")
     # decoding
     p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -74,14 +91,15 @@ def build_parser():
                         "(the probabilities are one-hot there, and overflow far below it)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "sample"],
-                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling); auto = greedy at T=0, else sample. "
+                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: the tree rule, or Leviathan's "
+                        "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
                         "At --temperature 0, sample and typical reduce to greedy and give exactly its output")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
     # output
-    p.add_argument("--show", action="store_true", help="colour each token by where it came from (draft head k or the base model); only on a terminal")
+    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
     return p
 
@@ -119,12 +137,38 @@ def draft(heads, h, root, plan, num_nodes):
     return tokens
 
 
+class HeadsDrafter:
+    """Heads as a drafter (the interface of drafters.py): one fixed tree, filled from the draft
+    state h = heads.context over the base model's hidden states of the accepted tokens."""
+
+    def __init__(self, heads, tree):
+        assert tree.max_depth <= heads.cfg.num_heads, "tree deeper than the heads"
+        dev = heads.lm_head.weight.device
+        self.heads, self.tree, self.plan = heads, tree, draft_plan(tree)
+        self.mask, self.depth = tree.mask.to(dev) if tree.num_nodes > 1 else None, tree.depth.to(dev)
+        self.source = tree.depth.tolist()  # node i is head depth[i]'s guess; the root (0) the base model's
+        self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
+        self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
+        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+
+    def start(self, prompt, hidden, max_len):
+        self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
+        self.h = self.heads.context(hidden, torch.arange(len(prompt), device=hidden.device), self.cache)[:, -1]  # (1, D)
+
+    def draft(self, root):
+        tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)       # (N,)
+        return drafters_lib.Draft(tokens, self.tree, self.mask, self.depth, self.source)
+
+    def accept(self, tokens, hidden, positions):
+        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]              # (1, D)
+
+
 # --- the decode loop -----------------------------------------------------------------------------
 
 @dataclass
 class Result:
     tokens: list = field(default_factory=list)    # generated ids (EOS included if reached)
-    sources: list = field(default_factory=list)   # per token: 0 = the base model, d = draft head d
+    sources: list = field(default_factory=list)   # per token: who proposed it, an index into drafter.legend (0 = the base model)
     accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
     steps: int = 0                                 # base forward passes, the prefill included
     seconds: float = 0.0
@@ -132,28 +176,30 @@ class Result:
 
 
 def choose_verifier(verify, temperature, top_p, generator):
-    """verify(logits (N, V), tokens (N,), tree) -> (accepted node indices, bonus token)."""
+    """verifier(logits (N, V), draft) -> (accepted node indices, bonus token)."""
     if temperature < verify_lib.GREEDY_BELOW or verify == "greedy":
-        return verify_lib.greedy
+        return lambda l, d: verify_lib.greedy(l, d.tokens, d.tree)
     if verify == "typical":
-        return lambda l, t, tr: verify_lib.typical(l, t, tr, temperature, top_p, generator=generator)
-    return lambda l, t, tr: verify_lib.speculative(l, t, tr, temperature, top_p, generator)
+        return lambda l, d: verify_lib.typical(l, d.tokens, d.tree, temperature, top_p, generator=generator)
+
+    def sample(l, d):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
+        if d.probs is not None:
+            return verify_lib.leviathan(l, d.tokens, d.probs, temperature, top_p, generator)
+        return verify_lib.speculative(l, d.tokens, d.tree, temperature, top_p, generator)
+    return sample
 
 
 @torch.inference_mode()
-def generate(model, prompt, max_new_tokens, heads=None, tree=None, verify="auto", temperature=0.0,
+def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", temperature=0.0,
              top_p=1.0, generator=None, eos_ids=(), on_tokens=None) -> Result:
-    """Decode up to max_new_tokens after `prompt` (list of ids). on_tokens(new_ids, sources) is
-    called as tokens are produced. With heads=None (or a root-only tree) this is plain decoding."""
+    """Decode up to max_new_tokens after `prompt` (list of ids), verifying what `drafter`
+    proposes (HeadsDrafter or one of drafters.py; None = plain decoding). on_tokens(new_ids,
+    sources) is called as tokens are produced; a source indexes drafter.legend."""
     dev = model.device
-    tree = tree if heads is not None and tree is not None else tree_lib.build([])
-    assert tree.max_depth <= (heads.cfg.num_heads if heads is not None else 0), "tree deeper than the heads"
+    drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     if not prompt or len(prompt) + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
                          f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}")
-    mask, depth = tree.mask.to(dev), tree.depth.to(dev)
-    mask = mask if tree.num_nodes > 1 else None
-    plan = draft_plan(tree)
     verifier = choose_verifier(verify, temperature, top_p, generator)
     eos_ids = set(eos_ids)
     out = Result()
@@ -174,31 +220,30 @@ def generate(model, prompt, max_new_tokens, heads=None, tree=None, verify="auto"
         return bool(out.stopped)
 
     # prefill: the prompt in one forward; its last logits give the first token
-    cache = model.new_cache(len(prompt) + max_new_tokens + tree.num_nodes)
-    head_cache = heads.new_cache(len(prompt) + max_new_tokens + tree.num_nodes) if heads is not None else None
+    max_len = len(prompt) + max_new_tokens + drafter.max_nodes
+    cache = model.new_cache(max_len)
     positions = torch.arange(len(prompt), device=dev)
     logits, hidden = model(torch.tensor([prompt], device=dev), positions, None, cache, last_only=True)
     cache.keep(range(len(prompt)))
-    if heads is not None:
-        h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
+    drafter.start(prompt, hidden, max_len)
     probs = verify_lib.logits_to_probs(logits[0, -1].float(), temperature, top_p)   # (V,)
     root = int(verify_lib.sample(probs, generator)) if temperature > 0 else int(probs.argmax())
     out.steps = 1
     done = emit([root], [0])
 
     while not done:
-        tokens = draft(heads, h, root, plan, tree.num_nodes) if heads is not None else torch.tensor([root], device=dev)
-        positions = cache.length + depth                                            # (N,)
-        logits, hidden = model(tokens[None], positions, mask, cache)                # (1, N, V), (1, N, D)
-        nodes, bonus = verifier(logits[0].float(), tokens, tree)
+        d = drafter.draft(root)                                                     # tokens (N,), tree, ...
+        positions = cache.length + d.depth                                          # (N,)
+        logits, hidden = model(d.tokens[None], positions, d.mask, cache)            # (1, N, V), (1, N, D)
+        nodes, bonus = verifier(logits[0].float(), d)
         cache.keep(nodes)
         out.steps += 1
         out.accepted.append(len(nodes) - 1)
-        drafted = tokens[nodes[1:]].tolist()
-        done = emit(drafted + [int(bonus)], tree.depth[nodes[1:].cpu()].tolist() + [0])
-        if heads is not None and not done:
-            h = heads.context(hidden[:, nodes], positions[nodes], head_cache)[:, -1]  # (1, D)
-        root = int(bonus)
+        kept = d.tokens[nodes].tolist()                                             # the root, accepted drafts
+        done = emit(kept[1:] + [bonus], [d.source[i] for i in nodes[1:].tolist()] + [0])
+        if not done:
+            drafter.accept(kept, hidden[:, nodes], positions[nodes])
+        root = bonus
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -209,7 +254,7 @@ def acceptance_by_depth(accepted, max_depth):
     return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
 
 
-# --- setting up: device, dtype, heads, tree, prompts ---------------------------------------------
+# --- setting up: device, dtype, heads, tree, drafter, prompts ------------------------------------
 # Bad input is caught here, where it enters, and named with its fix. main() runs every check that
 # needs no model before loading one: a typo costs a second, not a model load.
 
@@ -338,6 +383,79 @@ def check_text(text, what):
     return text
 
 
+def parse_draft(spec):
+    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers or model; N for layers:N."""
+    if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
+        if int(m[1]) < 1:
+            raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
+        return "layers", int(m[1])
+    if spec in ("heads", "lookup", "heads+lookup", "model"):
+        return spec, None
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number) or model")
+
+
+def draft_settings(args, kind):
+    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS; checks that only the
+    drafter's own flags are given and that its other flags fit it. Loads nothing."""
+    takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
+    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches") if getattr(args, k) is not None}
+    for k, v in given.items():
+        if k not in takes:
+            users = "lookup, heads+lookup, layers:N and model" if k == "gamma" else "lookup and heads+lookup"
+            raise UsageError(f"--{k} does not apply to --draft {args.draft} (only to {users}); drop it")
+        if v < 1:
+            raise UsageError(f"--{k} {v}: must be at least 1")
+    settings = takes | given
+    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"--gamma {settings['gamma']} x --matches {settings['matches']}: the lookup tree would be over "
+                         f"MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
+    if kind in ("layers", "model") and settings["gamma"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"--gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller --gamma")
+    if kind not in ("heads", "heads+lookup") and args.tree != "auto":
+        raise UsageError(f"--tree shapes the heads' tree, --draft {args.draft} has none; drop --tree or use --draft heads or heads+lookup")
+    if kind not in ("heads", "heads+lookup") and args.heads != "auto":
+        raise UsageError(f"--heads {args.heads}: --draft {args.draft} drafts without heads; drop --heads or use --draft heads or heads+lookup")
+    if kind == "heads+lookup" and args.heads == "none":
+        raise UsageError("--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup")
+    if kind == "model" and not args.draft_model:
+        raise UsageError("--draft model needs --draft-model NAME: a Llama-family folder or hub id with the same tokenizer as --model")
+    if kind != "model" and args.draft_model:
+        raise UsageError(f"--draft-model is used by --draft model, not --draft {args.draft}; add --draft model or drop --draft-model")
+    return settings
+
+
+def load_draft_model(name, model, tokenizer, device, dtype):
+    """--draft-model: a Llama-family model whose vocabulary is the base model's, token for token."""
+    try:
+        draft_model, draft_tokenizer = model_lib.load(name, device, dtype)
+    except model_lib.LoadError as e:
+        raise UsageError(f"--draft-model {name}: {e}") from None
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs or draft_model.cfg.vocab_size != model.cfg.vocab_size:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise UsageError(f"--draft-model {name}: its vocabulary differs from the model's ({len(theirs)} against {len(ours)} "
+                         f"tokens, {differ} entries differ; embeddings of {draft_model.cfg.vocab_size} against "
+                         f"{model.cfg.vocab_size} rows); use a draft model with the same tokenizer")
+    return draft_model
+
+
+def build_drafter(kind, layers, settings, model, heads, tree, draft_model, temperature, top_p, generator):
+    """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
+    greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
+    dev = model.device
+    if kind in ("lookup", "heads+lookup"):
+        lookup = drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
+    if kind == "heads":
+        return HeadsDrafter(heads, tree) if heads is not None else drafters_lib.Plain(dev)
+    if kind == "lookup":
+        return lookup
+    if kind == "heads+lookup":
+        return drafters_lib.Merged(HeadsDrafter(heads, tree), lookup, dev)
+    if kind == "layers":
+        return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
+    return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
+
+
 def read_prompts(path):
     """JSONL with a "prompt" field (and optional "id"): [(id, prompt)], errors name the line."""
     try:
@@ -391,8 +509,8 @@ def flags_without_effect(args):
                     for n in ("top_p", "seed") if changed(n)]
         if args.verify in ("sample", "typical"):
             ignored.append(f"--verify {args.verify} at --temperature 0 is greedy verification (same output)")
-    if args.heads == "none" and changed("verify"):
-        ignored.append("--verify has no effect without draft heads (--heads none)")
+    if args.heads == "none" and args.draft == "heads" and changed("verify"):
+        ignored.append("--verify has no effect without a drafter (--heads none)")
     if args.raw and args.system is not None:
         ignored.append("--system has no effect with --raw (no chat template)")
     if args.show and args.quiet:
@@ -402,7 +520,7 @@ def flags_without_effect(args):
     return ignored
 
 
-COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, head 1, 2, ...
+COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, then drafter.legend[1:]
 
 
 class Printer:
@@ -457,6 +575,8 @@ def main(args):
         raise UsageError(f"--seed {args.seed}: must be in [0, 2**63)")
     if args.heads == "none" and args.tree != "auto":
         raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
+    kind, layers = parse_draft(args.draft)
+    settings = draft_settings(args, kind)
     if args.out:
         writable_file("--out", args.out, "replies.jsonl")
         if args.prompts and os.path.isfile(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
@@ -474,8 +594,22 @@ def main(args):
     # the model, then what depends on it
     torch.manual_seed(args.seed)
     model, tokenizer = model_lib.load(args.model, device, dtype)
-    heads, heads_folder = load_heads(args.heads, model)
+    heads, heads_folder = load_heads(args.heads, model) if kind in ("heads", "heads+lookup") else (None, None)
     tree = load_tree(args.tree, heads, heads_folder)
+    if kind == "heads+lookup" and heads is None:
+        raise UsageError(f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with train.py and "
+                         "pass --heads FOLDER, or use --draft lookup")
+    if kind == "layers" and layers >= model.cfg.n_layers:
+        raise UsageError(f"--draft {args.draft}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
+                         f"{model.cfg.n_layers - 1} (all of them would be the model itself)")
+    draft_model = load_draft_model(args.draft_model, model, tokenizer, device, dtype) if kind == "model" else None
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    sampled = args.temperature > 0 and args.verify in ("auto", "sample")  # drafts for Leviathan's rule, else greedy ones
+    drafter = build_drafter(kind, layers, settings, model, heads, tree, draft_model,
+                            args.temperature if sampled else 0.0, args.top_p, generator)
+    if drafter.max_nodes > tree_lib.MAX_NODES:
+        raise UsageError(f"--draft {args.draft}: trees of up to {drafter.max_nodes} nodes, over MAX_NODES={tree_lib.MAX_NODES}; "
+                         "use a smaller --tree or --gamma")
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text in prompts]
     context = model.cfg.max_seq_len
@@ -491,21 +625,19 @@ def main(args):
         writer = open(args.out, "w", encoding="utf-8") if args.out else None
     except OSError as e:
         raise UsageError(f"--out {args.out}: cannot write it ({e.strerror})") from None
-    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, heads: "
-          f"{heads.cfg.kind if heads is not None else 'none'}, tree: {tree.num_nodes if tree else 1} nodes]", file=sys.stderr)
-    if show and tree is not None and sys.stderr.isatty():  # the legend is colours too
+    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, {drafter.name}]", file=sys.stderr)
+    if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print("[--show: plain = the base model's own token, " + ", ".join(
-            f"{COLOURS[min(d, len(COLOURS) - 1)]}head {d}{COLOURS[0]}" for d in range(1, tree.max_depth + 1)) + " = drafted by that head]", file=sys.stderr)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
+            f"{COLOURS[min(s, len(COLOURS) - 1)]}{who}{COLOURS[0]}" for s, who in enumerate(drafter.legend) if s) + " = proposed by it]", file=sys.stderr)
     total = Result()
     try:
         for pid, ids in encoded:
             printer = None if args.quiet else Printer(tokenizer, show)
-            r = generate(model, ids, args.max_new_tokens, heads, tree, args.verify, args.temperature,
+            r = generate(model, ids, args.max_new_tokens, drafter, args.verify, args.temperature,
                          args.top_p, generator, eos, printer)
             if printer:
                 print()
-            print(stats_line(r, tree.max_depth if tree else 0), file=sys.stderr)
+            print(stats_line(r, drafter.max_depth), file=sys.stderr)
             total.tokens += r.tokens
             total.accepted += r.accepted
             total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
@@ -518,7 +650,7 @@ def main(args):
         if writer:
             writer.close()
     if len(encoded) > 1:
-        print("[all prompts: " + stats_line(total, tree.max_depth if tree else 0)[1:], file=sys.stderr)
+        print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
 
 
 def cli(argv=None) -> int:

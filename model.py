@@ -16,12 +16,13 @@ Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/v
 Dh head size, V vocabulary.
 """
 import hashlib
+import itertools
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -422,16 +423,19 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, max_len=None, batch=1) -> KVCache:
-        return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
+    def new_cache(self, max_len=None, batch=1, num_layers=None) -> KVCache:
+        """num_layers: a cache for only the first layers (a forward with the same num_layers)."""
+        cfg = self.cfg if num_layers is None else replace(self.cfg, n_layers=num_layers)
+        return KVCache(cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
 
-    def forward(self, tokens, positions, mask=None, cache=None, key_mask=None, last_only=False):
+    def forward(self, tokens, positions, mask=None, cache=None, key_mask=None, last_only=False, num_layers=None):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
-        needs no more), hidden states still everywhere."""
+        needs no more), hidden states still everywhere. num_layers: run only the first layers, then
+        the final norm and LM head (self-speculative drafting; the cache must have that many)."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
@@ -439,7 +443,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, self.dtype)
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed_tokens(tokens)                                         # (B, T, D)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # None: every layer
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
         hidden = self.norm(x)                                                 # (B, T, D)

@@ -11,10 +11,11 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
     greedy(logits, tokens, tree)                               lossless at temperature 0
     typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance, lossy
     speculative(logits, tokens, tree, temperature, top_p, generator)   lossless sampling on a tree
+    leviathan(logits, tokens, draft_probs, temperature, top_p, generator)  lossless, a chain of sampled drafts
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
-formula node by node, speculative sampling against the exact two-token joint distribution).
-Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1.
+formula node by node, both sampling rules against the exact two-token joint distribution).
+Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
 """
 from __future__ import annotations
 
@@ -182,3 +183,38 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
         residual = probs[accepted].clone()
     bonus = sample(residual, generator)
     return torch.tensor(nodes, dtype=torch.long, device=tokens.device), int(bonus)
+
+
+# --- speculative sampling of sampled drafts -----------------------------------------------------
+# Leviathan et al. / Chen et al.: a draft model samples a chain x_1..x_G from its own p; the base
+# model's q decides. The tree rule above is this rule with p one-hot (a deterministic pick): it
+# accepts x with probability q(x) and on rejection draws from q without x, renormalised.
+
+
+def leviathan(logits: torch.Tensor, tokens: torch.Tensor, draft_probs: torch.Tensor, temperature: float,
+              top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    """Accept x_i with probability min(1, q(x_i) / p(x_i)), stop at the first rejection; bonus ~
+    norm(max(0, q - p)) at that position, or ~ q after the last draft if all were accepted.
+
+    logits (G+1, V): row i is the base model after node i; tokens (G+1,): the root, then x_1..x_G;
+    draft_probs (G, V): row i-1 is the p that x_i was sampled from. Why it is lossless, at one
+    position: x is emitted as the draft with probability p(x) min(1, q(x)/p(x)) = min(p(x), q(x)),
+    and after a rejection, which happens with probability 1 - sum_y min(p(y), q(y)) =
+    sum_y max(0, q(y) - p(y)) = Z, from the residual with probability max(0, q(x) - p(x)) / Z;
+    the sum is min(p, q)(x) + max(0, q - p)(x) = q(x). Each next position is the same argument
+    given the accepted prefix, so the emitted tokens follow the base model's own distribution.
+    """
+    G = len(tokens) - 1
+    assert logits.dim() == 2 and logits.shape[0] == G + 1, f"logits must be (G+1={G + 1}, V), not {tuple(logits.shape)}"
+    assert draft_probs.shape == (G, logits.shape[1]), f"draft_probs must be (G={G}, V), not {tuple(draft_probs.shape)}"
+    q = logits_to_probs(logits, temperature, top_p)                            # (G+1, V)
+    x = tokens[1:, None]                                                       # (G, 1)
+    qx, px = q[:-1].gather(1, x).squeeze(1), draft_probs.gather(1, x).squeeze(1)  # (G,), (G,)
+    u = torch.rand(G, device=q.device, generator=generator)                    # (G,) one draw a draft
+    ok = u * px < qx                                       # (G,) u < q/p; px > 0, x was sampled from p
+    n = int(ok.long().cumprod(0).sum())                                        # drafts accepted
+    residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)       # (V,)
+    if residual.sum() <= 0:  # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+        residual = q[n]
+    bonus = sample(residual / residual.sum(), generator)
+    return torch.arange(n + 1, device=tokens.device), int(bonus)

@@ -280,6 +280,110 @@ def test_sample_and_typical_at_temperature_0_are_greedy(loaded, capsys, tmp_path
     assert ids["greedy"] == ids["sample"] == ids["typical"] == ids["plain"]
 
 
+# --- drafters: --draft, --draft-model, --gamma, --ngram, --matches --------------------------------
+
+DRAFT_FLAGS = [
+    (["--draft", "eagle"], "unknown drafter; use heads, lookup, heads+lookup, layers:N"),
+    (["--draft", "layers:x"], "unknown drafter"),
+    (["--draft", "layers:0"], "at least 1"),
+    (["--draft", "layers:-3"], "at least 1"),
+    (["--draft", "lookup", "--gamma", "0"], "--gamma 0: must be at least 1"),
+    (["--draft", "layers:4", "--gamma", "-2"], "--gamma -2: must be at least 1"),
+    (["--draft", "lookup", "--ngram", "0"], "--ngram 0: must be at least 1"),
+    (["--draft", "lookup", "--matches", "0"], "--matches 0: must be at least 1"),
+    (["--draft", "lookup", "--gamma", "600", "--matches", "2"], "MAX_NODES"),
+    (["--draft", "model", "--draft-model", "x", "--gamma", "5000"], "MAX_NODES"),
+    (["--gamma", "3"], "--gamma does not apply to --draft heads"),
+    (["--draft", "layers:4", "--ngram", "2"], "--ngram does not apply to --draft layers:4"),
+    (["--draft", "lookup", "--tree", "chain:2"], "--tree shapes the heads' tree"),
+    (["--draft", "layers:4", "--heads", "medusa"], "drafts without heads"),
+    (["--draft", "heads+lookup", "--heads", "none"], "needs heads"),
+    (["--draft", "model"], "--draft model needs --draft-model"),
+    (["--draft-model", "some/model"], "add --draft model or drop --draft-model"),
+    (["--draft", "lookup", "--draft-model", "some/model"], "add --draft model"),
+]
+
+
+@pytest.mark.parametrize("argv, words", DRAFT_FLAGS, ids=[" ".join(a)[:40] for a, _ in DRAFT_FLAGS])
+def test_bad_draft_flags(no_model, capsys, argv, words):
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", *argv)[::2], words)
+
+
+def test_layers_beyond_the_model(loaded, capsys):
+    n = loaded[0].cfg.n_layers
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", f"layers:{n}")[::2],
+                         f"the model has {n} layers, so N must be 1 to {n - 1}")
+
+
+def test_heads_and_lookup_without_heads_for_this_model(loaded, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(G, "SHIPPED", str(tmp_path))  # --heads auto finds none
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "heads+lookup")[::2],
+                         "no heads are shipped", "use --draft lookup")
+
+
+def tiny_llama_folder(capsys, folder, tokenizer):
+    """A 1-layer random Llama saved the transformers way, with `tokenizer` beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=8192)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    capsys.readouterr()  # transformers' progress bars are not the command's output
+    return folder
+
+
+def test_draft_model_with_another_vocabulary(loaded, capsys, tmp_path):
+    from transformers import AutoTokenizer
+    other = AutoTokenizer.from_pretrained(model_lib.resolve(model_lib.DEFAULT))
+    other.add_tokens(["<a-token-the-model-lacks>"])
+    folder = tiny_llama_folder(capsys, tmp_path / "other", other)
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "model", "--draft-model", folder)[::2],
+                         f"--draft-model {folder}: its vocabulary differs", "use a draft model with the same tokenizer")
+
+
+def test_draft_model_not_llama_or_missing(loaded, capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "model", "--draft-model", tmp_path)[::2],
+                         f"--draft-model {tmp_path}: architecture 'gpt2' is not supported")
+    check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "model", "--draft-model", tmp_path / "nope")[::2],
+                         "--draft-model", "not a folder nor a hub id")
+
+
+def reply_ids(capsys, tmp_path, *argv):
+    out = tmp_path / "reply.jsonl"
+    code, _, err = run_cli(capsys, "--prompt", "Name two rivers.", "--max-new-tokens", 12, "--quiet", "--out", out, *argv)
+    assert code == 0, err
+    return json.loads(out.read_text())["token_ids"], err
+
+
+def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys, tmp_path, heads_dir):
+    folder = tiny_llama_folder(capsys, tmp_path / "same", loaded[1])  # random weights, the model's tokenizer
+    plain, _ = reply_ids(capsys, tmp_path, "--heads", "none")
+    for argv, words in [(["--draft", "lookup", "--gamma", "4", "--matches", "2"], "lookup: n-grams 3..1, up to 4 tokens, 2 matches"),
+                        (["--draft", "heads+lookup", "--heads", heads_dir, "--tree", "chain:2"], "heads: hydra, tree: 3 nodes + lookup"),
+                        (["--draft", "layers:20"], "layers:20, 4 tokens a step"),
+                        (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step")]:
+        ids, err = reply_ids(capsys, tmp_path, *argv)
+        assert ids == plain, argv
+        assert words in err.splitlines()[0]
+
+
+def test_sampling_with_layers_runs(loaded, capsys, tmp_path):
+    ids, err = reply_ids(capsys, tmp_path, "--draft", "layers:20", "--temperature", "0.8", "--seed", "1")
+    assert "sampled" in err.splitlines()[0] and len(ids) > 0
+
+
+def test_show_marks_the_lookup_tokens(loaded, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # colours only on a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run_cli(capsys, "--prompt", "Repeat exactly: the cat sat on the mat, the dog sat on the log.",
+                             "--draft", "lookup", "--show", "--max-new-tokens", 20)
+    assert code == 0, err
+    assert f"{G.COLOURS[1]}lookup{G.COLOURS[0]} = proposed by it" in err
+    assert G.COLOURS[1] in out  # some of the reply was copied by lookup
+
+
 # --- the real entry point, in a subprocess -------------------------------------------------------
 
 def test_script_rejects_a_tree_without_evaluating_it():
@@ -392,7 +496,7 @@ def test_library_verifiers_at_a_tiny_temperature_are_greedy():
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     want = G.generate(model, [1, 2, 3], 20).tokens
     for verify in ("sample", "typical"):
-        got = G.generate(model, [1, 2, 3], 20, heads, tree, verify, 1e-40, generator=torch.Generator().manual_seed(0))
+        got = G.generate(model, [1, 2, 3], 20, G.HeadsDrafter(heads, tree), verify, 1e-40, generator=torch.Generator().manual_seed(0))
         assert got.tokens == want, verify
 
 
@@ -401,7 +505,7 @@ def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
                              "--top-p", 0.5, "--seed", 4, "--verify", "sample", "--raw", "--system", "Be brief.")
     assert code == 0, err
     for words in ("--top-p has no effect at --temperature 0", "--seed has no effect at --temperature 0",
-                  "--verify sample at --temperature 0 is greedy verification", "--verify has no effect without draft heads",
+                  "--verify sample at --temperature 0 is greedy verification", "--verify has no effect without a drafter",
                   "--system has no effect with --raw"):
         assert f"notice: {words}" in err
     assert "notice" not in out and len(out.strip().splitlines()) <= 1  # stdout: only the generated text

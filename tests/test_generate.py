@@ -43,7 +43,7 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
     for seed in range(4):
         prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = G.generate(small, prompt, 40)
-        spec_r = G.generate(small, prompt, 40, heads, tree)
+        spec_r = G.generate(small, prompt, 40, G.HeadsDrafter(heads, tree))
         assert spec_r.tokens == plain.tokens
         assert spec_r.steps <= plain.steps
         accepted += sum(spec_r.accepted)
@@ -58,7 +58,7 @@ def test_greedy_speculative_equals_plain_default_model(default_model, kind):
     plain = G.generate(model, prompt, 24)
     heads = random_heads(model, kind, k=3, scale=0.05)
     for spec in ["chain:3", "cartesian:2,2,1"]:
-        r = G.generate(model, prompt, 24, heads, tree_lib.build(tree_lib.parse(spec)))
+        r = G.generate(model, prompt, 24, G.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec))))
         assert r.tokens == plain.tokens, (kind, spec)
 
 
@@ -79,11 +79,11 @@ def test_max_new_tokens_and_eos_exact(small):
     tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
     prompt = [1, 2, 3, 4]
     for n in [1, 2, 5, 17]:
-        assert len(G.generate(small, prompt, n, heads, tree).tokens) == n
+        assert len(G.generate(small, prompt, n, G.HeadsDrafter(heads, tree)).tokens) == n
     full = G.generate(small, prompt, 40).tokens
     eos = full[10]                                  # pretend the 11th token is EOS
     first = full.index(eos)
-    r = G.generate(small, prompt, 40, heads, tree, eos_ids={eos})
+    r = G.generate(small, prompt, 40, G.HeadsDrafter(heads, tree), eos_ids={eos})
     assert r.tokens == full[:first + 1] and r.stopped == "eos"
 
 
@@ -112,7 +112,7 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
     ref = exact_joint(model, prompt, 3, temperature)
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter(
-        tuple(G.generate(model, prompt, 3, heads, tree, verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
+        tuple(G.generate(model, prompt, 3, G.HeadsDrafter(heads, tree), verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
     return sum((counts[s] - n_samples * p) ** 2 / (n_samples * p) for s, p in ref.items() if n_samples * p > 0)
 
 
@@ -160,9 +160,9 @@ def test_broken_residual_rule_is_caught(monkeypatch):
 def test_same_seed_same_output(small):
     heads = random_heads(small, "hydra++")
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
-    runs = [G.generate(small, [1, 2, 3], 30, heads, tree, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
+    runs = [G.generate(small, [1, 2, 3], 30, G.HeadsDrafter(heads, tree), "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
             for _ in range(2)]
     assert runs[0] == runs[1]
-    plain = [G.generate(small, [1, 2, 3], 30, None, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
+    plain = [G.generate(small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
              for _ in range(2)]
     assert plain[0] == plain[1]

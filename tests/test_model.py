@@ -90,6 +90,26 @@ def test_keep_accepted_path(tiny):
     assert cache.length == 8
 
 
+def test_first_layers_only(tiny):
+    """num_layers=1 is a one-layer model with the same weights (final norm and LM head included),
+    with and without a cache of one layer."""
+    torch.manual_seed(4)
+    seq = torch.randint(0, 64, (1, 9))
+    one = model_lib.Transformer(tiny_config(n_layers=1)).eval()
+    one.load_state_dict({k: v for k, v in tiny.state_dict().items() if not k.startswith("layers.1.")})
+    ref, ref_hidden = one(seq, torch.arange(9))
+    logits, hidden = tiny(seq, torch.arange(9), num_layers=1)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits, tiny(seq, torch.arange(9))[0], atol=1e-3)  # the second layer matters
+    cache = tiny.new_cache(16, num_layers=1)
+    assert cache.k.shape[0] == 1
+    tiny(seq[:, :5], torch.arange(5), None, cache, num_layers=1)
+    cache.keep(range(5))
+    logits, _ = tiny(seq[:, 5:], torch.arange(5, 9), None, cache, num_layers=1)
+    torch.testing.assert_close(logits, ref[:, 5:], atol=1e-5, rtol=1e-5)
+
+
 def test_key_mask_padding_equals_unpadded(tiny):
     """Left padding hidden by key_mask changes nothing for the real tokens."""
     torch.manual_seed(3)

@@ -1,10 +1,11 @@
 """Tests for verify.py: the sampling primitive, and each verifier against an independent reference.
 
 greedy and typical are compared with brute force over every root-to-node path of many random trees;
-speculative sampling is checked to be lossless by comparing the empirical joint distribution of the
-first two emitted tokens with the exact one, and a deliberately broken residual rule must fail the
-same check. Run: `python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab.
+speculative sampling (on a tree of top-k picks, and Leviathan's rule on a chain of sampled drafts)
+is checked to be lossless by comparing the empirical joint distribution of the first two emitted
+tokens with the exact one, and a deliberately broken residual rule must fail the same check. Run: `python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab.
 """
+import itertools
 import math
 import random
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tree import build, cartesian, chain
-from verify import GREEDY_BELOW, greedy, logits_to_probs, sample, speculative, typical
+from verify import GREEDY_BELOW, greedy, leviathan, logits_to_probs, sample, speculative, typical
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -328,3 +329,64 @@ def test_speculative_rejects_a_duplicate_sibling_of_a_rejected_token():
     g = torch.Generator().manual_seed(0)
     ends = [speculative(logits, tokens, tree, 1.0, 1.0, g)[0].tolist() for _ in range(500)]
     assert [0, 2] not in ends and 200 < ends.count([0, 1]) < 300
+
+
+# --- Leviathan's rule on a chain of sampled drafts ----------------------------------------------
+# The draft 'model' is another fixed function of the prefix; the chain x1, x2 is sampled from it.
+
+
+def draft_probs(prefix: tuple) -> torch.Tensor:
+    """The draft model's p after `prefix`: fixed, unlike the base model's, at temperature 1."""
+    seed = int("5" + "".join(str(t) for t in prefix))
+    return torch.softmax(1.5 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)), -1)  # (V,)
+
+
+def chain_counts(rule, draws: int, temperature: float, top_p: float) -> torch.Tensor:
+    """Counts of the first two emitted tokens when `rule` verifies a freshly sampled chain of 2."""
+    g = torch.Generator().manual_seed(99)
+    logits = {p: raw_logits(p) for n in range(1, 4) for p in itertools.product(range(VOCAB), repeat=n) if p[0] == ROOT}
+    p = {prefix: draft_probs(prefix) for prefix in logits}
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(draws):
+        x1 = int(sample(p[(ROOT,)], g))
+        x2 = int(sample(p[(ROOT, x1)], g))
+        prefixes = [(ROOT,), (ROOT, x1), (ROOT, x1, x2)]
+        nodes, bonus = rule(torch.stack([logits[q] for q in prefixes]), torch.tensor([ROOT, x1, x2]),
+                            torch.stack([p[q] for q in prefixes[:2]]), temperature, top_p, g)
+        emitted = [x1, x2][:len(nodes) - 1] + [bonus]
+        if len(emitted) == 1:
+            emitted.append(int(sample(logits_to_probs(logits[(ROOT, bonus)], temperature, top_p), g)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature, top_p", SETTINGS)
+def test_leviathan_is_lossless(temperature, top_p):
+    counts = chain_counts(leviathan, 16_000, temperature, top_p)
+    joint = exact_joint(temperature, top_p)
+    assert chi_square(counts, joint) < LIMIT
+    assert 0.5 * (counts / counts.sum() - joint).abs().sum() < 0.02  # total variation
+
+
+def test_leviathan_with_a_resample_from_q_fails_the_same_check():
+    """On rejection, drawing from q instead of norm(max(0, q - p)) over-weights what p proposes."""
+    def broken(logits, tokens, probs, temperature, top_p, generator):
+        q = logits_to_probs(logits, temperature, top_p)                       # (G+1, V)
+        for i, x in enumerate(tokens[1:].tolist()):
+            if torch.rand((), generator=generator) * probs[i, x] >= q[i, x]:
+                return torch.arange(i + 1), int(sample(q[i], generator))
+        return torch.arange(len(tokens)), int(sample(q[-1], generator))
+
+    counts = chain_counts(broken, 4_000, *SETTINGS[0])
+    assert chi_square(counts, exact_joint(*SETTINGS[0])) > 4 * LIMIT
+
+
+def test_leviathan_accepts_a_draft_the_base_model_likes_more():
+    """q(x) >= p(x): accepted whatever the uniform draw; all accepted: the bonus comes after the last."""
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])  # (G+1, V) peaked at 1, 2, 0
+    p = torch.full((2, 3), 1 / 3)                                              # (G, V)
+    for seed in range(20):
+        nodes, bonus = leviathan(logits, torch.tensor([0, 1, 2]), p, 1.0, 1.0, torch.Generator().manual_seed(seed))
+        assert nodes.tolist() == [0, 1, 2] and bonus in (0, 1, 2)
+    nodes, bonus = leviathan(logits, torch.tensor([0, 1, 2]), p, 0.5, 1.0, torch.Generator().manual_seed(0))
+    assert nodes.tolist() == [0, 1, 2] and bonus == 0

@@ -1,0 +1,272 @@
+"""Drafters beside draft heads: whoever fills the tree, generate.py's one loop verifies it alike.
+
+A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
+tree with one path. Verification does not care who drafted: the base model scores every node in
+one forward and verify.py keeps an acceptable path. Five drafters, one interface:
+
+    Plain()                          drafts nothing: plain decoding, a root-only tree every step
+    Lookup(gamma, ngram, matches)    prompt lookup (LLMA): copy what followed the last n tokens
+                                     earlier in the prompt or the reply; no model, no training
+    ModelDrafter(model, gamma, ...)  a smaller model sharing the tokenizer drafts a chain token by
+                                     token; with num_layers=N, the base model's own first N layers
+                                     (self-speculative, no extra weights)
+    Merged(first, second)            two drafters' trees in one, shared prefixes drafted once
+    generate.HeadsDrafter            Medusa / Hydra heads fill a fixed tree (in generate.py)
+
+    d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
+                                          states over them (1, T, D), room for max_len positions
+    d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
+    d.accept(tokens, hidden, positions)   what the base model committed: the root and the accepted
+                                          drafts, their hidden states (1, n, D) and positions (n,)
+    d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
+
+Test: `python -m pytest -q tests/test_drafters.py`.
+Shapes: N tree nodes (root included), G drafted tokens of a chain (gamma), V vocabulary, D hidden,
+T new tokens of one forward.
+"""
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+import tree as tree_lib
+import verify as verify_lib
+
+# --- the draft: a tree and its tokens -----------------------------------------------------------
+# Trees here change from step to step (a lookup finds a match or not, of some length), but only
+# among a few shapes: each is built once, with its device copies, and looked up by its paths.
+# A drafter fills {path: (token, source)}; paths are tree.py's, ranks in insertion order.
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor        # (N,) on the model's device: node 0 is the root, then the drafts
+    tree: tree_lib.Tree         # the structure, on the CPU (the verifiers walk it)
+    mask: torch.Tensor | None   # (N, N) tree.mask on the device; None for a root-only tree (no mask needed)
+    depth: torch.Tensor         # (N,) tree.depth on the device: node i sits at position prefix + depth[i]
+    source: list                # (N,) who drafted each node: an index into the drafter's legend, 0 = the root
+    probs: torch.Tensor | None = None  # (N-1, V) a chain of sampled drafts: the p each was drawn from
+
+
+class Shapes:
+    """tree.build(paths) with the device copies of its mask and depths, once per distinct tree."""
+
+    def __init__(self, device):
+        self.device, self.built = device, {}
+
+    def __call__(self, paths):
+        key = frozenset(paths)
+        if key not in self.built:
+            t = tree_lib.build(list(paths))
+            self.built[key] = t, t.mask.to(self.device) if t.num_nodes > 1 else None, t.depth.to(self.device)
+        return self.built[key]
+
+    def draft(self, root: int, nodes: dict, probs=None) -> Draft:
+        """nodes {path: (token, source)} -> the Draft, its tokens in the tree's node order."""
+        tree, mask, depth = self(nodes)
+        tokens = [root] + [nodes[p][0] for p in tree.paths]
+        source = [0] + [nodes[p][1] for p in tree.paths]
+        return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs)   # (N,)
+
+
+def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
+    """Add the nodes of `branch` ({path: (token, source)}, prefix-closed) to `nodes`, in place. A
+    branch node whose parent already has a child holding its token is that child (a shared prefix
+    is verified once); the others become new children, ranked after those already there, so the
+    verifiers try the first drafter's candidates first. Sources are shifted by `offset`."""
+    child = {(p[:-1], t): p for p, (t, _) in nodes.items()}    # (parent path, token) -> path
+    count = Counter(p[:-1] for p in nodes)                     # children per parent path
+    where = {(): ()}                                           # branch path -> path in nodes
+    for p in sorted(branch, key=lambda p: (len(p), p)):        # parents first
+        token, source = branch[p]
+        parent = where[p[:-1]]
+        if (parent, token) not in child:
+            new = parent + (count[parent],)
+            count[parent] += 1
+            child[parent, token], nodes[new] = new, (token, source + offset)
+        where[p] = child[parent, token]
+    return nodes
+
+
+def chain_nodes(tokens: list, source: int) -> dict:
+    """A chain of tokens under the root, as {path: (token, source)}."""
+    return {(0,) * d: (t, source) for d, t in enumerate(tokens, start=1)}
+
+
+# --- plain decoding -----------------------------------------------------------------------------
+
+
+class Plain:
+    """Drafts nothing: every step the base model verifies only the root, i.e. decodes one token."""
+    name, legend, max_nodes, max_depth = "heads: none (plain decoding)", ["base model"], 1, 0
+
+    def __init__(self, device):
+        self.shapes = Shapes(device)
+
+    def start(self, prompt, hidden, max_len):
+        pass
+
+    def draft(self, root):
+        return self.shapes.draft(root, {})
+
+    def accept(self, tokens, hidden, positions):
+        pass
+
+
+# --- prompt lookup ------------------------------------------------------------------------------
+# LLMA / prompt lookup decoding: where the reply copies the prompt (summaries, extraction, names in
+# a translation, code edits), the tokens that followed the last few tokens the previous time they
+# occurred are a good guess. An index from every n-gram (n <= ngram) of the text to where it ended
+# makes each lookup a dictionary access; it grows with the text.
+
+
+class Lookup:
+    """Match the last n tokens (n = ngram down to 1) of prompt + reply against earlier text and
+    propose the up to gamma tokens that followed: the latest match as a chain, or the `matches`
+    latest distinct continuations (longer n first) merged into a tree. No match: a root-only tree."""
+
+    def __init__(self, gamma: int, ngram: int, matches: int, device):
+        assert gamma >= 1 and ngram >= 1 and matches >= 1, f"need gamma, ngram, matches >= 1, got {gamma}, {ngram}, {matches}"
+        self.gamma, self.ngram, self.matches = gamma, ngram, matches
+        self.shapes = Shapes(device)
+        self.name = f"lookup: n-grams {ngram}..1, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
+        self.legend, self.max_nodes, self.max_depth = ["base model", "lookup"], 1 + gamma * matches, gamma
+
+    def start(self, prompt, hidden, max_len):
+        self.text, self.ends = [], {}   # the committed text; n-gram -> indices just after each occurrence
+        self._extend(prompt)
+
+    def _extend(self, tokens):
+        for t in tokens:
+            self.text.append(t)
+            i = len(self.text)
+            for n in range(1, min(self.ngram, i) + 1):
+                self.ends.setdefault(tuple(self.text[i - n:i]), []).append(i)
+
+    def continuations(self, root: int) -> list:
+        """Up to `matches` distinct continuations of text + [root], latest occurrence first."""
+        text, found = self.text, []
+        for n in range(min(self.ngram, len(text) + 1), 0, -1):
+            key = tuple(text[len(text) - n + 1:]) + (root,)
+            for j in reversed(self.ends.get(key, ())):
+                # the text after the occurrence; it may run into the root itself, which ends it
+                follow = text[j:j + self.gamma] + ([root] if j + self.gamma > len(text) else [])
+                if follow not in found:
+                    found.append(follow)
+                    if len(found) == self.matches:
+                        return found
+        return found
+
+    def draft(self, root):
+        nodes = {}
+        for follow in self.continuations(root):
+            graft(nodes, chain_nodes(follow, 1))
+        return self.shapes.draft(root, nodes)
+
+    def accept(self, tokens, hidden, positions):
+        self._extend(tokens)
+
+
+# --- a draft model, or the base model's first layers --------------------------------------------
+# Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one
+# at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.;
+# LayerSkip) is the same with the base's own first N layers, final norm and LM head as the small
+# model: model.Transformer.forward(..., num_layers=N) runs them on the base's weights, no copy.
+
+
+class ModelDrafter:
+    """Drafts a chain of gamma tokens with `model` (or its first num_layers layers): greedily at
+    temperature 0, else sampled from its own p = logits_to_probs(logits, temperature, top_p), which
+    the Draft carries for verify.leviathan.
+
+    KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted,
+    in order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the
+    start, then the bonus token of each step, and the last draft x_G when it was accepted (it was
+    sampled but never fed). draft(root) feeds pending + [root] in one forward and x_1..x_{G-1} one
+    by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
+    index check, a device sync on a GPU) so that the next one attends to them. accept() cuts
+    length back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the
+    next forward overwrites before anything reads it."""
+
+    def __init__(self, model, gamma: int, temperature: float, top_p: float, generator, num_layers=None, name="draft model"):
+        assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
+        self.model, self.gamma, self.num_layers = model, gamma, num_layers
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.shapes = Shapes(model.device)
+        self.paths = tree_lib.chain(gamma)
+        self.name = f"{name}, {gamma} tokens a step" + (", sampled" if temperature > 0 else "")
+        self.legend, self.max_nodes, self.max_depth = ["base model", name], 1 + gamma, gamma
+
+    def start(self, prompt, hidden, max_len):
+        self.cache = self.model.new_cache(max_len, num_layers=self.num_layers)
+        self.pending = list(prompt)
+
+    def _next(self, tokens):
+        """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or None."""
+        n = tokens.shape[1]
+        positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)   # (T,)
+        logits, _ = self.model(tokens, positions, None, self.cache, last_only=True, num_layers=self.num_layers)
+        self.cache.length += n
+        if self.temperature == 0:
+            return logits[0, -1].argmax(), None                                              # ()
+        p = verify_lib.logits_to_probs(logits[0, -1].float(), self.temperature, self.top_p)  # (V,)
+        return verify_lib.sample(p, self.generator), p
+
+    def draft(self, root):
+        dev = self.model.device
+        self.fed = self.cache.length + len(self.pending) + 1    # the accepted sequence, root included
+        x, p = self._next(torch.tensor([self.pending + [root]], device=dev))
+        drafts, probs = [x], [p]
+        for _ in range(self.gamma - 1):
+            x, p = self._next(x.view(1, 1))
+            drafts.append(x)
+            probs.append(p)
+        self.drafts = torch.stack(drafts)                                                  # (G,)
+        tree, mask, depth = self.shapes(self.paths)
+        tokens = torch.cat([torch.tensor([root], device=dev), self.drafts])                # (N,) = (G+1,)
+        sampled = torch.stack(probs) if self.temperature > 0 else None                    # (G, V)
+        return Draft(tokens, tree, mask, depth, [0] + [1] * self.gamma, sampled)
+
+    def accept(self, tokens, hidden, positions):
+        drafts, k = self.drafts.tolist(), 0
+        while k < len(tokens) - 1 and k < self.gamma - 1 and tokens[1 + k] == drafts[k]:
+            k += 1                            # accepted drafts whose keys are in the cache
+        self.cache.length = self.fed + k      # cut back to the accepted prefix
+        self.pending = list(tokens[1 + k:])
+
+
+# --- several drafters in one tree ---------------------------------------------------------------
+# SpecInfer-style merging: the first drafter's tree, then the second's grafted onto it, shared
+# prefixes once. One forward verifies both. The tree rules of verify.py are exact for any tree
+# fixed before verification (heads' top-k picks, lookup's copies), so merging keeps them exact;
+# sharing prefixes only saves nodes.
+
+
+class Merged:
+    """Heads + lookup: the first drafter's tree with the second's grafted on. Both see every step."""
+
+    def __init__(self, first, second, device):
+        self.first, self.second, self.shapes = first, second, Shapes(device)
+        self.offset = len(first.legend) - 1  # the second's sources follow the first's in the legend
+        self.name = f"{first.name} + {second.name}"
+        self.legend = first.legend + second.legend[1:]
+        self.max_nodes = first.max_nodes + second.max_nodes - 1
+        self.max_depth = max(first.max_depth, second.max_depth)
+
+    def start(self, prompt, hidden, max_len):
+        self.first.start(prompt, hidden, max_len)
+        self.second.start(prompt, hidden, max_len)
+
+    def draft(self, root):
+        a, b = self.first.draft(root), self.second.draft(root)
+        assert a.probs is None and b.probs is None, "sampled drafts are verified as a chain, they cannot be merged"
+        if b.tree.num_nodes == 1:
+            return a  # nothing to graft (no lookup match): the first tree as it is
+        tokens = [a.tokens.tolist(), b.tokens.tolist()]
+        nodes = {p: (tokens[0][i], a.source[i]) for i, p in enumerate(a.tree.paths, start=1)}
+        graft(nodes, {p: (tokens[1][i], b.source[i]) for i, p in enumerate(b.tree.paths, start=1)}, self.offset)
+        return self.shapes.draft(root, nodes)
+
+    def accept(self, tokens, hidden, positions):
+        self.first.accept(tokens, hidden, positions)
+        self.second.accept(tokens, hidden, positions)

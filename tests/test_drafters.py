@@ -1,0 +1,304 @@
+"""drafters.py's contracts, on tiny random models (CPU, seeded) and a few on the default model.
+
+Greedy output is token-identical to plain greedy decoding whatever the drafter (lookup as a chain
+and as a tree, the first layers, a draft model, heads + lookup in one tree); sampling with a draft
+model or the first layers follows the base model's own distribution (chi-square over the first
+three tokens), and a broken residual rule fails the same check; lookup accepts long runs when the
+answer is in the prompt verbatim; the draft model's KV cache holds exactly the accepted sequence.
+Run: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes, V vocabulary.
+"""
+import collections
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import drafters as D
+import generate as G
+import model as model_lib
+import tree as tree_lib
+import verify as verify_lib
+from conftest import tiny_config
+from test_generate import random_heads
+
+
+def tiny(seed, **kw):
+    torch.manual_seed(seed)
+    return model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+
+
+def noisy_copy(base, scale=0.3):
+    """The base model with noise on every weight: a draft model that is often but not always right."""
+    torch.manual_seed(1)
+    copy = model_lib.Transformer(base.cfg).eval().requires_grad_(False)
+    copy.load_state_dict({k: v + scale * v.std() * torch.randn_like(v) for k, v in base.state_dict().items()})
+    return copy
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 12-token vocabulary: random models repeat themselves, so every drafter gets accepted."""
+    return tiny(0, vocab_size=12)
+
+
+def drafter(name, base, gamma=3):
+    """A fresh drafter for `base` by name; 'model' drafts with a noisy copy of it."""
+    if name == "lookup":
+        return D.Lookup(gamma, 3, 1, "cpu")
+    if name == "lookup-tree":
+        return D.Lookup(gamma, 3, 3, "cpu")
+    if name == "layers:1":
+        return D.ModelDrafter(base, gamma, 0.0, 1.0, None, 1, "layers:1")
+    if name == "model":
+        return D.ModelDrafter(noisy_copy(base), gamma, 0.0, 1.0, None)
+    if name == "hydra+lookup":
+        heads = G.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+        return D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu")
+    raise ValueError(name)
+
+
+NAMES = ["lookup", "lookup-tree", "layers:1", "model", "hydra+lookup"]
+
+
+# --- greedy: token-identical to plain decoding --------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_plain_tiny(small, name):
+    d = drafter(name, small)
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = G.generate(small, prompt, 40)
+        r = G.generate(small, prompt, 40, d)
+        assert r.tokens == plain.tokens
+        assert r.steps <= plain.steps and len(r.sources) == len(r.tokens)
+        accepted += sum(r.accepted)
+    assert accepted > 0, "no draft was ever accepted: the test would not exercise the drafter"
+
+
+def test_draft_model_equal_to_the_base_is_always_right(small):
+    """The base model as its own draft model: if the draft cache holds the accepted sequence, every
+    draft is accepted (gamma + 1 tokens a step); any slip in its bookkeeping would show here."""
+    r = G.generate(small, [1, 2, 3, 4], 41, D.ModelDrafter(small, 4, 0.0, 1.0, None))
+    assert r.accepted == [4] * 8 and r.steps == 9
+
+
+class Checked(D.ModelDrafter):
+    """A ModelDrafter that, after every step, compares its cache with a fresh forward of the
+    accepted sequence and checks that what is not cached is exactly `pending`."""
+
+    def start(self, prompt, hidden, max_len):
+        super().start(prompt, hidden, max_len)
+        self.seq, self.checked = list(prompt), 0
+
+    def accept(self, tokens, hidden, positions):
+        super().accept(tokens, hidden, positions)
+        self.seq += tokens
+        n = self.cache.length
+        assert self.seq[n:] == self.pending
+        fresh = self.model.new_cache(n, num_layers=self.num_layers)
+        self.model(torch.tensor([self.seq[:n]]), torch.arange(n), None, fresh, num_layers=self.num_layers)
+        assert torch.allclose(self.cache.k[..., :n, :], fresh.k, atol=1e-5)
+        assert torch.allclose(self.cache.v[..., :n, :], fresh.v, atol=1e-5)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("which", ["layers:1", "another model"])
+def test_draft_cache_holds_the_accepted_sequence(small, which):
+    d = Checked(small, 3, 0.0, 1.0, None, 1) if which == "layers:1" else Checked(noisy_copy(small), 3, 0.0, 1.0, None)
+    r = G.generate(small, [3, 1, 4, 1, 5], 40, d)
+    assert d.checked == r.steps - 2  # every step but the prefill and the last
+    assert 0 < sum(r.accepted) < 3 * len(r.accepted), "want partial acceptance: the cut-back path"
+
+
+# --- on the default model, in fp32 --------------------------------------------------------------
+
+COPY = "Repeat this sentence exactly, word for word: The quiet river carried seven paper boats past the old mill."
+
+
+@pytest.fixture(scope="module")
+def copy_plain(default_model):
+    """The prompt, the reply's stop tokens and plain decoding's reply (13 tokens, EOS included)."""
+    model, tok = default_model
+    prompt, eos = G.encode(tok, COPY), set(model.cfg.eos_ids) | {tok.eos_token_id}
+    return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
+
+
+@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model"])
+def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
+    model, _ = default_model
+    prompt, eos, plain = copy_plain
+    lookup = D.Lookup(10, 3, 1, "cpu")
+    if name == "heads+lookup":
+        heads = random_heads(model, "hydra++", k=3, scale=0.05)
+        d = D.Merged(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), lookup, "cpu")
+    elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
+        d = D.ModelDrafter(model, 4, 0.0, 1.0, None, 27, "layers:27")
+    elif name == "model":  # the model as its own draft model: the only one at hand with its tokenizer
+        d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
+    else:
+        d = lookup
+    r = G.generate(model, prompt, 24, d, eos_ids=eos)
+    assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
+    if "lookup" in name:  # the reply copies the prompt: lookup's chain is accepted whole
+        assert max(r.accepted) >= 8 and r.steps <= 4, (r.accepted, r.steps)
+
+
+# --- prompt lookup ------------------------------------------------------------------------------
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    lk = D.Lookup(3, 3, 1, "cpu")
+    lk.start([1, 2, 3, 4, 5, 3, 6, 2, 3, 7, 3, 9, 1, 2], None, 64)
+    assert lk.continuations(8) == []                 # 8 never occurred
+    assert lk.continuations(3) == [[4, 5, 3]]        # (1, 2, 3) beats the later (2, 3) and (3,)
+    lk.start([1, 2, 3, 4, 5, 3, 6, 2, 3, 7, 3, 9, 8, 2], None, 64)
+    assert lk.continuations(3) == [[7, 3, 9]]        # no (8, 2, 3); the latest (2, 3)
+    lk.accept([3, 7], None, None)                    # the text grows: ... 8, 2, 3, 7 and root 3
+    assert lk.continuations(3) == [[9, 8, 2]]        # (3, 7, 3) at 8..10
+    three = D.Lookup(2, 1, 3, "cpu")
+    three.start([2, 1, 2, 3, 2, 4, 2, 1], None, 64)
+    assert three.continuations(2) == [[1, 2], [4, 2], [3, 2]]   # latest first, distinct
+    d = three.draft(2)                               # [1, 2], [4, 2], [3, 2] share no prefix: 7 nodes
+    assert d.tree.num_nodes == 7 and d.tokens.tolist() == [2, 1, 4, 3, 2, 2, 2]
+    assert D.Lookup(3, 3, 1, "cpu").max_nodes == 4 and three.max_nodes == 7
+
+
+def test_lookup_with_no_match_drafts_a_root_only_tree():
+    lk = D.Lookup(5, 3, 1, "cpu")
+    lk.start([1, 2, 3], None, 64)
+    d = lk.draft(9)
+    assert d.tree.num_nodes == 1 and d.mask is None and d.tokens.tolist() == [9]
+
+
+def copy_run(lk, prompt, answer, vocab):
+    """Decode `answer` with lookup drafts and greedy verification, the base model replaced by an
+    oracle that says answer[k] at reply position k whatever came before: (steps, accepted per step)."""
+    lk.start(prompt, None, 256)
+    out, accepted = [answer[0]], []
+    while len(out) < len(answer):
+        d = lk.draft(out[-1])
+        at = [min(len(out) + int(depth), len(answer) - 1) for depth in d.tree.depth]
+        logits = F.one_hot(torch.tensor([answer[k] for k in at]), vocab).float()   # (N, V)
+        nodes, bonus = verify_lib.greedy(logits, d.tokens, d.tree)
+        kept = d.tokens[nodes].tolist()
+        out += kept[1:] + [bonus]
+        accepted.append(len(nodes) - 1)
+        lk.accept(kept, None, None)
+    assert out[:len(answer)] == answer
+    return len(accepted), accepted
+
+
+@pytest.mark.parametrize("matches", [1, 3])
+def test_lookup_accepts_long_runs_when_the_answer_is_in_the_prompt(matches):
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 500, (130,), generator=g).tolist()
+    answer = torch.randint(500, 1000, (60,), generator=g).tolist()       # never in the noise
+    steps, accepted = copy_run(D.Lookup(10, 3, matches, "cpu"), noise[:30] + answer + noise[30:50], answer, 1000)
+    assert steps <= 6 and accepted[:5] == [10] * 5  # 11 tokens a step: the whole chain, then the bonus
+    steps, accepted = copy_run(D.Lookup(10, 3, matches, "cpu"), noise[50:], answer, 1000)
+    assert steps == 59 and not any(accepted)  # nothing to copy: every step is a plain one
+
+
+# --- merging trees ------------------------------------------------------------------------------
+
+def test_graft_shares_prefixes_and_ranks_new_children_last():
+    nodes = {(0,): (5, 1), (1,): (6, 1), (0, 0): (7, 2)}
+    D.graft(nodes, D.chain_nodes([5, 7, 8], 1), offset=2)   # shares (0,) and (0, 0)
+    D.graft(nodes, D.chain_nodes([6, 9], 1), offset=2)      # shares (1,)
+    D.graft(nodes, D.chain_nodes([4], 1), offset=2)         # a third child of the root
+    assert nodes == {(0,): (5, 1), (1,): (6, 1), (0, 0): (7, 2), (0, 0, 0): (8, 3), (1, 0): (9, 3), (2,): (4, 3)}
+    d = D.Shapes("cpu").draft(0, nodes)
+    assert d.tree.paths == [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]
+    assert d.tokens.tolist() == [0, 5, 6, 4, 7, 9, 8] and d.source == [0, 1, 1, 3, 2, 3, 3]
+
+
+def test_merged_tree_holds_both_drafters_candidates(small):
+    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+    lookup = D.Lookup(4, 3, 1, "cpu")
+    merged = D.Merged(heads, lookup, "cpu")
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
+    merged.start(prompt, hidden, 64)
+    d, h, lk = merged.draft(3), heads.draft(3), lookup.draft(3)
+    assert lk.tokens.tolist() == [3, 4, 5, 6, 1]
+
+    def paths(x):  # the token sequence root..node of every node
+        return {tuple(x.tokens[x.tree.mask[i]].tolist()) for i in range(x.tree.num_nodes)}
+    assert paths(d) == paths(h) | paths(lk)   # every candidate of both, each prefix once
+    assert d.tree.num_nodes == len(paths(d))
+    assert merged.legend == ["base model", "head 1", "head 2", "lookup"] and merged.max_depth == 4
+
+
+# --- sampling is lossless -----------------------------------------------------------------------
+
+def exact_joint(model, prompt, n):
+    """P(first n tokens) under plain sampling at temperature 1, by enumeration."""
+    joint = {}
+    for seq in itertools.product(range(model.cfg.vocab_size), repeat=n):
+        p = 1.0
+        for i in range(n):
+            ids = torch.tensor([prompt + list(seq[:i])])
+            logits, _ = model(ids, torch.arange(ids.shape[1]))
+            p *= torch.softmax(logits[0, -1].double(), -1)[seq[i]].item()
+        joint[seq] = p
+    return joint
+
+
+def chi_square(model, make_drafter, n_samples, prompt=(1, 2)):
+    """Pearson's statistic of the first three tokens of speculative sampling against the exact joint."""
+    prompt = list(prompt)
+    g = torch.Generator().manual_seed(0)
+    d = make_drafter(g)
+    counts = collections.Counter(tuple(G.generate(model, prompt, 3, d, "sample", 1.0, 1.0, g).tokens)
+                                 for _ in range(n_samples))
+    ref = exact_joint(model, prompt, 3)
+    return sum((counts[s] - n_samples * p) ** 2 / (n_samples * p) for s, p in ref.items())
+
+
+def peaky(seed, **kw):
+    m = tiny(seed, vocab_size=4, dim=16, n_heads=2, n_kv_heads=1, **kw)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3)  # peakier distributions: drafts get accepted and rejected
+    return m
+
+
+# chi-square with 63 degrees of freedom (4^3 cells): its 99.9% quantile is 103
+LIMIT = 103
+
+
+def test_draft_model_sampling_matches_base_distribution():
+    base, small_one = peaky(0, n_layers=1), peaky(1, n_layers=1)
+    assert chi_square(base, lambda g: D.ModelDrafter(small_one, 2, 1.0, 1.0, g), 2000) < LIMIT
+
+
+def test_layers_sampling_matches_base_distribution():
+    base = peaky(0, n_layers=2)
+    assert chi_square(base, lambda g: D.ModelDrafter(base, 2, 1.0, 1.0, g, 1, "layers:1"), 2000) < LIMIT
+
+
+def test_broken_residual_rule_is_caught(monkeypatch):
+    """Leviathan's rule with the resample drawn from q instead of norm(max(0, q - p)) over-weights
+    what the draft proposes: the same check fails by far."""
+    def broken(logits, tokens, draft_probs, temperature, top_p, generator):
+        q = verify_lib.logits_to_probs(logits, temperature, top_p)            # (G+1, V)
+        for i, x in enumerate(tokens[1:].tolist()):
+            if torch.rand((), generator=generator) * draft_probs[i, x] >= q[i, x]:
+                return torch.arange(i + 1), int(verify_lib.sample(q[i], generator))
+        return torch.arange(len(tokens)), int(verify_lib.sample(q[-1], generator))
+
+    monkeypatch.setattr(verify_lib, "leviathan", broken)
+    base, small_one = peaky(0, n_layers=1), peaky(1, n_layers=1)
+    assert chi_square(base, lambda g: D.ModelDrafter(small_one, 2, 1.0, 1.0, g), 2000) > 2 * LIMIT
+
+
+def test_sampled_drafts_carry_their_distribution(small):
+    g = torch.Generator().manual_seed(0)
+    d = D.ModelDrafter(small, 3, 0.8, 0.9, g)
+    d.start([1, 2, 3], None, 32)
+    draft = d.draft(4)
+    assert draft.probs.shape == (3, 12) and torch.allclose(draft.probs.sum(-1), torch.ones(3))
+    assert (draft.probs.gather(1, draft.tokens[1:, None]) > 0).all()   # each draft was drawn from its p
+    greedy = D.ModelDrafter(small, 3, 0.0, 1.0, None)
+    greedy.start([1, 2, 3], None, 32)
+    assert greedy.draft(4).probs is None  # picked, not sampled: verified by the tree rule
