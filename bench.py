@@ -118,6 +118,36 @@ def machine(device, dtype, **extra):
             "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), **extra}
 
 
+def memory_bandwidth(device, mbytes=512):
+    """GB/s reading a buffer much larger than any cache (the best of 5 sums): what a decode step,
+    which reads every weight once, can at most stream."""
+    x = torch.ones(mbytes * 2 ** 20 // 4, device=device)
+    best = min(timed(lambda: x.sum(), device) for _ in range(6))
+    return x.numel() * 4 / best / 1e9
+
+
+@torch.inference_mode()
+def step_time(model, device, tokens=1, prefix=200, repeats=20):
+    """Median seconds of one forward of `tokens` new tokens (causal) after a cached prefix."""
+    cache = model.new_cache(prefix + tokens)
+    model(torch.zeros(1, prefix, dtype=torch.long, device=device), torch.arange(prefix, device=device), None, cache)
+    cache.keep(range(prefix))
+    ids, pos = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(prefix, prefix + tokens, device=device)
+    return statistics.median(timed(lambda: model(ids, pos, None, cache), device) for _ in range(repeats))
+
+
+def distance_to_floor(model, device):
+    """How far the batch-1 decode step is from its memory-bandwidth floor: every weight is read
+    once a step (the embedding table only a row of, unless the LM head shares it)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_embeddings:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    bandwidth, step = memory_bandwidth(device), step_time(model, device)
+    floor = weights / (bandwidth * 1e9)
+    return {"batch_1_step_ms": round(step * 1e3, 1), "weights_read_MB": round(weights / 1e6), "memory_GB_per_s": round(bandwidth, 1),
+            "bandwidth_floor_ms": round(floor * 1e3, 1), "step_over_floor": f"{step / floor:.1f}x"}
+
+
 def machine_line(m):
     return "_" + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in m.items()) + "_"
 
@@ -440,7 +470,7 @@ def tune_tree(args, model, prompts, device):
         r["step_ms"], r["draft_ms"] = statistics.median(r["step_s"]) * 1e3, statistics.median(r["draft_s"]) * 1e3
         r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
-    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats)
+    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats, **distance_to_floor(model, device))
     print(machine_line(mach) + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
@@ -520,7 +550,7 @@ def tune_layers(args, model, prompts, device, eos):
             table.append({"layers": r["layers"], "gamma": g, "expected_tau": tau, "draft_ms": draft_ms, "verify_ms": verify_ms[g],
                           "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3})
     best = max(table, key=lambda t: t["tokens_per_s"])
-    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats)
+    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats, **distance_to_floor(model, device))
     print(machine_line(mach) + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
           "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
     for n in candidates:
@@ -647,7 +677,7 @@ def main(args):
         prompts, secs, outs, interrupted = [prompts[i] for i in stop.done], stop.seconds, stop.outputs, True
     res = results(methods, prompts, secs, outs)
     mach = machine(device, dtype, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
-                   max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, **distance_to_floor(model, device))
     print(tables(res, mach))
     for name, r in res.items():
         if r["identical"] is False:

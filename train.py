@@ -188,12 +188,17 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
         def take(idx, logits, slot):
             """Choose the next token of rows idx from their logits (r, V) at `slot`; record it at
             slot + 1; return the rows that finished."""
-            probs = logits_to_probs(logits, temperature, top_p)
-            nxt = sample(probs, generator) if temperature > 0 else logits.argmax(-1)            # (r,)
+            # (r, V) passes are what a step costs beyond the model at a batch of 64: each one counts
+            if temperature > 0:  # sampled among the 1,024 likeliest tokens (a top-p nucleus nearly always is)
+                best = logits.topk(min(1024, logits.shape[-1]), dim=-1)                        # (r, 1024)
+                nxt = best.indices.gather(1, sample(logits_to_probs(best.values, temperature, top_p), generator)[:, None])[:, 0]
+            else:
+                nxt = logits.argmax(-1)                                                         # (r,)
             tokens[idx, slot + 1] = nxt
-            if top_k:
-                top = logits.softmax(-1).topk(top_k, dim=-1)                                  # (r, k)
-                top_ids[idx, slot], top_p_[idx, slot] = top.indices.int(), top.values.half()
+            if top_k:  # the teacher: top-k probabilities, normalised over the whole vocabulary
+                top = logits.topk(top_k, dim=-1)                                              # (r, k)
+                top_ids[idx, slot] = top.indices.int()
+                top_p_[idx, slot] = (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
             n_new = slot + 2 - start[idx] - plen[idx]                                          # (r,)
             return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
 
