@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from model import Block, Config, KVCache, RMSNorm, Rope, attention_mask, lm_head_fingerprint
+from model import Block, Config, KVCache, RMSNorm, Rope, attention_mask, lm_head_fingerprint, use_kernels
 
 KINDS = ("medusa", "hydra", "hydra++")
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
@@ -323,4 +323,5 @@ def load(folder, base) -> nn.Module:
     except RuntimeError as e:
         reason = str(e).splitlines()[-1].strip()
         raise HeadsError(f"{weights} does not hold the weights {config} describes ({reason})") from None
+    use_kernels(heads, base.kernels)  # Hydra++'s PrefixMLP layer runs the base's kernels (prepacked from these weights)
     return heads

@@ -341,19 +341,23 @@ class MLP(nn.Module):
         return linear(F.silu(gate) * up, self.down_proj.weight, self.down_packed)  # SwiGLU
 
 
-def use_kernels(module: nn.Module, kernels: Kernels):
+def use_kernels(module: nn.Module, kernels: Kernels) -> Kernels:
     """Switch every attention and MLP inside `module` (the base model, or heads that hold a Block)
-    to `kernels`; a kernel missing from this build falls back to the readable path with a notice."""
+    and the base model's LM head to `kernels`. A kernel this build or machine lacks falls back to
+    the readable path with one notice on stderr, never a crash. Returns the kernels in use."""
     try:
         for m in module.modules():
             if isinstance(m, (Attention, MLP)):
                 m.use_kernels(kernels)
+            if isinstance(m, Transformer):
+                m.kernels, m.lm_head_packed = kernels, prepack(m.lm_head.weight) if kernels.packed else None
+        return kernels
     except (RuntimeError, AttributeError) as e:
         if kernels == Kernels():
             raise
-        print(f"[model] fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
+        print(f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
               file=sys.stderr)
-        use_kernels(module, Kernels())
+        return use_kernels(module, Kernels())
 
 
 class Block(nn.Module):
@@ -411,8 +415,6 @@ class Transformer(nn.Module):
     def use_kernels(self, kernels: Kernels):
         """Switch every layer to `kernels`; Kernels() is the readable path. Returns the model."""
         use_kernels(self, kernels)
-        self.kernels = kernels
-        self.lm_head_packed = prepack(self.lm_head.weight) if kernels.packed else None
         return self
 
     @property

@@ -45,7 +45,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import model as model_lib
-from generate import Parser, UsageError, check_text, notice, pick_device, pick_dtype, writable_folder
+from generate import Parser, UsageError, check_text, notice, pick_device, pick_dtype, writable_file, writable_folder
 from verify import logits_to_probs, sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,13 +85,14 @@ def build_parser():
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default', a local HF folder or a hub id")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
-    p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers) or a ShareGPT-style JSONL file")
+    p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
+    p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it")
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
     p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
     p.add_argument("--gen-batch", type=int, default=64, help="self-distillation: generation batch size (rows decoded together)" + span("--gen-batch"))
     p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: JSON of tasks and topics that seed the prompts the model writes")
-    p.add_argument("--dtype", default="auto", help="self-distillation: the base model's dtype while it writes data, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
+    p.add_argument("--dtype", default="auto", help="the base model's dtype while it writes data or computes features, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
     p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)" + span("--answer-temperature"))
     p.add_argument("--teacher-k", type=int, default=16, help="teacher targets: keep the base model's top-k probabilities per token" + span("--teacher-k") + ", at most the vocabulary")
     # heads and training
@@ -449,6 +450,36 @@ def read_sharegpt(path, tokenizer):
     return convs
 
 
+def export_conversations(folder, path):
+    """The conversations of a data folder (any shards: self-distilled or features_of's) as one small
+    file: token ids (int32), assistant-token mask, offsets, and the prompts in its metadata. The
+    features are left out (about 1 KB a token); --data path computes them again."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    parts = []
+    for f in shards_in(folder):
+        with safe_open(os.path.join(folder, f), "pt") as shard:  # these three only: features are ~1 KB a token
+            parts.append({k: shard.get_tensor(k) for k in ("ids", "loss", "offsets")})
+    prompts = [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
+    lengths = torch.cat([p["offsets"].diff() for p in parts])
+    tensors = {"ids": torch.cat([p["ids"] for p in parts]).int(), "loss": torch.cat([p["loss"] for p in parts]),
+               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
+    save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
+    os.replace(path + ".tmp", path)
+    return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
+
+
+def read_conversations(path):
+    """[(ids, loss mask)] from a file written by export_conversations."""
+    from safetensors.torch import load_file
+    try:
+        t = load_file(path)
+        ids, loss, offsets = t["ids"], t["loss"], t["offsets"].tolist()
+    except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
+        raise UsageError(f"--data {path}: not a conversations file written by --export-conversations ({e})") from None
+    return [(ids[a:b].tolist(), loss[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
 @torch.inference_mode()
 def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None):
     """One pass of the base model over user conversations -> shards like self_distill's. They are
@@ -787,8 +818,8 @@ def evaluate(heads, data, convs, to_kept, args, device):
 
 STATE = "state.pt"
 RESUME_MAY_CHANGE = ("eval_every", "save_every")                # the new value is used
-NOT_RECORDED = ("resume", "out", "work", "device", "model", "data")  # places; model and data: by identity
-SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "gen_batch", "answer_temperature", "seeds", "dtype")
+NOT_RECORDED = ("resume", "out", "work", "device", "model", "data", "export_conversations")  # places; model and data: by identity
+SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "gen_batch", "answer_temperature", "seeds")
 
 
 def recorded_flags(args):
@@ -1069,6 +1100,10 @@ def check_args(args):
     for flag in ("work", "out"):
         if getattr(args, flag) is not None:
             writable_folder(f"--{flag}", getattr(args, flag))
+    if args.export_conversations is not None:
+        if not args.export_conversations.endswith(".safetensors"):
+            raise UsageError(f"--export-conversations {args.export_conversations}: name it FILE.safetensors")
+        writable_file("--export-conversations", args.export_conversations, "conversations.safetensors")
     if args.out is not None:
         check_resume(args.out, args)
     default = build_parser().get_default
@@ -1110,7 +1145,7 @@ def main(args):
         writable_folder("--work", work)
         writable_folder("--out", out)
         check_resume(out, args)
-    writer = data_model(model, args.dtype) if args.data == "self" else model  # the model that computes features
+    writer = data_model(model, args.dtype)  # the model that writes data and computes features
     key = data_key(writer, args.teacher_k, digest)
     if args.data == "self":
         folder = os.path.join(work, "self_distill")
@@ -1125,11 +1160,16 @@ def main(args):
             elif problem := features_problem(folder, key):
                 if os.path.isdir(folder):
                     notice(f"the features in {folder} cannot be used: {problem}; computing them again")
-                convs = read_sharegpt(args.data, tokenizer)
+                convs = read_conversations(args.data) if args.data.endswith(".safetensors") else read_sharegpt(args.data, tokenizer)
                 print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
-                features_of(model, convs, folder, args.teacher_k, key=key)
+                features_of(writer, convs, folder, args.teacher_k, key=key)
         except KeyboardInterrupt:
             raise Interrupted(saved_so_far(folder, args.data == "self")) from None
+        if args.export_conversations:
+            n, tokens, answers = export_conversations(folder, args.export_conversations)
+            print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
+                  f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
+            return
         if world > 1:
             dist.barrier()  # the model cache and the data are on disk: let the others go
     data = load_data(folder)

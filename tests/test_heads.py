@@ -231,3 +231,25 @@ def test_load_refuses_damaged_files(tmp_path):
     os.remove(tmp_path / "heads.safetensors")
     with pytest.raises(HeadsError, match="has no heads.safetensors"):
         load(tmp_path, base)
+
+
+def test_loaded_hydra_plus_plus_runs_the_base_kernels_from_its_own_weights(tmp_path):
+    """heads.load prepacks the PrefixMLP from the loaded weights (not the zero-initialised ones):
+    its output with the base's fast kernels matches the readable path's."""
+    torch.manual_seed(0)
+    base = model.Transformer(model.Config(vocab_size=V, dim=D, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, max_seq_len=64, name="tiny")).eval().requires_grad_(False)
+    heads = build(HeadsConfig("hydra++", num_heads=2), base)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    save(heads, tmp_path, dtype=torch.float32)
+    base = base.to(dtype=torch.bfloat16).use_kernels(model.Kernels(attention="cpu-bf16", packed=model.Kernels.choose("cpu", torch.bfloat16).packed))
+    loaded = load(tmp_path, base)
+    h = torch.randn(1, 5, base.cfg.dim).bfloat16()
+    with torch.inference_mode():
+        fast = loaded.context(h, torch.arange(5)).float()
+        model.use_kernels(loaded, model.Kernels())
+        readable = loaded.context(h, torch.arange(5)).float()
+        stale = build(HeadsConfig("hydra++", num_heads=2), base).context(h, torch.arange(5)).float()  # zero-initialised layer
+    assert (fast - readable).abs().max() < 0.05 * readable.abs().max(), (fast - readable).abs().max()
+    assert (fast - stale).abs().max() > 10 * (fast - readable).abs().max()

@@ -256,3 +256,16 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
     out, err = capsys.readouterr()
     assert out == "" and "[model] converting model.gguf" in err
     assert model_lib.cache_is_valid(str(tmp_path / "converted"))
+
+
+def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
+    """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
+    def missing(*weights):
+        raise RuntimeError("no oneDNN here")
+    monkeypatch.setattr(model_lib, "prepack", missing)
+    tokens = torch.randint(0, 64, (1, 6))
+    ref = tiny(tokens, torch.arange(6))[0]
+    tiny.use_kernels(model_lib.Kernels(attention="cpu-bf16", packed=True))
+    assert tiny.kernels == model_lib.Kernels() and tiny.lm_head_packed is None
+    assert capsys.readouterr().err.count("notice: fast kernels unavailable") == 1
+    torch.testing.assert_close(tiny(tokens, torch.arange(6))[0], ref)

@@ -351,3 +351,19 @@ def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
     got = {i: a for i, a, _ in T.decode_batched(model, prompts, 24, stop, 3)}
     assert [got[i] for i in range(4)] == plain_answers(model, prompts, 24, stop)
+
+
+def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
+    """--export-conversations keeps ids and loss masks only; features_of over what read_conversations
+    returns reproduces the features of the data set it came from."""
+    base, folder = features
+    path = str(tmp_path / "convs.safetensors")
+    n, tokens, answers = T.export_conversations(folder, path)
+    data = T.load_data(folder)
+    assert (n, tokens, answers) == (len(data["offsets"]) - 1, len(data["ids"]), int(data["loss"].sum()))
+    assert os.path.getsize(path) < tokens * 8 + 4096            # ids and masks, no features
+    T.features_of(base, T.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64)
+    again = T.load_data(str(tmp_path / "again"))
+    for k in ("ids", "loss", "offsets", "top_ids"):
+        assert torch.equal(again[k], data[k]), k
+    assert torch.equal(again["hidden"], data["hidden"])

@@ -238,3 +238,20 @@ def test_ctrl_c_while_self_distilling_keeps_the_shards_and_exits_130(tmp_path, t
     assert "Traceback" not in err
     assert "interrupted by Ctrl-C while building the data: 2 conversations saved in" in err and "are kept" in err
     assert open(shard, "rb").read() == before
+
+
+def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_dir):
+    """--export-conversations writes ids and masks and stops; --data that file trains; a bad name
+    or a file that is not one of them is one line, exit 2."""
+    chats = conversations(tmp_path / "chats.jsonl")
+    check_one_line_error(*run_train(capsys, "--export-conversations", tmp_path / "c.json")[::2], "name it FILE.safetensors")
+    export = tmp_path / "convs.safetensors"
+    code, _, err = run_train(capsys, "--model", tiny_model_dir, "--data", chats, "--work", tmp_path, "--export-conversations", export)
+    assert code == 0 and "30 conversations" in err and os.path.isfile(export), err
+    code, _, err = run_train(capsys, "--model", tiny_model_dir, "--data", export, "--work", tmp_path, *TINY_RUN,
+                             "--out", tmp_path / "heads")
+    assert code == 0 and "computing the features" in err and os.path.isfile(tmp_path / "heads" / "heads.safetensors"), err
+    fake = tmp_path / "fake.safetensors"
+    fake.write_bytes(b"not safetensors")
+    check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--data", fake, "--work", tmp_path)[::2],
+                         "not a conversations file written by --export-conversations")
