@@ -9,6 +9,7 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree size for this machine -> tree.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
+    python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
 lookup, hydra++-lookup, layers, draft-model) or transformers' generate() (hf, pld, assisted);
@@ -89,6 +90,7 @@ def build_parser():
     p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
     p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree / --tune-layers: timed runs per size; the median counts")
     # layers tuning
+    p.add_argument("--kernels", action="store_true", help="time each kernel choice of model.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
     return p
@@ -433,6 +435,37 @@ def timed(fn, device):
 
 
 @torch.inference_mode()
+def kernel_table(model, device):
+    """--kernels: each op of model.Kernels at this model's shapes, readable path against the fast
+    path chosen for this device and dtype (ms, median of 50 calls); then one whole step of each."""
+    c, fast, readable = model.cfg, model.kernels, model_lib.Kernels()
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
+    ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
+    rows = []
+    for what, B, T, S in (("attention, 1 query (decode)", 1, 1, 201), ("attention, 16 queries (tree)", 1, 16, 216),
+                          ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
+        q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
+        mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
+        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask, readable)), ms(lambda: model_lib.attend(q, k, v, mask, fast))))
+    w = model.layers[0].mlp.down_proj.weight
+    for what, weight, packed in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row", w, model.layers[0].mlp.down_packed),
+                                 (f"LM head {c.dim} -> {c.vocab_size}, 1 row", model.lm_head.weight, model.lm_head_packed)):
+        x = rand(1, weight.shape[1])
+        rows.append((what, ms(lambda: model_lib.linear(x, weight, None)), ms(lambda: model_lib.linear(x, weight, packed))))
+    steps = {}
+    for name, kernels in (("readable", readable), ("fast", fast)):
+        model.use_kernels(kernels)
+        steps[name] = step_time(model, device) * 1e3
+    model.use_kernels(fast)
+    rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"], steps["fast"]))
+    print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))
+    print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
+    for what, a, b in rows:
+        print(f"| {what} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+    return 0
+
+
+@torch.inference_mode()
 def tune_tree(args, model, prompts, device):
     folder = os.path.join(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
     heads, _ = generate.load_heads(folder, model)
@@ -657,6 +690,8 @@ def main(args):
     model, tokenizer = model_lib.load(args.model, device, dtype)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in rows]
+    if args.kernels:
+        return kernel_table(model, device)
     if args.tune_tree:
         return tune_tree(args, model, prompts, device)
     if args.tune_layers:
