@@ -213,20 +213,21 @@ class RMSNorm(nn.Module):
 
 # --- kernels: the readable op, and the fast one beside it ------------------------------------------
 # The forward pass below is written with plain PyTorch ops (the readable path: what the parity
-# tests check against transformers). On a CPU in bf16 two of them hit slow kernels. Measured on
-# this project's 2-core AMD EPYC (AVX512-BF16, no AMX), torch 2.13, SmolLM2-135M shapes, one
-# thread, ms per call (median; `python bench.py --kernels` measures them on your machine):
+# tests check against transformers). On a CPU in bf16 some of them hit slow kernels. Measured on
+# this project's 2-core AMD EPYC (AVX512-BF16, no AMX), torch 2.13, 2 threads, SmolLM2-135M's
+# shapes, ms per call, median of 50 (`python bench.py --kernels` measures them on your machine):
 #
-#   op (bf16)                                   readable path           fast path
-#   attention, 1 query over 201 keys (decode)   SDPA 0.19               SDPA in fp32 0.04
-#   attention, batch 64 x 1 query, key mask      SDPA 12.4               2 matmuls, fp32 softmax 1.2
-#   attention, 200 queries (prefill)             SDPA 1.9                2 matmuls, fp32 softmax 1.3
-#   linear 576 -> 1536, 1 row                    F.linear 0.081          oneDNN, prepacked 0.043
-#   LM head 576 -> 49152, 1 row                  F.linear 6.1            oneDNN, prepacked 2.8
+#   op (bf16)                                     readable path       fast path
+#   attention, 1 query over 201 keys (decode)     SDPA 0.205          SDPA in fp32 0.053
+#   attention, batch 64 x 1 query, key mask        SDPA 6.35           2 matmuls, fp32 softmax 0.72
+#   attention, 16 queries (tree), 200 (prefill)    SDPA 0.17, 0.99     (kept: no faster path)
+#   linear 1536 -> 576, 1 row                      F.linear 0.082      oneDNN, prepacked 0.036
+#   LM head 576 -> 49152, 1 row                    F.linear 4.26       oneDNN, prepacked 1.78
+#   whole decode step, batch 1, 200 cached tokens  43.6                25.3
 #
 # PyTorch's bf16 SDPA on CPU runs a blocked flash kernel built for long queries, and F.linear on one
-# bf16 row falls back to a plain loop; oneDNN's matrix product on a weight reordered once into its
-# blocked layout runs at the memory bandwidth. So Kernels.choose() picks the fast path on CPUs
+# bf16 row misses oneDNN's fast path; oneDNN's matrix product on a weight reordered once into its
+# blocked layout runs near the memory bandwidth. So Kernels.choose() picks the fast path on CPUs
 # with native bf16, and the readable path everywhere else (fp32, CUDA: there the defaults are
 # already the fast kernels). The prepacked weights are a second copy of every linear layer's weight
 # (the plain one stays for the readable path, the heads and saving), made once when the model is
@@ -258,11 +259,11 @@ def attend(q, k, v, mask, kernels: Kernels):
     if B == 1 and T == 1:                # one decode step: the fp32 kernel is 4x faster than bf16's
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                               enable_gqa=Hkv != H).to(q.dtype)
-    if B * H * T * S > 2 ** 25:          # the scores would take > 128 MB: SDPA never holds them all
+    if B == 1 or B * H * T * S > 2 ** 25:  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
-    # batches, trees, short prefills: the G = H / Hkv query heads of a key/value head become G*T
+    # batches (train.py's data stage): the G = H / Hkv query heads of a key/value head become G*T
     # rows of one matrix product in bf16; softmax in fp32 (as SDPA does inside, minus the blocking).
-    # k and v are views into the cache with gaps between heads; bf16 matmul on such views is 6x
+    # k and v are views into the cache with gaps between rows; bf16 matmul on such views is 6x
     # slower than a copy to contiguous memory followed by the product (2.3 against 0.14 + 0.39 ms)
     G = H // Hkv
     k, v = k.contiguous(), v.contiguous()
