@@ -121,11 +121,11 @@ def machine(device, dtype, **extra):
 
 
 def memory_bandwidth(device, mbytes=512):
-    """GB/s reading a buffer much larger than any cache (the best of 5 sums): what a decode step,
-    which reads every weight once, can at most stream."""
-    x = torch.ones(mbytes * 2 ** 20 // 4, device=device)
-    best = min(timed(lambda: x.sum(), device) for _ in range(6))
-    return x.numel() * 4 / best / 1e9
+    """GB/s reading a buffer much larger than any cache (the median of 7 sums, after one to touch
+    every page): what a decode step, which reads every weight once, can at most stream."""
+    x = torch.rand(mbytes * 2 ** 20 // 4, device=device)
+    x.sum()
+    return x.numel() * 4 / statistics.median(timed(lambda: x.sum(), device) for _ in range(7)) / 1e9
 
 
 @torch.inference_mode()
