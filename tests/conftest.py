@@ -82,3 +82,31 @@ def unwritable(tmp_path):
         yield candidate
     finally:
         folder.chmod(0o700)
+
+
+def ctrl_c_after(argv, marker, seconds):
+    """Run `python argv...` from the repository root as a user would, wait for a stderr line holding
+    `marker`, let it work `seconds` more, press Ctrl-C. Returns (exit code, stdout, stderr)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watchdog = threading.Timer(120, p.kill)  # a hang fails the test instead of the whole run
+    watchdog.start()
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if marker in line:
+                break
+        time.sleep(seconds)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+    return p.returncode, out, "".join(lines) + err

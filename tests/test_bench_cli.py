@@ -9,16 +9,12 @@ random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python be
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
 import bench as B
 import generate as G
+from conftest import ctrl_c_after
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,26 +104,11 @@ def test_model_config_json_damaged(capsys, tmp_path):
 
 
 def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir):
-    p = subprocess.Popen([sys.executable, "bench.py", "--model", tiny_model_dir, "--methods", "plain", "--heads-dir", str(tmp_path),
-                          "--prompts", prompts_file(tmp_path), "--repeats", "100000", "--max-new-tokens", "4", "--dtype", "fp32",
-                          "--json", str(tmp_path / "bench.json")],
-                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    watchdog = threading.Timer(120, p.kill)
-    watchdog.start()
-    try:
-        lines = []
-        for line in p.stderr:
-            lines.append(line)
-            if "[bench] measuring" in line:
-                break
-        time.sleep(1.5)  # every prompt measured many times over by now
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        watchdog.cancel()
-    err = "".join(lines) + err
-    assert p.returncode == 130, err
+    code, out, err = ctrl_c_after(["bench.py", "--model", tiny_model_dir, "--methods", "plain", "--heads-dir", tmp_path,
+                                   "--prompts", prompts_file(tmp_path), "--repeats", "100000", "--max-new-tokens", "4",
+                                   "--dtype", "fp32", "--json", tmp_path / "bench.json"],
+                                  "[bench] measuring", 1.5)  # every prompt measured many times over by then
+    assert code == 130, err
     assert "Traceback" not in err
     assert "| plain |" in out and "prompts: 3" in out
     assert "interrupted by Ctrl-C: the tables cover the 3 of 3 prompts" in err

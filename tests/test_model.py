@@ -1,7 +1,5 @@
 """model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep()."""
 import json
-import math
-import os
 
 import pytest
 import torch

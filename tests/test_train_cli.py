@@ -10,10 +10,8 @@ two run `python train.py` in a subprocess, as a user meets it.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 
 import model as model_lib
 import train as T
-from conftest import tiny_config
+from conftest import ctrl_c_after, tiny_config
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,24 +215,10 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
 def test_ctrl_c_while_self_distilling_keeps_the_shards_and_exits_130(tmp_path, tiny_model_dir):
     shard = self_distilled_shard(tmp_path / "self_distill", n=2)
     before = open(shard, "rb").read()
-    p = subprocess.Popen([sys.executable, "train.py", "--model", tiny_model_dir, "--work", str(tmp_path), "--gen-batch", "4"],
-                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    watchdog = threading.Timer(120, p.kill)
-    watchdog.start()
-    try:
-        lines = []
-        for line in p.stderr:  # the random model writes prompts that fail the filter: it never finishes
-            lines.append(line)
-            if "self-distilled data in" in line:
-                break
-        time.sleep(1.0)  # inside self_distill, generating
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        watchdog.cancel()
-    err = "".join(lines) + err
-    assert p.returncode == 130, err
+    # the random model writes prompts that fail the filter: it never finishes on its own
+    code, out, err = ctrl_c_after(["train.py", "--model", tiny_model_dir, "--work", tmp_path, "--gen-batch", "4"],
+                                  "self-distilled data in", 1.0)
+    assert code == 130, err
     assert "Traceback" not in err
     assert "interrupted by Ctrl-C while building the data: 2 conversations saved in" in err and "are kept" in err
     assert open(shard, "rb").read() == before
