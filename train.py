@@ -163,8 +163,8 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
         plen = torch.zeros(B, dtype=torch.long, device=dev)          # (B,) prompt lengths
         tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)            # (B, S) every row's ids by slot
         hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None      # (B, S, D)
-        top_ids = torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None  # (B, S, k)
-        top_p_ = torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
+        teacher_ids = torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None  # (B, S, k)
+        teacher_p = torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
 
         def prefill(idx, ids_list, end):
             """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r, V)."""
@@ -198,8 +198,8 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
             tokens[idx, slot + 1] = nxt
             if top_k:  # the teacher: top-k probabilities, normalised over the whole vocabulary
                 top = logits.topk(top_k, dim=-1)                                              # (r, k)
-                top_ids[idx, slot] = top.indices.int()
-                top_p_[idx, slot] = (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
+                teacher_ids[idx, slot] = top.indices.int()
+                teacher_p[idx, slot] = (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
             n_new = slot + 2 - start[idx] - plen[idx]                                          # (r,)
             return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
 
@@ -209,8 +209,8 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
                 s, p, i = int(start[b]), int(plen[b]), int(conv[b])
                 answer = tokens[b, s + p:slot + 2].tolist()
                 feats = None if not top_k else dict(hidden=hid[b, s:slot + 1].clone(),  # copies: the row is reused
-                                                     top_ids=top_ids[b, s + p - 1:slot + 1].clone(),
-                                                     top_p=top_p_[b, s + p - 1:slot + 1].clone())
+                                                     top_ids=teacher_ids[b, s + p - 1:slot + 1].clone(),
+                                                     top_p=teacher_p[b, s + p - 1:slot + 1].clone())
                 yield i, answer, feats
             conv[done] = -1
 
@@ -236,8 +236,7 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
                 cache.select_rows(alive)
                 key_mask, conv, start, plen, tokens = key_mask[alive], conv[alive], start[alive], plen[alive], tokens[alive]
                 if top_k:
-                    hid, top_ids, top_p_ = hid[alive], top_ids[alive], top_p_[alive]
-            B = len(conv)
+                    hid, teacher_ids, teacher_p = hid[alive], teacher_ids[alive], teacher_p[alive]
             nxt = tokens[:, slot]                                                               # (B,)
             positions = (slot - start)[:, None]                                                 # (B, 1)
             key_mask[:, slot] = True
