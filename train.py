@@ -118,13 +118,6 @@ def build_parser():
 # --- data: self-distillation -------------------------------------------------------------------
 # A conversation is token ids plus a per-token loss mask (True on the assistant's answer).
 
-def user_turn_prefix(tokenizer):
-    """The chat template rendered up to where the user's words begin (Magpie-style prompting)."""
-    marker = "\x00MARK\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    return tokenizer(text[:text.index(marker)], add_special_tokens=False).input_ids
-
-
 def chat_ids(tokenizer, prompt):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
