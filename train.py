@@ -90,7 +90,7 @@ def build_parser():
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
     p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
-    p.add_argument("--gen-batch", type=int, default=64, help="self-distillation: generation batch size (rows decoded together)" + span("--gen-batch"))
+    p.add_argument("--gen-batch", type=int, default=128, help="self-distillation: generation batch size (rows decoded together; 128 measured fastest on 2 CPU cores)" + span("--gen-batch"))
     p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: JSON of tasks and topics that seed the prompts the model writes")
     p.add_argument("--dtype", default="auto", help="the base model's dtype while it writes data or computes features, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
     p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)" + span("--answer-temperature"))
@@ -339,11 +339,12 @@ def self_distill(model, tokenizer, folder, args):
             seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
             prompts = []
             for i, written, _ in decode_batched(model, [p for p, _ in seeded], 64, stop, args.gen_batch, 1.0, 0.95, gen):
-                counts["new"] += len(written)
+                counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 text = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
-                if written[-1] in stop and len(prompts) < want and filt.keep(text):
+                if written[-1] in stop and filt.keep(text):
                     prompts.append(text)
-            counts["tried"] += len(seeded)
+                if len(prompts) == want:  # enough: the candidates not yet started are never written
+                    break
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever gen_batch of them are done
             encoded = [chat_ids(tokenizer, p) for p in prompts]
