@@ -157,6 +157,38 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
                         torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_teacher_loss_has_the_readable_losses_values_and_gradients(dtype):
+    # 150 rows (several blocks and a partial one) over 300 tokens; some top-k ids not kept (-1), some
+    # rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all its mass
+    # there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
+    g = torch.Generator().manual_seed(0)
+    M, V, k = 150, 300, 5
+    logits = (torch.randn(M, V, generator=g) * 3).to(dtype)
+    logits[7, :] = -1e4
+    logits[7, :k] = 0                                               # head 7: all its mass on tokens 0..4
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
+    ids[7] = torch.arange(k)
+    ids[torch.rand(M, k, generator=g) < 0.1] = -1
+    p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
+    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
+    target = torch.randint(-1, V, (M,), generator=g)
+    one = torch.ones(M, 1)
+    for readable, args in ((lambda x: T.teacher_loss(x, ids, p), (ids, p)),
+                           (lambda x: T.next_token_loss(x, target), (target[:, None], one))):
+        weight = torch.rand(M, generator=g)                         # any upstream gradient
+        a = logits.clone().requires_grad_()
+        want = readable(a)
+        (want * weight).sum().backward()
+        b = logits.clone().requires_grad_()
+        got = T.FusedTeacherLoss.apply(b, *args)
+        (got * weight).sum().backward()
+        assert b.grad.dtype == dtype
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2              # bf16: the gradient is stored in bf16
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("loss", ["teacher", "next-token"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_few_steps_lower_the_loss(features, kind, loss):
@@ -364,6 +396,8 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
     assert os.path.getsize(path) < tokens * 8 + 4096            # ids and masks, no features
     T.features_of(base, T.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64)
     again = T.load_data(str(tmp_path / "again"))
-    for k in ("ids", "loss", "offsets", "top_ids"):
+    for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], data[k]), k
-    assert torch.equal(again["hidden"], data["hidden"])
+    for k in ("hidden", "top_ids", "top_p"):   # memory-mapped columns, read conversation by conversation
+        for a, e in zip(data["offsets"][:-1].tolist(), data["offsets"][1:].tolist()):
+            assert torch.equal(again[k][a:e], data[k][a:e]), k

@@ -67,6 +67,7 @@ def test_help_states_every_range():
 @pytest.mark.parametrize("argv, words", [
     (["--heads", "eagle"], "invalid choice"),
     (["--epochs", "two"], "invalid int value"),
+    (["--train-dtype", "fp16"], "invalid choice"),
     (["--device", "tpu"], "unknown device"),
     (["--bogus"], "unrecognized arguments"),
 ])
