@@ -275,6 +275,23 @@ class PromptFilter:
         return True
 
 
+def prompt_diversity(prompts):
+    """How varied a set of prompts is, in figures a reader can compare across data sets: how many
+    distinct openings (first word, first three words) and how many of all word trigrams are
+    distinct (1.0: no phrase ever repeats). PromptFilter has already rejected near-duplicates."""
+    words = [normalise(p) for p in prompts]
+    grams = [tuple(w[i:i + 3]) for w in words for i in range(len(w) - 2)]
+    n = max(len(words), 1)
+    return dict(prompts=len(words), first_words=len({w[0] for w in words if w}) / n,
+                openings=len({tuple(w[:3]) for w in words}) / n, distinct_trigrams=len(set(grams)) / max(len(grams), 1))
+
+
+def diversity_line(prompts):
+    d = prompt_diversity(prompts)
+    return (f"{d['prompts']} prompts: {d['first_words']:.1%} distinct first words, {d['openings']:.1%} distinct "
+            f"3-word openings, {d['distinct_trigrams']:.1%} of word trigrams distinct")
+
+
 def read_seeds(path):
     """data/magpie.json: {"tasks": {category: [openers]}, "topics": [...]}, checked field by field."""
     try:
@@ -1265,6 +1282,8 @@ def main(args):
             n, tokens, answers = export_conversations(folder, args.export_conversations)
             print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
                   f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
+            prompts = [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
+            print(f"[train] diversity: {diversity_line(prompts)}", file=sys.stderr)
             return
         if world > 1:
             dist.barrier()  # the model cache and the data are on disk: let the others go

@@ -401,3 +401,10 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
     for k in ("hidden", "top_ids", "top_p"):   # memory-mapped columns, read conversation by conversation
         for a, e in zip(data["offsets"][:-1].tolist(), data["offsets"][1:].tolist()):
             assert torch.equal(again[k][a:e], data[k][a:e]), k
+
+
+def test_prompt_diversity_counts_openings_and_repeated_phrases():
+    d = T.prompt_diversity(["A b c d.", "a b C e", "x y z"])
+    # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5 distinct
+    assert d == dict(prompts=3, first_words=2 / 3, openings=2 / 3, distinct_trigrams=4 / 5)
+    assert "66.7% distinct first words" in T.diversity_line(["A b c d.", "a b C e", "x y z"])
