@@ -377,12 +377,14 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
 
 
 def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model):
+    # a real model, where attending to a wrong slot changes the answer (a tiny random one barely notices)
     model, tok = default_model
     prompts = [T.chat_ids(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
-                                            "Explain photosynthesis in two sentences.", "What is 15% of 240?")]
+                                            "Explain photosynthesis in two sentences.", "What is 15% of 240?",
+                                            "Name three primary colours.", "Say hello in German.", "What is 2 + 2?")]
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
-    got = {i: a for i, a, _ in T.decode_batched(model, prompts, 24, stop, 3)}
-    assert [got[i] for i in range(4)] == plain_answers(model, prompts, 24, stop)
+    got = {i: a for i, a, _ in T.decode_batched(model, prompts, 32, stop, 2)}  # short and long answers: refills
+    assert [got[i] for i in range(7)] == plain_answers(model, prompts, 32, stop)
 
 
 def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
