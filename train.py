@@ -23,7 +23,8 @@ The command line (tests/test_train_cli.py): bad input (a flag outside its range,
 --data file that is missing; a folder that cannot be written; --resume with flags other than the
 checkpoint's) ends with one line on stderr, "error: <what> ...; <fix>", and exit code 2, before the
 model loads where it can. Cached features are keyed by what shapes them and rebuilt, with a notice,
-when stale or damaged. Ctrl-C while the data is built keeps the finished shards and exits 130.
+when stale or damaged. Ctrl-C (or SIGTERM) while the data is built keeps the finished shards and
+exits 130 (143).
 
 Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes: B batch, T time,
 D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
@@ -1197,7 +1198,20 @@ def data_model(model, dtype):
 # checkpoint's flags before any data is built (which can take hours).
 
 class Interrupted(Exception):
-    """Ctrl-C while the data is built; the message says what is kept."""
+    """Ctrl-C or SIGTERM while the data is built; the message says what is kept."""
+
+    def __init__(self, kept, signum):
+        super().__init__(kept)
+        self.signum = signum
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, a session that ends, `kill`) while the data is built: stops it as
+    Ctrl-C does, so the finished shards are kept and the [data] summary is printed."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated
 
 
 def check_args(args):
@@ -1265,6 +1279,7 @@ def main(args):
     else:
         folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
     if rank == 0:
+        on_sigterm = signal.signal(signal.SIGTERM, raise_terminated)
         try:
             if args.data == "self":
                 check_self_data(folder, key)
@@ -1276,8 +1291,11 @@ def main(args):
                 convs = read_conversations(args.data) if args.data.endswith(".safetensors") else read_sharegpt(args.data, tokenizer)
                 print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
                 features_of(writer, convs, folder, args.teacher_k, key=key)
-        except KeyboardInterrupt:
-            raise Interrupted(saved_so_far(folder, args.data == "self")) from None
+        except KeyboardInterrupt as e:
+            signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+            raise Interrupted(saved_so_far(folder, args.data == "self"), signum) from None
+        finally:
+            signal.signal(signal.SIGTERM, on_sigterm)
         if args.export_conversations:
             n, tokens, answers = export_conversations(folder, args.export_conversations)
             print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
@@ -1310,8 +1328,9 @@ def cli(argv=None) -> int:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 1
     except Interrupted as e:
-        print(f"\n[train] interrupted by Ctrl-C while building the data: {e}", file=sys.stderr)
-        return 130
+        how = "SIGTERM" if e.signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n[train] interrupted by {how} while building the data: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("\n[train] interrupted by Ctrl-C", file=sys.stderr)
         return 130

@@ -84,9 +84,9 @@ def unwritable(tmp_path):
         folder.chmod(0o700)
 
 
-def ctrl_c_after(argv, marker, seconds):
+def ctrl_c_after(argv, marker, seconds, sig=None):
     """Run `python argv...` from the repository root as a user would, wait for a stderr line holding
-    `marker`, let it work `seconds` more, press Ctrl-C. Returns (exit code, stdout, stderr)."""
+    `marker`, let it work `seconds` more, press Ctrl-C (or send `sig`). Returns (exit code, stdout, stderr)."""
     import signal
     import subprocess
     import sys
@@ -105,7 +105,7 @@ def ctrl_c_after(argv, marker, seconds):
             if marker in line:
                 break
         time.sleep(seconds)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig or signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:
         watchdog.cancel()

@@ -10,6 +10,7 @@ two run `python train.py` in a subprocess, as a user meets it.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -213,15 +214,18 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
         T.check_self_data(folder, {"teacher_k": 16, "dim": 32})
 
 
-def test_ctrl_c_while_self_distilling_keeps_the_shards_and_exits_130(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("sig, code, how", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_or_sigterm_while_self_distilling_keeps_the_shards(tmp_path, tiny_model_dir, sig, code, how):
+    # SIGTERM: what a scheduler, a closing session or `kill` sends; the data stage stops as on Ctrl-C
     shard = self_distilled_shard(tmp_path / "self_distill", n=2)
     before = open(shard, "rb").read()
     # the random model writes prompts that fail the filter: it never finishes on its own
-    code, out, err = ctrl_c_after(["train.py", "--model", tiny_model_dir, "--work", tmp_path, "--gen-batch", "4"],
-                                  "self-distilled data in", 1.0)
-    assert code == 130, err
+    got, out, err = ctrl_c_after(["train.py", "--model", tiny_model_dir, "--work", tmp_path, "--gen-batch", "4"],
+                                 "self-distilled data in", 1.0, sig)
+    assert got == code, err
     assert "Traceback" not in err
-    assert "interrupted by Ctrl-C while building the data: 2 conversations saved in" in err and "are kept" in err
+    assert f"interrupted by {how} while building the data: 2 conversations saved in" in err and "are kept" in err
+    assert "[data] 0 conversations" in err                         # the summary line, also when stopped
     assert open(shard, "rb").read() == before
 
 
