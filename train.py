@@ -969,12 +969,12 @@ def data_digest(data):
     return h.hexdigest()[:16]
 
 
-def save_checkpoint(folder, heads, opt, step, identity):
+def save_checkpoint(folder, heads, opt, step, identity, progress=None):
     import heads as heads_lib
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, **identity}, f)
+        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "progress": progress, **identity}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -982,7 +982,8 @@ def save_checkpoint(folder, heads, opt, step, identity):
 
 
 def load_checkpoint(folder, heads, opt, identity):
-    """Load state.pt into heads and opt (built as for a fresh run); returns the step to continue at."""
+    """Load state.pt into heads and opt (built as for a fresh run); returns the step to continue at
+    and the progress so far (assistant tokens trained on, the learning curve)."""
     state = read_checkpoint(folder)
     if "heads" not in state:
         raise ValueError(f"{folder}/{STATE} was written by an older train.py (no heads inside); "
@@ -1003,7 +1004,7 @@ def load_checkpoint(folder, heads, opt, identity):
                          "resume with the same flags and data, or use another --out")
     heads.load_state_dict(state["heads"])
     opt.load_state_dict(state["opt"])
-    return state["step"]
+    return state["step"], state.get("progress") or {"tokens": 0, "curve": []}
 
 
 # --- training -----------------------------------------------------------------------------------------
@@ -1062,6 +1063,11 @@ def kept_vocabulary(data, vocab_size, n):
     return kept, to_kept, float(counts[ids].sum() / counts.sum().clamp(min=1))
 
 
+def curve_point(step, tokens, report):
+    """One point of the learning curve that eval.json keeps (held-out tau against tokens trained on)."""
+    return dict(step=step, tokens=tokens, chain_tau=round(report["chain_tau"], 4), top1=[round(a, 4) for a in report["top1"]])
+
+
 def eval_line(step, report):
     return (f"[eval step {step}] top1 " + " ".join(f"{a:.2f}" for a in report["top1"]) + " | top5 " +
             " ".join(f"{a:.2f}" for a in report["top5"]) + f" | chain tau {report['chain_tau']:.2f}")
@@ -1089,8 +1095,11 @@ def train(model, data, out, args):
     identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"]), data_digest(data)],
                 "flags": recorded_flags(args)}
     step = saved_step = 0
+    # assistant tokens trained on (head 1's targets, all ranks) and the held-out evaluations so far
+    progress = {"tokens": 0, "curve": []}
     if args.resume and os.path.exists(os.path.join(out, STATE)):  # every rank reads it: --out must be shared
-        step = saved_step = load_checkpoint(out, heads, opt, identity)
+        step, progress = load_checkpoint(out, heads, opt, identity)
+        saved_step = step
         log(f"[train] resumed from step {step} in {out}")
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
@@ -1135,7 +1144,10 @@ def train(model, data, out, args):
                 kept_msg = f"the last checkpoint (step {saved_step}) in {out} is kept" if saved_step else "no checkpoint was written"
                 raise FloatingPointError(f"step {step + 1}: {e}; training stopped, {kept_msg}") from None
             step += 1
-            seen += int(batch["valid"][..., 0].sum())
+            n_tokens = torch.tensor([int(batch["valid"][..., 0].sum())], device=device)
+            if world > 1:
+                dist.all_reduce(n_tokens)
+            seen, progress["tokens"] = seen + int(n_tokens) // world, progress["tokens"] + int(n_tokens)
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.3f}, {seen * world / (time.time() - t0):.0f} tok/s")
             signum = torch.tensor([stop.signum], device=device)
@@ -1143,10 +1155,12 @@ def train(model, data, out, args):
                 dist.all_reduce(signum, op=dist.ReduceOp.MAX)
             signum = int(signum)
             if rank == 0 and step % args.eval_every == 0 and step < total and not signum:
-                log("\n" + eval_line(step, evaluate(heads.eval(), data, held_out, to_kept, args, device)))
+                report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+                progress["curve"].append(curve_point(step, progress["tokens"], report))
+                log("\n" + eval_line(step, report))
                 heads.train()
             if rank == 0 and (signum or step == total or time.time() - last_save >= args.save_every):
-                save_checkpoint(out, heads, opt, step, identity)
+                save_checkpoint(out, heads, opt, step, identity, progress)
                 last_save, saved_step = time.time(), step
             if signum:
                 if world > 1:
@@ -1156,6 +1170,7 @@ def train(model, data, out, args):
     bar.close()
     if rank == 0:
         report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+        report["curve"] = progress["curve"] + [curve_point(step, progress["tokens"], report)]
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "eval.json"), "w") as f:
             json.dump(report, f, indent=1)

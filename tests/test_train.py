@@ -57,7 +57,7 @@ def args_for(out, *flags):
     """Command-line flags for a tiny run: 2 epochs of ~8 batches, a checkpoint after every step."""
     return T.build_parser().parse_args(["--heads", "hydra++", "--num-heads", "2", "--kept-tokens", "32",
                                         "--epochs", "2", "--batch-tokens", "48", "--lr", "3e-3",
-                                        "--save-every", "0", "--eval-every", "1000", "--noise", "5",
+                                        "--save-every", "0", "--eval-every", "5", "--noise", "5",
                                         "--out", str(out), *flags])
 
 
@@ -257,6 +257,8 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
     final = checkpoint(tmp_path)
     assert final["step"] == ref_state["step"]
     assert_same_weights(final["heads"], ref_state["heads"])
+    # the learning curve (held-out tau every 5 steps, tokens trained on) continues as if never stopped
+    assert final["progress"] == ref_state["progress"] and len(ref_state["progress"]["curve"]) >= 3
     exported = {k: v.half().float() if v.is_floating_point() else v for k, v in ref_state["heads"].items()}
     assert_same_weights(heads_lib.load(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
 
@@ -410,3 +412,13 @@ def test_prompt_diversity_counts_openings_and_repeated_phrases():
     # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5 distinct
     assert d == dict(prompts=3, first_words=2 / 3, openings=2 / 3, distinct_trigrams=4 / 5)
     assert "66.7% distinct first words" in T.diversity_line(["A b c d.", "a b C e", "x y z"])
+
+
+def test_eval_json_keeps_the_learning_curve(features, tmp_path):
+    run(features, tmp_path)
+    with open(tmp_path / "eval.json") as f:
+        report = json.load(f)
+    curve = report["curve"]
+    assert [p["step"] for p in curve[:-1]] == list(range(5, curve[-1]["step"], 5))
+    assert all(a["tokens"] < b["tokens"] for a, b in zip(curve, curve[1:]))
+    assert curve[-1]["chain_tau"] == round(report["chain_tau"], 4) and len(curve[-1]["top1"]) == 2
