@@ -422,3 +422,18 @@ def test_eval_json_keeps_the_learning_curve(features, tmp_path):
     assert [p["step"] for p in curve[:-1]] == list(range(5, curve[-1]["step"], 5))
     assert all(a["tokens"] < b["tokens"] for a, b in zip(curve, curve[1:]))
     assert curve[-1]["chain_tau"] == round(report["chain_tau"], 4) and len(curve[-1]["top1"]) == 2
+
+
+def test_plot_curves_reads_eval_json_curves(features, tmp_path):
+    import importlib.util
+    import xml.dom.minidom
+    out = tmp_path / "hydra++"
+    run(features, out)
+    spec = importlib.util.spec_from_file_location("plot_curves", os.path.join(os.path.dirname(__file__), "..", "results", "plot_curves.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    curves = plot.read_curves(str(tmp_path))
+    with open(out / "eval.json") as f:
+        assert curves == {"hydra++": json.load(f)["curve"]}
+    assert plot.table(curves).count("| hydra++ |") == len(curves["hydra++"])
+    xml.dom.minidom.parseString(plot.svg(curves))                  # well-formed
