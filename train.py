@@ -328,9 +328,9 @@ def self_distill(model, tokenizer, folder, args):
     continues from the shards on disk (its random draws seeded by how many there are)."""
     import random
     os.makedirs(folder, exist_ok=True)
-    shards = sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
+    shards = shards_in(folder)
     filt = PromptFilter()
-    for p in (p for f in shards for p in read_shard(os.path.join(folder, f), meta_only=True)):
+    for p in folder_prompts(folder):
         filt.keep(p)
     have = len(filt.grams)
     if have >= args.num_prompts:
@@ -421,6 +421,11 @@ def read_shard(path, meta_only=False):
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def folder_prompts(folder):
+    """The prompts of every conversation in a data folder, in order (read from the shards' metadata)."""
+    return [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
+
+
 # --- user data: ShareGPT-style conversations -----------------------------------------------------
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -473,7 +478,7 @@ def export_conversations(folder, path):
     for f in shards_in(folder):
         with safe_open(os.path.join(folder, f), "pt") as shard:  # these three only: features are ~1 KB a token
             parts.append({k: shard.get_tensor(k) for k in ("ids", "loss", "offsets")})
-    prompts = [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
+    prompts = folder_prompts(folder)
     lengths = torch.cat([p["offsets"].diff() for p in parts])
     tensors = {"ids": torch.cat([p["ids"] for p in parts]).int(), "loss": torch.cat([p["loss"] for p in parts]),
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
@@ -531,12 +536,10 @@ def map_shard(path):
     out = {}
     for name, info in header.items():
         if name != "__metadata__":
-            (a, b), shape = info["data_offsets"], tuple(info["shape"])
-            if b == a:  # an empty tensor has no bytes to map
-                out[name] = torch.zeros(shape, dtype=getattr(torch, np.dtype(dtypes[info["dtype"]]).name))
-                continue
-            # mode "c": copy-on-write, i.e. writable for torch but never written back to the file
-            out[name] = torch.from_numpy(np.memmap(path, dtypes[info["dtype"]], "c", 8 + n + a, shape))
+            (a, b), shape, dtype = info["data_offsets"], tuple(info["shape"]), dtypes[info["dtype"]]
+            # mode "c": copy-on-write, i.e. writable for torch but never written back to the file;
+            # an empty tensor has no bytes to map
+            out[name] = torch.from_numpy(np.memmap(path, dtype, "c", 8 + n + a, shape) if b > a else np.zeros(shape, dtype))
     return out
 
 
@@ -566,7 +569,7 @@ def load_data(folder):
     """All shards of a folder: ids, loss, teacher_top1 (the teacher's top-1 id per token, -1 where
     none was recorded) and offsets in memory, concatenated; hidden, top_ids and top_p as Columns,
     memory-mapped (5M tokens of them are ~6 GB)."""
-    shards = sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
+    shards = shards_in(folder)
     if not shards:
         raise ValueError(f"no data shards in {folder}")
     parts = [map_shard(os.path.join(folder, f)) for f in shards]
@@ -696,7 +699,7 @@ def saved_so_far(folder, self_data):
     if not self_data:
         return "the features pass keeps nothing partial; the same command computes them again"
     try:
-        kept = f"{sum(len(read_shard(os.path.join(folder, f), meta_only=True)) for f in shards_in(folder))} conversations"
+        kept = f"{len(folder_prompts(folder))} conversations"
     except Exception:  # a damaged shard: the next run checks them all
         kept = "the conversations"
     return f"{kept} saved in {folder} are kept; the same command continues from them"
@@ -1130,7 +1133,7 @@ def train(model, data, out, args):
     lr_at = lambda s: args.lr * min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / max(total, 1)))
 
     bar = tqdm(total=total, initial=step, desc=f"train {args.heads}", unit="step", disable=None if rank == 0 else True)
-    t0, seen, last_save, batches_epoch = time.time(), 0, time.time(), None
+    t0, tokens0, last_save, batches_epoch = time.time(), progress["tokens"], time.time(), None
     with StopFlag() as stop:
         while step < total:
             epoch, i = divmod(step, per_epoch)
@@ -1147,9 +1150,10 @@ def train(model, data, out, args):
             n_tokens = torch.tensor([int(batch["valid"][..., 0].sum())], device=device)
             if world > 1:
                 dist.all_reduce(n_tokens)
-            seen, progress["tokens"] = seen + int(n_tokens) // world, progress["tokens"] + int(n_tokens)
+            progress["tokens"] += int(n_tokens)
+            rate = (progress["tokens"] - tokens0) / (time.time() - t0)   # assistant tokens/s, all ranks
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss:.3f}, {seen * world / (time.time() - t0):.0f} tok/s")
+            bar.set_postfix_str(f"loss {loss:.3f}, {rate:.0f} tok/s")
             signum = torch.tensor([stop.signum], device=device)
             if world > 1:  # a signal on any rank stops every rank after this same step
                 dist.all_reduce(signum, op=dist.ReduceOp.MAX)
@@ -1315,8 +1319,7 @@ def main(args):
             n, tokens, answers = export_conversations(folder, args.export_conversations)
             print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
                   f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
-            prompts = [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
-            print(f"[train] diversity: {diversity_line(prompts)}", file=sys.stderr)
+            print(f"[train] diversity: {diversity_line(folder_prompts(folder))}", file=sys.stderr)
             return
         if world > 1:
             dist.barrier()  # the model cache and the data are on disk: let the others go
