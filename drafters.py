@@ -125,15 +125,17 @@ class Lookup:
     propose the up to gamma tokens that followed: the latest match as a chain, or the `matches`
     latest distinct continuations (longer n first) merged into a tree. No match: a root-only tree."""
 
-    def __init__(self, gamma: int, ngram: int, matches: int, device):
+    def __init__(self, gamma: int, ngram: int, matches: int, device, adapt: bool = False):
         assert gamma >= 1 and ngram >= 1 and matches >= 1, f"need gamma, ngram, matches >= 1, got {gamma}, {ngram}, {matches}"
-        self.gamma, self.ngram, self.matches = gamma, ngram, matches
+        self.gamma, self.ngram, self.matches, self.adapt = gamma, ngram, matches, adapt
         self.shapes = Shapes(device)
-        self.name = f"lookup: n-grams {ngram}..1, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
+        self.name = (f"lookup: n-grams {ngram}..1, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
+                     + (", length adapted" if adapt else ""))
         self.legend, self.max_nodes, self.max_depth = ["base model", "lookup"], 1 + gamma * matches, gamma
 
     def start(self, prompt, hidden, max_len):
         self.text, self.ends = [], {}   # the committed text; n-gram -> indices just after each occurrence
+        self.length, self.proposed = self.gamma, []   # tokens proposed a step (adapt), what the last step proposed
         self._extend(prompt)
 
     def _extend(self, tokens):
@@ -150,7 +152,7 @@ class Lookup:
             key = tuple(text[len(text) - n + 1:]) + (root,)
             for j in reversed(self.ends.get(key, ())):
                 # the text after the occurrence; it may run into the root itself, which ends it
-                follow = text[j:j + self.gamma] + ([root] if j + self.gamma > len(text) else [])
+                follow = (text[j:j + self.gamma] + [root])[:self.length]
                 if follow not in found:
                     found.append(follow)
                     if len(found) == self.matches:
@@ -159,11 +161,20 @@ class Lookup:
 
     def draft(self, root):
         nodes = {}
-        for follow in self.continuations(root):
+        self.proposed = self.continuations(root)
+        for follow in self.proposed:
             graft(nodes, chain_nodes(follow, 1))
         return self.shapes.draft(root, nodes)
 
     def accept(self, tokens, hidden, positions):
+        # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
+        # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
+        # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
+        # a token and costs the step almost nothing; where it copies, it grows back within steps.
+        if self.adapt and self.proposed:
+            kept = tokens[1:]
+            whole = any(kept[:len(f)] == f for f in self.proposed)
+            self.length = min(self.gamma, self.length + 2) if whole else max(1, self.length - 1)
         self._extend(tokens)
 
 

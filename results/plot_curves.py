@@ -53,10 +53,14 @@ def svg(curves, w=640, h=400, pad=60):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python results/plot_curves.py HEADS_FOLDER OUT_STEM", file=sys.stderr)
+        sys.exit(2)
     folder, stem = sys.argv[1], sys.argv[2]
     curves = read_curves(folder)
     if not curves:
-        sys.exit(f"error: no eval.json with a learning curve under {folder}; train heads with train.py first")
+        print(f"error: no eval.json with a learning curve under {folder}; train heads with train.py first", file=sys.stderr)
+        sys.exit(2)
     with open(stem + ".md", "w") as f:
         f.write(table(curves))
     with open(stem + ".svg", "w") as f:

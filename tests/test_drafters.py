@@ -54,7 +54,7 @@ def drafter(name, base, gamma=3):
         return D.ModelDrafter(noisy_copy(base), gamma, 0.0, 1.0, None)
     if name == "hydra+lookup":
         heads = G.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
-        return D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu")
+        return D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu", adapt=True), "cpu")
     raise ValueError(name)
 
 
@@ -129,7 +129,7 @@ def copy_plain(default_model):
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
-    lookup = D.Lookup(10, 3, 1, "cpu")
+    lookup = D.Lookup(10, 3, 1, "cpu", adapt=name == "heads+lookup")
     if name == "heads+lookup":
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
         d = D.Merged(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), lookup, "cpu")
@@ -162,6 +162,25 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     d = three.draft(2)                               # [1, 2], [4, 2], [3, 2] share no prefix: 7 nodes
     assert d.tree.num_nodes == 7 and d.tokens.tolist() == [2, 1, 4, 3, 2, 2, 2]
     assert D.Lookup(3, 3, 1, "cpu").max_nodes == 4 and three.max_nodes == 7
+
+
+def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
+    lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
+    lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
+    assert lk.draft(1).tokens.tolist() == [1, 2, 3, 4, 6]   # root, then the whole gamma at first
+    lk.accept([1, 2, 3], None, None)                        # 2 of 4 kept: 1 token fewer
+    assert lk.length == 3 and lk.draft(4).tokens.tolist() == [4, 6, 7, 1]
+    lk.accept([4], None, None)                              # none kept: 1 fewer again
+    assert lk.length == 2 and lk.draft(8).tokens.tolist() == [8]   # no match: nothing proposed ...
+    lk.accept([8], None, None)
+    assert lk.length == 2                                   # ... and nothing to learn from
+    assert lk.draft(6).tokens.tolist() == [6, 7, 1]
+    lk.accept([6, 7, 1], None, None)                        # the whole chain kept: 2 more (up to gamma)
+    assert lk.length == 4
+    fixed = D.Lookup(4, 1, 1, "cpu")
+    fixed.start([5, 1, 2, 3, 4, 6, 7], None, 64)
+    fixed.draft(1), fixed.accept([1], None, None)
+    assert fixed.length == 4 and fixed.draft(2).tokens.tolist() == [2, 3, 4, 6, 7]   # without adapt it never moves
 
 
 def test_lookup_with_no_match_drafts_a_root_only_tree():

@@ -437,3 +437,23 @@ def test_plot_curves_reads_eval_json_curves(features, tmp_path):
         assert curves == {"hydra++": json.load(f)["curve"]}
     assert plot.table(curves).count("| hydra++ |") == len(curves["hydra++"])
     xml.dom.minidom.parseString(plot.svg(curves))                  # well-formed
+
+
+def test_ablations_table_reads_each_run(features, tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+    import xml.dom.minidom
+    run(features, tmp_path / "run")
+    script = os.path.join(os.path.dirname(__file__), "..", "results", "ablations.py")
+    spec = importlib.util.spec_from_file_location("ablations", script)
+    abl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(abl)
+    r = abl.read_run(str(tmp_path / "run"))
+    with open(tmp_path / "run" / "eval.json") as f:
+        assert r["chain_tau"] == json.load(f)["chain_tau"] and r["kind"] == "hydra++"
+    runs = {"K=2 (base)": r, "same again": r}
+    assert abl.table(runs).count(f"| {r['chain_tau']:.3f} |") == 2
+    xml.dom.minidom.parseString(abl.svg(runs))                      # well-formed
+    bad = subprocess.run([sys.executable, script, str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "train that run first" in bad.stderr and not (tmp_path / "out.md").exists()
