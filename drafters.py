@@ -136,6 +136,7 @@ class Lookup:
     def start(self, prompt, hidden, max_len):
         self.text, self.ends = [], {}   # the committed text; n-gram -> indices just after each occurrence
         self.length, self.proposed = self.gamma, []   # tokens proposed a step (adapt), what the last step proposed
+        self.copying = False                           # (adapt) see accept()
         self._extend(prompt)
 
     def _extend(self, tokens):
@@ -171,9 +172,12 @@ class Lookup:
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
         # a token and costs the step almost nothing; where it copies, it grows back within steps.
+        # copying: the last step kept a whole continuation of full length, so the reply is copying
+        # a stretch of the text (Merged then verifies lookup's chain alone).
         if self.adapt and self.proposed:
             kept = tokens[1:]
             whole = any(kept[:len(f)] == f for f in self.proposed)
+            self.copying = whole and self.length == self.gamma
             self.length = min(self.gamma, self.length + 2) if whole else max(1, self.length - 1)
         self._extend(tokens)
 
@@ -269,14 +273,16 @@ class Merged:
         self.second.start(prompt, hidden, max_len)
 
     def draft(self, root):
-        a, b = self.first.draft(root), self.second.draft(root)
+        b = self.second.draft(root)
+        second = {p: (t, s) for p, t, s in zip(b.tree.paths, b.tokens[1:].tolist(), b.source[1:])}
+        if second and getattr(self.second, "copying", False):  # lookup on a copying streak: the first's
+            return self.shapes.draft(root, graft({}, second, self.offset))    # nodes would only cost the step
+        a = self.first.draft(root)
         assert a.probs is None and b.probs is None, "sampled drafts are verified as a chain, they cannot be merged"
-        if b.tree.num_nodes == 1:
+        if not second:
             return a  # nothing to graft (no lookup match): the first tree as it is
-        tokens = [a.tokens.tolist(), b.tokens.tolist()]
-        nodes = {p: (tokens[0][i], a.source[i]) for i, p in enumerate(a.tree.paths, start=1)}
-        graft(nodes, {p: (tokens[1][i], b.source[i]) for i, p in enumerate(b.tree.paths, start=1)}, self.offset)
-        return self.shapes.draft(root, nodes)
+        nodes = {p: (t, s) for p, t, s in zip(a.tree.paths, a.tokens[1:].tolist(), a.source[1:])}
+        return self.shapes.draft(root, graft(nodes, second, self.offset))
 
     def accept(self, tokens, hidden, positions):
         self.first.accept(tokens, hidden, positions)

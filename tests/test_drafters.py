@@ -249,6 +249,23 @@ def test_merged_tree_holds_both_drafters_candidates(small):
     assert merged.legend == ["base model", "head 1", "head 2", "lookup"] and merged.max_depth == 4
 
 
+def test_merged_verifies_lookup_alone_while_it_copies(small):
+    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+    lookup = D.Lookup(4, 3, 1, "cpu", adapt=True)
+    merged = D.Merged(heads, lookup, "cpu")
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
+    merged.start(prompt, hidden, 64)
+    assert merged.draft(3).tree.num_nodes > 5                       # heads' 6 nodes and lookup's 4
+    accepted = [3, 4, 5, 6, 1]                                      # lookup's whole chain kept, at full length
+    h = small(torch.tensor([prompt + accepted]), torch.arange(len(prompt) + 5))[1][:, -5:]
+    merged.accept(accepted, h, torch.arange(len(prompt), len(prompt) + 5))
+    d = merged.draft(2)                                             # copying: lookup's chain alone
+    assert d.tokens.tolist() == [2, 3, 4, 5, 6] and d.source == [0, 3, 3, 3, 3]
+    merged.accept([2, 9], h[:, :2], torch.arange(13, 15))           # broken: back to both
+    assert merged.draft(4).tree.num_nodes > 5
+
+
 # --- sampling is lossless -----------------------------------------------------------------------
 
 def exact_joint(model, prompt, n):
