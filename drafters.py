@@ -93,6 +93,11 @@ def chain_nodes(tokens: list, source: int) -> dict:
     return {(0,) * d: (t, source) for d, t in enumerate(tokens, start=1)}
 
 
+def draft_nodes(d: Draft) -> dict:
+    """A Draft's nodes below the root, as {path: (token, source)} (what Shapes.draft builds from)."""
+    return {p: (t, s) for p, t, s in zip(d.tree.paths, d.tokens[1:].tolist(), d.source[1:])}
+
+
 # --- plain decoding -----------------------------------------------------------------------------
 
 
@@ -258,7 +263,8 @@ class ModelDrafter:
 
 
 class Merged:
-    """Heads + lookup: the first drafter's tree with the second's grafted on. Both see every step."""
+    """Heads + lookup: the first drafter's tree with the second's grafted on; while lookup copies
+    (Lookup.copying), its chain alone. Both see every step."""
 
     def __init__(self, first, second, device):
         self.first, self.second, self.shapes = first, second, Shapes(device)
@@ -274,15 +280,14 @@ class Merged:
 
     def draft(self, root):
         b = self.second.draft(root)
-        second = {p: (t, s) for p, t, s in zip(b.tree.paths, b.tokens[1:].tolist(), b.source[1:])}
-        if second and getattr(self.second, "copying", False):  # lookup on a copying streak: the first's
-            return self.shapes.draft(root, graft({}, second, self.offset))    # nodes would only cost the step
+        second = draft_nodes(b)
+        if second and self.second.copying:  # lookup on a copying streak: the first's nodes would only cost the step
+            return self.shapes.draft(root, graft({}, second, self.offset))
         a = self.first.draft(root)
         assert a.probs is None and b.probs is None, "sampled drafts are verified as a chain, they cannot be merged"
         if not second:
             return a  # nothing to graft (no lookup match): the first tree as it is
-        nodes = {p: (t, s) for p, t, s in zip(a.tree.paths, a.tokens[1:].tolist(), a.source[1:])}
-        return self.shapes.draft(root, graft(nodes, second, self.offset))
+        return self.shapes.draft(root, graft(draft_nodes(a), second, self.offset))
 
     def accept(self, tokens, hidden, positions):
         self.first.accept(tokens, hidden, positions)
