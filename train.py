@@ -89,6 +89,7 @@ def build_parser():
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
     p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it")
+    p.add_argument("--continue-from", default=None, metavar="FILE", help="self-distillation: begin the data set with the conversations of FILE.safetensors (written by --export-conversations, e.g. the one in data/), their features computed in one pass, and write new ones from there up to --num-prompts")
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
     p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
@@ -470,8 +471,9 @@ def read_sharegpt(path, tokenizer):
 
 def export_conversations(folder, path):
     """The conversations of a data folder (any shards: self-distilled or features_of's) as one small
-    file: token ids (int32), assistant-token mask, offsets, and the prompts in its metadata. The
-    features are left out (about 1 KB a token); --data path computes them again."""
+    file: token ids (uint16 when every id fits, as for vocabularies up to 65,536; else int32),
+    assistant-token mask, offsets, and the prompts in its metadata: 3 bytes a token. The features
+    are left out (about 1 KB a token); --data path computes them again."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     parts = []
@@ -480,29 +482,64 @@ def export_conversations(folder, path):
             parts.append({k: shard.get_tensor(k) for k in ("ids", "loss", "offsets")})
     prompts = folder_prompts(folder)
     lengths = torch.cat([p["offsets"].diff() for p in parts])
-    tensors = {"ids": torch.cat([p["ids"] for p in parts]).int(), "loss": torch.cat([p["loss"] for p in parts]),
+    ids = torch.cat([p["ids"] for p in parts]).int()
+    tensors = {"ids": ids.to(torch.uint16) if ids.max() < 1 << 16 else ids, "loss": torch.cat([p["loss"] for p in parts]),
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
     os.replace(path + ".tmp", path)
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
 
 
-def read_conversations(path):
+def read_conversations(path, flag="--data"):
     """[(ids, loss mask)] from a file written by export_conversations."""
     from safetensors.torch import load_file
     try:
         t = load_file(path)
-        ids, loss, offsets = t["ids"], t["loss"], t["offsets"].tolist()
+        ids, loss, offsets = t["ids"].int(), t["loss"], t["offsets"].tolist()
     except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
-        raise UsageError(f"--data {path}: not a conversations file written by --export-conversations ({e})") from None
+        raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
     return [(ids[a:b].tolist(), loss[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
+def conversation_prompts(path):
+    """The prompts stored with a file written by export_conversations (one per conversation)."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        return json.loads((f.metadata() or {}).get("prompts", "[]"))
+
+
+def continue_from(model, folder, path, key):
+    """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations, their
+    features computed in one pass (shards of ~128 conversations, as self_distill writes them), so a
+    new machine continues the committed data instead of writing it again. A folder that already
+    begins with them is left as it is (or completed, if a stop cut the seeding short); one that
+    holds other data is refused."""
+    prompts, have = conversation_prompts(path), folder_prompts(folder)
+    if have[:len(prompts)] != prompts[:len(have)]:
+        raise UsageError(f"--continue-from {path}: the self-distilled data in {folder} did not begin with these "
+                         "conversations; use another --work, or leave --continue-from out to grow that data")
+    if len(have) >= len(prompts):
+        return
+    convs = read_conversations(path, "--continue-from")
+    if len(prompts) != len(convs):
+        raise UsageError(f"--continue-from {path}: it holds {len(convs)} conversations but {len(prompts)} prompts; "
+                         "give a file written by --export-conversations from self-distilled data")
+    print(f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: computing the features "
+          f"of {len(convs) - len(have)}", file=sys.stderr, flush=True)
+    seed, first = folder + ".seed", len(shards_in(folder))
+    features_of(model, convs[len(have):], seed, key["teacher_k"], batch_tokens=128 * 256, key=key, prompts=prompts[len(have):])
+    for i, name in enumerate(shards_in(seed)):  # whole shards, in order: a stop here keeps a prefix, continued next time
+        os.replace(os.path.join(seed, name), os.path.join(folder, f"shard-{first + i:05d}.safetensors"))
+    os.remove(os.path.join(seed, KEY_FILE))  # the folder's own key.json (check_self_data's) stays
+    os.rmdir(seed)
+
+
 @torch.inference_mode()
-def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None):
-    """One pass of the base model over user conversations -> shards like self_distill's. They are
-    written into folder.tmp with key.json last (see data_key), and renamed over folder at the end:
-    an interrupted pass leaves the old folder or none, never a part."""
+def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None, prompts=None):
+    """One pass of the base model over user conversations -> shards like self_distill's (with
+    `prompts` in their metadata when given). They are written into folder.tmp with key.json last
+    (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
+    or none, never a part."""
     import shutil
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -512,7 +549,7 @@ def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None):
         ids = ids[:model.cfg.max_seq_len]
         logits, hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device))
         top = logits[0, :-1].float().softmax(-1).topk(top_k, dim=-1)         # (T-1, k)
-        batch.append(dict(ids=ids, loss=loss[:len(ids)], teacher_from=0, hidden=hidden[0, :-1].cpu(),
+        batch.append(dict(ids=ids, loss=loss[:len(ids)], teacher_from=0, hidden=hidden[0, :-1].cpu(), prompt=prompts[i] if prompts else "",
                           top_ids=top.indices.cpu(), top_p=top.values.cpu()))
         size += len(ids)
         if size >= batch_tokens or i == len(convs) - 1:
@@ -933,7 +970,7 @@ def evaluate(heads, data, convs, to_kept, args, device):
 
 STATE = "state.pt"
 RESUME_MAY_CHANGE = ("eval_every", "save_every")                # the new value is used
-NOT_RECORDED = ("resume", "out", "work", "device", "model", "data", "export_conversations")  # places; model and data: by identity
+NOT_RECORDED = ("resume", "out", "work", "device", "model", "data", "export_conversations", "continue_from")  # places; model and data: by identity
 SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "gen_batch", "answer_temperature", "seeds")
 
 
@@ -1250,6 +1287,11 @@ def check_args(args):
         if not args.export_conversations.endswith(".safetensors"):
             raise UsageError(f"--export-conversations {args.export_conversations}: name it FILE.safetensors")
         writable_file("--export-conversations", args.export_conversations, "conversations.safetensors")
+    if args.continue_from is not None:
+        if args.data != "self":
+            raise UsageError(f"--continue-from {args.continue_from}: it seeds self-distilled data; use it with --data self, "
+                             "or train on the file itself with --data FILE")
+        read_conversations(args.continue_from, "--continue-from")  # a UsageError if it is not a conversations file
     if args.out is not None:
         check_resume(args.out, args)
     default = build_parser().get_default
@@ -1302,6 +1344,8 @@ def main(args):
         try:
             if args.data == "self":
                 check_self_data(folder, key)
+                if args.continue_from:
+                    continue_from(writer, folder, args.continue_from, key)
                 print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
                 self_distill(writer, tokenizer, folder, args)
             elif problem := features_problem(folder, key):

@@ -407,6 +407,56 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
             assert torch.equal(again[k][a:e], data[k][a:e]), k
 
 
+def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversations(features, tmp_path, capsys):
+    """--continue-from: an empty self-distillation folder gets the file's conversations, prompts and
+    features (equal to features_of's over the same conversations); a second call changes nothing; a
+    seeding cut short after its first shard is completed; a folder of other data is refused."""
+    base, folder = features
+    convs = T.load_data(folder)
+    prompts = [f"prompt {i}" for i in range(len(convs["offsets"]) - 1)]
+    named, plain = str(tmp_path / "named"), str(tmp_path / "plain.safetensors")
+    T.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
+    T.features_of(base, T.read_conversations(plain), named, top_k=8, batch_tokens=64, prompts=prompts)
+    assert T.folder_prompts(named) == prompts
+    path = str(tmp_path / "convs.safetensors")
+    T.export_conversations(named, path)
+    assert T.conversation_prompts(path) == prompts
+    key = {"teacher_k": 8, "dim": base.cfg.dim}
+    seeded = str(tmp_path / "self_distill")
+    T.check_self_data(seeded, key)
+    T.continue_from(base, seeded, path, key)
+    again = T.load_data(seeded)
+    assert T.folder_prompts(seeded) == prompts and not os.path.exists(seeded + ".seed")
+    for k in ("ids", "loss", "offsets", "teacher_top1"):
+        assert torch.equal(again[k], convs[k]), k
+    files = {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)}
+    T.continue_from(base, seeded, path, key)                    # already seeded: nothing is touched
+    assert {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)} == files
+    for f in T.shards_in(seeded)[1:]:                          # a seeding cut short after one shard
+        os.remove(os.path.join(seeded, f))
+    T.continue_from(base, seeded, path, key)
+    assert T.folder_prompts(seeded) == prompts and torch.equal(T.load_data(seeded)["ids"], convs["ids"])
+    other = str(tmp_path / "other")
+    T.features_of(base, T.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3)
+    with pytest.raises(T.UsageError, match="did not begin with these conversations"):
+        T.continue_from(base, other, path, key)
+    assert T.folder_prompts(other) == ["something else"] * 3
+    capsys.readouterr()
+
+
+def test_exported_ids_are_two_bytes_when_the_vocabulary_fits(features, tmp_path):
+    _, folder = features
+    path = str(tmp_path / "convs.safetensors")
+    n, tokens, _ = T.export_conversations(folder, path)
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        assert f.get_slice("ids").get_dtype() == "U16"
+    assert os.path.getsize(path) < tokens * 3 + 8 * (n + 1) + 4096
+    data = T.load_data(folder)
+    bounds = data["offsets"].tolist()
+    assert [ids for ids, _ in T.read_conversations(path)] == [data["ids"][a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+
+
 def test_prompt_diversity_counts_openings_and_repeated_phrases():
     d = T.prompt_diversity(["A b c d.", "a b C e", "x y z"])
     # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5 distinct

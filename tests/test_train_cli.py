@@ -229,6 +229,17 @@ def test_ctrl_c_or_sigterm_while_self_distilling_keeps_the_shards(tmp_path, tiny
     assert open(shard, "rb").read() == before
 
 
+def test_continue_from_is_checked_before_the_model_loads(no_model, capsys, tmp_path):
+    fake = tmp_path / "fake.safetensors"
+    fake.write_bytes(b"not safetensors")
+    check_one_line_error(*run_train(capsys, "--continue-from", fake)[::2],
+                         f"--continue-from {fake}: not a conversations file written by --export-conversations")
+    check_one_line_error(*run_train(capsys, "--continue-from", tmp_path / "missing.safetensors")[::2],
+                         "--continue-from", "not a conversations file")
+    check_one_line_error(*run_train(capsys, "--data", conversations(tmp_path / "c.jsonl"), "--continue-from", fake)[::2],
+                         "it seeds self-distilled data; use it with --data self")
+
+
 def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_dir):
     """--export-conversations writes ids and masks and stops; --data that file trains; a bad name
     or a file that is not one of them is one line, exit 2."""
