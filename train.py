@@ -7,13 +7,13 @@ Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model, offline.
     python train.py --heads hydra++ --resume             # continue after Ctrl-C, a crash or kill -9
     torchrun --nproc_per_node 4 train.py --heads hydra++ # one process per GPU (DistributedDataParallel)
 
-Pipeline, each stage cached on disk and reused:
+Pipeline, each stage cached on disk and reused (stages 1 and 2 live in dataset.py):
 1. data: the base model writes user prompts itself (Magpie-style: the chat template up to the
    start of a user turn, then sample), they are filtered for length and near-duplicates, and the
    model answers them (self-distillation). Or a user's ShareGPT-style JSONL.
 2. features: one pass of the frozen base model stores, per token, its final hidden state and its
    top-k next-token probabilities (the teacher); later epochs never run the base model again.
-3. heads: trained on those features over the most frequent tokens of the data (a kept-token map),
+3. heads (this file): trained on those features over the most frequent tokens of the data (a kept-token map),
    with all heads' vocabulary projections in one matrix product. Checkpoints (state.pt) hold
    everything a resumed run needs to continue exactly as if it had never stopped. Ctrl-C finishes
    the current step, writes a checkpoint and exits with status 130. Under torchrun, rank 0 builds
@@ -30,7 +30,6 @@ Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes:
 D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
 import argparse
-import bisect
 import hashlib
 import json
 import math
@@ -46,9 +45,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+import dataset
 import model as model_lib
-from generate import Parser, UsageError, check_text, notice, pick_device, pick_dtype, writable_file, writable_folder
-from verify import logits_to_probs, sample
+from generate import Parser, UsageError, notice, pick_device, pick_dtype, writable_file, writable_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -117,629 +116,6 @@ def build_parser():
                    "flags that shape the training must be the checkpoint's (refused otherwise), --eval-every and --save-every may change")
     p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)" + span("--seed"))
     return p
-
-
-# --- data: self-distillation -------------------------------------------------------------------
-# A conversation is token ids plus a per-token loss mask (True on the assistant's answer).
-
-def chat_ids(tokenizer, prompt):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-# --- batched decoding: the data stage's engine ----------------------------------------------------
-# Rows of a batch share one KV cache and one slot counter: every step writes the same slot of
-# every row. Prompts are left-padded so that they end at the same slot, and a key mask hides the
-# padding. When a row finishes, a waiting prompt takes it over: it is prefilled into the slots just
-# before the current one, so it too ends there, and its own key mask hides what the previous
-# conversation left in that row. A row is refilled only while there is room for a whole answer
-# after it; then finished rows are dropped (the batch is compacted), and when every row is done
-# the next wave starts with a fresh cache. So no step computes rows that are done for nothing, and
-# recording is one tensor write per step for all rows: tokens, hidden states and the teacher's
-# top-k go into per-slot buffers, and a finished row's conversation is sliced out of them.
-
-@torch.inference_mode()
-def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0):
-    """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
-    after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
-    are recorded (see `features`): hidden (T-1, D) at every position but the last of prompt + answer,
-    top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities before each
-    answer token. Else features is None."""
-    dev, D = model.device, model.cfg.dim
-    stop = torch.tensor(sorted(stop_ids), device=dev)
-    waiting = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))   # longest first: pop() takes the shortest
-    while waiting:
-        rows = [waiting.pop() for _ in range(min(batch, len(waiting)))][::-1]
-        L = max(len(prompts[i]) for i in rows)
-        capacity = L + 2 * max_new                                   # refills happen in the first max_new steps
-        B = len(rows)
-        cache = model.new_cache(capacity, batch=B)
-        key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)          # (B, S)
-        conv = torch.tensor(rows, device=dev)                        # (B,) prompt index of each row, -1 = done
-        start = torch.zeros(B, dtype=torch.long, device=dev)         # (B,) slot of the row's first prompt token
-        plen = torch.zeros(B, dtype=torch.long, device=dev)          # (B,) prompt lengths
-        tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)            # (B, S) every row's ids by slot
-        hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None      # (B, S, D)
-        teacher_ids = torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None  # (B, S, k)
-        teacher_p = torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
-
-        def prefill(idx, ids_list, end):
-            """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r, V)."""
-            Lr = max(map(len, ids_list))
-            ids = torch.zeros(len(idx), Lr, dtype=torch.long, device=dev)
-            km = torch.zeros(len(idx), Lr, dtype=torch.bool, device=dev)
-            for r, p in enumerate(ids_list):
-                ids[r, Lr - len(p):], km[r, Lr - len(p):] = torch.tensor(p, device=dev), True
-            positions = (km.long().cumsum(1) - 1).clamp(min=0)                     # (r, Lr)
-            sub = model.new_cache(Lr, batch=len(idx))
-            logits, hidden = model(ids, positions, None, sub, key_mask=km, last_only=True)  # (r, 1, V), (r, Lr, D)
-            cache.k[:, idx, :, end - Lr:end], cache.v[:, idx, :, end - Lr:end] = sub.k, sub.v
-            key_mask[idx] = False
-            key_mask[idx, end - Lr:end] = km
-            tokens[idx, end - Lr:end] = ids
-            if top_k:
-                hid[idx, end - Lr:end] = hidden.half()
-            lengths = torch.tensor([len(p) for p in ids_list], device=dev)
-            start[idx], plen[idx] = end - lengths, lengths
-            return logits[:, -1].float()                                            # (r, V)
-
-        def take(idx, logits, slot):
-            """Choose the next token of rows idx from their logits (r, V) at `slot`; record it at
-            slot + 1; return the rows that finished."""
-            # (r, V) passes are what a step costs beyond the model at a batch of 64: each one counts
-            if temperature > 0:  # sampled among the 1,024 likeliest tokens (a top-p nucleus nearly always is)
-                best = logits.topk(min(1024, logits.shape[-1]), dim=-1)                        # (r, 1024)
-                nxt = best.indices.gather(1, sample(logits_to_probs(best.values, temperature, top_p), generator)[:, None])[:, 0]
-            else:
-                nxt = logits.argmax(-1)                                                         # (r,)
-            tokens[idx, slot + 1] = nxt
-            if top_k:  # the teacher: top-k probabilities, normalised over the whole vocabulary
-                top = logits.topk(top_k, dim=-1)                                              # (r, k)
-                teacher_ids[idx, slot] = top.indices.int()
-                teacher_p[idx, slot] = (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
-            n_new = slot + 2 - start[idx] - plen[idx]                                          # (r,)
-            return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
-
-        def finish(done, slot):
-            """Emit the rows `done` whose last token is at slot + 1; mark them free."""
-            for b in done.tolist():
-                s, p, i = int(start[b]), int(plen[b]), int(conv[b])
-                answer = tokens[b, s + p:slot + 2].tolist()
-                feats = None if not top_k else dict(hidden=hid[b, s:slot + 1].clone(),  # copies: the row is reused
-                                                     top_ids=teacher_ids[b, s + p - 1:slot + 1].clone(),
-                                                     top_p=teacher_p[b, s + p - 1:slot + 1].clone())
-                yield i, answer, feats
-            conv[done] = -1
-
-        logits = prefill(torch.arange(B, device=dev), [prompts[i] for i in rows], L)            # (B, V)
-        cache.length = L
-        done = take(torch.arange(B, device=dev), logits, L - 1)
-        while True:
-            slot = cache.length                                       # the slot the next tokens go to
-            yield from finish(done, slot - 1)
-            free = (conv < 0).nonzero()[:, 0]
-            if len(free) >= min(len(waiting), max(1, len(conv) // 8)) and waiting and slot + max_new <= capacity:
-                # refill, once an eighth of the rows are free: each prefill reads every weight once, so they are grouped
-                fits = [waiting.pop() for _ in range(len(free)) if waiting and len(prompts[waiting[-1]]) <= slot]
-                if fits:
-                    idx = free[:len(fits)]
-                    conv[idx] = torch.tensor(fits, device=dev)
-                    first = take(idx, prefill(idx, [prompts[i] for i in fits], slot), slot - 1)
-                    yield from finish(first, slot - 1)
-            alive = (conv >= 0).nonzero()[:, 0]
-            if len(alive) == 0:
-                break
-            if len(alive) <= len(conv) * 3 // 4 and not (waiting and slot + max_new <= capacity):  # compact
-                cache.select_rows(alive)
-                key_mask, conv, start, plen, tokens = key_mask[alive], conv[alive], start[alive], plen[alive], tokens[alive]
-                if top_k:
-                    hid, teacher_ids, teacher_p = hid[alive], teacher_ids[alive], teacher_p[alive]
-            nxt = tokens[:, slot]                                                               # (B,)
-            positions = (slot - start)[:, None]                                                 # (B, 1)
-            key_mask[:, slot] = True
-            logits, hidden = model(nxt[:, None], positions, None, cache, key_mask=key_mask[:, :slot + 1])
-            cache.keep([0])
-            if top_k:
-                hid[:, slot] = hidden[:, 0].half()
-            rows_alive = (conv >= 0).nonzero()[:, 0]
-            done = take(rows_alive, logits[rows_alive, -1].float(), slot)
-
-
-def normalise(text):
-    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
-
-
-class PromptFilter:
-    """Length and near-duplicate filter: 3-80 words, no chat-template markers, and no earlier
-    prompt with the same first six words or sharing over half of its word trigrams (Jaccard).
-    An index from trigram to prompts keeps each check proportional to the prompt, not the data."""
-
-    def __init__(self):
-        self.heads, self.grams, self.index = set(), [], {}
-        self.tried = self.rejected_duplicate = 0
-
-    def keep(self, text):
-        from collections import Counter
-        self.tried += 1
-        words = normalise(text)
-        if not 3 <= len(words) <= 80 or "im_start" in text or "im_end" in text:
-            return False
-        head = " ".join(words[:6])
-        grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
-        shared = Counter(j for g in grams for j in self.index.get(g, ()))
-        if head in self.heads or any(n / len(grams | self.grams[j]) > 0.5 for j, n in shared.items()):
-            self.rejected_duplicate += 1
-            return False
-        self.heads.add(head)
-        for g in grams:
-            self.index.setdefault(g, []).append(len(self.grams))
-        self.grams.append(grams)
-        return True
-
-
-def prompt_diversity(prompts):
-    """How varied a set of prompts is, in figures a reader can compare across data sets: how many
-    distinct openings (first word, first three words) and how many of all word trigrams are
-    distinct (1.0: no phrase ever repeats). PromptFilter has already rejected near-duplicates."""
-    words = [normalise(p) for p in prompts]
-    grams = [tuple(w[i:i + 3]) for w in words for i in range(len(w) - 2)]
-    n = max(len(words), 1)
-    return dict(prompts=len(words), first_words=len({w[0] for w in words if w}) / n,
-                openings=len({tuple(w[:3]) for w in words}) / n, distinct_trigrams=len(set(grams)) / max(len(grams), 1))
-
-
-def diversity_line(prompts):
-    d = prompt_diversity(prompts)
-    return (f"{d['prompts']} prompts: {d['first_words']:.1%} distinct first words, {d['openings']:.1%} distinct "
-            f"3-word openings, {d['distinct_trigrams']:.1%} of word trigrams distinct")
-
-
-def read_seeds(path):
-    """data/magpie.json: {"tasks": {category: [openers]}, "topics": [...]}, checked field by field."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            seeds = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another") from None
-    tasks, topics = seeds.get("tasks") if isinstance(seeds, dict) else None, seeds.get("topics") if isinstance(seeds, dict) else None
-    if not (isinstance(tasks, dict) and tasks and all(isinstance(v, list) and v and all(isinstance(o, str) for o in v) for v in tasks.values())
-            and isinstance(topics, list) and topics and all(isinstance(t, str) and t.strip() for t in topics)):
-        raise UsageError(f"--seeds {path}: needs {{\"tasks\": {{category: [opener, ...]}}, \"topics\": [topic, ...]}}, "
-                         "each list non-empty and of strings")
-    return tasks, topics
-
-
-def seeded_prefix(tokenizer, rng, tasks, topics):
-    """Magpie with a seed: a system message naming a task and a topic drawn at random, then the
-    chat template up to where the user's words begin, then an opener of that task. The model
-    writes the rest of the user's message. Returns (prefix ids, opener)."""
-    category = rng.choice(sorted(tasks))
-    opener, topic = rng.choice(tasks[category]), rng.choice(topics)
-    system = f"You are a helpful AI assistant. The user asks you for help with a {category} task about {topic}."
-    marker = "\x00MARK\x00"
-    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False)
-    return tokenizer(text[:text.index(marker)] + opener, add_special_tokens=False).input_ids, opener
-
-
-def self_distill(model, tokenizer, folder, args):
-    """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
-    (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
-    recorded as it goes. One shard per args.gen_batch finished conversations, each written whole
-    or not at all: a run that stops loses at most the conversations in flight, and the next run
-    continues from the shards on disk (its random draws seeded by how many there are)."""
-    import random
-    os.makedirs(folder, exist_ok=True)
-    shards = shards_in(folder)
-    filt = PromptFilter()
-    for p in folder_prompts(folder):
-        filt.keep(p)
-    have = len(filt.grams)
-    if have >= args.num_prompts:
-        return
-    stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
-    tasks, topics = read_seeds(args.seeds)
-    rng = random.Random(args.seed * 1_000_003 + have)
-    gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
-    t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
-    bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
-    pending = []
-
-    def flush():  # the finished conversations -> one shard, written whole or not at all
-        nonlocal have, pending
-        write_shard(os.path.join(folder, f"shard-{len(shards):05d}.safetensors"), pending)
-        shards.append(None)
-        have, counts["kept"] = have + len(pending), counts["kept"] + len(pending)
-        bar.update(len(pending))
-        bar.set_postfix_str(f"{counts['new'] / (time.time() - t0):.0f} new tok/s, kept {counts['kept']}/{counts['tried']} prompts")
-        pending = []
-
-    try:
-        while have < args.num_prompts:
-            # 1. prompts for a round of 8 batches: the model writes twice that, the filter keeps new ones
-            want = min(8 * args.gen_batch, args.num_prompts - have)
-            seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
-            prompts = []
-            for i, written, _ in decode_batched(model, [p for p, _ in seeded], 64, stop, args.gen_batch, 1.0, 0.95, gen):
-                counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
-                text = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
-                if written[-1] in stop and filt.keep(text):
-                    prompts.append(text)
-                if len(prompts) == want:  # enough: the candidates not yet started are never written
-                    break
-            # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
-            # a shard whenever gen_batch of them are done
-            encoded = [chat_ids(tokenizer, p) for p in prompts]
-            for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, args.gen_batch,
-                                                   args.answer_temperature, 1.0, gen, top_k=args.teacher_k):
-                ids = encoded[i]
-                pending.append(dict(prompt=prompts[i], ids=ids + answer, loss=[False] * len(ids) + [True] * len(answer),
-                                    teacher_from=len(ids) - 1, **{k: v.cpu() for k, v in feats.items()}))
-                counts["new"] += len(answer)
-                counts["answer"] += len(answer)
-                if len(pending) == args.gen_batch:
-                    flush()
-            if pending:
-                flush()
-    finally:
-        bar.close()
-        seconds = time.time() - t0
-        print(f"[data] {counts['kept']} conversations, {counts['new']} new tokens ({counts['answer']} in answers) in "
-              f"{seconds:.0f} s: {counts['new'] / max(seconds, 1e-9):.0f} new tokens/s; prompts kept {counts['kept']}/{counts['tried']}, "
-              f"{filt.rejected_duplicate} near-duplicates rejected; {have} conversations in {folder}", file=sys.stderr, flush=True)
-
-
-# --- features on disk ----------------------------------------------------------------------------
-# A shard holds whole conversations, concatenated: per token its id, whether it is an assistant
-# token (loss), the base model's final hidden state (fp16) and its top-k next-token probabilities
-# (zero where not needed). `offsets` marks where each conversation begins.
-
-def write_shard(path, convs):
-    from safetensors.torch import save_file
-    D, k = convs[0]["hidden"].shape[1], convs[0]["top_ids"].shape[1]
-    cols = {"ids": [], "loss": [], "hidden": [], "top_ids": [], "top_p": []}
-    for c in convs:
-        T, s = len(c["ids"]), c["teacher_from"]
-        cols["ids"].append(torch.tensor(c["ids"], dtype=torch.int32))
-        cols["loss"].append(torch.tensor(c["loss"], dtype=torch.bool))
-        hidden = torch.zeros(T, D, dtype=torch.float16)
-        hidden[:len(c["hidden"])] = c["hidden"].half()
-        top_ids, top_p = torch.zeros(T, k, dtype=torch.int32), torch.zeros(T, k, dtype=torch.float16)
-        n = len(c["top_ids"])
-        top_ids[s:s + n], top_p[s:s + n] = c["top_ids"].int(), c["top_p"].half()
-        for name, t in (("hidden", hidden), ("top_ids", top_ids), ("top_p", top_p)):
-            cols[name].append(t)
-    tensors = {name: torch.cat(v).contiguous() for name, v in cols.items()}
-    tensors["offsets"] = torch.tensor([0] + [len(c["ids"]) for c in convs]).cumsum(0)
-    save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps([c.get("prompt", "") for c in convs])})
-    os.replace(path + ".tmp", path)  # a shard is whole or absent
-
-
-def read_shard(path, meta_only=False):
-    from safetensors import safe_open
-    with safe_open(path, "pt") as f:
-        if meta_only:
-            return json.loads(f.metadata()["prompts"])
-        return {name: f.get_tensor(name) for name in f.keys()}
-
-
-def folder_prompts(folder):
-    """The prompts of every conversation in a data folder, in order (read from the shards' metadata)."""
-    return [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
-
-
-# --- user data: ShareGPT-style conversations -----------------------------------------------------
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
-def read_sharegpt(path, tokenizer):
-    """[(ids, loss mask)] from a JSONL file of {"conversations": [{"from"|"role", "value"|"content"}]}.
-    The loss mask marks the assistant's tokens. Errors name the line; nothing is dropped silently."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
-    convs = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            turns = json.loads(line)["conversations"]
-            messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
-                        for t in turns]
-            assert messages and all(isinstance(m["content"], str) for m in messages)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, AttributeError, RecursionError):
-            raise ValueError(f"{path}, line {n}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", "
-                             f"\"value\": \"...\"}}, ...]}} (or role/content)")
-        for m in messages:
-            check_text(m["content"], f"{path}, line {n}")
-        ids, loss = [], []
-        for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
-            text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-            new = tokenizer(text, add_special_tokens=False).input_ids[len(ids):]
-            ids += new
-            loss += [m["role"] == "assistant"] * len(new)
-        convs.append((ids, loss))
-    if not convs:
-        raise ValueError(f"{path}: no conversations in the file")
-    if not any(any(loss) for _, loss in convs):
-        raise ValueError(f"{path}: no conversation has an assistant turn (\"from\": \"gpt\" or \"role\": \"assistant\"); "
-                         "heads learn from the assistant's replies, so add them")
-    return convs
-
-
-def export_conversations(folder, path):
-    """The conversations of a data folder (any shards: self-distilled or features_of's) as one small
-    file: token ids (uint16 when every id fits, as for vocabularies up to 65,536; else int32),
-    assistant-token mask, offsets, and the prompts in its metadata: 3 bytes a token. The features
-    are left out (about 1 KB a token); --data path computes them again."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    parts = []
-    for f in shards_in(folder):
-        with safe_open(os.path.join(folder, f), "pt") as shard:  # these three only: features are ~1 KB a token
-            parts.append({k: shard.get_tensor(k) for k in ("ids", "loss", "offsets")})
-    prompts = folder_prompts(folder)
-    lengths = torch.cat([p["offsets"].diff() for p in parts])
-    ids = torch.cat([p["ids"] for p in parts]).int()
-    tensors = {"ids": ids.to(torch.uint16) if ids.max() < 1 << 16 else ids, "loss": torch.cat([p["loss"] for p in parts]),
-               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
-    save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
-    os.replace(path + ".tmp", path)
-    return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
-
-
-def read_conversations(path, flag="--data"):
-    """[(ids, loss mask)] from a file written by export_conversations."""
-    from safetensors.torch import load_file
-    try:
-        t = load_file(path)
-        ids, loss, offsets = t["ids"].int(), t["loss"], t["offsets"].tolist()
-    except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
-        raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
-    return [(ids[a:b].tolist(), loss[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-def conversation_prompts(path):
-    """The prompts stored with a file written by export_conversations (one per conversation)."""
-    from safetensors import safe_open
-    with safe_open(path, "pt") as f:
-        return json.loads((f.metadata() or {}).get("prompts", "[]"))
-
-
-def continue_from(model, folder, path, key):
-    """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations, their
-    features computed in one pass (shards of ~128 conversations, as self_distill writes them), so a
-    new machine continues the committed data instead of writing it again. A folder that already
-    begins with them is left as it is (or completed, if a stop cut the seeding short); one that
-    holds other data is refused."""
-    prompts, have = conversation_prompts(path), folder_prompts(folder)
-    if have[:len(prompts)] != prompts[:len(have)]:
-        raise UsageError(f"--continue-from {path}: the self-distilled data in {folder} did not begin with these "
-                         "conversations; use another --work, or leave --continue-from out to grow that data")
-    if len(have) >= len(prompts):
-        return
-    convs = read_conversations(path, "--continue-from")
-    if len(prompts) != len(convs):
-        raise UsageError(f"--continue-from {path}: it holds {len(convs)} conversations but {len(prompts)} prompts; "
-                         "give a file written by --export-conversations from self-distilled data")
-    print(f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: computing the features "
-          f"of {len(convs) - len(have)}", file=sys.stderr, flush=True)
-    seed, first = folder + ".seed", len(shards_in(folder))
-    features_of(model, convs[len(have):], seed, key["teacher_k"], batch_tokens=128 * 256, key=key, prompts=prompts[len(have):])
-    for i, name in enumerate(shards_in(seed)):  # whole shards, in order: a stop here keeps a prefix, continued next time
-        os.replace(os.path.join(seed, name), os.path.join(folder, f"shard-{first + i:05d}.safetensors"))
-    os.remove(os.path.join(seed, KEY_FILE))  # the folder's own key.json (check_self_data's) stays
-    os.rmdir(seed)
-
-
-@torch.inference_mode()
-def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None, prompts=None):
-    """One pass of the base model over user conversations -> shards like self_distill's (with
-    `prompts` in their metadata when given). They are written into folder.tmp with key.json last
-    (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
-    or none, never a part."""
-    import shutil
-    tmp = folder + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    batch, size, n = [], 0, 0
-    for i, (ids, loss) in enumerate(tqdm(convs, desc="features", disable=None)):
-        ids = ids[:model.cfg.max_seq_len]
-        logits, hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device))
-        top = logits[0, :-1].float().softmax(-1).topk(top_k, dim=-1)         # (T-1, k)
-        batch.append(dict(ids=ids, loss=loss[:len(ids)], teacher_from=0, hidden=hidden[0, :-1].cpu(), prompt=prompts[i] if prompts else "",
-                          top_ids=top.indices.cpu(), top_p=top.values.cpu()))
-        size += len(ids)
-        if size >= batch_tokens or i == len(convs) - 1:
-            write_shard(os.path.join(tmp, f"shard-{n:05d}.safetensors"), batch)
-            batch, size, n = [], 0, n + 1
-    with open(os.path.join(tmp, KEY_FILE), "w") as f:
-        json.dump({"key": key or {}, "shards": [f"shard-{i:05d}.safetensors" for i in range(n)]}, f, indent=1)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-
-
-def map_shard(path):
-    """A shard's tensors, memory-mapped: their bytes are read from disk when used, and the
-    operating system keeps what fits in its page cache. A safetensors file is 8 bytes (n, little
-    endian), n bytes of JSON naming each tensor's dtype, shape and byte range, then those bytes."""
-    import numpy as np
-    dtypes = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    out = {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            (a, b), shape, dtype = info["data_offsets"], tuple(info["shape"]), dtypes[info["dtype"]]
-            # mode "c": copy-on-write, i.e. writable for torch but never written back to the file;
-            # an empty tensor has no bytes to map
-            out[name] = torch.from_numpy(np.memmap(path, dtype, "c", 8 + n + a, shape) if b > a else np.zeros(shape, dtype))
-    return out
-
-
-class Column:
-    """One per-token feature (hidden, top_ids, top_p) of all of a folder's shards, end to end,
-    left memory-mapped: column[a:e] is tokens a..e-1, a range within one shard (a conversation
-    never spans two), read from disk when asked for."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.starts = [0]
-        for p in parts:
-            self.starts.append(self.starts[-1] + len(p))
-        self.shape = (self.starts[-1],) + tuple(parts[0].shape[1:])
-
-    def __len__(self):
-        return self.shape[0]
-
-    def __getitem__(self, span):
-        i = bisect.bisect_right(self.starts, span.start) - 1
-        a = self.starts[i]
-        assert span.stop <= self.starts[i + 1], f"tokens {span.start}..{span.stop} span two shards"
-        return self.parts[i][span.start - a:span.stop - a]
-
-
-def load_data(folder):
-    """All shards of a folder: ids, loss, teacher_top1 (the teacher's top-1 id per token, -1 where
-    none was recorded) and offsets in memory, concatenated; hidden, top_ids and top_p as Columns,
-    memory-mapped (5M tokens of them are ~6 GB)."""
-    shards = shards_in(folder)
-    if not shards:
-        raise ValueError(f"no data shards in {folder}")
-    parts = [map_shard(os.path.join(folder, f)) for f in shards]
-    data = {k: torch.cat([p[k] for p in parts]) for k in ("ids", "loss")}
-    data["teacher_top1"] = torch.cat([torch.where(p["top_p"][:, 0] > 0, p["top_ids"][:, 0], -1) for p in parts])
-    data.update({k: Column([p[k] for p in parts]) for k in ("hidden", "top_ids", "top_p")})
-    lengths = torch.cat([p["offsets"].diff() for p in parts])
-    data["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    return data
-
-
-# --- the data cache: keyed by what shapes it, checked before use ----------------------------------
-# Next to its shards a data folder holds key.json: what the stored features depend on (data_key:
-# the base model, its dtype and context, --teacher-k, and for --data FILE the sha256 of the file's
-# bytes). Features of a user's file are reused only when that key is this run's and every shard
-# is there and readable; otherwise they are computed again, with a notice saying why.
-# Self-distilled data records its features while it is written (hours), so it is never thrown
-# away: a run with other settings is refused, and an unreadable shard is set aside as *.broken.
-
-KEY_FILE = "key.json"
-SHARD_KEYS = {"ids", "loss", "hidden", "top_ids", "top_p", "offsets"}
-
-
-def file_digest(path):
-    """--data FILE: the sha256 of its bytes, or a UsageError saying what is wrong with the path."""
-    fix = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
-    if os.path.isdir(path):
-        raise UsageError(f"--data {path}: is a folder; {fix}")
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    except OSError as e:
-        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {fix}") from None
-    return h.hexdigest()
-
-
-def data_key(model, teacher_k, digest=None):
-    """What stored features depend on; digest: the --data file's sha256 (None for self-distilled)."""
-    key = {"model": model.cfg.name, "lm_head": model_lib.lm_head_fingerprint(model), "dim": model.cfg.dim,
-           "max_seq_len": model.cfg.max_seq_len, "dtype": str(model.dtype).removeprefix("torch."), "teacher_k": teacher_k}
-    return key | ({"data_sha256": digest} if digest else {})
-
-
-def key_differences(saved, key):
-    return ["the data file's content" if k == "data_sha256" else f"{k} {saved.get(k)!r}, now {v!r}"
-            for k, v in key.items() if saved.get(k) != v]
-
-
-def shard_shape(path):
-    """(teacher k, hidden width) of a data shard, read from its header; ValueError if it is damaged."""
-    from safetensors import safe_open
-    try:
-        with safe_open(path, "pt") as f:
-            if set(f.keys()) == SHARD_KEYS:
-                return f.get_slice("top_ids").get_shape()[1], f.get_slice("hidden").get_shape()[1]
-            problem = f"it holds {sorted(f.keys())}"
-    except Exception as e:  # safetensors raises its own error type on a truncated or damaged file
-        problem = str(e)
-    raise ValueError(f"{os.path.basename(path)} is unreadable ({problem})")
-
-
-def shards_in(folder):
-    return sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
-
-
-def features_problem(folder, key):
-    """Why the features in `folder` cannot be used for `key`, or None when they can."""
-    try:
-        with open(os.path.join(folder, KEY_FILE)) as f:
-            saved = json.load(f)
-        saved_key, shards = saved["key"], saved["shards"]
-        assert isinstance(saved_key, dict) and isinstance(shards, list)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        return f"no valid {KEY_FILE} (an interrupted pass, or an older train.py)"
-    if differ := key_differences(saved_key, key):
-        return "made from other data or settings: " + "; ".join(differ)
-    if shards_in(folder) != shards or not shards:
-        return f"its shards are not the {len(shards)} listed in {KEY_FILE}"
-    for name in shards:
-        try:
-            if shard_shape(os.path.join(folder, name)) != (key["teacher_k"], key["dim"]):
-                return f"{name} holds features of another shape"
-        except ValueError as e:
-            return str(e)
-    return None
-
-
-def check_self_data(folder, key):
-    """Before self-distillation grows the data in `folder`: its features must have been made with
-    this run's key (else a UsageError; the data is kept), and each shard must be readable (else it
-    is set aside as *.broken and the rest renumbered: self_distill names a new shard by the count)."""
-    os.makedirs(folder, exist_ok=True)
-    fix = "use the same --model and --teacher-k, or another --work to make new data"
-    try:
-        with open(os.path.join(folder, KEY_FILE)) as f:
-            saved = json.load(f)["key"]
-    except (OSError, ValueError, KeyError, TypeError):
-        saved = None  # none yet, or written by an older train.py: the shards' shapes are checked below
-    if saved is not None and (differ := key_differences(saved, key)):
-        raise UsageError(f"the self-distilled data in {folder} was made with other settings ({'; '.join(differ)}); "
-                         f"its features were recorded as it was written and cannot be recomputed: {fix}")
-    good = []
-    for name in shards_in(folder):
-        path = os.path.join(folder, name)
-        try:
-            k, dim = shard_shape(path)
-        except ValueError as e:
-            notice(f"{e}; set aside as {name}.broken, self-distillation writes as many conversations again")
-            os.replace(path, path + ".broken")
-            continue
-        if (k, dim) != (key["teacher_k"], key["dim"]):
-            raise UsageError(f"the self-distilled data in {folder} holds features of teacher-k {k} and width {dim}, this run "
-                             f"needs {key['teacher_k']} and {key['dim']}: {fix}")
-        good.append(name)
-    for i, name in enumerate(good):  # no gaps; a target name is never a later shard's (numbers only go down)
-        if name != f"shard-{i:05d}.safetensors":
-            os.replace(os.path.join(folder, name), os.path.join(folder, f"shard-{i:05d}.safetensors"))
-    with open(os.path.join(folder, KEY_FILE + ".tmp"), "w") as f:
-        json.dump({"key": key}, f, indent=1)
-    os.replace(os.path.join(folder, KEY_FILE + ".tmp"), os.path.join(folder, KEY_FILE))
-
-
-def saved_so_far(folder, self_data):
-    """What an interrupted data stage leaves: a sentence for the Ctrl-C notice."""
-    if not self_data:
-        return "the features pass keeps nothing partial; the same command computes them again"
-    try:
-        kept = f"{len(folder_prompts(folder))} conversations"
-    except Exception:  # a damaged shard: the next run checks them all
-        kept = "the conversations"
-    return f"{kept} saved in {folder} are kept; the same command continues from them"
 
 
 # --- losses ------------------------------------------------------------------------------------------
@@ -1279,7 +655,7 @@ def check_args(args):
     pick_device(args.device)
     pick_dtype(args.dtype, "cpu")
     if args.data == "self":
-        read_seeds(args.seeds)
+        dataset.read_seeds(args.seeds)
     for flag in ("work", "out"):
         if getattr(args, flag) is not None:
             writable_folder(f"--{flag}", getattr(args, flag))
@@ -1291,7 +667,7 @@ def check_args(args):
         if args.data != "self":
             raise UsageError(f"--continue-from {args.continue_from}: it seeds self-distilled data; use it with --data self, "
                              "or train on the file itself with --data FILE")
-        read_conversations(args.continue_from, "--continue-from")  # a UsageError if it is not a conversations file
+        dataset.read_conversations(args.continue_from, "--continue-from")  # a UsageError if it is not a conversations file
     if args.out is not None:
         check_resume(args.out, args)
     default = build_parser().get_default
@@ -1321,7 +697,7 @@ def check_resume(out, args):
 
 def main(args):
     check_args(args)
-    digest = file_digest(args.data) if args.data != "self" else None
+    digest = dataset.file_digest(args.data) if args.data != "self" else None
     rank, world, device = init_distributed(args.device)
     if rank > 0:
         dist.barrier()  # wait for rank 0 (below)
@@ -1334,7 +710,7 @@ def main(args):
         writable_folder("--out", out)
         check_resume(out, args)
     writer = data_model(model, args.dtype)  # the model that writes data and computes features
-    key = data_key(writer, args.teacher_k, digest)
+    key = dataset.data_key(writer, args.teacher_k, digest)
     if args.data == "self":
         folder = os.path.join(work, "self_distill")
     else:
@@ -1343,31 +719,31 @@ def main(args):
         on_sigterm = signal.signal(signal.SIGTERM, raise_terminated)
         try:
             if args.data == "self":
-                check_self_data(folder, key)
+                dataset.check_self_data(folder, key)
                 if args.continue_from:
-                    continue_from(writer, folder, args.continue_from, key)
+                    dataset.continue_from(writer, folder, args.continue_from, key)
                 print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
-                self_distill(writer, tokenizer, folder, args)
-            elif problem := features_problem(folder, key):
+                dataset.self_distill(writer, tokenizer, folder, args)
+            elif problem := dataset.features_problem(folder, key):
                 if os.path.isdir(folder):
                     notice(f"the features in {folder} cannot be used: {problem}; computing them again")
-                convs = read_conversations(args.data) if args.data.endswith(".safetensors") else read_sharegpt(args.data, tokenizer)
+                convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer)
                 print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
-                features_of(writer, convs, folder, args.teacher_k, key=key)
+                dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
         except KeyboardInterrupt as e:
             signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-            raise Interrupted(saved_so_far(folder, args.data == "self"), signum) from None
+            raise Interrupted(dataset.saved_so_far(folder, args.data == "self"), signum) from None
         finally:
             signal.signal(signal.SIGTERM, on_sigterm)
         if args.export_conversations:
-            n, tokens, answers = export_conversations(folder, args.export_conversations)
+            n, tokens, answers = dataset.export_conversations(folder, args.export_conversations)
             print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
                   f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
-            print(f"[train] diversity: {diversity_line(folder_prompts(folder))}", file=sys.stderr)
+            print(f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}", file=sys.stderr)
             return
         if world > 1:
             dist.barrier()  # the model cache and the data are on disk: let the others go
-    data = load_data(folder)
+    data = dataset.load_data(folder)
     if rank == 0:
         print(f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
               f"{int(data['loss'].sum())} assistant tokens", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import dataset as D
 import heads as heads_lib
 import model as model_lib
 import train as T
@@ -49,7 +50,7 @@ def features(tmp_path_factory):
         p, a = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((3, 9), (4, 13)))
         convs.append((torch.randint(1, V, (p + a,), generator=g).tolist(), [False] * p + [True] * a))
     folder = str(tmp_path_factory.mktemp("data") / "features")
-    T.features_of(base, convs, folder, top_k=8, batch_tokens=64)
+    D.features_of(base, convs, folder, top_k=8, batch_tokens=64)
     return base, folder
 
 
@@ -63,7 +64,7 @@ def args_for(out, *flags):
 
 def run(features, out, *flags):
     base, folder = features
-    return T.train(base, T.load_data(folder), str(out), args_for(out, *flags))
+    return T.train(base, D.load_data(folder), str(out), args_for(out, *flags))
 
 
 def record_steps(monkeypatch, before=None):
@@ -193,7 +194,7 @@ def test_fused_teacher_loss_has_the_readable_losses_values_and_gradients(dtype):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_few_steps_lower_the_loss(features, kind, loss):
     base, folder = features
-    data = T.load_data(folder)
+    data = D.load_data(folder)
     kept, to_kept, _ = T.kept_vocabulary(data, V, 32)
     torch.manual_seed(0)
     heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=3), base, kept).train()
@@ -304,10 +305,10 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps(GOOD) + "\n\n" + bad + "\n" + json.dumps(GOOD) + "\n")
     with pytest.raises(ValueError, match=r"chats\.jsonl, line 3:"):
-        T.read_sharegpt(str(path), tokenizer)
+        D.read_sharegpt(str(path), tokenizer)
     path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({"conversations": [
         {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}) + "\n")
-    (ids, loss), (ids2, loss2) = T.read_sharegpt(str(path), tokenizer)
+    (ids, loss), (ids2, loss2) = D.read_sharegpt(str(path), tokenizer)
     assert (ids, loss) == (ids2, loss2)                             # from/value and role/content alike
     assert "Hello, friend!" in tokenizer.decode([t for t, m in zip(ids, loss) if m])
     assert "Hi there" not in tokenizer.decode([t for t, m in zip(ids, loss) if m])
@@ -321,7 +322,7 @@ def ddp_worker(rank, port, folder, out, results):
     assert T.init_distributed("cpu")[:2] == (rank, 2)
     mp = pytest.MonkeyPatch()
     done = record_steps(mp)
-    heads = T.train(tiny_base(), T.load_data(folder), out, args_for(out))
+    heads = T.train(tiny_base(), D.load_data(folder), out, args_for(out))
     torch.save({"heads": heads.state_dict(), "done": done}, os.path.join(results, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -363,7 +364,7 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, V, (int(torch.randint(2, 14, (), generator=g)),), generator=g).tolist() for _ in range(11)]
     stop = {3, 7}
-    got = {i: (a, f) for i, a, f in T.decode_batched(base, prompts, 12, stop, 4, top_k=5)}
+    got = {i: (a, f) for i, a, f in D.decode_batched(base, prompts, 12, stop, 4, top_k=5)}
     assert sorted(got) == list(range(11))
     want = plain_answers(base, prompts, 12, stop)
     assert [got[i][0] for i in range(11)] == want
@@ -381,11 +382,11 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
 def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model):
     # a real model, where attending to a wrong slot changes the answer (a tiny random one barely notices)
     model, tok = default_model
-    prompts = [T.chat_ids(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
+    prompts = [D.chat_ids(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
                                             "Explain photosynthesis in two sentences.", "What is 15% of 240?",
                                             "Name three primary colours.", "Say hello in German.", "What is 2 + 2?")]
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
-    got = {i: a for i, a, _ in T.decode_batched(model, prompts, 32, stop, 2)}  # short and long answers: refills
+    got = {i: a for i, a, _ in D.decode_batched(model, prompts, 32, stop, 2)}  # short and long answers: refills
     assert [got[i] for i in range(7)] == plain_answers(model, prompts, 32, stop)
 
 
@@ -394,12 +395,12 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
     returns reproduces the features of the data set it came from."""
     base, folder = features
     path = str(tmp_path / "convs.safetensors")
-    n, tokens, answers = T.export_conversations(folder, path)
-    data = T.load_data(folder)
+    n, tokens, answers = D.export_conversations(folder, path)
+    data = D.load_data(folder)
     assert (n, tokens, answers) == (len(data["offsets"]) - 1, len(data["ids"]), int(data["loss"].sum()))
     assert os.path.getsize(path) < tokens * 8 + 4096            # ids and masks, no features
-    T.features_of(base, T.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64)
-    again = T.load_data(str(tmp_path / "again"))
+    D.features_of(base, D.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64)
+    again = D.load_data(str(tmp_path / "again"))
     for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], data[k]), k
     for k in ("hidden", "top_ids", "top_p"):   # memory-mapped columns, read conversation by conversation
@@ -412,56 +413,56 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
     features (equal to features_of's over the same conversations); a second call changes nothing; a
     seeding cut short after its first shard is completed; a folder of other data is refused."""
     base, folder = features
-    convs = T.load_data(folder)
+    convs = D.load_data(folder)
     prompts = [f"prompt {i}" for i in range(len(convs["offsets"]) - 1)]
     named, plain = str(tmp_path / "named"), str(tmp_path / "plain.safetensors")
-    T.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
-    T.features_of(base, T.read_conversations(plain), named, top_k=8, batch_tokens=64, prompts=prompts)
-    assert T.folder_prompts(named) == prompts
+    D.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
+    D.features_of(base, D.read_conversations(plain), named, top_k=8, batch_tokens=64, prompts=prompts)
+    assert D.folder_prompts(named) == prompts
     path = str(tmp_path / "convs.safetensors")
-    T.export_conversations(named, path)
-    assert T.conversation_prompts(path) == prompts
+    D.export_conversations(named, path)
+    assert D.conversation_prompts(path) == prompts
     key = {"teacher_k": 8, "dim": base.cfg.dim}
     seeded = str(tmp_path / "self_distill")
-    T.check_self_data(seeded, key)
-    T.continue_from(base, seeded, path, key)
-    again = T.load_data(seeded)
-    assert T.folder_prompts(seeded) == prompts and not os.path.exists(seeded + ".seed")
+    D.check_self_data(seeded, key)
+    D.continue_from(base, seeded, path, key)
+    again = D.load_data(seeded)
+    assert D.folder_prompts(seeded) == prompts and not os.path.exists(seeded + ".seed")
     for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], convs[k]), k
     files = {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)}
-    T.continue_from(base, seeded, path, key)                    # already seeded: nothing is touched
+    D.continue_from(base, seeded, path, key)                    # already seeded: nothing is touched
     assert {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)} == files
-    for f in T.shards_in(seeded)[1:]:                          # a seeding cut short after one shard
+    for f in D.shards_in(seeded)[1:]:                          # a seeding cut short after one shard
         os.remove(os.path.join(seeded, f))
-    T.continue_from(base, seeded, path, key)
-    assert T.folder_prompts(seeded) == prompts and torch.equal(T.load_data(seeded)["ids"], convs["ids"])
+    D.continue_from(base, seeded, path, key)
+    assert D.folder_prompts(seeded) == prompts and torch.equal(D.load_data(seeded)["ids"], convs["ids"])
     other = str(tmp_path / "other")
-    T.features_of(base, T.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3)
+    D.features_of(base, D.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3)
     with pytest.raises(T.UsageError, match="did not begin with these conversations"):
-        T.continue_from(base, other, path, key)
-    assert T.folder_prompts(other) == ["something else"] * 3
+        D.continue_from(base, other, path, key)
+    assert D.folder_prompts(other) == ["something else"] * 3
     capsys.readouterr()
 
 
 def test_exported_ids_are_two_bytes_when_the_vocabulary_fits(features, tmp_path):
     _, folder = features
     path = str(tmp_path / "convs.safetensors")
-    n, tokens, _ = T.export_conversations(folder, path)
+    n, tokens, _ = D.export_conversations(folder, path)
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         assert f.get_slice("ids").get_dtype() == "U16"
     assert os.path.getsize(path) < tokens * 3 + 8 * (n + 1) + 4096
-    data = T.load_data(folder)
+    data = D.load_data(folder)
     bounds = data["offsets"].tolist()
-    assert [ids for ids, _ in T.read_conversations(path)] == [data["ids"][a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+    assert [ids for ids, _ in D.read_conversations(path)] == [data["ids"][a:b].tolist() for a, b in zip(bounds, bounds[1:])]
 
 
 def test_prompt_diversity_counts_openings_and_repeated_phrases():
-    d = T.prompt_diversity(["A b c d.", "a b C e", "x y z"])
+    d = D.prompt_diversity(["A b c d.", "a b C e", "x y z"])
     # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5 distinct
     assert d == dict(prompts=3, first_words=2 / 3, openings=2 / 3, distinct_trigrams=4 / 5)
-    assert "66.7% distinct first words" in T.diversity_line(["A b c d.", "a b C e", "x y z"])
+    assert "66.7% distinct first words" in D.diversity_line(["A b c d.", "a b C e", "x y z"])
 
 
 def test_eval_json_keeps_the_learning_curve(features, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import model as model_lib
+import dataset as D
 import train as T
 from conftest import ctrl_c_after, tiny_config
 from test_cli import check_one_line_error
@@ -116,10 +117,10 @@ def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
     torch.manual_seed(0)
     base = model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
     convs = [(list(range(1, 12)), [False] * 11) for _ in range(20)]
-    T.features_of(base, convs, str(tmp_path / "f"), top_k=4)
+    D.features_of(base, convs, str(tmp_path / "f"), top_k=4)
     args = T.build_parser().parse_args(["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")])
     with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
-        T.train(base, T.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+        T.train(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
     assert not os.path.exists(tmp_path / "h" / T.STATE)
 
 
@@ -133,7 +134,7 @@ def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_mo
     assert code == 0, err
     assert "computing the features" in err and "cannot be used" not in err
     assert "notice: --gen-batch has no effect with --data FILE" in err
-    first = T.read_shard(str(shard))["ids"]
+    first = D.read_shard(str(shard))["ids"]
 
     code, _, err = run()                                           # same data and settings: reused
     assert code == 0 and "computing the features" not in err, err
@@ -141,19 +142,19 @@ def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_mo
     conversations(chats, seed=1)                                   # same name, other content
     code, _, err = run()
     assert code == 0 and "made from other data or settings: the data file's content; computing them again" in err, err
-    assert not torch.equal(T.read_shard(str(shard))["ids"], first)
+    assert not torch.equal(D.read_shard(str(shard))["ids"], first)
 
     code, _, err = run("--teacher-k", 8)                           # a flag that shapes the features
     assert code == 0 and "teacher_k 16, now 8" in err, err
-    assert T.read_shard(str(shard))["top_ids"].shape[1] == 8
+    assert D.read_shard(str(shard))["top_ids"].shape[1] == 8
 
     shard.write_bytes(shard.read_bytes()[:1000])                   # damaged (a full disk, a bad copy)
     code, _, err = run("--teacher-k", 8)
     assert code == 0 and "shard-00000.safetensors is unreadable" in err, err
-    os.remove(folder / T.KEY_FILE)                                 # as an older train.py left it
+    os.remove(folder / D.KEY_FILE)                                 # as an older train.py left it
     code, _, err = run("--teacher-k", 8)
     assert code == 0 and "no valid key.json" in err, err
-    assert T.features_problem(str(folder), json.loads((folder / T.KEY_FILE).read_text())["key"]) is None
+    assert D.features_problem(str(folder), json.loads((folder / D.KEY_FILE).read_text())["key"]) is None
 
 
 def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_path, tiny_model_dir):
@@ -187,8 +188,8 @@ def self_distilled_shard(folder, n=2, k=16, dim=16):
     convs = [dict(prompt=f"prompt {i}", ids=[1, 2, 3, 4, 5], loss=[False, False, True, True, True], teacher_from=1,
                   hidden=torch.zeros(4, dim), top_ids=torch.zeros(3, k, dtype=torch.long), top_p=torch.zeros(3, k))
              for i in range(n)]
-    path = os.path.join(folder, f"shard-{len(T.shards_in(folder)):05d}.safetensors")
-    T.write_shard(path, convs)
+    path = os.path.join(folder, f"shard-{len(D.shards_in(folder)):05d}.safetensors")
+    D.write_shard(path, convs)
     return path
 
 
@@ -205,13 +206,13 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
     paths = [self_distilled_shard(folder, n=i + 1) for i in range(3)]     # 1, 2, 3 conversations
     with open(paths[1], "r+b") as f:
         f.truncate(100)
-    T.check_self_data(folder, {"teacher_k": 16, "dim": 16})
+    D.check_self_data(folder, {"teacher_k": 16, "dim": 16})
     assert "shard-00001.safetensors is unreadable" in capsys.readouterr().err
-    assert T.shards_in(folder) == ["shard-00000.safetensors", "shard-00001.safetensors"]
-    assert [len(T.read_shard(os.path.join(folder, f), meta_only=True)) for f in T.shards_in(folder)] == [1, 3]
+    assert D.shards_in(folder) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert [len(D.read_shard(os.path.join(folder, f), meta_only=True)) for f in D.shards_in(folder)] == [1, 3]
     assert os.path.exists(paths[1] + ".broken")
     with pytest.raises(T.UsageError, match="made with other settings"):  # key.json now records the settings
-        T.check_self_data(folder, {"teacher_k": 16, "dim": 32})
+        D.check_self_data(folder, {"teacher_k": 16, "dim": 32})
 
 
 @pytest.mark.parametrize("sig, code, how", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
