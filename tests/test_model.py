@@ -40,13 +40,22 @@ def test_parity_tiny(rope_scaling, tie):
 
 
 def test_parity_default_model(default_model):
+    """The readable path and the kernels chosen for this CPU in fp32 (prepacked linears where
+    oneDNN is there) both match transformers."""
     model, tok = default_model
     hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
     tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Germany is")])
-    with torch.no_grad():
-        ref = hf(tokens).logits
-        logits, _ = model(tokens, torch.arange(tokens.shape[1]))
-    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
+    chosen = model.kernels
+    assert chosen == model_lib.Kernels.choose("cpu", torch.float32, 0)
+    try:
+        with torch.no_grad():
+            ref = hf(tokens).logits
+            for kernels in (model_lib.Kernels(), chosen):
+                model.use_kernels(kernels)
+                logits, _ = model(tokens, torch.arange(tokens.shape[1]))
+                torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
+    finally:
+        model.use_kernels(chosen)
 
 
 def test_tree_forward_equals_sequential(tiny):
@@ -204,6 +213,32 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
                 out.append(logits.float())
             errors[name] = (out[0] - out[1]).abs().max().item()
     assert errors["fast"] < 2 * errors["readable"] + 0.05, errors
+
+
+def test_prepacked_fp32_linears_match_the_readable_path(tiny):
+    """fp32 on a CPU: the prepacked linear layers (Kernels.choose's pick where oneDNN is there) give
+    the readable path's logits to fp32 rounding, for a prefix, a tree and a padded batch."""
+    if not have_prepacking():
+        pytest.skip("this torch build has no oneDNN prepacking")
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
+    tokens = torch.randint(0, 64, (2, 12))
+    key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
+    key_mask[1, :3] = False
+    out = {}
+    with torch.inference_mode():
+        for name, kernels in (("readable", model_lib.Kernels()), ("packed", model_lib.Kernels(packed=True))):
+            tiny.use_kernels(kernels)
+            assert (tiny.lm_head_packed is not None) == kernels.packed
+            cache = tiny.new_cache(32, batch=2)
+            prefix, _ = tiny(tokens, torch.arange(12), None, cache, key_mask=key_mask[:, :12])
+            cache.keep(range(12))
+            logits, _ = tiny(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask)
+            out[name] = torch.cat([prefix, logits], 1)
+    torch.testing.assert_close(out["packed"], out["readable"], atol=1e-5, rtol=1e-5)
+
+
+def have_prepacking():
+    return model_lib.Kernels.choose("cpu", torch.float32, 0).packed
 
 
 def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
