@@ -179,11 +179,14 @@ class Lookup:
         # a token and costs the step almost nothing; where it copies, it grows back within steps.
         # copying: the last step kept a whole continuation of full length, so the reply is copying
         # a stretch of the text (Merged then verifies lookup's chain alone).
+        # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
             kept = tokens[1:]
             whole = any(kept[:len(f)] == f for f in self.proposed)
             self.copying = whole and self.length == self.gamma
             self.length = min(self.gamma, self.length + 2) if whole else max(1, self.length - 1)
+        elif self.adapt:
+            self.copying = False
         self._extend(tokens)
 
 

@@ -183,6 +183,16 @@ def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
     assert fixed.length == 4 and fixed.draft(2).tokens.tolist() == [2, 3, 4, 6, 7]   # without adapt it never moves
 
 
+def test_a_step_without_a_lookup_match_ends_the_copying_streak():
+    lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
+    lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
+    lk.draft(1), lk.accept([1, 2, 3, 4, 6], None, None)    # the whole chain at full length: copying
+    assert lk.copying and lk.length == 4
+    assert lk.draft(8).tokens.tolist() == [8]              # no match: nothing proposed ...
+    lk.accept([8], None, None)
+    assert not lk.copying and lk.length == 4               # ... the streak ends, the length stays
+
+
 def test_lookup_with_no_match_drafts_a_root_only_tree():
     lk = D.Lookup(5, 3, 1, "cpu")
     lk.start([1, 2, 3], None, 64)
