@@ -113,3 +113,13 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir)
     assert "| plain |" in out and "prompts: 3" in out
     assert "interrupted by Ctrl-C: the tables cover the 3 of 3 prompts" in err
     assert not os.path.exists(tmp_path / "bench.json")
+
+
+def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
+    """--kernels: each kernel and whole step, readable path against the one chosen here, and the
+    step's bandwidth floor, then exit 0."""
+    code, out, err = run_bench(capsys, "--kernels", "--model", tiny_model_dir, "--dtype", "fp32")
+    assert code == 0, err
+    assert "| op | readable path ms | fast path ms | speedup |" in out and "bandwidth floor ms" in out
+    for row in ("attention, 1 query (decode)", "layers' weights in turn", "LM head", "whole decode step", "whole step of 16 tokens"):
+        assert row in out, row
