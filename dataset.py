@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -426,9 +427,10 @@ def conversation_prompts(path):
         return json.loads((f.metadata() or {}).get("prompts", "[]"))
 
 
-def continue_from(model, folder, path, key):
+def continue_from(model, folder, path, key, per_shard=128):
     """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations, their
-    features computed in one pass (shards of ~128 conversations, as self_distill writes them), so a
+    features computed in one pass (shards of 128 conversations, as self_distill writes them, each moved
+    into the folder when it is written), so a
     new machine continues the committed data instead of writing it again. A folder that already
     begins with them is left as it is (or completed, if a stop cut the seeding short); one that
     holds other data is refused."""
@@ -444,12 +446,13 @@ def continue_from(model, folder, path, key):
                          "give a file written by --export-conversations from self-distilled data")
     print(f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: computing the features "
           f"of {len(convs) - len(have)}", file=sys.stderr, flush=True)
-    seed, first = folder + ".seed", len(shards_in(folder))
-    features_of(model, convs[len(have):], seed, key["teacher_k"], batch_tokens=128 * 256, key=key, prompts=prompts[len(have):])
-    for i, name in enumerate(shards_in(seed)):  # whole shards, in order: a stop here keeps a prefix, continued next time
-        os.replace(os.path.join(seed, name), os.path.join(folder, f"shard-{first + i:05d}.safetensors"))
-    os.remove(os.path.join(seed, KEY_FILE))  # the folder's own key.json (check_self_data's) stays
-    os.rmdir(seed)
+    seed = folder + ".seed"
+    for at in range(len(have), len(convs), per_shard):  # a shard at a time: a stop loses at most the one in flight
+        features_of(model, convs[at:at + per_shard], seed, key["teacher_k"], batch_tokens=float("inf"), key=key,
+                    prompts=prompts[at:at + per_shard])
+        os.replace(os.path.join(seed, "shard-00000.safetensors"),
+                   os.path.join(folder, f"shard-{len(shards_in(folder)):05d}.safetensors"))
+    shutil.rmtree(seed, ignore_errors=True)  # the folder's own key.json (check_self_data's) stays
 
 
 @torch.inference_mode()
@@ -458,7 +461,6 @@ def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None, prompt
     `prompts` in their metadata when given). They are written into folder.tmp with key.json last
     (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
     or none, never a part."""
-    import shutil
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

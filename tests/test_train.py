@@ -408,10 +408,11 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
             assert torch.equal(again[k][a:e], data[k][a:e]), k
 
 
-def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversations(features, tmp_path, capsys):
+def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversations(features, tmp_path, capsys, monkeypatch):
     """--continue-from: an empty self-distillation folder gets the file's conversations, prompts and
     features (equal to features_of's over the same conversations); a second call changes nothing; a
-    seeding cut short after its first shard is completed; a folder of other data is refused."""
+    seeding stopped in its second shard keeps the first and is completed; a folder of other data is
+    refused."""
     base, folder = features
     convs = D.load_data(folder)
     prompts = [f"prompt {i}" for i in range(len(convs["offsets"]) - 1)]
@@ -425,7 +426,19 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
     key = {"teacher_k": 8, "dim": base.cfg.dim}
     seeded = str(tmp_path / "self_distill")
     D.check_self_data(seeded, key)
-    D.continue_from(base, seeded, path, key)
+    features_of, calls = D.features_of, []
+
+    def stopped_in_the_second_shard(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return features_of(*a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(D, "features_of", stopped_in_the_second_shard)
+        with pytest.raises(KeyboardInterrupt):
+            D.continue_from(base, seeded, path, key, per_shard=2)
+    assert D.folder_prompts(seeded) == prompts[:2]              # the first shard was kept
+    D.continue_from(base, seeded, path, key, per_shard=2)       # the same call continues from it
     again = D.load_data(seeded)
     assert D.folder_prompts(seeded) == prompts and not os.path.exists(seeded + ".seed")
     for k in ("ids", "loss", "offsets", "teacher_top1"):
