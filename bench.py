@@ -7,7 +7,7 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
-    python bench.py --tune-tree --heads hydra++              # pick the tree size for this machine -> tree.json
+    python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-cpu-float32.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
@@ -35,7 +35,9 @@ maximise expected tau / (gamma drafts + verify) as layers.json next to the heads
 --tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
 of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
 step (a forward of the tree after a cached prefix) and one draft on this machine, and save the tree
-that maximises expected tau / (step + draft time) as tree.json next to the heads.
+that maximises expected tau / (step + draft time) next to the heads, named for the device and dtype
+(tree-cpu-float32.json, tree-cuda-bfloat16.json): generate.py's --tree auto prefers it to the
+shipped tree.json.
 """
 import argparse
 import json
@@ -513,9 +515,10 @@ def tune_tree(args, model, prompts, device):
     for r in rows:
         mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
         print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
-    tree_lib.save(best["paths"], os.path.join(folder, "tree.json"))
+    saved = generate.tuned_tree_file(folder, device, model.dtype)
+    tree_lib.save(best["paths"], saved)
     print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
-          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {folder}/tree.json")
+          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")
     if args.json:
         with open(args.json, "w") as f:
             keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")

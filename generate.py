@@ -78,7 +78,7 @@ def build_parser():
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
                    "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model)")
     p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
-    p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads, else a chain as deep as the heads")
+    p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
     p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
     p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N and model; unless given: " +
                    ", ".join(f"{k} {v['gamma']}" for k, v in DRAFT_DEFAULTS.items()))
@@ -324,11 +324,22 @@ def parse_tree(spec):
         raise UsageError(f"--tree: {e}") from None
 
 
+def tuned_tree_file(folder, device, dtype):
+    """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
+    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there."""
+    return os.path.join(folder, f"tree-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+
+
 def load_tree(spec, heads, heads_folder):
-    """--tree: a spec, or auto = the tree saved next to the heads, else a chain as deep as the heads."""
+    """--tree: a spec, or auto = the tree saved next to the heads (the one tuned for this device and
+    dtype if there is one, else tree.json), else a chain as deep as the heads."""
     if heads is None:
         return None
-    saved = os.path.join(heads_folder, "tree.json") if heads_folder else None
+    weight = next(heads.parameters())
+    saved = None
+    if heads_folder:
+        tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype)
+        saved = tuned if os.path.exists(tuned) else os.path.join(heads_folder, "tree.json")
     if spec != "auto":
         paths = parse_tree(spec)
     elif saved and os.path.exists(saved):

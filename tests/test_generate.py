@@ -3,6 +3,7 @@ speculative sampling samples from the base model's own distribution; plain decod
 transformers' generate(); EOS and --max-new-tokens are respected."""
 import collections
 import itertools
+import os
 
 import pytest
 import torch
@@ -166,3 +167,16 @@ def test_same_seed_same_output(small):
     plain = [G.generate(small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
              for _ in range(2)]
     assert plain[0] == plain[1]
+
+
+def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_path):
+    """--tree auto: tree-cpu-float32.json (what bench.py --tune-tree writes on a CPU in fp32) wins
+    over the shipped tree.json; heads in another dtype, or no tuned file, read tree.json."""
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
+    tree_lib.save([[0], [1]], tmp_path / "tree.json")
+    assert G.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(tmp_path / "tree-cpu-float32.json")
+    tree_lib.save([[0], [0, 0]], G.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert G.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
+    assert G.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
+    os.remove(G.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert G.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]
