@@ -388,11 +388,24 @@ def read_sharegpt(path, tokenizer):
     return convs
 
 
+def exported_already(path):
+    """(ids, offsets) of the conversations file at `path`, which --export-conversations may replace
+    only with more of the same conversations; a UsageError if it is something else."""
+    from safetensors.torch import load_file
+    try:
+        t = load_file(path)
+        return t["ids"].int(), t["offsets"]
+    except Exception:  # safetensors' own error on a file of another kind, or a missing tensor
+        raise UsageError(f"--export-conversations {path}: that file is not a conversations file; give a new "
+                         "file name (it is left as it is)") from None
+
+
 def export_conversations(folder, path):
     """The conversations of a data folder (any shards: self-distilled or features_of's) as one small
     file: token ids (uint16 when every id fits, as for vocabularies up to 65,536; else int32),
     assistant-token mask, offsets, and the prompts in its metadata: 3 bytes a token. The features
-    are left out (about 1 KB a token); --data path computes them again."""
+    are left out (about 1 KB a token); --data path computes them again. A file already at `path`
+    is replaced only when these conversations begin with its own (the data grew), else refused."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     parts = []
@@ -404,6 +417,12 @@ def export_conversations(folder, path):
     ids = torch.cat([p["ids"] for p in parts]).int()
     tensors = {"ids": ids.to(torch.uint16) if ids.max() < 1 << 16 else ids, "loss": torch.cat([p["loss"] for p in parts]),
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
+    if os.path.exists(path):
+        old_ids, old_offsets = exported_already(path)
+        n = len(old_offsets) - 1
+        if n > len(lengths) or not torch.equal(tensors["offsets"][:n + 1], old_offsets) or not torch.equal(ids[:len(old_ids)], old_ids):
+            raise UsageError(f"--export-conversations {path}: it holds {n} conversations that the data in {folder} does "
+                             "not begin with; give a new file name (it is left as it is)")
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
     os.replace(path + ".tmp", path)
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())

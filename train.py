@@ -87,7 +87,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
-    p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it")
+    p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it. An existing FILE is replaced only by more of its own conversations (the data grew)")
     p.add_argument("--continue-from", default=None, metavar="FILE", help="self-distillation: begin the data set with the conversations of FILE.safetensors (written by --export-conversations, e.g. the one in data/), their features computed in one pass, and write new ones from there up to --num-prompts")
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
@@ -663,6 +663,8 @@ def check_args(args):
         if not args.export_conversations.endswith(".safetensors"):
             raise UsageError(f"--export-conversations {args.export_conversations}: name it FILE.safetensors")
         writable_file("--export-conversations", args.export_conversations, "conversations.safetensors")
+        if os.path.exists(args.export_conversations):
+            dataset.exported_already(args.export_conversations)  # only a conversations file may be replaced (grown)
     if args.continue_from is not None:
         if args.data != "self":
             raise UsageError(f"--continue-from {args.continue_from}: it seeds self-distilled data; use it with --data self, "

@@ -521,3 +521,28 @@ def test_ablations_table_reads_each_run(features, tmp_path):
     xml.dom.minidom.parseString(abl.svg(runs))                      # well-formed
     bad = subprocess.run([sys.executable, script, str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"], capture_output=True, text=True)
     assert bad.returncode == 2 and "train that run first" in bad.stderr and not (tmp_path / "out.md").exists()
+
+
+def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features, tmp_path):
+    """--export-conversations over an existing file: the same or grown data replaces it; a file
+    of other conversations, or of another kind, is refused and left as it is."""
+    from safetensors.torch import save_file
+    base, folder = features
+    path = str(tmp_path / "convs.safetensors")
+    n, tokens, _ = D.export_conversations(folder, path)
+    first = D.read_conversations(path)
+    save_file({"ids": torch.tensor([i for c, _ in first[:2] for i in c], dtype=torch.int32),
+               "loss": torch.tensor([m for _, l in first[:2] for m in l]),
+               "offsets": torch.tensor([0, len(first[0][0]), len(first[0][0]) + len(first[1][0])])}, path)
+    assert D.export_conversations(folder, path)[:2] == (n, tokens)      # two of them, grown to all: replaced
+    assert D.read_conversations(path) == first
+    other = str(tmp_path / "other.safetensors")
+    ids, mask = first[1]
+    save_file({"ids": torch.tensor(ids, dtype=torch.int32), "loss": torch.tensor(mask), "offsets": torch.tensor([0, len(ids)])}, other)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors")
+    for target, words in ((other, "it holds 1 conversations that the data in"), (str(junk), "that file is not a conversations file")):
+        before = open(target, "rb").read()
+        with pytest.raises(D.UsageError, match=words):
+            D.export_conversations(folder, target)
+        assert open(target, "rb").read() == before

@@ -239,6 +239,9 @@ def test_continue_from_is_checked_before_the_model_loads(no_model, capsys, tmp_p
                          "--continue-from", "not a conversations file")
     check_one_line_error(*run_train(capsys, "--data", conversations(tmp_path / "c.jsonl"), "--continue-from", fake)[::2],
                          "it seeds self-distilled data; use it with --data self")
+    check_one_line_error(*run_train(capsys, "--export-conversations", fake)[::2],
+                         f"--export-conversations {fake}: that file is not a conversations file; give a new file name")
+    assert fake.read_bytes() == b"not safetensors"
 
 
 def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_dir):
