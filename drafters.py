@@ -75,14 +75,16 @@ def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
     is verified once); the others become new children, ranked after those already there, so the
     verifiers try the first drafter's candidates first. Sources are shifted by `offset`."""
     child = {(p[:-1], t): p for p, (t, _) in nodes.items()}    # (parent path, token) -> path
-    count = Counter(p[:-1] for p in nodes)                     # children per parent path
+    free = Counter()                                           # parent path -> its next free rank
+    for p in nodes:                                            # (a tree file may skip ranks)
+        free[p[:-1]] = max(free[p[:-1]], p[-1] + 1)
     where = {(): ()}                                           # branch path -> path in nodes
     for p in sorted(branch, key=lambda p: (len(p), p)):        # parents first
         token, source = branch[p]
         parent = where[p[:-1]]
         if (parent, token) not in child:
-            new = parent + (count[parent],)
-            count[parent] += 1
+            new = parent + (free[parent],)
+            free[parent] += 1
             child[parent, token], nodes[new] = new, (token, source + offset)
         where[p] = child[parent, token]
     return nodes
@@ -177,7 +179,7 @@ class Lookup:
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
         # a token and costs the step almost nothing; where it copies, it grows back within steps.
-        # copying: the last step kept a whole continuation of full length, so the reply is copying
+        # copying: the last step kept a whole continuation proposed at the full gamma, so the reply is copying
         # a stretch of the text (Merged then verifies lookup's chain alone).
         # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
@@ -204,8 +206,8 @@ class ModelDrafter:
 
     KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted,
     in order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the
-    start, then the bonus token of each step, and the last draft x_G when it was accepted (it was
-    sampled but never fed). draft(root) feeds pending + [root] in one forward and x_1..x_{G-1} one
+    start, later the last draft x_G when it was accepted (it was drafted but never fed).
+    draft(root), root being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
     by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
     index check, a device sync on a GPU) so that the next one attends to them. accept() cuts
     length back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the
@@ -267,7 +269,8 @@ class ModelDrafter:
 
 class Merged:
     """Heads + lookup: the first drafter's tree with the second's grafted on; while lookup copies
-    (Lookup.copying), its chain alone. Both see every step."""
+    (Lookup.copying), its chain alone. Both see every step's accept(); the first's draft() is
+    skipped while lookup copies, so the first must keep no state between the two (heads do not)."""
 
     def __init__(self, first, second, device):
         self.first, self.second, self.shapes = first, second, Shapes(device)

@@ -20,7 +20,8 @@ One decode loop serves every method. Each step:
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
 
 Contracts (tested in tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
-token-identical to plain greedy decoding, whatever the drafter; speculative sampling samples from
+token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
+one-token step round differently, so near-ties can flip: README); speculative sampling samples from
 the base model's own distribution. The command line (tests/test_cli.py, tests/test_reliability.py):
 bad input ends with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback;
 Ctrl-C keeps the text so far and exits 130; the same --seed gives the same output. stdout holds only the generated text: remarks ("notice: ...", e.g.
@@ -97,7 +98,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with oneDNN bf16 kernels: AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
     p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
@@ -175,8 +176,15 @@ class Result:
     stopped: str = ""                              # "eos" | "length"
 
 
+VERIFIERS = ("auto", "greedy", "typical", "sample")
+
+
 def choose_verifier(verify, temperature, top_p, generator):
     """verifier(logits (N, V), draft) -> (accepted node indices, bonus token)."""
+    if verify not in VERIFIERS:
+        raise ValueError(f"verify={verify!r}: use one of {', '.join(VERIFIERS)}")
+    if verify == "greedy" and temperature >= verify_lib.GREEDY_BELOW:
+        raise ValueError(f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}")
     if temperature < verify_lib.GREEDY_BELOW or verify == "greedy":
         return lambda l, d: verify_lib.greedy(l, d.tokens, d.tree)
     if verify == "typical":
@@ -236,7 +244,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
         positions = cache.length + d.depth                                          # (N,)
         logits, hidden = model(d.tokens[None], positions, d.mask, cache)            # (1, N, V), (1, N, D)
         nodes, bonus = verifier(logits[0].float(), d)
-        cache.keep(nodes)
+        cache.keep(nodes)  # slots [0, length): the prompt and every emitted token but the bonus
         out.steps += 1
         out.accepted.append(len(nodes) - 1)
         kept = d.tokens[nodes].tolist()                                             # the root, accepted drafts
@@ -277,7 +285,8 @@ def pick_device(name):
 
 
 def pick_dtype(name, device):
-    if name == "auto":  # measured (README): bf16 is faster on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX)
+    if name == "auto":  # measured (README): bf16 is faster on CUDA and on a CPU with native bf16 (AVX512-BF16);
+        # oneDNN also reports bf16 on AVX-512 CPUs without it (converted in its kernels), unmeasured here
         if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return torch.float32
         return torch.bfloat16

@@ -256,8 +256,8 @@ class Kernels:
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
         if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return Kernels()
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        if dtype == torch.bfloat16 and not native_bf16:
+        bf16_kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if dtype == torch.bfloat16 and not bf16_kernels:
             return Kernels()  # bf16 is emulated on this CPU: nothing here is faster
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
         packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

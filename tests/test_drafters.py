@@ -242,6 +242,12 @@ def test_graft_shares_prefixes_and_ranks_new_children_last():
     assert d.tokens.tolist() == [0, 5, 6, 4, 7, 9, 8] and d.source == [0, 1, 1, 3, 2, 3, 3]
 
 
+def test_graft_never_overwrites_a_node_when_a_tree_file_skips_ranks():
+    nodes = {(0,): (5, 1), (2,): (6, 1)}                    # a tree file may give ranks 0 and 2 only
+    D.graft(nodes, D.chain_nodes([4], 1), offset=2)
+    assert nodes == {(0,): (5, 1), (2,): (6, 1), (3,): (4, 3)}
+
+
 def test_merged_tree_holds_both_drafters_candidates(small):
     heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
     lookup = D.Lookup(4, 3, 1, "cpu")

@@ -88,6 +88,13 @@ def test_max_new_tokens_and_eos_exact(small):
     assert r.tokens == full[:first + 1] and r.stopped == "eos"
 
 
+def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
+    with pytest.raises(ValueError, match="needs temperature 0"):   # greedy steps after a sampled first token
+        G.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
+    with pytest.raises(ValueError, match="use one of"):
+        G.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
+
+
 def test_plain_decoding_has_tau_one(small):
     r = G.generate(small, [1, 2, 3], 12)
     assert r.steps == len(r.tokens) == 12 and r.accepted == [0] * 11
