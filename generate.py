@@ -246,9 +246,10 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
         nodes, bonus = verifier(logits[0].float(), d)
         cache.keep(nodes)  # slots [0, length): the prompt and every emitted token but the bonus
         out.steps += 1
-        out.accepted.append(len(nodes) - 1)
         kept = d.tokens[nodes].tolist()                                             # the root, accepted drafts
+        before = len(out.tokens)
         done = emit(kept[1:] + [bonus], [d.source[i] for i in nodes[1:].tolist()] + [0])
+        out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))          # drafts emitted (EOS, length)
         if not done:
             drafter.accept(kept, hidden[:, nodes], positions[nodes])
         root = bonus

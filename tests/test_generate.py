@@ -80,7 +80,11 @@ def test_max_new_tokens_and_eos_exact(small):
     tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
     prompt = [1, 2, 3, 4]
     for n in [1, 2, 5, 17]:
-        assert len(G.generate(small, prompt, n, G.HeadsDrafter(heads, tree)).tokens) == n
+        r = G.generate(small, prompt, n, G.HeadsDrafter(heads, tree))
+        assert len(r.tokens) == n
+        # every step emits its accepted drafts and a bonus token, the last one cut at the limit;
+        # accepted counts only the drafts emitted, so acceptance by depth never counts past it
+        assert len(r.tokens) - 1 - sum(r.accepted) in (r.steps - 1, r.steps - 2)
     full = G.generate(small, prompt, 40).tokens
     eos = full[10]                                  # pretend the 11th token is EOS
     first = full.index(eos)
