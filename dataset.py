@@ -53,15 +53,17 @@ def chat_ids(tokenizer, prompt):
 # before the current one, so it too ends there, and its own key mask hides what the previous
 # conversation left in that row. A row is refilled only while there is room for a whole answer
 # after it; then finished rows are dropped (the batch is compacted), and when every row is done
-# the next wave starts with a fresh cache. So no step computes rows that are done for nothing, and
-# recording is one tensor write per step for all rows: tokens, hidden states and the teacher's
-# top-k go into per-slot buffers, and a finished row's conversation is sliced out of them.
+# the next wave starts with a fresh cache. So a finished row is computed for nothing only until an
+# eighth of the rows are free (refills are grouped: each prefill reads every weight once) or, with
+# nothing left to refill, until a quarter are done (compaction). Recording is one tensor write
+# per step for all rows: tokens, hidden states and the teacher's top-k go into per-slot buffers,
+# and a finished row's conversation is sliced out of them.
 
 @torch.inference_mode()
 def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0):
     """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
     after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
-    are recorded (see `features`): hidden (T-1, D) at every position but the last of prompt + answer,
+    are recorded (as features_of records them): hidden (T-1, D) at every position but the last of prompt + answer,
     top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities before each
     answer token. Else features is None."""
     dev, D = model.device, model.cfg.dim
@@ -139,7 +141,9 @@ def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, to
             free = (conv < 0).nonzero()[:, 0]
             if len(free) >= min(len(waiting), max(1, len(conv) // 8)) and waiting and slot + max_new <= capacity:
                 # refill, once an eighth of the rows are free: each prefill reads every weight once, so they are grouped
-                fits = [waiting.pop() for _ in range(len(free)) if waiting and len(prompts[waiting[-1]]) <= slot]
+                fits = []   # the shortest waiting prompts, as many as rows are free, that end by this slot
+                while waiting and len(fits) < len(free) and len(prompts[waiting[-1]]) <= slot:
+                    fits.append(waiting.pop())
                 if fits:
                     idx = free[:len(fits)]
                     conv[idx] = torch.tensor(fits, device=dev)
@@ -240,6 +244,9 @@ def seeded_prefix(tokenizer, rng, tasks, topics):
     return tokenizer(text[:text.index(marker)] + opener, add_special_tokens=False).input_ids, opener
 
 
+DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write prompts (SmolLM2 keeps ~45%)
+
+
 def self_distill(model, tokenizer, folder, args):
     """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
     (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
@@ -250,9 +257,10 @@ def self_distill(model, tokenizer, folder, args):
     os.makedirs(folder, exist_ok=True)
     shards = shards_in(folder)
     filt = PromptFilter()
-    for p in folder_prompts(folder):
+    written = folder_prompts(folder)
+    for p in written:
         filt.keep(p)
-    have = len(filt.grams)
+    have = len(written)
     if have >= args.num_prompts:
         return
     stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
@@ -261,7 +269,7 @@ def self_distill(model, tokenizer, folder, args):
     gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
-    pending = []
+    pending, dry = [], 0   # dry: prompts written since the last one kept
 
     def flush():  # the finished conversations -> one shard, written whole or not at all
         nonlocal have, pending
@@ -285,6 +293,11 @@ def self_distill(model, tokenizer, folder, args):
                     prompts.append(text)
                 if len(prompts) == want:  # enough: the candidates not yet started are never written
                     break
+            dry = dry + 2 * want if not prompts else 0
+            if dry >= DRY_PROMPTS:  # else this loop would never end
+                raise UsageError(f"the model wrote {dry} user prompts in a row and none was kept (each must end with "
+                                 f"one of the stop tokens {sorted(stop)} within 64 tokens and be new); use a chat model "
+                                 "whose end-of-turn token is among its EOS ids, or give your own data with --data")
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever gen_batch of them are done
             encoded = [chat_ids(tokenizer, p) for p in prompts]
@@ -428,6 +441,16 @@ def export_conversations(folder, path):
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
 
 
+def largest_id(path, flag="--data"):
+    """The largest token id in a conversations file (checked against the model's vocabulary)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            return int(f.get_tensor("ids").int().max())
+    except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
+        raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
+
+
 def read_conversations(path, flag="--data"):
     """[(ids, loss mask)] from a file written by export_conversations."""
     from safetensors.torch import load_file
@@ -454,6 +477,9 @@ def continue_from(model, folder, path, key, per_shard=128):
     begins with them is left as it is (or completed, if a stop cut the seeding short); one that
     holds other data is refused."""
     prompts, have = conversation_prompts(path), folder_prompts(folder)
+    if "" in prompts:
+        raise UsageError(f"--continue-from {path}: its conversations have no prompts recorded (it was exported from "
+                         "a --data file, not from self-distilled data); train on it with --data instead")
     if have[:len(prompts)] != prompts[:len(have)]:
         raise UsageError(f"--continue-from {path}: the self-distilled data in {folder} did not begin with these "
                          "conversations; use another --work, or leave --continue-from out to grow that data")
@@ -475,9 +501,10 @@ def continue_from(model, folder, path, key, per_shard=128):
 
 
 @torch.inference_mode()
-def features_of(model, convs, folder, top_k, batch_tokens=4096, key=None, prompts=None):
+def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, prompts=None):
     """One pass of the base model over user conversations -> shards like self_distill's (with
-    `prompts` in their metadata when given). They are written into folder.tmp with key.json last
+    `prompts` in their metadata when given), a shard every `batch_tokens` tokens (~75 MB: few files
+    open while training reads them). They are written into folder.tmp with key.json last
     (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
     or none, never a part."""
     tmp = folder + ".tmp"
@@ -509,13 +536,14 @@ def map_shard(path):
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
+    # one mapping of the whole file (one open file descriptor a shard, however many tensors), mode
+    # "c": copy-on-write, i.e. writable for torch but never written back to the file
+    raw = np.memmap(path, np.uint8, "c")
     out = {}
     for name, info in header.items():
         if name != "__metadata__":
             (a, b), shape, dtype = info["data_offsets"], tuple(info["shape"]), dtypes[info["dtype"]]
-            # mode "c": copy-on-write, i.e. writable for torch but never written back to the file;
-            # an empty tensor has no bytes to map
-            out[name] = torch.from_numpy(np.memmap(path, dtype, "c", 8 + n + a, shape) if b > a else np.zeros(shape, dtype))
+            out[name] = torch.from_numpy(raw[8 + n + a:8 + n + b].view(dtype).reshape(shape))
     return out
 
 

@@ -256,7 +256,8 @@ def collate(data, convs, to_kept, K, device):
     # valid[b, t, j-1]: head j at position t predicts token t+1+j, an assistant token
     valid = torch.zeros(B, T, K, dtype=torch.bool)
     for j in range(1, K + 1):
-        valid[:, :T - 1 - j, j - 1] = loss[:, 1 + j:]
+        n = max(T - 1 - j, 0)                                          # none when the batch is that short
+        valid[:, :n, j - 1] = loss[:, 1 + j:1 + j + n]
     return dict(ids=ids.to(device), hidden=hidden.to(device), valid=valid.to(device),
                 top_ids=to_kept[top_ids].to(device), top_p=top_p.to(device), targets=to_kept[ids].to(device))
 
@@ -312,14 +313,14 @@ def evaluate(heads, data, convs, to_kept, args, device):
         batch = collate(data, convs_b, to_kept, K, device)
         logits, j, top_ids, top_p, _ = head_outputs(heads, batch)
         greedy = top_ids[:, 0]                                             # the base model's own top-1
-        order = logits.topk(10, dim=-1).indices                            # (M, 10)
+        order = logits.topk(min(10, logits.shape[-1]), dim=-1).indices     # (M, 10), fewer with fewer kept tokens
         hit = order == greedy[:, None]                                     # (M, 10)
         for jj in range(K):
             sel = j == jj
             count[jj] += sel.sum()
             top1[jj] += hit[sel, 0].sum()
             top5[jj] += hit[sel, :5].any(-1).sum()
-            ranks[jj] += hit[sel].sum(0).float().cpu()
+            ranks[jj, :hit.shape[1]] += hit[sel].sum(0).float().cpu()
         # chain acceptance: at positions where all K heads are valid, leading run of correct top-1s
         valid = batch["valid"]
         right = torch.zeros_like(valid)
@@ -500,7 +501,7 @@ def train(model, data, out, args):
     device, K = model.device, args.num_heads
     kept, to_kept, coverage = kept_vocabulary(data, model.cfg.vocab_size, args.kept_tokens)
     if kept is not None:
-        log(f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens")
+        log(f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens and teacher top-1s")
 
     # heads and optimizer, the same on every rank (same seed), then the checkpoint if resuming
     torch.manual_seed(args.seed)
@@ -508,8 +509,11 @@ def train(model, data, out, args):
     heads = heads_lib.build(cfg, model, kept).train()
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     n_conv = len(data["offsets"]) - 1
+    bf16 = pick_dtype(args.train_dtype, device.type) == torch.bfloat16
+    # what shapes the run beyond the flags: the number of processes (it sets the batches of a step
+    # and the schedule's length) and what --train-dtype auto chose on this machine
     identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"]), data_digest(data)],
-                "flags": recorded_flags(args)}
+                "flags": {**recorded_flags(args), "processes": world, "bf16_products": bf16}}
     step = saved_step = 0
     # assistant tokens trained on (head 1's targets, all ranks) and the held-out evaluations so far
     progress = {"tokens": 0, "curve": []}
@@ -520,7 +524,6 @@ def train(model, data, out, args):
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
     forward = TrainForward(heads)
-    bf16 = pick_dtype(args.train_dtype, device.type) == torch.bfloat16
     if world > 1:  # its backward averages gradients over ranks; the frozen shared buffers are never sent
         # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them once)
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
@@ -689,6 +692,10 @@ def check_model_args(args, model):
                          f"use at most {vocab} (or 0 for all of them)")
     if args.data == "self" and args.max_answer_tokens > context:
         raise UsageError(f"--max-answer-tokens {args.max_answer_tokens}: the model's context holds {context} tokens; use less")
+    for flag, path in (("--data", args.data), ("--continue-from", args.continue_from)):
+        if path and path.endswith(".safetensors") and (top := dataset.largest_id(path, flag)) >= vocab:
+            raise UsageError(f"{flag} {path}: it holds token id {top}, beyond this model's vocabulary of {vocab}: its "
+                             "conversations were written with another tokenizer; use that model, or other data")
 
 
 def check_resume(out, args):

@@ -272,6 +272,17 @@ def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
         run(features, tmp_path, "--resume")
 
 
+def test_resume_refuses_a_checkpoint_of_another_number_of_processes(features, tmp_path):
+    # the processes set a step's batches and the schedule's length: resuming with others would not continue the run
+    run(features, tmp_path, "--epochs", "1")
+    state = torch.load(tmp_path / T.STATE, weights_only=False)
+    assert state["flags"]["processes"] == 1 and isinstance(state["flags"]["bf16_products"], bool)
+    state["flags"]["processes"] = 4
+    torch.save(state, tmp_path / T.STATE)
+    with pytest.raises(ValueError, match=r"--processes 1 \(checkpoint: 4\)"):
+        run(features, tmp_path, "--epochs", "1", "--resume")
+
+
 def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_path, monkeypatch):
     def poison(calls, batch):
         if calls == 5:                                              # NaN hidden states where heads predict
@@ -456,6 +467,41 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
         D.continue_from(base, other, path, key)
     assert D.folder_prompts(other) == ["something else"] * 3
     capsys.readouterr()
+
+
+def test_continue_from_refuses_conversations_without_their_prompts(features, tmp_path):
+    base, folder = features
+    plain, seeded = str(tmp_path / "plain.safetensors"), str(tmp_path / "self_distill")
+    D.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
+    key = {"teacher_k": 8, "dim": base.cfg.dim}
+    D.check_self_data(seeded, key)
+    with pytest.raises(T.UsageError, match="no prompts recorded"):
+        D.continue_from(base, seeded, plain, key)
+    assert D.shards_in(seeded) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_training_data_keeps_one_open_file_per_shard(features):
+    # thousands of shards must not exhaust a 1,024-file limit: one mapping per file, not per tensor
+    _, folder = features
+    before = len(os.listdir("/proc/self/fd"))
+    data = D.load_data(folder)
+    opened = len(os.listdir("/proc/self/fd")) - before
+    assert 0 < opened <= len(D.shards_in(folder)) and len(data["hidden"]) == len(data["ids"])
+
+
+def test_short_conversations_with_many_heads_have_no_valid_positions():
+    data = {"offsets": torch.tensor([0, 3]), "ids": torch.tensor([1, 2, 3]), "loss": torch.tensor([False, True, True]),
+            "hidden": torch.zeros(3, 4), "top_ids": torch.zeros(3, 2, dtype=torch.long), "top_p": torch.zeros(3, 2)}
+    batch = T.collate(data, [0], torch.arange(V), 5, "cpu")     # head j needs token t+1+j: none beyond head 1
+    assert batch["valid"].shape == (1, 3, 5) and batch["valid"][0, :, 1:].sum() == 0
+    assert batch["valid"][0, :, 0].tolist() == [True, False, False]
+
+
+def test_fewer_kept_tokens_than_the_ten_ranks_evaluated(features, tmp_path):
+    run(features, tmp_path, "--kept-tokens", "5")
+    with open(tmp_path / "eval.json") as f:
+        assert len(json.load(f)["curve"]) > 0
 
 
 def test_exported_ids_are_two_bytes_when_the_vocabulary_fits(features, tmp_path):

@@ -230,6 +230,23 @@ def test_ctrl_c_or_sigterm_while_self_distilling_keeps_the_shards(tmp_path, tiny
     assert open(shard, "rb").read() == before
 
 
+def test_a_model_that_writes_no_usable_prompt_stops_with_one_line(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    # the random model never ends a prompt: without the guard the data stage would loop for ever
+    monkeypatch.setattr(D, "DRY_PROMPTS", 8)
+    code, _, err = run_train(capsys, "--model", tiny_model_dir, "--work", tmp_path, "--gen-batch", 4)
+    check_one_line_error(code, err.strip().splitlines()[-1], "user prompts in a row and none was kept", "use a chat model")
+
+
+def test_conversations_of_another_tokenizer_are_refused(capsys, tmp_path, tiny_model_dir):
+    from safetensors.torch import save_file
+    big = tmp_path / "big.safetensors"   # an id beyond the tiny model's vocabulary
+    save_file({"ids": torch.tensor([1, 2, 1 << 20], dtype=torch.int32), "loss": torch.tensor([False, True, True]),
+               "offsets": torch.tensor([0, 3])}, str(big))
+    for flag in ("--data", "--continue-from"):
+        check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--work", tmp_path, flag, big)[::2],
+                             f"{flag} {big}: it holds token id {1 << 20}, beyond this model's vocabulary", "use that model")
+
+
 def test_continue_from_is_checked_before_the_model_loads(no_model, capsys, tmp_path):
     fake = tmp_path / "fake.safetensors"
     fake.write_bytes(b"not safetensors")
