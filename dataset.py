@@ -343,7 +343,15 @@ def write_shard(path, convs):
     tensors = {name: torch.cat(v).contiguous() for name, v in cols.items()}
     tensors["offsets"] = torch.tensor([0] + [len(c["ids"]) for c in convs]).cumsum(0)
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps([c.get("prompt", "") for c in convs])})
-    os.replace(path + ".tmp", path)  # a shard is whole or absent
+    replace_durably(path + ".tmp", path)  # a shard is whole or absent
+
+
+def replace_durably(tmp, path):
+    """os.replace(tmp, path) once tmp's bytes are on disk: after a crash of the machine, not only of
+    the process, path is the old file or the new one, never a new name over unwritten pages."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_shard(path, meta_only=False):
@@ -388,8 +396,16 @@ def read_sharegpt(path, tokenizer):
             check_text(m["content"], f"{path}, line {n}")
         ids, loss = [], []
         for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
-            text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-            new = tokenizer(text, add_special_tokens=False).input_ids[len(ids):]
+            try:
+                text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+            except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
+                raise ValueError(f"{path}, line {n}: the model's chat template refuses this conversation "
+                                 f"({' '.join(str(e).split())}); fix the turns or leave the line out") from None
+            full = tokenizer(text, add_special_tokens=False).input_ids
+            if full[:len(ids)] != ids:
+                raise ValueError(f"{path}, line {n}: the chat template renders the earlier turns differently once turn "
+                                 f"{i + 1} follows, so its tokens cannot be given to their speakers; leave the line out")
+            new = full[len(ids):]
             ids += new
             loss += [m["role"] == "assistant"] * len(new)
         convs.append((ids, loss))
@@ -437,7 +453,7 @@ def export_conversations(folder, path):
             raise UsageError(f"--export-conversations {path}: it holds {n} conversations that the data in {folder} does "
                              "not begin with; give a new file name (it is left as it is)")
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
-    os.replace(path + ".tmp", path)
+    replace_durably(path + ".tmp", path)
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
 
 

@@ -325,6 +325,34 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     assert "Hi there" not in tokenizer.decode([t for t, m in zip(ids, loss) if m])
 
 
+class Template:
+    """A stand-in tokenizer: a chat template `render(messages) -> text`, one token per character."""
+    def __init__(self, render):
+        self.render = render
+
+    def apply_chat_template(self, messages, tokenize=False):
+        return self.render(messages)
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
+
+
+def refuse(messages):
+    raise Exception("Conversation roles must alternate\nuser/assistant")
+
+
+@pytest.mark.parametrize("render, words", [
+    (refuse, "the model's chat template refuses this conversation (Conversation roles must alternate user/assistant)"),
+    (lambda ms: "".join(m["content"] for m in ms[::-1]), "renders the earlier turns differently once turn 2 follows"),
+])
+def test_a_chat_template_that_cannot_split_turns_is_reported_with_the_line(tmp_path, render, words):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}))
+    with pytest.raises(ValueError, match=r"chats\.jsonl, line 1: ") as e:
+        D.read_sharegpt(str(path), Template(render))
+    assert words in str(e.value)
+
+
 # --- several processes --------------------------------------------------------------------------
 
 def ddp_worker(rank, port, folder, out, results):
