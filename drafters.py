@@ -101,6 +101,7 @@ def draft_nodes(d: Draft) -> dict:
 
 
 # --- plain decoding -----------------------------------------------------------------------------
+# The baseline is a drafter too: it proposes nothing, so every step's tree is its root alone.
 
 
 class Plain:

@@ -24,9 +24,9 @@ token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 
 one-token step round differently, so near-ties can flip: README); speculative sampling samples from
 the base model's own distribution. The command line (tests/test_cli.py, tests/test_reliability.py):
 bad input ends with one line on stderr, "error: <what> ...; <fix>", exit code 2, no traceback;
-Ctrl-C keeps the text so far and exits 130; the same --seed gives the same output. stdout holds only the generated text: remarks ("notice: ...", e.g.
-a flag without effect in the chosen mode) go to stderr, and colour codes (--show) only to a
-terminal.
+Ctrl-C keeps the text so far and exits 130; the same --seed gives the same output. stdout holds
+only the generated text: remarks ("notice: ...", e.g. a flag without effect in the chosen mode) go
+to stderr, and colour codes (--show) only to a terminal.
 Shapes: N tree nodes, D hidden, V vocabulary, P parent nodes at one depth.
 """
 import argparse
@@ -165,6 +165,7 @@ class HeadsDrafter:
 
 
 # --- the decode loop -----------------------------------------------------------------------------
+# Prefill once, then draft, verify and keep, one base forward a step, until EOS or the length limit.
 
 @dataclass
 class Result:
@@ -515,6 +516,7 @@ def encode(tokenizer, text, system=None, raw=False):
 
 
 # --- printing ------------------------------------------------------------------------------------
+# stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 
 def notice(message):
     """A one-line remark on stderr (never stdout, which holds only the generated text)."""

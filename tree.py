@@ -235,6 +235,7 @@ def parse(spec: str) -> list[Path]:
 
 
 # --- picture ------------------------------------------------------------------------------------
+# `python tree.py` prints a small tree and its attention mask, as the module docstring shows.
 
 
 def ascii(tree: Tree) -> str:
