@@ -80,7 +80,7 @@ def build_parser():
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with oneDNN bf16 kernels: AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
     p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")

@@ -98,7 +98,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with oneDNN bf16 kernels: AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
     p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
@@ -289,9 +289,10 @@ def pick_device(name):
 def pick_dtype(name, device):
     if name == "auto":  # measured (README): bf16 is faster on CUDA and on a CPU with native bf16 (AVX512-BF16);
         # oneDNN also reports bf16 on AVX-512 CPUs without it (converted in its kernels), unmeasured here
-        if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.float32
-        return torch.bfloat16
+        if device == "cpu":
+            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        # a GPU before Ampere (compute capability < 8) emulates bf16 slowly; fp16 is native there
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if name not in DTYPES:
         raise UsageError(f"--dtype {name}: unknown dtype; use auto, {', '.join(DTYPES)}")
     return DTYPES[name]

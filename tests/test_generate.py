@@ -99,6 +99,13 @@ def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
         G.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
 
 
+def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert G.pick_dtype("auto", "cuda") == torch.float16      # e.g. a T4 or V100: bf16 only emulated
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert G.pick_dtype("auto", "cuda:0") == torch.bfloat16
+
+
 def test_plain_decoding_has_tau_one(small):
     r = G.generate(small, [1, 2, 3], 12)
     assert r.steps == len(r.tokens) == 12 and r.accepted == [0] * 11
