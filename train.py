@@ -141,7 +141,8 @@ def teacher_loss(logits, top_ids, top_p):
     be pushed hardest to crush every other token, learning overconfidence exactly where drafts are
     rarely accepted, and its probabilities would stop meaning "chance the base model says this"
     (which a confidence-based tree, or speculative sampling with the heads as the draft, needs).
-    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say them.
+    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say them,
+    so its best is then the teacher's distribution renormalised over the outcomes it can say.
     1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e. r = 0 in fp16.
     """
     logq = logits.float().log_softmax(-1)                                   # (M, V')
