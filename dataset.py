@@ -395,19 +395,25 @@ def read_sharegpt(path, tokenizer):
         for m in messages:
             check_text(m["content"], f"{path}, line {n}")
         ids, loss = [], []
-        for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
+
+        def extend(upto, speaker_is_assistant, generation_prompt=False):
+            """Append the tokens that rendering messages[:upto] adds after `ids`."""
             try:
-                text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+                text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
             except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
                 raise ValueError(f"{path}, line {n}: the model's chat template refuses this conversation "
                                  f"({' '.join(str(e).split())}); fix the turns or leave the line out") from None
             full = tokenizer(text, add_special_tokens=False).input_ids
             if full[:len(ids)] != ids:
                 raise ValueError(f"{path}, line {n}: the chat template renders the earlier turns differently once turn "
-                                 f"{i + 1} follows, so its tokens cannot be given to their speakers; leave the line out")
-            new = full[len(ids):]
-            ids += new
-            loss += [m["role"] == "assistant"] * len(new)
+                                 f"{upto} follows, so its tokens cannot be given to their speakers; leave the line out")
+            loss.extend([speaker_is_assistant] * (len(full) - len(ids)))
+            ids.extend(full[len(ids):])
+
+        for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
+            if m["role"] == "assistant" and i > 0:
+                extend(i, False, generation_prompt=True)  # the assistant's header is the prompt's, as in decoding
+            extend(i + 1, m["role"] == "assistant")
         convs.append((ids, loss))
     if not convs:
         raise ValueError(f"{path}: no conversations in the file")

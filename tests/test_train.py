@@ -321,8 +321,9 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
         {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}) + "\n")
     (ids, loss), (ids2, loss2) = D.read_sharegpt(str(path), tokenizer)
     assert (ids, loss) == (ids2, loss2)                             # from/value and role/content alike
-    assert "Hello, friend!" in tokenizer.decode([t for t, m in zip(ids, loss) if m])
-    assert "Hi there" not in tokenizer.decode([t for t, m in zip(ids, loss) if m])
+    # the assistant's tokens, from its first word (the template's header belongs to the prompt, as in decoding)
+    assert tokenizer.decode([t for t, m in zip(ids, loss) if m]).startswith("Hello, friend!")
+    assert ids[:loss.index(True)] == D.chat_ids(tokenizer, "Hi there")
 
 
 class Template:
@@ -330,7 +331,7 @@ class Template:
     def __init__(self, render):
         self.render = render
 
-    def apply_chat_template(self, messages, tokenize=False):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
         return self.render(messages)
 
     def __call__(self, text, add_special_tokens=False):
