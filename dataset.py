@@ -463,24 +463,26 @@ def export_conversations(folder, path):
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
 
 
-def largest_id(path, flag="--data"):
-    """The largest token id in a conversations file (checked against the model's vocabulary)."""
-    from safetensors import safe_open
+def conversation_tensors(path, flag="--data"):
+    """(ids, loss mask, offsets) of a file written by export_conversations; a UsageError naming
+    `flag` if it is not one."""
+    from safetensors.torch import load_file
     try:
-        with safe_open(path, "pt") as f:
-            return int(f.get_tensor("ids").int().max())
+        t = load_file(path)
+        return t["ids"].int(), t["loss"], t["offsets"].tolist()
     except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
         raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
+
+
+def largest_id(path, flag="--data"):
+    """The largest token id in a conversations file (checked against the model's vocabulary)."""
+    ids = conversation_tensors(path, flag)[0]
+    return int(ids.max()) if len(ids) else -1
 
 
 def read_conversations(path, flag="--data"):
     """[(ids, loss mask)] from a file written by export_conversations."""
-    from safetensors.torch import load_file
-    try:
-        t = load_file(path)
-        ids, loss, offsets = t["ids"].int(), t["loss"], t["offsets"].tolist()
-    except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
-        raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
+    ids, loss, offsets = conversation_tensors(path, flag)
     return [(ids[a:b].tolist(), loss[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
 
 

@@ -91,7 +91,7 @@ def build_parser():
                    help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is greedy too "
                         "(the probabilities are one-hot there, and overflow far below it)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "sample"],
+    p.add_argument("--verify", default="auto", choices=VERIFIERS,
                    help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: the tree rule, or Leviathan's "
                         "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
                         "At --temperature 0, sample and typical reduce to greedy and give exactly its output")
@@ -186,7 +186,7 @@ def choose_verifier(verify, temperature, top_p, generator):
         raise ValueError(f"verify={verify!r}: use one of {', '.join(VERIFIERS)}")
     if verify == "greedy" and temperature >= verify_lib.GREEDY_BELOW:
         raise ValueError(f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}")
-    if temperature < verify_lib.GREEDY_BELOW or verify == "greedy":
+    if temperature < verify_lib.GREEDY_BELOW:  # what "greedy" (checked above) and auto at temperature 0 mean
         return lambda l, d: verify_lib.greedy(l, d.tokens, d.tree)
     if verify == "typical":
         return lambda l, d: verify_lib.typical(l, d.tokens, d.tree, temperature, top_p, generator=generator)
