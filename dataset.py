@@ -407,8 +407,9 @@ def read_sharegpt(path, tokenizer):
             if full[:len(ids)] != ids:
                 raise ValueError(f"{path}, line {n}: the chat template renders the earlier turns differently once turn "
                                  f"{upto} follows, so its tokens cannot be given to their speakers; leave the line out")
-            loss.extend([speaker_is_assistant] * (len(full) - len(ids)))
-            ids.extend(full[len(ids):])
+            new = full[len(ids):]
+            ids.extend(new)
+            loss.extend([speaker_is_assistant] * len(new))
 
         for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
             if m["role"] == "assistant" and i > 0:
