@@ -224,6 +224,14 @@ def batch_loss(kind, logits, j, top_ids, top_p, target):
 
 # --- batches ---------------------------------------------------------------------------------------
 
+def split(n_conv, seed):
+    """(held out, trained on): 5% of the conversations (at least one) held out for evaluation, drawn
+    by the seed; the same data and seed give the same split in every run."""
+    g = torch.Generator().manual_seed(seed)
+    held_out = torch.randperm(n_conv, generator=g)[:max(1, n_conv // 20)].tolist()
+    return held_out, sorted(set(range(n_conv)) - set(held_out))
+
+
 def make_batches(lengths, conv_ids, batch_tokens, seed, epoch):
     """Conversations grouped by similar length into batches of about batch_tokens padded tokens,
     in an order fixed by (seed, epoch) so that a resumed run sees the same batches."""
@@ -530,9 +538,7 @@ def train(model, data, out, args):
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
 
     # the data order: 5% held out for evaluation; batches fixed by (seed, epoch); rank r takes r, r + world, ...
-    g = torch.Generator().manual_seed(args.seed)
-    held_out = torch.randperm(n_conv, generator=g)[:max(1, n_conv // 20)].tolist()
-    train_convs = sorted(set(range(n_conv)) - set(held_out))
+    held_out, train_convs = split(n_conv, args.seed)
     lengths = data["offsets"].diff()
     in_train = torch.zeros(n_conv, dtype=torch.bool)
     in_train[train_convs] = True

@@ -621,3 +621,27 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
         with pytest.raises(D.UsageError, match=words):
             D.export_conversations(folder, target)
         assert open(target, "rb").read() == before
+
+
+def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp_path):
+    """results/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau that
+    train.py measured on its own held-out split at the end of the run; bad input exits 2."""
+    import importlib.util
+    import subprocess
+    import sys
+    base, folder = features
+    run(features, tmp_path / "run")
+    script = os.path.join(os.path.dirname(__file__), "..", "results", "data_size.py")
+    spec = importlib.util.spec_from_file_location("data_size", script)
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    table = ds.measure(base, D.load_data(folder), 0, [("a", str(tmp_path / "run"))])
+    with open(tmp_path / "run" / "eval.json") as f:
+        report = json.load(f)
+    row = next(line for line in table.splitlines() if line.startswith("| a |"))
+    assert float(row.split("|")[2]) == pytest.approx(report["chain_tau"], abs=1e-3)
+    with pytest.raises(SystemExit):                                       # nothing held out after them all
+        ds.measure(base, D.load_data(folder), 24, [("a", str(tmp_path / "run"))])
+    bad = subprocess.run([sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()

@@ -1,0 +1,70 @@
+"""Held-out tau against the amount of training data: several heads folders, trained on different
+amounts of the same self-distilled set, measured on the same conversations, ones none of them saw.
+
+Each train.py run holds out its own 5% (the split depends on the number of conversations), so the
+eval.json of runs on 4,992 and on 11,767 conversations describe different held-out sets. This script
+takes the held-out 5% of the largest set (FEATURES, the split train.py makes for it) and keeps the
+conversations after the first FIRST_FRESH (0-based index >= FIRST_FRESH): heads trained on the first
+FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out). Writes a Markdown table.
+
+    python results/data_size.py /work/data/smollm2/self_distill 4992 results/data-size \
+        "medusa 141k=old/medusa" "medusa 892k=v3/medusa" "medusa 2.08M=weights/smollm2-135m-instruct/medusa" ...
+"""
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dataset  # noqa: E402
+import heads as heads_lib  # noqa: E402
+import model as model_lib  # noqa: E402
+import train  # noqa: E402
+
+
+def fail(message):
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def measure(model, data, first_fresh, runs, seed=0):
+    """The Markdown table: one row per (label, heads folder), all on the same held-out conversations."""
+    held_out, _ = train.split(len(data["offsets"]) - 1, seed)
+    convs = sorted(c for c in held_out if c >= first_fresh)
+    if not convs:
+        fail(f"error: no held-out conversation comes after the first {first_fresh:,}; give a smaller FIRST_FRESH")
+    tokens = int(sum(data["loss"][data["offsets"][c]:data["offsets"][c + 1]].sum() for c in convs))
+    args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
+    lines = [f"Measured on {len(convs)} held-out conversations ({tokens:,} assistant tokens) that come after "
+             f"the first {first_fresh:,}, which no run below trained on.\n",
+             "| run | held-out chain tau | held-out top-1 per head |", "|---|---:|---|"]
+    for label, folder in runs:
+        heads = heads_lib.load(folder, model).eval()
+        kept = heads.kept_ids.cpu() if heads.kept_ids is not None else torch.arange(model.cfg.vocab_size)
+        to_kept = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
+        to_kept[kept] = torch.arange(len(kept))
+        with torch.inference_mode():
+            r = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
+        lines.append(f"| {label} | {r['chain_tau']:.3f} | {' '.join(f'{a:.2f}' for a in r['top1'])} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 5 or not sys.argv[2].isdigit() or any("=" not in a for a in sys.argv[4:]):
+        fail("usage: python results/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
+    runs = [tuple(a.rsplit("=", 1)) for a in sys.argv[4:]]
+    for _, folder in runs:
+        if not os.path.isfile(os.path.join(folder, "heads.json")):
+            fail(f"error: {folder} has no heads.json; give a folder that train.py wrote heads into")
+    if not os.path.isdir(sys.argv[1]):
+        fail(f"error: {sys.argv[1]} is not a folder; give the features folder train.py built (its --work/self_distill)")
+    try:
+        data = dataset.load_data(sys.argv[1])
+        model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
+        table = measure(model, data, int(sys.argv[2]), runs)
+    except (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError) as e:
+        fail(f"error: {e}; give the default model's features folder and heads trained for it")
+    with open(sys.argv[3] + ".md", "w") as f:
+        f.write(table)
