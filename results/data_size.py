@@ -5,7 +5,8 @@ Each train.py run holds out its own 5% (the split depends on the number of conve
 eval.json of runs on 4,992 and on 11,767 conversations describe different held-out sets. This script
 takes the held-out 5% of the largest set (FEATURES, the split train.py makes for it) and keeps the
 conversations after the first FIRST_FRESH (0-based index >= FIRST_FRESH): heads trained on the first
-FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out). Writes a Markdown table.
+FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out). Writes a Markdown table
+and an SVG bar chart (ablations.py's).
 
     python results/data_size.py /work/data/smollm2/self_distill 4992 results/data-size \
         "medusa 141k=old/medusa" "medusa 892k=v3/medusa" "medusa 2.08M=weights/smollm2-135m-instruct/medusa" ...
@@ -17,6 +18,8 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ablations  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -29,25 +32,32 @@ def fail(message):
 
 
 def measure(model, data, first_fresh, runs, seed=0):
-    """The Markdown table: one row per (label, heads folder), all on the same held-out conversations."""
+    """(a line saying what was measured, {label: evaluate's report}) for (label, heads folder) pairs,
+    all on the same held-out conversations."""
     held_out, _ = train.split(len(data["offsets"]) - 1, seed)
     convs = sorted(c for c in held_out if c >= first_fresh)
     if not convs:
         fail(f"error: no held-out conversation comes after the first {first_fresh:,}; give a smaller FIRST_FRESH")
     tokens = int(sum(data["loss"][data["offsets"][c]:data["offsets"][c + 1]].sum() for c in convs))
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
-    lines = [f"Measured on {len(convs)} held-out conversations ({tokens:,} assistant tokens) that come after "
-             f"the first {first_fresh:,}, which no run below trained on.\n",
-             "| run | held-out chain tau | held-out top-1 per head |", "|---|---:|---|"]
+    what = (f"Measured on {len(convs)} held-out conversations ({tokens:,} assistant tokens) that come after "
+            f"the first {first_fresh:,}, which no run below trained on.")
+    reports = {}
     for label, folder in runs:
         heads = heads_lib.load(folder, model).eval()
         kept = heads.kept_ids.cpu() if heads.kept_ids is not None else torch.arange(model.cfg.vocab_size)
         to_kept = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
         to_kept[kept] = torch.arange(len(kept))
         with torch.inference_mode():
-            r = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
+            reports[label] = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
+        print(label, f"chain tau {reports[label]['chain_tau']:.3f}", flush=True)
+    return what, reports
+
+
+def table(what, reports):
+    lines = [what, "", "| run | held-out chain tau | held-out top-1 per head |", "|---|---:|---|"]
+    for label, r in reports.items():
         lines.append(f"| {label} | {r['chain_tau']:.3f} | {' '.join(f'{a:.2f}' for a in r['top1'])} |")
-        print(lines[-1], flush=True)
     return "\n".join(lines) + "\n"
 
 
@@ -63,8 +73,10 @@ if __name__ == "__main__":
     try:
         data = dataset.load_data(sys.argv[1])
         model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
-        table = measure(model, data, int(sys.argv[2]), runs)
+        what, reports = measure(model, data, int(sys.argv[2]), runs)
     except (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError) as e:
         fail(f"error: {e}; give the default model's features folder and heads trained for it")
     with open(sys.argv[3] + ".md", "w") as f:
-        f.write(table)
+        f.write(table(what, reports))
+    with open(sys.argv[3] + ".svg", "w") as f:
+        f.write(ablations.svg(reports))

@@ -629,17 +629,19 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
     import importlib.util
     import subprocess
     import sys
+    import xml.dom.minidom
     base, folder = features
     run(features, tmp_path / "run")
     script = os.path.join(os.path.dirname(__file__), "..", "results", "data_size.py")
     spec = importlib.util.spec_from_file_location("data_size", script)
     ds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ds)
-    table = ds.measure(base, D.load_data(folder), 0, [("a", str(tmp_path / "run"))])
+    what, reports = ds.measure(base, D.load_data(folder), 0, [("a", str(tmp_path / "run"))])
     with open(tmp_path / "run" / "eval.json") as f:
         report = json.load(f)
-    row = next(line for line in table.splitlines() if line.startswith("| a |"))
-    assert float(row.split("|")[2]) == pytest.approx(report["chain_tau"], abs=1e-3)
+    assert reports["a"]["chain_tau"] == pytest.approx(report["chain_tau"], abs=1e-3)
+    assert ds.table(what, reports).count(f"| a | {reports['a']['chain_tau']:.3f} |") == 1
+    xml.dom.minidom.parseString(ds.ablations.svg(reports))            # well-formed
     with pytest.raises(SystemExit):                                       # nothing held out after them all
         ds.measure(base, D.load_data(folder), 24, [("a", str(tmp_path / "run"))])
     bad = subprocess.run([sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
