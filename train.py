@@ -484,9 +484,15 @@ def kept_vocabulary(data, vocab_size, n):
     counts += torch.bincount(top1[top1 >= 0].long(), minlength=vocab_size)
     kept = counts.topk(n).indices.sort().values if 0 < n < vocab_size else None
     ids = kept if kept is not None else torch.arange(vocab_size)
+    return kept, to_kept_map(kept, vocab_size), float(counts[ids].sum() / counts.sum().clamp(min=1))
+
+
+def to_kept_map(kept, vocab_size):
+    """base token id -> the heads' id for it (its index in kept), -1 for a token not kept; kept None: all."""
+    ids = kept if kept is not None else torch.arange(vocab_size)
     to_kept = torch.full((vocab_size,), -1, dtype=torch.long)
     to_kept[ids] = torch.arange(len(ids))
-    return kept, to_kept, float(counts[ids].sum() / counts.sum().clamp(min=1))
+    return to_kept
 
 
 def curve_point(step, tokens, report):

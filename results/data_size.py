@@ -5,8 +5,8 @@ Each train.py run holds out its own 5% (the split depends on the number of conve
 eval.json of runs on 4,992 and on 11,767 conversations describe different held-out sets. This script
 takes the held-out 5% of the largest set (FEATURES, the split train.py makes for it) and keeps the
 conversations after the first FIRST_FRESH (0-based index >= FIRST_FRESH): heads trained on the first
-FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out). Writes a Markdown table
-and an SVG bar chart (ablations.py's).
+FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out). Writes a Markdown
+table and an SVG bar chart (ablations.py's).
 
     python results/data_size.py /work/data/smollm2/self_distill 4992 results/data-size \
         "medusa 141k=old/medusa" "medusa 892k=v3/medusa" "medusa 2.08M=weights/smollm2-135m-instruct/medusa" ...
@@ -45,9 +45,7 @@ def measure(model, data, first_fresh, runs, seed=0):
     reports = {}
     for label, folder in runs:
         heads = heads_lib.load(folder, model).eval()
-        kept = heads.kept_ids.cpu() if heads.kept_ids is not None else torch.arange(model.cfg.vocab_size)
-        to_kept = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-        to_kept[kept] = torch.arange(len(kept))
+        to_kept = train.to_kept_map(None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size)
         with torch.inference_mode():
             reports[label] = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
         print(label, f"chain tau {reports[label]['chain_tau']:.3f}", flush=True)
