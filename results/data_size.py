@@ -24,11 +24,7 @@ import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train  # noqa: E402
-
-
-def fail(message):
-    print(message, file=sys.stderr)
-    sys.exit(2)
+from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 
 def measure(model, data, first_fresh, runs, seed=0):
