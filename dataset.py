@@ -173,8 +173,9 @@ def normalise(text):
 
 
 class PromptFilter:
-    """Length and near-duplicate filter: 3-80 words, no chat-template markers, and no earlier
-    prompt with the same first six words or sharing over half of its word trigrams (Jaccard).
+    """Length and near-duplicate filter: at least 3 words (--max-prompt-tokens bounds the rest), no
+    chat-template markers, and no earlier prompt with the same first six words or sharing over half
+    of its word trigrams (Jaccard).
     An index from trigram to prompts keeps each check proportional to the prompt, not the data."""
 
     def __init__(self):
@@ -185,7 +186,7 @@ class PromptFilter:
         from collections import Counter
         self.tried += 1
         words = normalise(text)
-        if not 3 <= len(words) <= 80 or "im_start" in text or "im_end" in text:
+        if len(words) < 3 or "im_start" in text or "im_end" in text:
             return False
         head = " ".join(words[:6])
         grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
@@ -286,7 +287,7 @@ def self_distill(model, tokenizer, folder, args):
             want = min(8 * args.gen_batch, args.num_prompts - have)
             seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
             prompts = []
-            for i, written, _ in decode_batched(model, [p for p, _ in seeded], 64, stop, args.gen_batch, 1.0, 0.95, gen):
+            for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, args.gen_batch, 1.0, 0.95, gen):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 text = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
                 if written[-1] in stop and filt.keep(text):
@@ -296,7 +297,7 @@ def self_distill(model, tokenizer, folder, args):
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(f"the model wrote {dry} user prompts in a row and none was kept (each must end with "
-                                 f"one of the stop tokens {sorted(stop)} within 64 tokens and be new); use a chat model "
+                                 f"one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} tokens and be new); use a chat model "
                                  "whose end-of-turn token is among its EOS ids, or give your own data with --data")
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever gen_batch of them are done

@@ -237,6 +237,13 @@ def test_a_model_that_writes_no_usable_prompt_stops_with_one_line(capsys, tmp_pa
     check_one_line_error(code, err.strip().splitlines()[-1], "user prompts in a row and none was kept", "use a chat model")
 
 
+@pytest.mark.parametrize("flag", ["--max-answer-tokens", "--max-prompt-tokens"])
+def test_self_distillation_lengths_beyond_the_context_are_refused(capsys, tmp_path, tiny_model_dir, flag):
+    check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--work", tmp_path, flag, 513)[::2],
+                         f"{flag} 513: the model's context holds 512 tokens; use less")
+    assert not os.path.exists(tmp_path / "self_distill")
+
+
 def test_conversations_of_another_tokenizer_are_refused(capsys, tmp_path, tiny_model_dir):
     from safetensors.torch import save_file
     big = tmp_path / "big.safetensors"   # an id beyond the tiny model's vocabulary
