@@ -174,13 +174,19 @@ def normalise(text):
 
 class PromptFilter:
     """Length and near-duplicate filter: at least 3 words (--max-prompt-tokens bounds the rest), no
-    chat-template markers, and no earlier prompt with the same first six words or sharing over half
-    of its word trigrams (Jaccard).
-    An index from trigram to prompts keeps each check proportional to the prompt, not the data."""
+    chat-template markers, and no earlier prompt with the same first six words after its opener
+    (the seed words it began with: comparing the openers themselves would let a six-word opener be
+    used once) or sharing over half of its word trigrams (Jaccard). An index from trigram to
+    prompts keeps each check proportional to the prompt, not the data."""
 
-    def __init__(self):
+    def __init__(self, openers=()):
+        self.openers = sorted({tuple(normalise(o)) for o in openers}, key=len, reverse=True)  # longest first
         self.heads, self.grams, self.index = set(), [], {}
         self.tried = self.rejected_duplicate = 0
+
+    def head(self, words):
+        skip = next((len(o) for o in self.openers if tuple(words[:len(o)]) == o), 0)
+        return " ".join(words[:skip + 6])
 
     def keep(self, text):
         from collections import Counter
@@ -188,7 +194,7 @@ class PromptFilter:
         words = normalise(text)
         if len(words) < 3 or "im_start" in text or "im_end" in text:
             return False
-        head = " ".join(words[:6])
+        head = self.head(words)
         grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
         shared = Counter(j for g in grams for j in self.index.get(g, ()))
         if head in self.heads or any(n / len(grams | self.grams[j]) > 0.5 for j, n in shared.items()):
@@ -257,7 +263,8 @@ def self_distill(model, tokenizer, folder, args):
     import random
     os.makedirs(folder, exist_ok=True)
     shards = shards_in(folder)
-    filt = PromptFilter()
+    tasks, topics = read_seeds(args.seeds)
+    filt = PromptFilter(o for openers in tasks.values() for o in openers)
     written = folder_prompts(folder)
     for p in written:
         filt.keep(p)
@@ -265,7 +272,6 @@ def self_distill(model, tokenizer, folder, args):
     if have >= args.num_prompts:
         return
     stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
-    tasks, topics = read_seeds(args.seeds)
     rng = random.Random(args.seed * 1_000_003 + have)
     gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)

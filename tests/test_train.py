@@ -553,6 +553,20 @@ def test_prompt_diversity_counts_openings_and_repeated_phrases():
     assert "66.7% distinct first words" in D.diversity_line(["A b c d.", "a b C e", "x y z"])
 
 
+def test_prompt_filter_compares_the_words_after_the_opener():
+    f = D.PromptFilter(["Read the passage and answer the question.", "Read"])
+    long = "Read the passage and answer the question."       # seven words: the model's own words come after
+    assert f.keep(f"{long} Bees dance to tell the hive where flowers grow. Why do they dance?")
+    assert f.keep(f"{long} The Nile floods each summer and farmers plant after it. When do they plant?")
+    assert not f.keep(f"{long} Bees dance to tell the hive about water. Who dances?")   # same six words after it
+    assert f.keep("An apple a day keeps the doctor away, they say.")             # no opener: its first six words
+    assert not f.keep("Everyone knows an apple a day keeps the doctor away, they say")  # 8 of 10 trigrams shared
+    assert f.keep("Read this: a very short one") and not f.keep("Hi")            # the shorter opener; under 3 words
+    assert (f.tried, f.rejected_duplicate) == (7, 2)
+    plain = D.PromptFilter()                                   # without openers: the first six words, as for any text
+    assert plain.keep(f"{long} Bees dance.") and not plain.keep(f"{long} Nile floods.")
+
+
 def test_eval_json_keeps_the_learning_curve(features, tmp_path):
     run(features, tmp_path)
     with open(tmp_path / "eval.json") as f:
