@@ -289,17 +289,20 @@ def self_distill(model, tokenizer, folder, args):
 
     try:
         while have < args.num_prompts:
-            # 1. prompts for a round of 8 batches: the model writes twice that, the filter keeps new ones
+            # 1. prompts for a round of 8 batches: the model writes twice that, and every candidate runs
+            # to its end (stopping at the first `want` done would keep the quickest, i.e. the shortest
+            # prompts); then the filter keeps new ones, in the order they were drawn
             want = min(8 * args.gen_batch, args.num_prompts - have)
             seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
-            prompts = []
+            ended = {}
             for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, args.gen_batch, 1.0, 0.95, gen):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
-                text = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
-                if written[-1] in stop and filt.keep(text):
-                    prompts.append(text)
-                if len(prompts) == want:  # enough: the candidates not yet started are never written
-                    break
+                if written[-1] in stop:
+                    ended[i] = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
+            prompts = []
+            for i in sorted(ended):
+                if have + len(prompts) < args.num_prompts and filt.keep(ended[i]):
+                    prompts.append(ended[i])
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(f"the model wrote {dry} user prompts in a row and none was kept (each must end with "

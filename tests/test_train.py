@@ -567,6 +567,41 @@ def test_prompt_filter_compares_the_words_after_the_opener():
     assert plain.keep(f"{long} Bees dance.") and not plain.keep(f"{long} Nile floods.")
 
 
+def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeypatch):
+    """The batched decoder returns the shortest prompts first; the prompts kept must not depend on
+    that order (a round that took the first ones done would keep only short prompts)."""
+    from types import SimpleNamespace
+
+    class Tokenizer:  # a token t is the word f"w{t}"; 2 ends a turn
+        eos_token_id = 2
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) if not tokenize else [1, 1, 1]
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=[1] * len(text.split()))
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f" w{t}" for t in ids)
+
+    lengths = {}
+    def decode_batched(model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0):
+        if not top_k:   # candidate i writes 40 words when i is even, 3 when odd: the short ones are done first
+            lengths.update({i: 40 if i % 2 == 0 else 3 for i in range(len(prompts))})
+            for i in sorted(range(len(prompts)), key=lambda i: lengths[i]):
+                yield i, [1000 * i + j for j in range(lengths[i])] + [2], None
+        else:
+            for i in range(len(prompts)):
+                yield i, [5, 2], dict(hidden=torch.zeros(4, 8), top_ids=torch.zeros(2, top_k, dtype=torch.long),
+                                      top_p=torch.zeros(2, top_k))
+    monkeypatch.setattr(D, "decode_batched", decode_batched)
+    seeds = tmp_path / "seeds.json"
+    seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
+    args = SimpleNamespace(num_prompts=6, gen_batch=2, seed=0, seeds=str(seeds), max_prompt_tokens=64,
+                           max_answer_tokens=8, answer_temperature=0.0, teacher_k=4)
+    D.self_distill(SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu"), Tokenizer(), str(tmp_path / "d"), args)
+    kept = D.folder_prompts(str(tmp_path / "d"))
+    assert sorted(len(p.split()) for p in kept) == [5, 5, 5, 42, 42, 42]   # opener + 3 or 40 words, half each
+    assert len(set(kept)) == 6
+
+
 def test_eval_json_keeps_the_learning_curve(features, tmp_path):
     run(features, tmp_path)
     with open(tmp_path / "eval.json") as f:
