@@ -581,12 +581,12 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
         def decode(self, ids, skip_special_tokens=True):
             return "".join(f" w{t}" for t in ids)
 
-    lengths = {}
+    length = lambda i: 40 if i % 2 == 0 else 3   # candidate i writes this many words
+
     def decode_batched(model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0):
-        if not top_k:   # candidate i writes 40 words when i is even, 3 when odd: the short ones are done first
-            lengths.update({i: 40 if i % 2 == 0 else 3 for i in range(len(prompts))})
-            for i in sorted(range(len(prompts)), key=lambda i: lengths[i]):
-                yield i, [1000 * i + j for j in range(lengths[i])] + [2], None
+        if not top_k:   # prompts: the short ones are done first
+            for i in sorted(range(len(prompts)), key=length):
+                yield i, [1000 * i + j for j in range(length(i))] + [2], None
         else:
             for i in range(len(prompts)):
                 yield i, [5, 2], dict(hidden=torch.zeros(4, 8), top_ids=torch.zeros(2, top_k, dtype=torch.long),
