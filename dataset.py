@@ -239,11 +239,26 @@ def read_seeds(path):
     return tasks, topics
 
 
-def seeded_prefix(tokenizer, rng, tasks, topics):
-    """Magpie with a seed: a system message naming a task and a topic drawn at random, then the
-    chat template up to where the user's words begin, then an opener of that task. The model
-    writes the rest of the user's message. Returns (prefix ids, opener)."""
-    category = rng.choice(sorted(tasks))
+def task_counts(prompts, tasks):
+    """Conversations per task so far: a prompt belongs to the task of the longest seed opener it
+    begins with (prompts written without a seed belong to none)."""
+    openers = sorted(((o, task) for task, task_openers in tasks.items() for o in task_openers), key=lambda x: -len(x[0]))
+    counts = dict.fromkeys(tasks, 0)
+    for p in prompts:
+        task = next((task for o, task in openers if p.startswith(o)), None)
+        if task is not None:
+            counts[task] += 1
+    return counts
+
+
+def seeded_prefix(tokenizer, rng, tasks, topics, counts):
+    """Magpie with a seed: a system message naming a task and a topic, then the chat template up
+    to where the user's words begin, then an opener of that task. The model writes the rest of the
+    user's message. Returns (prefix ids, opener). The task is drawn with weight 1 / (its
+    conversations so far + 1): the tasks whose prompts are dropped most (too long to end within
+    --max-prompt-tokens: summarisation, extraction) are drawn more, so that each keeps its share."""
+    names = sorted(tasks)
+    category = rng.choices(names, weights=[1 / (counts[t] + 1) for t in names])[0]
     opener, topic = rng.choice(tasks[category]), rng.choice(topics)
     system = f"You are a helpful AI assistant. The user asks you for help with a {category} task about {topic}."
     marker = "\x00MARK\x00"
@@ -268,7 +283,7 @@ def self_distill(model, tokenizer, folder, args):
     written = folder_prompts(folder)
     for p in written:
         filt.keep(p)
-    have = len(written)
+    have, counts_by_task = len(written), task_counts(written, tasks)
     if have >= args.num_prompts:
         return
     stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
@@ -293,7 +308,7 @@ def self_distill(model, tokenizer, folder, args):
             # to its end (stopping at the first `want` done would keep the quickest, i.e. the shortest
             # prompts); then the filter keeps new ones, in the order they were drawn
             want = min(8 * args.gen_batch, args.num_prompts - have)
-            seeded = [seeded_prefix(tokenizer, rng, tasks, topics) for _ in range(2 * want)]
+            seeded = [seeded_prefix(tokenizer, rng, tasks, topics, counts_by_task) for _ in range(2 * want)]
             ended = {}
             for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, args.gen_batch, 1.0, 0.95, gen):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
@@ -303,6 +318,8 @@ def self_distill(model, tokenizer, folder, args):
             for i in sorted(ended):
                 if have + len(prompts) < args.num_prompts and filt.keep(ended[i]):
                     prompts.append(ended[i])
+            for task, n in task_counts(prompts, tasks).items():
+                counts_by_task[task] += n
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(f"the model wrote {dry} user prompts in a row and none was kept (each must end with "

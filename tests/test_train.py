@@ -567,6 +567,26 @@ def test_prompt_filter_compares_the_words_after_the_opener():
     assert plain.keep(f"{long} Bees dance.") and not plain.keep(f"{long} Nile floods.")
 
 
+def test_tasks_behind_are_drawn_more():
+    """A task is drawn with weight 1 / (its conversations + 1); its conversations are counted by the
+    longest seed opener a prompt begins with."""
+    import random
+    tasks = {"qa": ["Answer", "Answer this:"], "sum": ["Summarise"], "math": ["Solve"]}
+    counts = D.task_counts(["Answer this: why?", "Answer me", "Summarise it", "Hello there"], tasks)
+    assert counts == {"qa": 2, "sum": 1, "math": 0}
+    counts = {"qa": 99, "sum": 99, "math": 0}   # math weighs 1, the others 1/100 each
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize=False):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        def __call__(self, text, add_special_tokens=False):
+            from types import SimpleNamespace
+            return SimpleNamespace(input_ids=[ord(c) for c in text])
+    rng = random.Random(0)
+    openers = [D.seeded_prefix(Tokenizer(), rng, tasks, ["bees"], counts)[1] for _ in range(1000)]
+    assert 960 < openers.count("Solve") < 1000   # 1 / 1.02 = 98% expected; uniform draws would give a third
+
+
 def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeypatch):
     """The batched decoder returns the shortest prompts first; the prompts kept must not depend on
     that order (a round that took the first ones done would keep only short prompts)."""
