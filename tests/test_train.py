@@ -716,3 +716,13 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
     bad = subprocess.run([sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()
+
+
+def test_profile_train_refuses_bad_arguments(tmp_path):
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "results", "profile_train.py")
+    for argv, words in (([str(tmp_path), "eagle"], "usage: python results/profile_train.py"),
+                        ([str(tmp_path / "nothing"), "hydra++"], "is not a folder")):
+        bad = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
+        assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
