@@ -241,7 +241,8 @@ def read_seeds(path):
 
 def task_counts(prompts, tasks):
     """Conversations per task so far: a prompt belongs to the task of the longest seed opener it
-    begins with (prompts written without a seed belong to none)."""
+    begins with (an opener two tasks share, to the first that lists it; a prompt written without
+    a seed, to none)."""
     openers = sorted(((o, task) for task, task_openers in tasks.items() for o in task_openers), key=lambda x: -len(x[0]))
     counts = dict.fromkeys(tasks, 0)
     for p in prompts:
