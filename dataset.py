@@ -257,7 +257,7 @@ def seeded_prefix(tokenizer, rng, tasks, topics, counts):
     to where the user's words begin, then an opener of that task. The model writes the rest of the
     user's message. Returns (prefix ids, opener). The task is drawn with weight 1 / (its
     conversations so far + 1): the tasks whose prompts are dropped most (too long to end within
-    --max-prompt-tokens: summarisation, extraction) are drawn more, so that each keeps its share."""
+    --max-prompt-tokens: summarisation, extraction) are drawn more, so that they catch up."""
     names = sorted(tasks)
     category = rng.choices(names, weights=[1 / (counts[t] + 1) for t in names])[0]
     opener, topic = rng.choice(tasks[category]), rng.choice(topics)

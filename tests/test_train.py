@@ -571,6 +571,7 @@ def test_tasks_behind_are_drawn_more():
     """A task is drawn with weight 1 / (its conversations + 1); its conversations are counted by the
     longest seed opener a prompt begins with."""
     import random
+    from types import SimpleNamespace
     tasks = {"qa": ["Answer", "Answer this:"], "sum": ["Summarise"], "math": ["Solve"]}
     counts = D.task_counts(["Answer this: why?", "Answer me", "Summarise it", "Hello there"], tasks)
     assert counts == {"qa": 2, "sum": 1, "math": 0}
@@ -580,7 +581,6 @@ def test_tasks_behind_are_drawn_more():
         def apply_chat_template(self, messages, tokenize=False):
             return "".join(f"<{m['role']}>{m['content']}" for m in messages)
         def __call__(self, text, add_special_tokens=False):
-            from types import SimpleNamespace
             return SimpleNamespace(input_ids=[ord(c) for c in text])
     rng = random.Random(0)
     openers = [D.seeded_prefix(Tokenizer(), rng, tasks, ["bees"], counts)[1] for _ in range(1000)]
