@@ -289,6 +289,7 @@ def attend(q, k, v, mask, kernels: Kernels):
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
 
 
+@torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
 def prepack(*weights):
     """One oneDNN-prepacked weight for F.linear over the concatenated (out, in) weights."""
     return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).contiguous())

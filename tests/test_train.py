@@ -726,3 +726,18 @@ def test_profile_train_refuses_bad_arguments(tmp_path):
                         ([str(tmp_path / "nothing"), "hydra++"], "is not a folder")):
         bad = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
         assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
+    """--dtype bf16 (auto on a CPU with native bf16) writes data with a bf16 copy of the fp32 base.
+    The base's oneDNN-prepacked weights are opaque tensors that cannot be deep-copied: the copy is
+    made without them (and prepacks its own), and the base keeps its kernels."""
+    torch.manual_seed(0)
+    base = model_lib.Transformer(tiny_config()).to(torch.float32).eval().requires_grad_(False)  # .to() prepacks
+    kernels = base.kernels
+    writer = T.data_model(base, "bf16")
+    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and base.kernels == kernels
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()
+    assert torch.allclose(got, want, atol=0.05, rtol=0.05)
+    assert T.data_model(base, "fp32") is base
