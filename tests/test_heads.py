@@ -253,3 +253,34 @@ def test_loaded_hydra_plus_plus_runs_the_base_kernels_from_its_own_weights(tmp_p
         stale = build(HeadsConfig("hydra++", num_heads=2), base).context(h, torch.arange(5)).float()  # zero-initialised layer
     assert (fast - readable).abs().max() < 0.05 * readable.abs().max(), (fast - readable).abs().max()
     assert (fast - stale).abs().max() > 10 * (fast - readable).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_loaded_heads_draft_the_same_through_prepacked_layers(tmp_path, kind):
+    """heads.load prepacks every layer a drafting step runs (the MLPs' Linear layers and the frozen
+    LM head) where the base's kernels are prepacked: the logits of each depth match the readable
+    path's, from the loaded weights."""
+    packed = model.Kernels.choose("cpu", torch.bfloat16).packed
+    if not packed:
+        pytest.skip("no oneDNN prepacking in this build")
+    torch.manual_seed(0)
+    base = model.Transformer(model.Config(vocab_size=V, dim=D, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, max_seq_len=64, name="tiny")).eval().requires_grad_(False)
+    heads = build(HeadsConfig(kind, num_heads=2, kept_tokens=0), base, torch.arange(0, V, 2))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    save(heads, tmp_path, dtype=torch.float32)
+    base = base.to(dtype=torch.bfloat16).use_kernels(model.Kernels(attention="cpu-bf16", packed=True))
+    loaded = load(tmp_path, base)
+    layers = [m for m in loaded.modules() if isinstance(m, model.Linear)] + [loaded.lm_head]
+    assert layers[:-1] and all(m.packed is not None for m in layers)
+    h, path = torch.randn(1, base.cfg.dim).bfloat16(), torch.tensor([[3, 5], [7, 1]])
+    with torch.inference_mode():
+        def logits():
+            return [loaded.project(loaded.head(d, h, path[:, :d]), d).float() for d in (1, 2)]
+        fast = logits()
+        model.use_kernels(loaded, model.Kernels())
+        assert all(m.packed is None for m in layers)
+        readable = logits()
+    for f, r in zip(fast, readable):
+        assert (f - r).abs().max() < 0.02 * r.abs().max(), (f - r).abs().max()
