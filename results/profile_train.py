@@ -6,7 +6,8 @@ their rate next to a large square product's on the same cores (the machine's pra
 
 Arguments: the features folder train.py built (its --work/self_distill) and the kind of heads.
 The defaults of train.py otherwise (K = 3, 8,192 kept tokens, 4,096 padded tokens a batch, seed 0;
-fp32 products unless --train-dtype auto would pick bf16 here). Run it alone: it times the machine.
+bf16 products where --train-dtype auto picks them, else fp32; the peak is measured in the same
+dtype). Run it alone: it times the machine.
 """
 import os
 import sys
@@ -26,9 +27,9 @@ from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def square_peak(n=2048, repeats=5):
-    """GFLOP/s of an (n, n) @ (n, n) fp32 product, median of repeats."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def square_peak(dtype, n=2048, repeats=5):
+    """GFLOP/s of an (n, n) @ (n, n) product in `dtype`, median of repeats."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats):
@@ -66,7 +67,8 @@ def main(folder, kind):
     gflop = sum(e.flops for e in events if e.flops) / 1e9
     print(f"profiled step: {int(batch['valid'][..., 0].sum())} assistant tokens, {int(batch['valid'].sum())} predictions, "
           f"{gflop:.0f} GFLOP; {total:.2f} s, of which matrix products {mm:.2f} s ({mm / total:.0%}) at {gflop / mm:.0f} GFLOP/s")
-    print(f"a 2048 x 2048 fp32 product on these cores: {square_peak():.0f} GFLOP/s")
+    dtype = torch.bfloat16 if bf16 else torch.float32  # what the step's products run in
+    print(f"a 2048 x 2048 {str(dtype).removeprefix('torch.')} product on these cores: {square_peak(dtype):.0f} GFLOP/s")
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
