@@ -226,7 +226,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
     look = generate.DRAFT_DEFAULTS["lookup"]
-    lookup = lambda adapt=False: drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device, adapt)
+    lookup = lambda: drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
@@ -271,7 +271,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             heads, tree = loaded[kind]
             d = generate.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
-                d = drafters.Merged(d, lookup(adapt=True), device)
+                d = drafters.heads_and_lookup(d, look["gamma"], look["ngram"], look["matches"], device)
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(name, ours(model, d, verify, temperature, eos),

@@ -11,6 +11,7 @@ one forward and verify.py keeps an acceptable path. Five drafters, one interface
                                      token; with num_layers=N, the base model's own first N layers
                                      (self-speculative, no extra weights)
     Merged(first, second)            two drafters' trees in one, shared prefixes drafted once
+    heads_and_lookup(heads, ...)     heads + lookup in one tree, with the rules that make it pay
     generate.HeadsDrafter            Medusa / Hydra heads fill a fixed tree (in generate.py)
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
@@ -129,15 +130,17 @@ class Plain:
 
 
 class Lookup:
-    """Match the last n tokens (n = ngram down to 1) of prompt + reply against earlier text and
-    propose the up to gamma tokens that followed: the latest match as a chain, or the `matches`
-    latest distinct continuations (longer n first) merged into a tree. No match: a root-only tree."""
+    """Match the last n tokens (n = ngram down to `shortest`, 1 unless given) of prompt + reply
+    against earlier text and propose the up to gamma tokens that followed: the latest match as a
+    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. No
+    match: a root-only tree."""
 
-    def __init__(self, gamma: int, ngram: int, matches: int, device, adapt: bool = False):
+    def __init__(self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1):
         assert gamma >= 1 and ngram >= 1 and matches >= 1, f"need gamma, ngram, matches >= 1, got {gamma}, {ngram}, {matches}"
-        self.gamma, self.ngram, self.matches, self.adapt = gamma, ngram, matches, adapt
+        assert 1 <= shortest <= ngram, f"need 1 <= shortest <= ngram, got {shortest}, {ngram}"
+        self.gamma, self.ngram, self.matches, self.adapt, self.shortest = gamma, ngram, matches, adapt, shortest
         self.shapes = Shapes(device)
-        self.name = (f"lookup: n-grams {ngram}..1, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
+        self.name = (f"lookup: n-grams {ngram}..{shortest}, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
                      + (", length adapted" if adapt else ""))
         self.legend, self.max_nodes, self.max_depth = ["base model", "lookup"], 1 + gamma * matches, gamma
 
@@ -157,7 +160,7 @@ class Lookup:
     def continuations(self, root: int) -> list:
         """Up to `matches` distinct continuations of text + [root], latest occurrence first."""
         text, found = self.text, []
-        for n in range(min(self.ngram, len(text) + 1), 0, -1):
+        for n in range(min(self.ngram, len(text) + 1), self.shortest - 1, -1):
             key = tuple(text[len(text) - n + 1:]) + (root,)
             for j in reversed(self.ends.get(key, ())):
                 # the text after the occurrence; it may run into the root itself, which ends it
@@ -271,10 +274,15 @@ class ModelDrafter:
 class Merged:
     """Heads + lookup: the first drafter's tree with the second's grafted on; while lookup copies
     (Lookup.copying), its chain alone. Both see every step's accept(); the first's draft() is
-    skipped while lookup copies, so the first must keep no state between the two (heads do not)."""
+    skipped while lookup copies, so the first must keep no state between the two (heads do not).
 
-    def __init__(self, first, second, device):
-        self.first, self.second, self.shapes = first, second, Shapes(device)
+    floor: None grafts both trees whole. A number keeps the step about the first tree's size: the
+    second's L nodes take the place of the first's last L (in tree order, the deepest, least
+    likely ones), the first keeping at least `floor`. The first's tree was tuned for the machine
+    (bench.py --tune-tree), and every node a step verifies costs time."""
+
+    def __init__(self, first, second, device, floor=None):
+        self.first, self.second, self.shapes, self.floor = first, second, Shapes(device), floor
         self.offset = len(first.legend) - 1  # the second's sources follow the first's in the legend
         self.name = f"{first.name} + {second.name}"
         self.legend = first.legend + second.legend[1:]
@@ -294,8 +302,23 @@ class Merged:
         assert a.probs is None and b.probs is None, "sampled drafts are verified as a chain, they cannot be merged"
         if not second:
             return a  # nothing to graft (no lookup match): the first tree as it is
-        return self.shapes.draft(root, graft(draft_nodes(a), second, self.offset))
+        nodes = draft_nodes(a)
+        if self.floor is not None:  # dicts keep the tree's order: a prefix of it is a tree
+            nodes = dict(list(nodes.items())[:max(len(nodes) - len(second), self.floor)])
+        return self.shapes.draft(root, graft(nodes, second, self.offset))
 
     def accept(self, tokens, hidden, positions):
         self.first.accept(tokens, hidden, positions)
         self.second.accept(tokens, hidden, positions)
+
+
+def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
+    """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
+    hydra++-lookup run them. Three rules make the pair pay where either alone would, each measured
+    on eval/prompts.jsonl (bf16, 2-core Zen 5 EPYC; the weights README of the default model):
+    lookup's chain adapts its length (Lookup.accept) and is verified alone while it copies; only
+    matches of 2 tokens or more are proposed (a 1-token match in free writing is mostly a common
+    token, and its chain costs nodes); and the step keeps the heads' tuned size, at least 3 of
+    their nodes (Merged's floor)."""
+    lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
+    return Merged(heads, lookup, device, floor=3)

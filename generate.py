@@ -466,14 +466,12 @@ def build_drafter(kind, layers, settings, model, heads, tree, draft_model, tempe
     """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
     greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
     dev = model.device
-    if kind in ("lookup", "heads+lookup"):  # beside heads, the lookup chain's length adapts (drafters.Lookup.accept)
-        lookup = drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev, adapt=kind == "heads+lookup")
     if kind == "heads":
         return HeadsDrafter(heads, tree) if heads is not None else drafters_lib.Plain(dev)
     if kind == "lookup":
-        return lookup
+        return drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
     if kind == "heads+lookup":
-        return drafters_lib.Merged(HeadsDrafter(heads, tree), lookup, dev)
+        return drafters_lib.heads_and_lookup(HeadsDrafter(heads, tree), settings["gamma"], settings["ngram"], settings["matches"], dev)
     if kind == "layers":
         return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)

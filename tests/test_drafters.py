@@ -54,7 +54,7 @@ def drafter(name, base, gamma=3):
         return D.ModelDrafter(noisy_copy(base), gamma, 0.0, 1.0, None)
     if name == "hydra+lookup":
         heads = G.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
-        return D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu", adapt=True), "cpu")
+        return D.heads_and_lookup(heads, gamma, 3, 1, "cpu")
     raise ValueError(name)
 
 
@@ -129,16 +129,15 @@ def copy_plain(default_model):
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
-    lookup = D.Lookup(10, 3, 1, "cpu", adapt=name == "heads+lookup")
-    if name == "heads+lookup":
+    if name == "heads+lookup":  # as --draft heads+lookup builds it
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
-        d = D.Merged(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), lookup, "cpu")
+        d = D.heads_and_lookup(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), 10, 3, 1, "cpu")
     elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None, 27, "layers:27")
     elif name == "model":  # the model as its own draft model: the only one at hand with its tokenizer
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
     else:
-        d = lookup
+        d = D.Lookup(10, 3, 1, "cpu")
     r = G.generate(model, prompt, 24, d, eos_ids=eos)
     assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
     if "lookup" in name:  # the reply copies the prompt: lookup's chain is accepted whole
@@ -162,6 +161,18 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     d = three.draft(2)                               # [1, 2], [4, 2], [3, 2] share no prefix: 7 nodes
     assert d.tree.num_nodes == 7 and d.tokens.tolist() == [2, 1, 4, 3, 2, 2, 2]
     assert D.Lookup(3, 3, 1, "cpu").max_nodes == 4 and three.max_nodes == 7
+
+
+def test_lookup_with_shortest_2_ignores_one_token_matches():
+    text = [1, 2, 3, 4, 5, 6, 7, 9, 3]                # root 3 after 9: only (3,) matched before
+    one, two = D.Lookup(3, 3, 1, "cpu"), D.Lookup(3, 3, 1, "cpu", shortest=2)
+    one.start(text[:-1], None, 64)
+    two.start(text[:-1], None, 64)
+    assert one.continuations(3) == [[4, 5, 6]] and two.continuations(3) == []
+    assert two.draft(3).tree.num_nodes == 1           # no proposal: the root alone
+    assert two.continuations(9) == [] and two.continuations(7) == []
+    two.start([1, 2, 3, 4, 5, 2], None, 64)           # (2, 3) matched: proposed
+    assert two.continuations(3) == [[4, 5, 2]]
 
 
 def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
@@ -280,6 +291,21 @@ def test_merged_verifies_lookup_alone_while_it_copies(small):
     assert d.tokens.tolist() == [2, 3, 4, 5, 6] and d.source == [0, 3, 3, 3, 3]
     merged.accept([2, 9], h[:, :2], torch.arange(13, 15))           # broken: back to both
     assert merged.draft(4).tree.num_nodes > 5
+
+
+def test_merged_with_a_floor_keeps_the_first_trees_size(small):
+    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))   # 6 nodes
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]                  # root 3: lookup proposes 4, 5, 6, 1, 2 (up to gamma)
+    _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
+
+    def seqs(x):  # the token sequence root..node of every node below the root, in tree order
+        return [tuple(x.tokens[x.tree.mask[i]].tolist()) for i in range(1, x.tree.num_nodes)]
+    for floor, gamma, kept in [(3, 3, 3), (3, 5, 3), (1, 5, 1), (3, 1, 5), (None, 3, 6)]:
+        merged = D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu", floor=floor)
+        merged.start(prompt, hidden, 64)
+        chain = {tuple([3, 4, 5, 6, 1, 2][:n]) for n in range(2, gamma + 2)}
+        assert set(seqs(merged.draft(3))) == set(seqs(heads.draft(3))[:kept]) | chain, (floor, gamma)
+
 
 
 # --- sampling is lossless -----------------------------------------------------------------------
