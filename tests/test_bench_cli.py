@@ -123,3 +123,13 @@ def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
     assert "| op | readable path ms | fast path ms | speedup |" in out and "bandwidth floor ms" in out
     for row in ("attention, 1 query (decode)", "layers' weights in turn", "LM head", "whole decode step", "whole step of 16 tokens"):
         assert row in out, row
+
+
+def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
+    """--tune-tree: sizes expected within 1% of the fastest tie, and the smallest of them wins; a
+    size clearly faster than the smaller ones still wins."""
+    rows = [{"budget": b, "tokens_per_s": t} for b, t in [(1, 104.4), (2, 116.1), (3, 127.9), (4, 127.9), (8, 128.0)]]
+    assert B.smallest_within(rows, B.TREE_TIE)["budget"] == 3
+    rows[-1]["tokens_per_s"] = 140.0
+    assert B.smallest_within(rows, B.TREE_TIE)["budget"] == 8
+    assert B.smallest_within(rows, 0.0)["budget"] == 8
