@@ -30,7 +30,6 @@ Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes:
 D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
 import argparse
-import ctypes
 import hashlib
 import json
 import math
@@ -508,24 +507,6 @@ def eval_line(step, report):
             " ".join(f"{a:.2f}" for a in report["top5"]) + f" | chain tau {report['chain_tau']:.2f}")
 
 
-def keep_freed_memory():
-    """A CPU training step allocates and frees tensors of tens to hundreds of MB (the heads' inputs,
-    the (predictions x 8,192) logits and their gradients). glibc's malloc hands blocks that large
-    back to the OS when freed (mmap above a threshold, heap trimming), so the next step takes page
-    faults on every 4 KB of them again: ~40% of a Hydra++ step in bf16 on the 2-core Zen 5 EPYC,
-    mostly inside copy_ and fill_ in the profile. Asking glibc to keep freed memory (no mmap for
-    large blocks, no trimming) makes the second step reuse the first's pages. Linux with glibc
-    only; anywhere else, or if libc cannot be loaded, nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4                     # mallopt's parameter numbers (malloc.h)
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
-
-
 def train(model, data, out, args):
     """Train heads for the frozen `model` on `data` (load_data's dict) as `args` say, checkpointing
     to `out`; returns the heads. Under torch.distributed each rank trains on every world-th batch
@@ -535,8 +516,6 @@ def train(model, data, out, args):
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     device, K = model.device, args.num_heads
-    if device.type == "cpu" and keep_freed_memory():
-        log("[train] glibc keeps freed memory for the next step (train.keep_freed_memory)")
     kept, to_kept, coverage = kept_vocabulary(data, model.cfg.vocab_size, args.kept_tokens)
     if kept is not None:
         log(f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens and teacher top-1s")

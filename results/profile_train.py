@@ -2,16 +2,14 @@
 profiles one with FLOP counting, and prints the FLOPs, the share of time in matrix products and
 their rate next to a large square product's on the same cores (the machine's practical peak).
 
-    python results/profile_train.py /work/data/smollm2/self_distill hydra++ [--glibc-default]
+    python results/profile_train.py /work/data/smollm2/self_distill hydra++
 
-Arguments: the features folder train.py built (its --work/self_distill) and the kind of heads;
---glibc-default leaves malloc as it is instead of train.keep_freed_memory(), as train.py calls it.
+Arguments: the features folder train.py built (its --work/self_distill) and the kind of heads.
 The defaults of train.py otherwise (K = 3, 8,192 kept tokens, 4,096 padded tokens a batch, seed 0;
 bf16 products where --train-dtype auto picks them, else fp32; the peak is measured in the same
 dtype). Run it alone: it times the machine.
 """
 import os
-import resource
 import sys
 import time
 
@@ -27,11 +25,6 @@ import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
-STEPS, WARM_UP = 24, 4
-
-
-def peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux reports KB
 
 
 def square_peak(dtype, n=2048, repeats=5):
@@ -46,9 +39,7 @@ def square_peak(dtype, n=2048, repeats=5):
     return 2 * n ** 3 / sorted(times)[repeats // 2] / 1e9
 
 
-def main(folder, kind, glibc_default=False):
-    kept_memory = False if glibc_default else train.keep_freed_memory()
-    print(f"malloc: {'keeps freed memory (train.keep_freed_memory)' if kept_memory else 'glibc default'}")
+def main(folder, kind):
     model, _ = model_lib.load(model_lib.DEFAULT, torch.device("cpu"), torch.float32)
     data = dataset.load_data(folder)
     kept, to_kept, _ = train.kept_vocabulary(data, model.cfg.vocab_size, 8192)
@@ -60,19 +51,14 @@ def main(folder, kind, glibc_default=False):
     bf16 = train.pick_dtype("auto", "cpu") == torch.bfloat16
     forward = train.TrainForward(heads)
     step = lambda batch: train.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
-    timed_tokens, timed_seconds = 0, 0.0
-    for i in range(STEPS):  # the first WARM_UP steps warm up the allocator and the kernels, untimed
+    for i in range(4):  # the first steps warm up the allocator and the kernels
         batch = train.collate(data, batches[i], to_kept, 3, torch.device("cpu"))
         t0 = time.perf_counter()
         step(batch)
         seconds = time.perf_counter() - t0
         tokens = int(batch["valid"][..., 0].sum())
-        if i >= WARM_UP:
-            timed_tokens, timed_seconds = timed_tokens + tokens, timed_seconds + seconds
         print(f"step {i}: {tuple(batch['ids'].shape)} padded, {tokens} assistant tokens, {seconds:.2f} s: {tokens / seconds:.0f} tokens/s")
-    print(f"steps {WARM_UP}-{STEPS - 1}: {timed_tokens} assistant tokens in {timed_seconds:.1f} s: {timed_tokens / timed_seconds:.0f} "
-          f"tokens/s (the step alone: no data loading, no evaluation); peak RSS {peak_rss_gb():.1f} GB")
-    batch = train.collate(data, batches[STEPS], to_kept, 3, torch.device("cpu"))
+    batch = train.collate(data, batches[4], to_kept, 3, torch.device("cpu"))
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         step(batch)
     events = prof.key_averages()
@@ -87,8 +73,8 @@ def main(folder, kind, glibc_default=False):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or sys.argv[2] not in ("medusa", "hydra", "hydra++") or sys.argv[3:] not in ([], ["--glibc-default"]):
-        fail("usage: python results/profile_train.py FEATURES_FOLDER medusa|hydra|hydra++ [--glibc-default]")
+    if len(sys.argv) != 3 or sys.argv[2] not in ("medusa", "hydra", "hydra++"):
+        fail("usage: python results/profile_train.py FEATURES_FOLDER medusa|hydra|hydra++")
     if not os.path.isdir(sys.argv[1]):
         fail(f"error: {sys.argv[1]} is not a folder; give the features folder train.py built (its --work/self_distill)")
-    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["--glibc-default"])
+    main(sys.argv[1], sys.argv[2])
