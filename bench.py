@@ -226,12 +226,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
     look = generate.DRAFT_DEFAULTS["lookup"]
-    lookup = lambda: drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
         elif name == "lookup":
-            d = lookup()
+            d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
             notes.append(d.name)
         elif name == "layers":

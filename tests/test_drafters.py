@@ -307,7 +307,6 @@ def test_merged_with_a_floor_keeps_the_first_trees_size(small):
         assert set(seqs(merged.draft(3))) == set(seqs(heads.draft(3))[:kept]) | chain, (floor, gamma)
 
 
-
 # --- sampling is lossless -----------------------------------------------------------------------
 
 def exact_joint(model, prompt, n):
