@@ -16,6 +16,7 @@ W and the last MLP layer start at zero, so an untrained Medusa or Hydra head is 
     h = heads.context(hidden, positions, cache)             # (B, T, D) the state heads draft from
     z = heads.head(d, h[:, -1], path)                       # drafting, depth d: (P, D) or (1, D)
     z = heads(h, tokens)                                    # training: (B, T, K, D)
+    z = heads(h, tokens, at=(b, t))                         # training at N chosen positions: (N, K, D)
     logits = heads.project(z, d)                            # (..., V'); heads.full_ids(ids) -> base ids
     save(heads, folder); heads = load(folder, base)         # heads.safetensors + heads.json
 
@@ -118,9 +119,12 @@ class MedusaHeads(nn.Module):
         """Head d from the draft state h (1, D); path is ignored: one row serves every parent."""
         return self.blocks[d - 1](h[:1])                             # (1, D)
 
-    def forward(self, h, tokens):
+    def forward(self, h, tokens, at=None):
+        """Every head at every position (B, T, K, D), or at the positions at = (b, t) only (N, K, D)."""
         assert h.shape[:2] == tokens.shape, f"h (B, T, D) vs tokens (B, T): {tuple(h.shape)}, {tuple(tokens.shape)}"
-        return torch.stack([blocks(h) for blocks in self.blocks], dim=2)  # (B, T, K, D)
+        if at is not None:
+            h = h[at]                                                # (N, D)
+        return torch.stack([blocks(h) for blocks in self.blocks], dim=-2)  # (B, T, K, D) | (N, K, D)
 
     def project(self, z, d=None):
         return self.lm_head(z, d)                                    # (..., V')
@@ -210,15 +214,19 @@ class HydraHeads(nn.Module):
         tokens = F.embedding(path, self.embed).flatten(1)            # (P, d*D)
         return h + self.mlps[d - 1](torch.cat([h, tokens], dim=-1))  # (P, D)
 
-    def forward(self, h, tokens):
+    def forward(self, h, tokens, at=None):
         """Teacher forcing: head k at t reads concat[h_t, E(tokens[t+1]), ..., E(tokens[t+k])];
-        tokens past the end are token 0 (the caller masks those positions out of the loss)."""
+        tokens past the end are token 0 (the caller masks those positions out of the loss).
+        Every head at every position (B, T, K, D), or at the positions at = (b, t) only (N, K, D):
+        training needs the heads only where they predict an assistant token."""
         B, T, D = h.shape
         assert tokens.shape == (B, T), f"h (B, T, D) vs tokens (B, T): {tuple(h.shape)}, {tuple(tokens.shape)}"
         e = F.embedding(F.pad(tokens, (0, self.cfg.num_heads)), self.embed)   # (B, T+K, D)
         later = [e[:, j:j + T] for j in range(1, self.cfg.num_heads + 1)]     # later[j-1][:, t] = E(tokens[t+j])
+        if at is not None:
+            h, later = h[at], [x[at] for x in later]                 # (N, D) each
         z = [h + mlp(torch.cat([h, *later[:k]], dim=-1)) for k, mlp in enumerate(self.mlps, start=1)]
-        return torch.stack(z, dim=2)                                 # (B, T, K, D)
+        return torch.stack(z, dim=-2)                                # (B, T, K, D) | (N, K, D)
 
     def project(self, z, d=None):
         return self.lm_head(z, d)                                    # (..., V')

@@ -162,66 +162,89 @@ def next_token_loss(logits, target):
     return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
 
 
-class FusedTeacherLoss(torch.autograd.Function):
-    """teacher_loss, the same numbers, with its gradient written out and computed block by block.
+class FusedHeadLoss(torch.autograd.Function):
+    """sum_m scale_m * teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one pass, the
+    same numbers as autograd through the readable pair, with the gradient written out.
 
-    Autograd through teacher_loss makes about ten passes over the (M, V') logits (M ~ 13k, V' = 8k:
-    435 MB in fp32): the fp32 copy, log_softmax, the zeroed gradient of gather, log_softmax's backward
-    and the bf16 copy back. On the 2-core CPU these took 1.9 s of a 3.5 s Hydra++ step (profile,
-    bf16 autocast). Here each block of 64 rows is read once forward (its logsumexp) and once
-    backward, in fp32 while it sits in cache. With q = softmax(logits), s = sum_i q_i over the
-    teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the
+    Through autograd the (M, V') logits (M ~ 13k predictions, V' = 8k kept tokens: 213 MB in bf16)
+    and their gradient are whole tensors, each written and read several times, and allocated anew
+    every step (the page faults of that alone showed up in the profile). Here ROWS rows at a time go
+    through the LM head, their loss and its gradient while the block's logits sit in cache, and the
+    gradients of z (and of W, if it trains) are formed there and then; backward only scales them by
+    the one number it receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i over
+    the teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the
     formula of teacher_loss gives
 
-        dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)
+        dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
+                                                                              dL/dW = (dL/dlogits)^T z
 
     a dense term (a scaled softmax) and k sparse ones. w = 0 where 1 - s is clamped at 1e-6, as
-    autograd through the clamp has it. tests/test_train.py checks value and gradient against
-    autograd through teacher_loss."""
+    autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
+    the loss and its gradient in fp32. tests/test_train.py checks the value and both gradients
+    against autograd through teacher_loss and next_token_loss."""
 
-    ROWS = 64
-
-    @staticmethod
-    def forward(ctx, logits, top_ids, top_p):
-        lse = torch.empty(len(logits), device=logits.device)                 # (M,) fp32
-        for a in range(0, len(logits), FusedTeacherLoss.ROWS):
-            lse[a:a + FusedTeacherLoss.ROWS] = logits[a:a + FusedTeacherLoss.ROWS].float().logsumexp(-1)
-        kept = top_ids >= 0                                                  # (M, k)
-        ids = top_ids.clamp(min=0)
-        picked = (logits.gather(1, ids).float() - lse[:, None]) * kept      # (M, k) log q_i, 0 if not kept
-        q = picked.exp() * kept                                              # (M, k)
-        p = top_p.float() * kept                                             # (M, k)
-        rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)                    # (M,)
-        rest_q = 1 - q.sum(-1)                                               # (M,)
-        loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
-        w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
-        ctx.save_for_backward(logits, lse, ids, p, q, w)
-        return loss
+    ROWS = 256
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        logits, lse, ids, p, q, w = ctx.saved_tensors
-        dense = grad_loss * (p.sum(-1) - w * q.sum(-1))                      # (M,) coefficient of q_v
-        sparse = grad_loss[:, None] * (w[:, None] * q - p)                   # (M, k)
-        grad = torch.empty_like(logits)
-        for a in range(0, len(logits), FusedTeacherLoss.ROWS):
-            b = slice(a, a + FusedTeacherLoss.ROWS)
-            g = (logits[b].float() - lse[b, None]).exp_().mul_(dense[b, None])
-            grad[b] = g.scatter_add_(1, ids[b], sparse[b])
-        return grad, None, None
+    def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
+        # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
+        want_z, want_w = ctx.needs_input_grad[:2]
+        grad_z = torch.empty_like(z) if want_z else None                     # (M, D)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
+        total = torch.zeros((), device=z.device)
+        with torch.autocast(z.device.type, enabled=False):
+            w_ = weight.detach().to(dtype)
+            for a in range(0, len(z), FusedHeadLoss.ROWS):
+                rows = slice(a, a + FusedHeadLoss.ROWS)
+                zb = z[rows].detach().to(dtype)                               # (R, D)
+                logits = (zb @ w_.T).float()                                  # (R, V')
+                lse = logits.logsumexp(-1)                                    # (R,)
+                kept = top_ids[rows] >= 0                                     # (R, k)
+                ids = top_ids[rows].clamp(min=0)
+                picked = (logits.gather(1, ids) - lse[:, None]) * kept        # (R, k) log q_i, 0 if not kept
+                q = picked.exp() * kept                                       # (R, k)
+                p = top_p[rows].float() * kept                                # (R, k)
+                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
+                rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
+                loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
+                total += (scale[rows] * loss).sum()
+                if not (want_z or want_w):
+                    continue
+                w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
+                sc = scale[rows]
+                g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
+                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
+                if want_z:
+                    grad_z[rows] = g @ w_
+                if want_w:
+                    grad_w += g.T @ zb
+        ctx.save_for_backward(grad_z, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_z, grad_w = ctx.saved_tensors
+        return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
+                None, None, None, None)
 
 
-def batch_loss(kind, logits, j, top_ids, top_p, target):
-    """The mean loss of a batch's M predictions; j (M,) is head - 1. Teacher loss: every head alike;
+def batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
+    """The mean loss of a batch's M predictions: z (M, D) the head states, weight the LM head's
+    (V', D), or (K, V', D) one per head; j (M,) is head - 1. Teacher loss: every head alike;
     next-token loss: head j+1 weighted 0.8^(j+1) (Medusa-1), which is the teacher loss with the data
     token as a teacher sure of it (p = 1). A batch with no predictions gives 0. Both go through
-    FusedTeacherLoss, the fast form of teacher_loss / next_token_loss (same values and gradients)."""
+    FusedHeadLoss, the fast form of LM head + teacher_loss / next_token_loss (same values and
+    gradients); dtype is its products'."""
+    M = max(len(z), 1)
     if kind == "teacher":
-        per = FusedTeacherLoss.apply(logits, top_ids, top_p)                # (M,)
+        ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)
     else:
-        one = torch.ones(len(target), 1, device=logits.device)
-        per = FusedTeacherLoss.apply(logits, target[:, None], one) * 0.8 ** (j + 1).float()  # (M,)
-    return per.sum() / max(len(per), 1)
+        ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
+        scale = 0.8 ** (j + 1).float() / M
+    if weight.dim() == 2:   # one matrix for every head
+        return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
+    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
+               for d in range(len(weight)))
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -273,8 +296,10 @@ def collate(data, convs, to_kept, K, device):
                 top_ids=to_kept[top_ids].to(device), top_p=top_p.to(device), targets=to_kept[ids].to(device))
 
 
-def head_outputs(heads, batch, noise=0.0, generator=None):
-    """Run the heads on a batch: logits at the valid (b, t, j) and their teacher / data targets.
+def head_states(heads, batch, noise=0.0, generator=None):
+    """Run the heads on a batch: their states z (M, D) at the valid (b, t, j) (j = head - 1), the
+    teacher's and the data's targets for them, and (b, t). The heads run only at positions where
+    one of them predicts an assistant token (Hydra++'s prefix layer still reads every position).
     noise > 0 adds NEFTune-style noise drawn from `generator` (the caller seeds it per step)."""
     h = batch["hidden"].float()                                            # (B, T, D)
     B, T, D = h.shape
@@ -282,47 +307,58 @@ def head_outputs(heads, batch, noise=0.0, generator=None):
         u = torch.rand(h.shape, generator=generator, device=h.device)      # (B, T, D)
         h = h + (u * 2 - 1) * noise / (T * D) ** 0.5
     positions = torch.arange(T, device=h.device).expand(B, T)
-    z = heads(heads.context(h, positions), batch["ids"])                  # (B, T, K, D)
     valid = batch["valid"]                                                 # (B, T, K)
-    b, t, j = valid.nonzero(as_tuple=True)                                 # j = head - 1
-    if heads.cfg.own_lm_head:   # each head through its own matrix
-        logits = torch.empty(len(b), heads.lm_head.weight.shape[1], device=h.device)
-        for jj in range(heads.cfg.num_heads):
-            sel = j == jj
-            logits[sel] = heads.project(z[b[sel], t[sel], jj], jj + 1).float()
-    else:                       # one matrix product for all heads
-        logits = heads.project(z[b, t, j])                                 # (M, V')
+    at = valid.any(-1).nonzero(as_tuple=True)                             # the N positions used
+    z = heads(heads.context(h, positions), batch["ids"], at)              # (N, K, D)
+    n, j = valid[at].nonzero(as_tuple=True)                                # (M,) each
+    b, t = at[0][n], at[1][n]
     # head j+1 at t: the teacher's distribution sits at t+j+1, the data token at t+j+2
-    return logits, j, batch["top_ids"][b, t + j + 1], batch["top_p"][b, t + j + 1], batch["targets"][b, t + j + 2]
+    return (z[n, j], j, batch["top_ids"][b, t + j + 1], batch["top_p"][b, t + j + 1], batch["targets"][b, t + j + 2],
+            (b, t))
+
+
+def logits_of(heads, z, j):
+    """The heads' logits (M, V') for states z (M, D) of heads j + 1 (each through its own LM head if it has one)."""
+    if not heads.cfg.own_lm_head:
+        return heads.project(z)
+    logits = torch.empty(len(z), heads.lm_head.weight.shape[1], device=z.device)
+    for d in range(heads.cfg.num_heads):
+        logits[j == d] = heads.project(z[j == d], d + 1).float()
+    return logits
 
 
 class TrainForward(nn.Module):
-    """head_outputs as one module's forward. DistributedDataParallel averages the gradients only of
+    """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only of
     what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and project, i.e. an own LM head)."""
+    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train)."""
 
     def __init__(self, heads):
         super().__init__()
         self.heads = heads
 
-    def forward(self, batch, noise=0.0, generator=None):
-        return head_outputs(self.heads, batch, noise, generator)
+    def forward(self, batch, loss_kind, noise=0.0, generator=None, dtype=torch.float32):
+        z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
+        return batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
 
 
 # --- evaluation ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(heads, data, convs, to_kept, args, device):
+def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
     """Per head: how often its top-1 / top-5 holds the base model's greedy token, the histogram of
     that token's rank (for sparse-tree search), and the expected tau of a chain draft: at each
-    position, 1 + the number of leading heads whose top-1 is right (exact for greedy data)."""
+    position, 1 + the number of leading heads whose top-1 is right (exact for greedy data).
+    bf16: the products in bf16, as training's (on the 2-core Zen 5 EPYC 23 s against 51 s in fp32
+    for 1,460 held-out conversations, chain tau 2.0442 against 2.0447)."""
     K = heads.cfg.num_heads
     top1, top5, count = torch.zeros(K), torch.zeros(K), torch.zeros(K)
     ranks = torch.zeros(K, 10)
     run_sum, run_n = 0.0, 0
     for convs_b in make_batches(data["offsets"].diff(), convs, args.batch_tokens, args.seed, 0):
         batch = collate(data, convs_b, to_kept, K, device)
-        logits, j, top_ids, top_p, _ = head_outputs(heads, batch)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+            z, j, top_ids, top_p, _, (b, t) = head_states(heads, batch)
+            logits = logits_of(heads, z, j)                                 # (M, V')
         greedy = top_ids[:, 0]                                             # the base model's own top-1
         order = logits.topk(min(10, logits.shape[-1]), dim=-1).indices     # (M, 10), fewer with fewer kept tokens
         hit = order == greedy[:, None]                                     # (M, 10)
@@ -335,8 +371,7 @@ def evaluate(heads, data, convs, to_kept, args, device):
         # chain acceptance: at positions where all K heads are valid, leading run of correct top-1s
         valid = batch["valid"]
         right = torch.zeros_like(valid)
-        b, t, jv = valid.nonzero(as_tuple=True)
-        right[b, t, jv] = hit[:, 0]
+        right[b, t, j] = hit[:, 0]
         full = valid.all(-1)
         run = right[full].long().cumprod(-1).sum(-1)                       # (positions,)
         run_sum, run_n = run_sum + run.sum().item(), run_n + len(run)
@@ -464,8 +499,7 @@ def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None, bf
     norm is not finite (under DDP the gradients, hence the norm, are averaged over ranks: a NaN on
     one rank stops them all at the same step)."""
     with torch.autocast(device_type=batch["hidden"].device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits, j, top_ids, top_p, target = forward(batch, noise, generator)  # (M, V'), (M,), (M, k) x2, (M,)
-    loss = batch_loss(loss_kind, logits, j, top_ids, top_p, target)
+        loss = forward(batch, loss_kind, noise, generator, torch.bfloat16 if bf16 else torch.float32)
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
@@ -590,7 +624,7 @@ def train(model, data, out, args):
                 dist.all_reduce(signum, op=dist.ReduceOp.MAX)
             signum = int(signum)
             if rank == 0 and step % args.eval_every == 0 and step < total and not signum:
-                report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+                report = evaluate(heads.eval(), data, held_out, to_kept, args, device, bf16)
                 progress["curve"].append(curve_point(step, progress["tokens"], report))
                 log("\n" + eval_line(step, report))
                 heads.train()
@@ -604,7 +638,7 @@ def train(model, data, out, args):
                 sys.exit(128 + signum)
     bar.close()
     if rank == 0:
-        report = evaluate(heads.eval(), data, held_out, to_kept, args, device)
+        report = evaluate(heads.eval(), data, held_out, to_kept, args, device, bf16)
         report["curve"] = progress["curve"] + [curve_point(step, progress["tokens"], report)]
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "eval.json"), "w") as f:

@@ -122,6 +122,9 @@ def test_teacher_forcing_matches_drafting(kind):
             for k in range(1, K + 1):
                 path = padded[b, t + 1:t + 1 + k][None]             # (1, k) root .. parent
                 assert_close(z[b, t, k - 1], heads.head(k, h[b, t:t + 1], path)[0])
+    # training runs the heads at chosen positions only: the same states there
+    at = (torch.tensor([0, 1, 1, 0]), torch.tensor([T - 1, 0, 2, 3]))
+    assert_close(heads(h, tokens, at), z[at])                       # (N, K, D)
 
 
 def test_teacher_forcing_sees_the_path():

@@ -131,7 +131,10 @@ def test_teacher_loss_by_hand():
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
     assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
     # the batch loss is their mean: 3.4109430 / 3
-    assert math.isclose(T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6)
+    # z = log q through an identity LM head, shared or one per head
+    for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
+        got = T.batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        assert math.isclose(got, 1.1369810, abs_tol=1e-6)
 
 
 def test_next_token_loss_by_hand():
@@ -139,7 +142,9 @@ def test_next_token_loss_by_hand():
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
     assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 + 0.4691408) / 3
-    assert math.isclose(T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 0.5260588, abs_tol=1e-6)
+    for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
+        got = T.batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        assert math.isclose(got, 0.5260588, abs_tol=1e-6)
 
 
 def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residual():
@@ -154,20 +159,25 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
     assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
-    assert T.batch_loss("teacher", torch.zeros(0, 4), torch.zeros(0, dtype=torch.long),
+    assert T.batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), torch.zeros(0, dtype=torch.long),
                         torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_teacher_loss_has_the_readable_losses_values_and_gradients(dtype):
-    # 150 rows (several blocks and a partial one) over 300 tokens; some top-k ids not kept (-1), some
-    # rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all its mass
-    # there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
+def test_fused_head_loss_has_the_readable_losses_values_and_gradients(dtype):
+    # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
+    # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
+    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
     g = torch.Generator().manual_seed(0)
-    M, V, k = 150, 300, 5
-    logits = (torch.randn(M, V, generator=g) * 3).to(dtype)
-    logits[7, :] = -1e4
-    logits[7, :k] = 0                                               # head 7: all its mass on tokens 0..4
+    M, D, V, k = 600, 24, 300, 5
+    assert M > 2 * T.FusedHeadLoss.ROWS and M % T.FusedHeadLoss.ROWS
+    z = torch.randn(M, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.6
+    z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
+    z[7] = 0
+    z[7, 0] = 40                                                    # its logits are 40 weight[:, 0]:
+    weight[:, 0] = -1
+    weight[:k, 0] = 0                                               # 0 on tokens 0..4, -40 elsewhere
     ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
     ids[7] = torch.arange(k)
     ids[torch.rand(M, k, generator=g) < 0.1] = -1
@@ -175,19 +185,26 @@ def test_fused_teacher_loss_has_the_readable_losses_values_and_gradients(dtype):
     p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
     target = torch.randint(-1, V, (M,), generator=g)
     one = torch.ones(M, 1)
-    for readable, args in ((lambda x: T.teacher_loss(x, ids, p), (ids, p)),
-                           (lambda x: T.next_token_loss(x, target), (target[:, None], one))):
-        weight = torch.rand(M, generator=g)                         # any upstream gradient
-        a = logits.clone().requires_grad_()
-        want = readable(a)
-        (want * weight).sum().backward()
-        b = logits.clone().requires_grad_()
-        got = T.FusedTeacherLoss.apply(b, *args)
-        (got * weight).sum().backward()
-        assert b.grad.dtype == dtype
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        tol = 1e-6 if dtype == torch.float32 else 1e-2              # bf16: the gradient is stored in bf16
-        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=tol, rtol=tol)
+    project = lambda z_, w_: z_.to(dtype) @ w_.to(dtype).T          # the LM head, in the products' dtype
+    for readable, ids_, p_ in ((lambda x: T.teacher_loss(x, ids, p), ids, p),
+                               (lambda x: T.next_token_loss(x, target), target[:, None], one)):
+        scale = torch.rand(M, generator=g)                          # any weights of the rows
+        za, wa = z.clone().requires_grad_(), weight.clone().requires_grad_()
+        want = (readable(project(za, wa)) * scale).sum()
+        (want * 3).backward()                                       # any upstream gradient
+        zb, wb = z.clone().requires_grad_(), weight.clone().requires_grad_()
+        got = T.FusedHeadLoss.apply(zb, wb, ids_, p_, scale, dtype)
+        (got * 3).backward()
+        torch.testing.assert_close(got, want.float(), atol=1e-3, rtol=1e-4)
+        for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
+            if dtype == torch.float32:                              # the same sums in another order
+                torch.testing.assert_close(mine, readable_grad, atol=1e-4, rtol=1e-4)
+            else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
+                assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
+        # a frozen LM head gets no gradient and needs none
+        zc = z.clone().requires_grad_()
+        (T.FusedHeadLoss.apply(zc, weight, ids_, p_, scale, dtype) * 3).backward()
+        torch.testing.assert_close(zc.grad, zb.grad)
 
 
 @pytest.mark.parametrize("loss", ["teacher", "next-token"])
