@@ -631,6 +631,8 @@ def train(model, data, out, args):
             if rank == 0 and (signum or step == total or time.time() - last_save >= args.save_every):
                 save_checkpoint(out, heads, opt, step, identity, progress)
                 last_save, saved_step = time.time(), step
+                if bar.disable:  # no progress bar (output not a terminal, e.g. a log file): a line per checkpoint
+                    log(f"[train] step {step}/{total}, loss {loss:.3f}, {rate:.0f} assistant tok/s; checkpoint written")
             if signum:
                 if world > 1:
                     dist.barrier()  # nobody exits (and gets the others killed) before rank 0 has saved
