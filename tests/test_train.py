@@ -540,8 +540,8 @@ def test_short_conversations_with_many_heads_have_no_valid_positions():
     data = {"offsets": torch.tensor([0, 3]), "ids": torch.tensor([1, 2, 3]), "loss": torch.tensor([False, True, True]),
             "hidden": torch.zeros(3, 4), "top_ids": torch.zeros(3, 2, dtype=torch.long), "top_p": torch.zeros(3, 2)}
     batch = T.collate(data, [0], torch.arange(V), 5, "cpu")     # head j needs token t+1+j: none beyond head 1
-    assert batch["valid"].shape == (1, 3, 5) and batch["valid"][0, :, 1:].sum() == 0
-    assert batch["valid"][0, :, 0].tolist() == [True, False, False]
+    assert batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0   # 3 positions padded to 16
+    assert batch["valid"][0, :, 0].tolist() == [True] + [False] * 15
 
 
 def test_fewer_kept_tokens_than_the_ten_ranks_evaluated(features, tmp_path):
