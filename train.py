@@ -43,7 +43,6 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import dataset
@@ -190,13 +189,13 @@ class FusedHeadLoss(torch.autograd.Function):
     def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
         # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
         want_z, want_w = ctx.needs_input_grad[:2]
-        M = len(z)   # padded with rows that weigh 0 to whole blocks: one product shape (see bucket())
-        z, top_ids, top_p, scale = (F.pad(x, (0, 0) * (x.dim() - 1) + (0, bucket(M, FusedHeadLoss.ROWS) - M), value=v)
-                                    for x, v in ((z, 0), (top_ids, -1), (top_p, 0), (scale, 0)))
-        grad_z = torch.empty_like(z) if want_z else None                     # (M, D)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
-        total = torch.zeros((), device=z.device)
         with torch.autocast(z.device.type, enabled=False):
+            M, extra = len(z), bucket(len(z), FusedHeadLoss.ROWS) - len(z)   # whole blocks: one product shape
+            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
+            z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
+            grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
+            total = torch.zeros((), device=z.device)
             w_ = weight.detach().to(dtype)
             for a in range(0, len(z), FusedHeadLoss.ROWS):
                 rows = slice(a, a + FusedHeadLoss.ROWS)
@@ -323,8 +322,9 @@ def head_states(heads, batch, noise=0.0, generator=None):
     positions = torch.arange(T, device=h.device).expand(B, T)
     valid = batch["valid"]                                                 # (B, T, K)
     at = valid.any(-1).nonzero(as_tuple=True)                             # the N positions used
-    pad = bucket(len(at[0]), 64) - len(at[0])                              # + the first again, to a bucket
-    z = heads(heads.context(h, positions), batch["ids"], tuple(F.pad(x, (0, pad), value=int(x[0]) if pad else 0) for x in at))
+    extra = bucket(len(at[0]), 64) - len(at[0])                            # and the first again, to a
+    padded = tuple(torch.cat([x, x[:1].expand(extra)]) for x in at)       # bucket of 64 rows (bucket())
+    z = heads(heads.context(h, positions), batch["ids"], padded)          # (N + extra, K, D)
     n, j = valid[at].nonzero(as_tuple=True)                                # (M,) each
     b, t = at[0][n], at[1][n]
     # head j+1 at t: the teacher's distribution sits at t+j+1, the data token at t+j+2
