@@ -210,11 +210,11 @@ class FusedHeadLoss(torch.autograd.Function):
                 rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
                 rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
                 loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
-                total += (scale[rows] * loss).sum()
+                sc = scale[rows]                                              # (R,)
+                total += (sc * loss).sum()
                 if not (want_z or want_w):
                     continue
                 w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
-                sc = scale[rows]
                 g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
                 g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
                 if want_z:

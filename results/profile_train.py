@@ -1,5 +1,5 @@
-"""Where a training step's time goes: times a few steps of train.train_step on real features, then
-profiles one with FLOP counting, and prints the FLOPs, the share of time in matrix products and
+"""Where a training step's time goes: times 20 steps of train.train_step on real features (after 4
+warm-up ones), then profiles one with FLOP counting, and prints the FLOPs, the share of time in matrix products and
 their rate next to a large square product's on the same cores (the machine's practical peak).
 
     python results/profile_train.py /work/data/smollm2/self_distill hydra++
@@ -7,9 +7,12 @@ their rate next to a large square product's on the same cores (the machine's pra
 Arguments: the features folder train.py built (its --work/self_distill) and the kind of heads.
 The defaults of train.py otherwise (K = 3, 8,192 kept tokens, 4,096 padded tokens a batch, seed 0;
 bf16 products where --train-dtype auto picks them, else fp32; the peak is measured in the same
-dtype). Run it alone: it times the machine.
+dtype). Run it alone: it times the machine. To compare two versions of train.py, run each
+checkout's own copy of this script, alternating: the same batches, the step alone (no data loading,
+no evaluation).
 """
 import os
+import resource
 import sys
 import time
 
@@ -25,6 +28,11 @@ import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+STEPS, WARM_UP = 24, 4
+
+
+def peak_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux reports KB
 
 
 def square_peak(dtype, n=2048, repeats=5):
@@ -51,14 +59,19 @@ def main(folder, kind):
     bf16 = train.pick_dtype("auto", "cpu") == torch.bfloat16
     forward = train.TrainForward(heads)
     step = lambda batch: train.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
-    for i in range(4):  # the first steps warm up the allocator and the kernels
+    timed_tokens, timed_seconds = 0, 0.0
+    for i in range(STEPS):  # the first WARM_UP steps warm up the allocator and the kernels, untimed
         batch = train.collate(data, batches[i], to_kept, 3, torch.device("cpu"))
         t0 = time.perf_counter()
-        step(batch)
+        loss = step(batch)
         seconds = time.perf_counter() - t0
         tokens = int(batch["valid"][..., 0].sum())
+        if i >= WARM_UP:
+            timed_tokens, timed_seconds = timed_tokens + tokens, timed_seconds + seconds
         print(f"step {i}: {tuple(batch['ids'].shape)} padded, {tokens} assistant tokens, {seconds:.2f} s: {tokens / seconds:.0f} tokens/s")
-    batch = train.collate(data, batches[4], to_kept, 3, torch.device("cpu"))
+    print(f"steps {WARM_UP}-{STEPS - 1}: {timed_tokens} assistant tokens in {timed_seconds:.1f} s: {timed_tokens / timed_seconds:.0f} "
+          f"tokens/s (the step alone: no data loading, no evaluation); last loss {loss:.4f}; peak RSS {peak_rss_gb():.1f} GB")
+    batch = train.collate(data, batches[STEPS], to_kept, 3, torch.device("cpu"))
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         step(batch)
     events = prof.key_averages()
