@@ -4,7 +4,8 @@ phases (draft, the base forward over the tree, verification, the heads' context 
 
     python results/step_time.py [--prompts 8] [--max-new-tokens 64]
 
-Prints a markdown table. Times are medians (the forward) or means over every step (the phases).
+Prints a markdown table. Times are medians (the one-token step, the products) or means over every
+step (the phases).
 """
 import argparse
 import collections
@@ -32,35 +33,19 @@ model, tok = M.load("default", device, G.pick_dtype("auto", device))
 floor = bench.distance_to_floor(model, device)
 print(bench.machine_line(bench.machine(device, model.dtype, **floor)) + "\n")
 
+rows = [("batch-1 decode step, 200 cached tokens", floor["batch_1_step_ms"])]  # bench.step_time, median of 20
+if model.lm_head_packed is not None:  # the same step's matrix products alone, back to back
+    products = [(a.self_attn.qkv_packed, a.self_attn.o_packed, a.mlp.gate_up_packed, a.mlp.down_packed) for a in model.layers]
+    x, y = torch.randn(1, 1, model.cfg.dim, dtype=model.dtype), torch.randn(1, 1, model.cfg.hidden_dim, dtype=model.dtype)
 
-def median_ms(f, n=60, warm=10):
-    for _ in range(warm):
-        f()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
-rows = [("batch-1 decode step, 200 cached tokens", None)]
-with torch.inference_mode():
-    cache = model.new_cache(400)
-    model(torch.randint(0, 1000, (1, 200), device=device), torch.arange(200, device=device), None, cache)
-    cache.keep(range(200))
-    one, at = torch.tensor([[5]], device=device), torch.tensor([200], device=device)
-    rows[0] = (rows[0][0], median_ms(lambda: model(one, at, None, cache)))
-    if model.lm_head_packed is not None:  # the same step's matrix products alone, back to back
-        products = [(a.self_attn.qkv_packed, a.self_attn.o_packed, a.mlp.gate_up_packed, a.mlp.down_packed) for a in model.layers]
-        x, y = torch.randn(1, 1, model.cfg.dim, dtype=model.dtype), torch.randn(1, 1, model.cfg.hidden_dim, dtype=model.dtype)
-
-        def chain():
-            for qkv, o, gate_up, down in products:
-                for w, i in ((qkv, x), (o, x), (gate_up, x), (down, y)):
-                    M.linear(i, None, w)
-            M.linear(x, None, model.lm_head_packed)
-        rows.append(("its matrix products alone (the same prepacked weights)", median_ms(chain)))
+    @torch.inference_mode()  # the prepacked path of model.linear
+    def chain():
+        for qkv, o, gate_up, down in products:
+            for w, i in ((qkv, x), (o, x), (gate_up, x), (down, y)):
+                M.linear(i, None, w)
+        M.linear(x, None, model.lm_head_packed)
+    chain()
+    rows.append(("its matrix products alone (the same prepacked weights)", statistics.median(bench.timed(chain, device) for _ in range(60)) * 1e3))
 rows.append(("memory floor (weights / measured bandwidth)", floor["bandwidth_floor_ms"]))
 
 # one speculative step, phase by phase: wrap the drafter's methods, the forward and the verifier
