@@ -735,6 +735,32 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
     assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()
 
 
+def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_path):
+    """results/tau_by_position.py: answer positions restart at each assistant turn; the window of
+    every position gives train.py's own held-out chain tau, and a window past every answer has no
+    chain to count (tau 1); bad input exits 2."""
+    import importlib.util
+    import subprocess
+    import sys
+    base, folder = features
+    run(features, tmp_path / "run", "--train-dtype", "fp32")
+    script = os.path.join(os.path.dirname(__file__), "..", "results", "tau_by_position.py")
+    spec = importlib.util.spec_from_file_location("tau_by_position", script)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    loss = torch.tensor([False, True, True, False, False, True, True, True, False])
+    assert tp.answer_positions(loss)[loss].tolist() == [0, 1, 0, 1, 2]
+    tp.WINDOWS = [(0, 1 << 30), (1 << 20, 1 << 30)]
+    n, rows = tp.measure(base, D.load_data(folder), [("a", str(tmp_path / "run"))], bf16=False)
+    with open(tmp_path / "run" / "eval.json") as f:
+        assert rows["a"][0]["chain_tau"] == pytest.approx(json.load(f)["chain_tau"], abs=1e-3)
+    assert rows["a"][1]["chain_tau"] == 1.0 and rows["a"][1]["trees"][0] == 1.0
+    assert tp.table(n, rows).count("| a | ") == 2
+    bad = subprocess.run([sys.executable, script, folder, str(tmp_path / "out.md"), f"x={tmp_path / 'nothing'}"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()
+
+
 def test_profile_train_refuses_bad_arguments(tmp_path):
     import subprocess
     import sys
