@@ -55,21 +55,35 @@ def table(what, reports):
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 5 or not sys.argv[2].isdigit() or any("=" not in a for a in sys.argv[4:]):
-        fail("usage: python results/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
-    runs = [tuple(a.rsplit("=", 1)) for a in sys.argv[4:]]
+BAD_INPUT = (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError)   # what a wrong folder raises
+
+
+def checked_runs(features, pairs):
+    """The command line's LABEL=FOLDER pairs as (label, folder), each folder holding heads, and the
+    FEATURES folder: checked before anything loads (one line, exit code 2)."""
+    runs = [tuple(a.rsplit("=", 1)) for a in pairs]
     for _, folder in runs:
         if not os.path.isfile(os.path.join(folder, "heads.json")):
             fail(f"error: {folder} has no heads.json; give a folder that train.py wrote heads into")
-    if not os.path.isdir(sys.argv[1]):
-        fail(f"error: {sys.argv[1]} is not a folder; give the features folder train.py built (its --work/self_distill)")
+    if not os.path.isdir(features):
+        fail(f"error: {features} is not a folder; give the features folder train.py built (its --work/self_distill)")
+    return runs
+
+
+def bad_input(e):
+    fail(f"error: {e}; give the default model's features folder and heads trained for it")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 5 or not sys.argv[2].isdigit() or any("=" not in a for a in sys.argv[4:]):
+        fail("usage: python results/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
+    runs = checked_runs(sys.argv[1], sys.argv[4:])
     try:
         data = dataset.load_data(sys.argv[1])
         model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
         what, reports = measure(model, data, int(sys.argv[2]), runs)
-    except (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError) as e:
-        fail(f"error: {e}; give the default model's features folder and heads trained for it")
+    except BAD_INPUT as e:
+        bad_input(e)
     with open(sys.argv[3] + ".md", "w") as f:
         f.write(table(what, reports))
     with open(sys.argv[3] + ".svg", "w") as f:

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import data_size  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -79,17 +80,12 @@ def table(n, rows):
 if __name__ == "__main__":
     if len(sys.argv) < 4 or any("=" not in a for a in sys.argv[3:]):
         fail("usage: python results/tau_by_position.py FEATURES OUT.md LABEL=FOLDER [LABEL=FOLDER ...]")
-    runs = [tuple(a.rsplit("=", 1)) for a in sys.argv[3:]]
-    for _, folder in runs:
-        if not os.path.isfile(os.path.join(folder, "heads.json")):
-            fail(f"error: {folder} has no heads.json; give a folder that train.py wrote heads into")
-    if not os.path.isdir(sys.argv[1]):
-        fail(f"error: {sys.argv[1]} is not a folder; give the features folder train.py built (its --work/self_distill)")
+    runs = data_size.checked_runs(sys.argv[1], sys.argv[3:])
     try:
         data = dataset.load_data(sys.argv[1])
         model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
         n, rows = measure(model, data, runs)
-    except (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError) as e:
-        fail(f"error: {e}; give the default model's features folder and heads trained for it")
+    except data_size.BAD_INPUT as e:
+        data_size.bad_input(e)
     with open(sys.argv[2], "w") as f:
         f.write(table(n, rows))
