@@ -40,7 +40,7 @@ def answer_positions(loss):
 
 def measure(model, data, runs, seed=0, bf16=True):
     held_out, _ = train.split(len(data["offsets"]) - 1, seed)
-    loss = data["loss"].clone()
+    loss = data["loss"]
     pos = answer_positions(loss)
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
     rows = {}
@@ -62,16 +62,13 @@ def measure(model, data, runs, seed=0, bf16=True):
 
 def table(n, rows):
     name = lambda a, b: f"{a}-{b - 1}" if b < 1 << 30 else f"{a}-"
+    header = ["| heads | " + " | ".join(f"positions {name(a, b)}" for a, b in WINDOWS) + " |", "|---|" + "---:|" * len(WINDOWS)]
     lines = [f"Held-out chain tau (train.evaluate, bf16 products) of the {n:,} conversations train.py held out, "
-             "by the answer positions of the decoding step (top-1 per head in brackets).", "",
-             "| heads | " + " | ".join(f"positions {name(a, b)}" for a, b in WINDOWS) + " |",
-             "|---|" + "---:|" * len(WINDOWS)]
+             "by the answer positions of the decoding step (top-1 per head in brackets).", "", *header]
     for label, rs in rows.items():
         cells = [f"{r['chain_tau']:.2f} ({' '.join(f'{x:.2f}' for x in r['top1'])})" for r in rs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "Expected tau from each window's rank acceptance: the folder's tree.json (a chain without one) / a 64-node sparse tree.", "",
-              "| heads | " + " | ".join(f"positions {name(a, b)}" for a, b in WINDOWS) + " |",
-              "|---|" + "---:|" * len(WINDOWS)]
+    lines += ["", "Expected tau from each window's rank acceptance: the folder's tree.json (a chain without one) / a 64-node sparse tree.", "", *header]
     for label, rs in rows.items():
         lines.append(f"| {label} | " + " | ".join(f"{r['trees'][0]:.2f} / {r['trees'][1]:.2f}" for r in rs) + " |")
     return "\n".join(lines) + "\n"
