@@ -51,6 +51,7 @@ from typing import Callable
 
 import torch
 
+import cli
 import drafters
 import generate
 import heads as heads_lib
@@ -64,7 +65,7 @@ METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydr
 
 
 def build_parser():
-    p = generate.Parser(description=__doc__.split("\n\n")[0].strip(),
+    p = cli.Parser(description=__doc__.split("\n\n")[0].strip(),
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # what to run
     p.add_argument("--prompts", default=os.path.join(HERE, "eval", "prompts.jsonl"), help="JSONL with \"prompt\" (and \"id\", \"category\") per line")
@@ -76,7 +77,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
-    p.add_argument("--heads-dir", default=generate.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
+    p.add_argument("--heads-dir", default=cli.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -215,17 +216,17 @@ def layers_setting(args, model):
             return tuned["layers"], tuned["gamma"], f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return model.cfg.n_layers // 2, generate.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
+    return model.cfg.n_layers // 2, cli.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
 
 
 def build_methods(args, model, tokenizer, eos, device, dtype):
     """The methods asked for, and a note for each one skipped."""
     wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in wanted if m not in METHODS]:
-        raise generate.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        raise cli.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
-    look = generate.DRAFT_DEFAULTS["lookup"]
+    look = cli.DRAFT_DEFAULTS["lookup"]
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
@@ -242,8 +243,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             if not args.draft_model:
                 notes.append("draft-model: skipped (needs --draft-model)")
                 continue
-            gamma = generate.DRAFT_DEFAULTS["model"]["gamma"]
-            d = drafters.ModelDrafter(generate.load_draft_model(args.draft_model, model, tokenizer, device, dtype),
+            gamma = cli.DRAFT_DEFAULTS["model"]["gamma"]
+            d = drafters.ModelDrafter(cli.load_draft_model(args.draft_model, model, tokenizer, device, dtype),
                                       gamma, 0.0, 1.0, None)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
@@ -265,10 +266,10 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 notes.append(f"{name}: skipped (no heads in {folder})")
                 continue
             if kind not in loaded:
-                heads, _ = generate.load_heads(folder, model)
-                loaded[kind] = heads, generate.load_tree("auto", heads, folder)
+                heads, _ = cli.load_heads(folder, model)
+                loaded[kind] = heads, cli.load_tree("auto", heads, folder)
             heads, tree = loaded[kind]
-            d = generate.HeadsDrafter(heads, tree)
+            d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
                 d = drafters.heads_and_lookup(d, look["gamma"], look["ngram"], look["matches"], device)
             verify = variant if variant in ("typical", "sample") else "greedy"
@@ -488,12 +489,12 @@ def smallest_within(rows, tie):
 @torch.inference_mode()
 def tune_tree(args, model, prompts, device):
     folder = os.path.join(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
-    heads, _ = generate.load_heads(folder, model)
+    heads, _ = cli.load_heads(folder, model)
     try:
         with open(os.path.join(folder, "eval.json")) as f:
             acc = json.load(f)["rank_acceptance"][:heads.cfg.num_heads]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise generate.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
+        raise cli.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
     # a realistic cached prefix: eval prompts, encoded one after another
     prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
     n_max = args.max_budget + 1
@@ -507,8 +508,8 @@ def tune_tree(args, model, prompts, device):
     for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
         paths = tree_lib.sparse(acc, budget)
         t = tree_lib.build(paths)
-        plan = generate.draft_plan(t)
-        draft = lambda t=t, plan=plan: generate.draft(heads, h, root, plan, t.num_nodes)   # (N,)
+        plan = drafters.draft_plan(t)
+        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
         tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
         step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
@@ -528,7 +529,7 @@ def tune_tree(args, model, prompts, device):
     for r in rows:
         mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
         print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
-    saved = generate.tuned_tree_file(folder, device, model.dtype)
+    saved = cli.tuned_tree_file(folder, device, model.dtype)
     tree_lib.save(best["paths"], saved)
     print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
           f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")
@@ -562,7 +563,7 @@ def tune_tree(args, model, prompts, device):
 @torch.inference_mode()
 def tune_layers(args, model, prompts, device, eos):
     if args.max_gamma < 1:
-        raise generate.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
+        raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
     L, G = model.cfg.n_layers, args.max_gamma
     candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
     prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
@@ -626,11 +627,8 @@ def tune_layers(args, model, prompts, device, eos):
 # --- main -----------------------------------------------------------------------------------------
 
 def read_eval(path, limit):
-    """[(id, category, text)]: generate.read_prompts checks the file, categories come alongside."""
-    prompts = generate.read_prompts(path)
-    with open(path, encoding="utf-8-sig") as f:
-        cats = [json.loads(line).get("category", "all") for line in f if line.strip()]
-    rows = [(pid, cat, text) for (pid, text), cat in zip(prompts, cats)]
+    """[(id, category, text)] of the first `limit` prompts (0: all)."""
+    rows = [(pid, cat, text) for pid, text, cat in cli.read_prompts(path)]
     return rows[:limit] if limit > 0 else rows
 
 
@@ -640,19 +638,18 @@ def read_eval(path, limit):
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
     if min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len) < 1:
-        raise generate.UsageError("--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be at least 1")
+        raise cli.UsageError("--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be at least 1")
     if args.limit < 0:
-        raise generate.UsageError(f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts")
+        raise cli.UsageError(f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts")
     if args.threads < 0:
-        raise generate.UsageError(f"--threads {args.threads}: must be 0 (torch's default) or a number of threads")
+        raise cli.UsageError(f"--threads {args.threads}: must be 0 (torch's default) or a number of threads")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise generate.UsageError(f"--temperature {args.temperature}: must be a number >= 0")
-    if not 0 <= args.seed < 2 ** 62:
-        raise generate.UsageError(f"--seed {args.seed}: must be in [0, 2**62)")
+        raise cli.UsageError(f"--temperature {args.temperature}: must be a number >= 0")
+    cli.check_seed(args.seed)
     if args.json:
-        generate.writable_file("--json", args.json, "results/bench.json")
+        cli.writable_file("--json", args.json, "results/bench.json")
     if args.plots:
-        generate.writable_folder("--plots", args.plots)
+        cli.writable_folder("--plots", args.plots)
     if args.draft_model and wants_assisted(args) and not args.tune_tree:
         draft_folder(args.draft_model)
     default = build_parser().get_default
@@ -660,13 +657,13 @@ def check_args(args):
                else ["heads", "max_budget", "prefix_len", "tune_repeats"])
     for name in ignored:
         if getattr(args, name) != default(name):
-            generate.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
+            cli.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
     if args.draft_model and not args.tune_tree and not wants_assisted(args):
-        generate.notice("--draft-model has no effect unless --methods includes assisted")
+        cli.notice("--draft-model has no effect unless --methods includes assisted")
     if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
-        generate.notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling methods decode greedily")
+        cli.notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling methods decode greedily")
     if args.plots and plotting(quiet=True) is None:
-        generate.notice("--plots: matplotlib is not installed, so no plots will be drawn (pip install matplotlib)")
+        cli.notice("--plots: matplotlib is not installed, so no plots will be drawn (pip install matplotlib)")
 
 
 def wants_assisted(args):
@@ -681,9 +678,9 @@ def draft_folder(name):
             config = json.load(f)
         arch = config.get("model_type") if isinstance(config, dict) else None
     except (OSError, ValueError, RecursionError) as e:
-        raise generate.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
+        raise cli.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
     if arch not in model_lib.SUPPORTED:
-        raise generate.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
+        raise cli.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
                                   f"({', '.join(model_lib.SUPPORTED)}); give a small model of the base model's family")
     return folder
 
@@ -694,9 +691,9 @@ def check_draft_tokenizer(name, tokenizer):
     try:
         draft = AutoTokenizer.from_pretrained(draft_folder(name))
     except (OSError, ValueError, TypeError) as e:
-        raise generate.UsageError(f"--draft-model {name}: no tokenizer could be read ({e})") from None
+        raise cli.UsageError(f"--draft-model {name}: no tokenizer could be read ({e})") from None
     if draft.get_vocab() != tokenizer.get_vocab():
-        raise generate.UsageError(f"--draft-model {name}: its tokenizer is not the base model's ({len(draft)} tokens against "
+        raise cli.UsageError(f"--draft-model {name}: its tokenizer is not the base model's ({len(draft)} tokens against "
                                   f"{len(tokenizer)}, or other ids); give a draft model with the same tokenizer")
 
 
@@ -705,12 +702,12 @@ def main(args):
     check_args(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    device = generate.pick_device(args.device)
-    dtype = generate.pick_dtype(args.dtype, device)
+    device = cli.pick_device(args.device)
+    dtype = cli.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = model_lib.load(args.model, device, dtype)
-    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in rows]
+    eos = cli.eos_ids(model, tokenizer)
+    prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:
         return kernel_table(model, device)
     if args.tune_tree:
@@ -752,21 +749,11 @@ def main(args):
     return 0
 
 
-def cli(argv=None) -> int:
-    """The command line. Bad input: one line on stderr naming it and the fix, exit code 2. Ctrl-C:
-    the tables of what was measured so far, exit code 130. No traceback for either."""
-    try:
-        return main(build_parser().parse_args(argv)) or 0
-    except BrokenPipeError:  # the reader went away (bench.py ... | head): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except (generate.UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\n[bench] interrupted by Ctrl-C before any result: nothing to report", file=sys.stderr)
-        return 130
+def cli_main(argv=None) -> int:
+    """Bad input: one line on stderr naming it and the fix, exit code 2. Ctrl-C: the tables of what
+    was measured so far, exit code 130 (main returns it); before any result, nothing to report."""
+    return cli.run(main, build_parser(), argv, "[bench] interrupted by Ctrl-C before any result: nothing to report")
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli_main())

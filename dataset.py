@@ -34,16 +34,8 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
-from generate import UsageError, check_text, notice
+from cli import UsageError, check_text, encode, eos_ids, notice
 from verify import logits_to_probs, sample
-
-
-# --- data: self-distillation -------------------------------------------------------------------
-# A conversation is token ids plus a per-token loss mask (True on the assistant's answer).
-
-def chat_ids(tokenizer, prompt):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 # --- batched decoding: the data stage's engine ----------------------------------------------------
@@ -287,7 +279,7 @@ def self_distill(model, tokenizer, folder, args):
     have, counts_by_task = len(written), task_counts(written, tasks)
     if have >= args.num_prompts:
         return
-    stop = set(model.cfg.eos_ids) | {tokenizer.eos_token_id}
+    stop = eos_ids(model, tokenizer)
     rng = random.Random(args.seed * 1_000_003 + have)
     gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
@@ -328,7 +320,7 @@ def self_distill(model, tokenizer, folder, args):
                                  "whose end-of-turn token is among its EOS ids, or give your own data with --data")
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever gen_batch of them are done
-            encoded = [chat_ids(tokenizer, p) for p in prompts]
+            encoded = [encode(tokenizer, p) for p in prompts]
             for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, args.gen_batch,
                                                    args.answer_temperature, 1.0, gen, top_k=args.teacher_k):
                 ids = encoded[i]

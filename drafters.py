@@ -1,18 +1,18 @@
-"""Drafters beside draft heads: whoever fills the tree, generate.py's one loop verifies it alike.
+"""Drafters: whoever fills the tree, generate.py's one loop verifies it alike.
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. Five drafters, one interface:
+one forward and verify.py keeps an acceptable path. Six drafters, one interface:
 
+    HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
     Lookup(gamma, ngram, matches)    prompt lookup (LLMA): copy what followed the last n tokens
                                      earlier in the prompt or the reply; no model, no training
     ModelDrafter(model, gamma, ...)  a smaller model sharing the tokenizer drafts a chain token by
                                      token; with num_layers=N, the base model's own first N layers
                                      (self-speculative, no extra weights)
-    Merged(first, second)            two drafters' trees in one, shared prefixes drafted once
-    heads_and_lookup(heads, ...)     heads + lookup in one tree, with the rules that make it pay
-    generate.HeadsDrafter            Medusa / Hydra heads fill a fixed tree (in generate.py)
+    HeadsPlusLookup(heads, lookup)   both trees in one, shared prefixes drafted once
+    heads_and_lookup(heads, ...)     the same, with the rules that make the pair pay
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
                                           states over them (1, T, D), room for max_len positions
@@ -23,7 +23,7 @@ one forward and verify.py keeps an acceptable path. Five drafters, one interface
 
 Test: `python -m pytest -q tests/test_drafters.py`.
 Shapes: N tree nodes (root included), G drafted tokens of a chain (gamma), V vocabulary, D hidden,
-T new tokens of one forward.
+T new tokens of one forward, P parent nodes at one depth.
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -99,6 +99,65 @@ def chain_nodes(tokens: list, source: int) -> dict:
 def draft_nodes(d: Draft) -> dict:
     """A Draft's nodes below the root, as {path: (token, source)} (what Shapes.draft builds from)."""
     return {p: (t, s) for p, t, s in zip(d.tree.paths, d.tokens[1:].tolist(), d.source[1:])}
+
+
+# --- draft heads ---------------------------------------------------------------------------------
+# Fill the tree with tokens: node (d, r) gets the r-th best token of head d. Hydra heads depend on
+# the tokens above them, so the tree is filled depth by depth, one batched head call per depth.
+
+@dataclass
+class DepthPlan:                 # what drafting needs at one depth d, computed once per tree
+    nodes: torch.Tensor          # (n,) node indices at depth d
+    rank: torch.Tensor           # (n,) rank of each node's token in its head's top-k
+    row: torch.Tensor            # (n,) which parent row each node hangs under
+    paths: torch.Tensor          # (P, d) node indices root..parent for each distinct parent
+    k: int                       # top-k needed at this depth
+
+
+def draft_plan(tree):
+    plan = []
+    for d, nodes in enumerate(tree.by_depth, start=1):
+        parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
+        paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)  # ancestors, in depth order
+        plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
+    return plan
+
+
+def draft(heads, h, root, plan, num_nodes):
+    """h (1, D) draft state, root = the last emitted token -> tokens (N,) for every tree node."""
+    tokens = torch.full((num_nodes,), root, dtype=torch.long, device=h.device)   # (N,)
+    for d, step in enumerate(plan, start=1):
+        z = heads.head(d, h, tokens[step.paths])                   # (P, D), or (1, D) for Medusa
+        top = heads.project(z, d).topk(step.k, dim=-1).indices      # (P|1, k)
+        top = heads.full_ids(top).expand(len(step.paths), -1)       # (P, k) base-vocabulary ids
+        tokens[step.nodes] = top[step.row, step.rank]
+    return tokens
+
+
+class HeadsDrafter:
+    """Heads as a drafter: one fixed tree, filled from the draft state h = heads.context over the
+    base model's hidden states of the accepted tokens."""
+
+    def __init__(self, heads, tree):
+        assert tree.max_depth <= heads.cfg.num_heads, "tree deeper than the heads"
+        dev = heads.lm_head.weight.device
+        self.heads, self.tree, self.plan = heads, tree, draft_plan(tree)
+        self.mask, self.depth = tree.mask.to(dev) if tree.num_nodes > 1 else None, tree.depth.to(dev)
+        self.source = tree.depth.tolist()  # node i is head depth[i]'s guess; the root (0) the base model's
+        self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
+        self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
+        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+
+    def start(self, prompt, hidden, max_len):
+        self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
+        self.h = self.heads.context(hidden, torch.arange(len(prompt), device=hidden.device), self.cache)[:, -1]  # (1, D)
+
+    def draft(self, root):
+        tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)       # (N,)
+        return Draft(tokens, self.tree, self.mask, self.depth, self.source)
+
+    def accept(self, tokens, hidden, positions):
+        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]              # (1, D)
 
 
 # --- plain decoding -----------------------------------------------------------------------------
@@ -184,7 +243,7 @@ class Lookup:
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
         # a token and costs the step almost nothing; where it copies, it grows back within steps.
         # copying: the last step kept a whole continuation proposed at the full gamma, so the reply is copying
-        # a stretch of the text (Merged then verifies lookup's chain alone).
+        # a stretch of the text (HeadsPlusLookup then verifies its chain alone).
         # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
             kept = tokens[1:]
@@ -264,64 +323,59 @@ class ModelDrafter:
         self.pending = list(tokens[1 + k:])
 
 
-# --- several drafters in one tree ---------------------------------------------------------------
-# SpecInfer-style merging: the first drafter's tree, then the second's grafted onto it, shared
-# prefixes once. One forward verifies both. The tree rules of verify.py are exact for any tree
-# fixed before verification (heads' top-k picks, lookup's copies), so merging keeps them exact;
-# sharing prefixes only saves nodes.
+# --- heads and lookup in one tree ----------------------------------------------------------------
+# SpecInfer-style merging: the heads' tree, then lookup's grafted onto it, shared prefixes once.
+# One forward verifies both. The tree rules of verify.py are exact for any tree fixed before
+# verification (heads' top-k picks, lookup's copies), so merging keeps them exact; sharing prefixes
+# only saves nodes.
 
 
-class Merged:
-    """Heads + lookup: the first drafter's tree with the second's grafted on; while lookup copies
-    (Lookup.copying), its chain alone. Both see every step's accept(); the first's draft() is
-    skipped while lookup copies, so the first must keep no state between the two (heads do not).
+class HeadsPlusLookup:
+    """The heads' tree with lookup's grafted on; while lookup copies (Lookup.copying), its chain
+    alone. Both see every step's accept(); the heads' draft() is skipped while lookup copies, which
+    is sound because a HeadsDrafter keeps no state between draft() and accept().
 
-    floor: None grafts both trees whole. A number keeps the step about the first tree's size: the
-    second's L nodes take the place of the first's last L (in tree order, the deepest, least
-    likely ones), the first keeping at least `floor`. The first's tree was tuned for the machine
-    (bench.py --tune-tree), and every node a step verifies costs time."""
+    floor: None grafts both trees whole. A number keeps the step about the heads' tree's size:
+    lookup's L nodes take the place of the heads' last L (in tree order, the deepest, least likely
+    ones), the heads keeping at least `floor`. The heads' tree was tuned for the machine (bench.py
+    --tune-tree), and every node a step verifies costs time."""
 
-    def __init__(self, first, second, device, floor=None):
-        self.first, self.second, self.shapes, self.floor = first, second, Shapes(device), floor
-        self.offset = len(first.legend) - 1  # the second's sources follow the first's in the legend
-        self.name = f"{first.name} + {second.name}"
-        self.legend = first.legend + second.legend[1:]
-        self.max_nodes = first.max_nodes + second.max_nodes - 1
-        self.max_depth = max(first.max_depth, second.max_depth)
+    def __init__(self, heads, lookup, device, floor=None):
+        self.heads, self.lookup, self.shapes, self.floor = heads, lookup, Shapes(device), floor
+        self.offset = len(heads.legend) - 1  # lookup's sources follow the heads' in the legend
+        self.name = f"{heads.name} + {lookup.name}"
+        self.legend = heads.legend + lookup.legend[1:]
+        self.max_nodes = heads.max_nodes + lookup.max_nodes - 1
+        self.max_depth = max(heads.max_depth, lookup.max_depth)
 
     def start(self, prompt, hidden, max_len):
-        self.first.start(prompt, hidden, max_len)
-        self.second.start(prompt, hidden, max_len)
+        self.heads.start(prompt, hidden, max_len)
+        self.lookup.start(prompt, hidden, max_len)
 
     def draft(self, root):
-        b = self.second.draft(root)
-        second = draft_nodes(b)
-        if second and self.second.copying:  # lookup on a copying streak: the first's nodes would only cost the step
-            return self.shapes.draft(root, graft({}, second, self.offset))
-        a = self.first.draft(root)
-        assert a.probs is None and b.probs is None, "sampled drafts are verified as a chain, they cannot be merged"
-        if not second:
-            return a  # nothing to graft (no lookup match): the first tree as it is
+        copied = draft_nodes(self.lookup.draft(root))
+        if copied and self.lookup.copying:  # on a copying streak the heads' nodes would only cost the step
+            return self.shapes.draft(root, graft({}, copied, self.offset))
+        a = self.heads.draft(root)
+        if not copied:
+            return a  # nothing to graft (no lookup match): the heads' tree as it is
         nodes = draft_nodes(a)
         if self.floor is not None:  # dicts keep the tree's order: a prefix of it is a tree
-            nodes = dict(list(nodes.items())[:max(len(nodes) - len(second), self.floor)])
-        return self.shapes.draft(root, graft(nodes, second, self.offset))
+            nodes = dict(list(nodes.items())[:max(len(nodes) - len(copied), self.floor)])
+        return self.shapes.draft(root, graft(nodes, copied, self.offset))
 
     def accept(self, tokens, hidden, positions):
-        self.first.accept(tokens, hidden, positions)
-        self.second.accept(tokens, hidden, positions)
+        self.heads.accept(tokens, hidden, positions)
+        self.lookup.accept(tokens, hidden, positions)
 
 
 def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
-    hydra++-lookup run them. Three rules make the pair pay where either alone would, each measured
-    on eval/prompts.jsonl (bf16, 2-core Zen 5 EPYC; the weights README of the default model):
-    lookup's chain adapts its length (Lookup.accept) and is verified alone while it copies; only
-    matches of 2 tokens or more are proposed (a 1-token match in free writing is mostly a common
-    token, and its chain costs nodes); and the step keeps about the heads' tuned size, lookup's
-    nodes taking the place of their last ones, the heads keeping at least 4 (Merged's floor): the
-    shipped CPU trees (3-5 nodes) stay whole or nearly, which keeps the heads' deepest guess on
-    math (0.92-0.94x the better drafter there with a floor of 3, 0.96x with 4), while a larger
-    tree (8 nodes) is trimmed (+5% measured there with a floor of 3)."""
+    hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
+    results/README.md): lookup's chain adapts its length (Lookup.accept) and is verified alone while
+    it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing is
+    mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
+    size, lookup's nodes taking the place of their last ones, the heads keeping at least 4 (the
+    floor), so that the small tuned CPU trees stay whole or nearly and larger ones are trimmed."""
     lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
-    return Merged(heads, lookup, device, floor=4)
+    return HeadsPlusLookup(heads, lookup, device, floor=4)

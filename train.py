@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import dataset
 import model as model_lib
-from generate import Parser, UsageError, notice, pick_device, pick_dtype, writable_file, writable_folder
+from cli import MAX_SEED, Parser, UsageError, notice, pick_device, pick_dtype, run, writable_file, writable_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -71,7 +71,7 @@ RANGES = {
     "--lr": (1e-7, 1.0),
     "--eval-every": (1, 10 ** 9),
     "--save-every": (0.0, 1e9),
-    "--seed": (0, 2 ** 32 - 1),           # combined as seed * 10**9 + step into a 64-bit seed
+    "--seed": (0, MAX_SEED),              # combined as seed * 10**9 + step into a 64-bit seed
 }
 
 
@@ -704,14 +704,6 @@ def data_model(model, dtype):
 # paths before anything loads, what depends on the model right after it loads, a --resume
 # checkpoint's flags before any data is built (which can take hours).
 
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM while the data is built; the message says what is kept."""
-
-    def __init__(self, kept, signum):
-        super().__init__(kept)
-        self.signum = signum
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, a session that ends, `kill`) while the data is built: stops it as
     Ctrl-C does, so the finished shards are kept and the [data] summary is printed."""
@@ -814,7 +806,10 @@ def main(args):
                 dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
         except KeyboardInterrupt as e:
             signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-            raise Interrupted(dataset.saved_so_far(folder, args.data == "self"), signum) from None
+            how = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+            kept = dataset.saved_so_far(folder, args.data == "self")
+            print(f"\n[train] interrupted by {how} while building the data: {kept}", file=sys.stderr)
+            return 128 + signum
         finally:
             signal.signal(signal.SIGTERM, on_sigterm)
         if args.export_conversations:
@@ -834,27 +829,12 @@ def main(args):
         dist.destroy_process_group()
 
 
-def cli(argv=None) -> int:
-    """The command line. Bad input or data: one line on stderr naming it and the fix, exit code 2.
-    A NaN loss: one line, exit code 1. Ctrl-C: what is kept, exit code 130 (during training the
-    loop itself saves a checkpoint and exits 130). No traceback for any of them."""
-    try:
-        main(build_parser().parse_args(argv))
-        return 0
-    except (UsageError, ValueError, OSError, model_lib.LoadError) as e:
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
-        return 2
-    except FloatingPointError as e:  # training diverged: not a mistake in the input
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        how = "SIGTERM" if e.signum == signal.SIGTERM else "Ctrl-C"
-        print(f"\n[train] interrupted by {how} while building the data: {e}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("\n[train] interrupted by Ctrl-C", file=sys.stderr)
-        return 130
+def cli_main(argv=None) -> int:
+    """Bad input or data: one line on stderr naming it and the fix, exit code 2. A NaN loss: one
+    line, exit code 1. Ctrl-C: what is kept, exit code 130 (during training the loop itself saves a
+    checkpoint and exits 130; while the data is built, main returns 128 + the signal)."""
+    return run(main, build_parser(), argv, "[train] interrupted by Ctrl-C")
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli_main())

@@ -259,23 +259,10 @@ def ascii(tree: Tree) -> str:
 
 def main(argv=None) -> int:
     """`python tree.py [--tree SPEC]`: draw a tree. Bad input: one line on stderr, exit code 2."""
-    import argparse
-    import sys
-
-    def refuse(message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-    p = argparse.ArgumentParser(description="Draw a candidate tree and its attention mask.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    import cli  # the command line's conventions; the tree itself needs none of it
+    p = cli.Parser(description="Draw a candidate tree and its attention mask.")
     p.add_argument("--tree", default="cartesian:2,2", help="chain:N | cartesian:4,3,2 | a tree JSON file (as generate.py --tree)")
-    p.error = refuse  # argparse would print its usage too; one line is the convention
-    args = p.parse_args(argv)
-    try:
-        print(ascii(build(parse(args.tree))))
-        return 0
-    except (ValueError, OSError) as e:
-        print(f"error: --tree: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda args: print(ascii(build(cli.parse_tree(args.tree)))), p, argv)
 
 
 if __name__ == "__main__":

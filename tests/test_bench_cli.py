@@ -3,7 +3,7 @@ no traceback, before the model loads where it can (an output folder that cannot 
 found before the run, not after an hour of measuring); Ctrl-C prints what was measured so far and
 exits 130.
 
-Most cases call bench.cli(argv) in-process, with model.load replaced by a tripwire or on a tiny
+Most cases call bench.cli_main(argv) in-process, with model.load replaced by a tripwire or on a tiny
 random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python bench.py`.
 """
 import json
@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+import cli
 import bench as B
 import generate as G
 from conftest import ctrl_c_after
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(capsys, *argv):
-    code = B.cli([str(a) for a in argv])
+    code = B.cli_main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -58,7 +59,7 @@ def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, u
                         (["--plots", unwritable], "cannot write there"),
                         (["--plots", os.path.join(unwritable, "plots")], "cannot write there")]:
         check_one_line_error(*run_bench(capsys, *argv)[::2], f"{argv[0]} ", words)
-    G.writable_file("--json", str(file), "bench.json")  # a writable file passes, untouched
+    cli.writable_file("--json", str(file), "bench.json")  # a writable file passes, untouched
     assert file.read_text() == "old results"
 
 

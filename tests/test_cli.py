@@ -1,7 +1,7 @@
 """generate.py's command line on bad input: every case ends with ONE line on stderr that starts
 with "error:" and names the problem and the fix, exit code 2, and no traceback.
 
-Most cases call generate.cli(argv) in-process: the checks that need no model run with model.load
+Most cases call generate.cli_main(argv) in-process: the checks that need no model run with model.load
 replaced by a tripwire (they must fail before the model loads), the rest with model.load answering
 from the session's default model (a real load per case would take minutes). A few cases run
 `python generate.py` in a subprocess, to check the real entry point: exit code, stderr, stdout.
@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+import cli
+import drafters
 import generate as G
 import heads as heads_lib
 import model as model_lib
@@ -36,7 +38,7 @@ def check_one_line_error(code, err, *words):
 
 
 def run_cli(capsys, *argv):
-    code = G.cli([str(a) for a in argv])
+    code = G.cli_main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -117,7 +119,7 @@ def test_cuda_missing(no_model, capsys):
 
 
 def test_shipped_heads_missing(no_model, capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(G, "SHIPPED", str(tmp_path))  # as in a checkout without weights/
+    monkeypatch.setattr(cli, "SHIPPED", str(tmp_path))  # as in a checkout without weights/
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", "medusa")[::2], "train.py --heads medusa")
 
 
@@ -183,7 +185,7 @@ def test_prompt_longer_than_context(loaded, capsys):
 def test_max_new_tokens_beyond_context(loaded, capsys):
     """Asking for more tokens than the context leaves is an error up front (not a silent clamp)."""
     model, tok = loaded
-    n = len(G.encode(tok, "hello " * 3000))
+    n = len(cli.encode(tok, "hello " * 3000))
     room = model.cfg.max_seq_len - n
     check_one_line_error(*run_cli(capsys, "--prompt", "hello " * 3000, "--max-new-tokens", room + 1)[::2],
                          f"leaves room for {room}", f"ask for at most {room}")
@@ -316,7 +318,7 @@ def test_layers_beyond_the_model(loaded, capsys):
 
 
 def test_heads_and_lookup_without_heads_for_this_model(loaded, capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(G, "SHIPPED", str(tmp_path))  # --heads auto finds none
+    monkeypatch.setattr(cli, "SHIPPED", str(tmp_path))  # --heads auto finds none
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "heads+lookup")[::2],
                          "no heads are shipped", "use --draft lookup")
 
@@ -496,7 +498,7 @@ def test_library_verifiers_at_a_tiny_temperature_are_greedy():
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     want = G.generate(model, [1, 2, 3], 20).tokens
     for verify in ("sample", "typical"):
-        got = G.generate(model, [1, 2, 3], 20, G.HeadsDrafter(heads, tree), verify, 1e-40, generator=torch.Generator().manual_seed(0))
+        got = G.generate(model, [1, 2, 3], 20, drafters.HeadsDrafter(heads, tree), verify, 1e-40, generator=torch.Generator().manual_seed(0))
         assert got.tokens == want, verify
 
 

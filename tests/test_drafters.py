@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli
 import drafters as D
 import generate as G
 import model as model_lib
@@ -53,7 +54,7 @@ def drafter(name, base, gamma=3):
     if name == "model":
         return D.ModelDrafter(noisy_copy(base), gamma, 0.0, 1.0, None)
     if name == "hydra+lookup":
-        heads = G.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+        heads = D.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
         return D.heads_and_lookup(heads, gamma, 3, 1, "cpu")
     raise ValueError(name)
 
@@ -121,7 +122,7 @@ COPY = "Repeat this sentence exactly, word for word: The quiet river carried sev
 def copy_plain(default_model):
     """The prompt, the reply's stop tokens and plain decoding's reply (13 tokens, EOS included)."""
     model, tok = default_model
-    prompt, eos = G.encode(tok, COPY), set(model.cfg.eos_ids) | {tok.eos_token_id}
+    prompt, eos = cli.encode(tok, COPY), set(model.cfg.eos_ids) | {tok.eos_token_id}
     return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
 
 
@@ -131,7 +132,7 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     prompt, eos, plain = copy_plain
     if name == "heads+lookup":  # as --draft heads+lookup builds it
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
-        d = D.heads_and_lookup(G.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), 10, 3, 1, "cpu")
+        d = D.heads_and_lookup(D.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), 10, 3, 1, "cpu")
     elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None, 27, "layers:27")
     elif name == "model":  # the model as its own draft model: the only one at hand with its tokenizer
@@ -260,9 +261,9 @@ def test_graft_never_overwrites_a_node_when_a_tree_file_skips_ranks():
 
 
 def test_merged_tree_holds_both_drafters_candidates(small):
-    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+    heads = D.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
     lookup = D.Lookup(4, 3, 1, "cpu")
-    merged = D.Merged(heads, lookup, "cpu")
+    merged = D.HeadsPlusLookup(heads, lookup, "cpu")
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
     merged.start(prompt, hidden, 64)
@@ -277,9 +278,9 @@ def test_merged_tree_holds_both_drafters_candidates(small):
 
 
 def test_merged_verifies_lookup_alone_while_it_copies(small):
-    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
+    heads = D.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
     lookup = D.Lookup(4, 3, 1, "cpu", adapt=True)
-    merged = D.Merged(heads, lookup, "cpu")
+    merged = D.HeadsPlusLookup(heads, lookup, "cpu")
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
     merged.start(prompt, hidden, 64)
@@ -294,14 +295,14 @@ def test_merged_verifies_lookup_alone_while_it_copies(small):
 
 
 def test_merged_with_a_floor_keeps_the_first_trees_size(small):
-    heads = G.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))   # 6 nodes
+    heads = D.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))   # 6 nodes
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]                  # root 3: lookup proposes 4, 5, 6, 1, 2 (up to gamma)
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
 
     def seqs(x):  # the token sequence root..node of every node below the root, in tree order
         return [tuple(x.tokens[x.tree.mask[i]].tolist()) for i in range(1, x.tree.num_nodes)]
     for floor, gamma, kept in [(3, 3, 3), (3, 5, 3), (1, 5, 1), (3, 1, 5), (None, 3, 6)]:
-        merged = D.Merged(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu", floor=floor)
+        merged = D.HeadsPlusLookup(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu", floor=floor)
         merged.start(prompt, hidden, 64)
         chain = {tuple([3, 4, 5, 6, 1, 2][:n]) for n in range(2, gamma + 2)}
         assert set(seqs(merged.draft(3))) == set(seqs(heads.draft(3))[:kept]) | chain, (floor, gamma)

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+import cli
+import drafters
 import generate as G
 import heads as heads_lib
 import model as model_lib
@@ -44,7 +46,7 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
     for seed in range(4):
         prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = G.generate(small, prompt, 40)
-        spec_r = G.generate(small, prompt, 40, G.HeadsDrafter(heads, tree))
+        spec_r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree))
         assert spec_r.tokens == plain.tokens
         assert spec_r.steps <= plain.steps
         accepted += sum(spec_r.accepted)
@@ -55,11 +57,11 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
 @pytest.mark.parametrize("kind", heads_lib.KINDS)
 def test_greedy_speculative_equals_plain_default_model(default_model, kind):
     model, tok = default_model
-    prompt = G.encode(tok, "List three fruits and say one thing about each.")
+    prompt = cli.encode(tok, "List three fruits and say one thing about each.")
     plain = G.generate(model, prompt, 24)
     heads = random_heads(model, kind, k=3, scale=0.05)
     for spec in ["chain:3", "cartesian:2,2,1"]:
-        r = G.generate(model, prompt, 24, G.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec))))
+        r = G.generate(model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec))))
         assert r.tokens == plain.tokens, (kind, spec)
 
 
@@ -68,7 +70,7 @@ def test_plain_greedy_equals_transformers_generate(default_model):
     model, tok = default_model
     hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
     for text in ["What is the capital of France?", "Write a short poem about rain."]:
-        prompt = G.encode(tok, text)
+        prompt = cli.encode(tok, text)
         ours = G.generate(model, prompt, 20, eos_ids={tok.eos_token_id})
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.eos_token_id)
@@ -80,7 +82,7 @@ def test_max_new_tokens_and_eos_exact(small):
     tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
     prompt = [1, 2, 3, 4]
     for n in [1, 2, 5, 17]:
-        r = G.generate(small, prompt, n, G.HeadsDrafter(heads, tree))
+        r = G.generate(small, prompt, n, drafters.HeadsDrafter(heads, tree))
         assert len(r.tokens) == n
         # every step emits its accepted drafts and a bonus token, the last one cut at the limit;
         # accepted counts only the drafts emitted, so acceptance by depth never counts past it
@@ -88,7 +90,7 @@ def test_max_new_tokens_and_eos_exact(small):
     full = G.generate(small, prompt, 40).tokens
     eos = full[10]                                  # pretend the 11th token is EOS
     first = full.index(eos)
-    r = G.generate(small, prompt, 40, G.HeadsDrafter(heads, tree), eos_ids={eos})
+    r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree), eos_ids={eos})
     assert r.tokens == full[:first + 1] and r.stopped == "eos"
 
 
@@ -101,9 +103,9 @@ def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
 
 def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert G.pick_dtype("auto", "cuda") == torch.float16      # e.g. a T4 or V100: bf16 only emulated
+    assert cli.pick_dtype("auto", "cuda") == torch.float16      # e.g. a T4 or V100: bf16 only emulated
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert G.pick_dtype("auto", "cuda:0") == torch.bfloat16
+    assert cli.pick_dtype("auto", "cuda:0") == torch.bfloat16
 
 
 def test_plain_decoding_has_tau_one(small):
@@ -131,7 +133,7 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
     ref = exact_joint(model, prompt, 3, temperature)
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter(
-        tuple(G.generate(model, prompt, 3, G.HeadsDrafter(heads, tree), verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
+        tuple(G.generate(model, prompt, 3, drafters.HeadsDrafter(heads, tree), verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
     return sum((counts[s] - n_samples * p) ** 2 / (n_samples * p) for s, p in ref.items() if n_samples * p > 0)
 
 
@@ -179,7 +181,7 @@ def test_broken_residual_rule_is_caught(monkeypatch):
 def test_same_seed_same_output(small):
     heads = random_heads(small, "hydra++")
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
-    runs = [G.generate(small, [1, 2, 3], 30, G.HeadsDrafter(heads, tree), "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
+    runs = [G.generate(small, [1, 2, 3], 30, drafters.HeadsDrafter(heads, tree), "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
             for _ in range(2)]
     assert runs[0] == runs[1]
     plain = [G.generate(small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
@@ -192,9 +194,9 @@ def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_pa
     over the shipped tree.json; heads in another dtype, or no tuned file, read tree.json."""
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
     tree_lib.save([[0], [1]], tmp_path / "tree.json")
-    assert G.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(tmp_path / "tree-cpu-float32.json")
-    tree_lib.save([[0], [0, 0]], G.tuned_tree_file(tmp_path, "cpu", torch.float32))
-    assert G.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
-    assert G.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
-    os.remove(G.tuned_tree_file(tmp_path, "cpu", torch.float32))
-    assert G.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]
+    assert cli.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(tmp_path / "tree-cpu-float32.json")
+    tree_lib.save([[0], [0, 0]], cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert cli.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
+    assert cli.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
+    os.remove(cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert cli.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]

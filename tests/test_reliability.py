@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+import drafters
 import generate as G
 import heads as heads_lib
 import model as model_lib
@@ -95,7 +96,7 @@ def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
     tree = tree_lib.build(tree_lib.cartesian([3, 2]))
     made, made_heads = spy_on_caches(monkeypatch, model), spy_on_caches(monkeypatch, heads)
     prompt = [1, 2, 3]
-    r = G.generate(model, prompt, 600 - len(prompt), G.HeadsDrafter(heads, tree))
+    r = G.generate(model, prompt, 600 - len(prompt), drafters.HeadsDrafter(heads, tree))
     assert len(r.tokens) == 597 and r.stopped == "length"
     assert sum(r.accepted) > 0  # drafts were accepted: the cache copies of keep() were exercised
     assert_untouched(made)

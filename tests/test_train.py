@@ -18,6 +18,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import cli
 import dataset as D
 import heads as heads_lib
 import model as model_lib
@@ -340,7 +341,7 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     assert (ids, loss) == (ids2, loss2)                             # from/value and role/content alike
     # the assistant's tokens, from its first word (the template's header belongs to the prompt, as in decoding)
     assert tokenizer.decode([t for t, m in zip(ids, loss) if m]).startswith("Hello, friend!")
-    assert ids[:loss.index(True)] == D.chat_ids(tokenizer, "Hi there")
+    assert ids[:loss.index(True)] == cli.encode(tokenizer, "Hi there")
 
 
 class Template:
@@ -439,7 +440,7 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
 def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model):
     # a real model, where attending to a wrong slot changes the answer (a tiny random one barely notices)
     model, tok = default_model
-    prompts = [D.chat_ids(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
+    prompts = [cli.encode(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
                                             "Explain photosynthesis in two sentences.", "What is 15% of 240?",
                                             "Name three primary colours.", "Say hello in German.", "What is 2 + 2?")]
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
@@ -610,7 +611,7 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
     from types import SimpleNamespace
 
     class Tokenizer:  # a token t is the word f"w{t}"; 2 ends a turn
-        eos_token_id = 2
+        eos_token_id, chat_template = 2, "<role>content"
         def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
             return "".join(f"<{m['role']}>{m['content']}" for m in messages) if not tokenize else [1, 1, 1]
         def __call__(self, text, add_special_tokens=False):

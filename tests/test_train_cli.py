@@ -4,7 +4,7 @@ keyed by the data's content and the settings that shape them, and rebuilt with a
 or damaged; --resume refuses flags other than the checkpoint's; Ctrl-C while the model writes its
 own data keeps the shards written and exits 130.
 
-Most cases call train.cli(argv) in-process, with model.load replaced by a tripwire (checks that must
+Most cases call train.cli_main(argv) in-process, with model.load replaced by a tripwire (checks that must
 fail before the model loads) or on a tiny random Llama saved to a folder (conftest.tiny_model_dir);
 two run `python train.py` in a subprocess, as a user meets it.
 """
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_train(capsys, *argv):
-    code = T.cli([str(a) for a in argv])
+    code = T.cli_main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 

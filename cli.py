@@ -1,0 +1,459 @@
+"""What a user typed, checked where it enters and reported in one line: shared by every script.
+
+The teaching files (tree, verify, generate.generate, heads, drafters, model) raise plain errors
+and never print. The scripts (generate.py, bench.py, train.py, checkpoint.py, tree.py) parse their
+flags with Parser, check them with the functions here, and run through run(), which turns every
+mistake of the user's into one line on stderr, "error: <what> ...; <fix>", and exit code 2 (no
+traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
+
+    UsageError, Parser, run(main, parser, argv)      the convention
+    notice(message)                                  a remark on stderr (stdout holds only results)
+    pick_device, pick_dtype, check_seed              the machine and randomness
+    writable_file, writable_folder, check_text       paths and text, checked before the work
+    read_prompts(path), encode(tokenizer, text)      prompt files; the one chat-template encoder
+    eos_ids(model, tokenizer)                        the one set of tokens that end a reply
+    find_heads, load_heads, load_tree, parse_draft, draft_settings, make_drafter
+                                                     generate.py's --heads, --tree and --draft
+
+Test: `python -m pytest -q tests/test_cli.py tests/test_reliability.py`.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+import drafters as drafters_lib
+import heads as heads_lib
+import model as model_lib
+import tree as tree_lib
+import verify as verify_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
+MAX_SEED = 2 ** 32 - 1  # train.py combines it with the step into one 64-bit seed
+
+
+# --- the convention ------------------------------------------------------------------------------
+# Bad input raises UsageError with a message that names the input and the fix; run() prints it.
+
+class UsageError(Exception):
+    """Bad input from the command line or a file; the message names it and the fix."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with defaults shown in --help and a mistake as one UsageError line."""
+
+    def __init__(self, **kw):
+        super().__init__(**{"formatter_class": argparse.ArgumentDefaultsHelpFormatter, **kw})
+
+    def error(self, message):  # argparse would print usage + message and exit; we want one line
+        raise UsageError(f"{message} (see --help)")
+
+
+def error_line(e) -> str:
+    return "error: " + " ".join(str(e).splitlines())
+
+
+def run(main, parser, argv=None, interrupted="[interrupted by Ctrl-C]") -> int:
+    """A script's exit code: main(args)'s return value (None = 0). Bad input or data: one line on
+    stderr, exit 2; a diverged training (FloatingPointError): one line, exit 1; Ctrl-C: what is
+    already on stdout stays, then `interrupted` on stderr, exit 130. No traceback for any of them."""
+    try:
+        return main(parser.parse_args(argv)) or 0
+    except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+        print(error_line(e), file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # training diverged: not a mistake in the input
+        print(error_line(e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\n" + interrupted, file=sys.stderr)
+        return 130
+
+
+def notice(message):
+    """A one-line remark on stderr (never stdout, which holds only the generated text)."""
+    print(f"notice: {message}", file=sys.stderr)
+
+
+# --- the machine and randomness ------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(name):
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if not re.fullmatch(r"cuda(:[0-9]+)?", name):
+        raise UsageError(f"--device {name}: unknown device; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if int(name.partition(":")[2] or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return name
+
+
+def pick_dtype(name, device):
+    if name == "auto":  # bf16 where it is native (results/README.md), else fp32 on a CPU
+        if torch.device(device).type == "cpu":
+            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        # a GPU before Ampere (compute capability < 8) emulates bf16 slowly; fp16 is native there
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if name not in DTYPES:
+        raise UsageError(f"--dtype {name}: unknown dtype; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_seed(seed):
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed {seed}: out of range; use 0 to {MAX_SEED}")
+
+
+# --- paths and text ------------------------------------------------------------------------------
+# Checked before the work, not after it: a folder that cannot be written is found in a second.
+
+def writable_file(flag, path, example):
+    """Fail now, not after the work: `path` must be a file (new or not) in an existing folder that
+    takes new files. Tried, not read off permission bits (root ignores those). Writes nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: not a file in an existing folder; give a path such as {example}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        if os.path.exists(path):
+            open(path, "ab").close()  # append mode: the file is left as it is
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder") from None
+
+
+def writable_folder(flag, path):
+    """Fail now, not after the work: `path` must be a folder that takes new files; it is created
+    (with its parents) if it does not exist."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a folder; give a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder") from None
+
+
+def check_text(text, what):
+    """Text must be valid Unicode to be tokenized and printed. A lone surrogate is not: Python makes
+    one of each command-line byte that is not UTF-8, and JSON of an unpaired escape like \\ud800."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what}: not valid Unicode text (a lone surrogate {text[e.start]!r} at character {e.start}, "
+                         "from bytes that are not UTF-8 or an unpaired \\ud800-\\udfff escape); pass UTF-8 text") from None
+    return text
+
+
+def read_prompts(path):
+    """JSONL with a "prompt" field (and optional "id", "category"): [(id, prompt, category)],
+    errors name the line."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of line 1
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise UsageError(f"--prompts {path}: cannot read it ({e.strerror})")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompts {path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8")
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise UsageError(f"--prompts {path}, line {n}: not valid JSON; write one {{\"prompt\": \"...\"}} object per line")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UsageError(f"--prompts {path}, line {n}: needs a string field \"prompt\", as in {{\"prompt\": \"...\"}}")
+        if not obj["prompt"].strip():
+            raise UsageError(f"--prompts {path}, line {n}: the prompt is empty; give it some text or drop the line")
+        prompts.append((obj.get("id", n), check_text(obj["prompt"], f"--prompts {path}, line {n}"), obj.get("category", "all")))
+    if not prompts:
+        raise UsageError(f"--prompts {path}: no prompts in the file; write one {{\"prompt\": \"...\"}} object per line")
+    return prompts
+
+
+def encode(tokenizer, text, system=None, raw=False):
+    """The prompt's token ids: the user message in the model's chat template (with a system
+    message if given), ending where the assistant's reply begins; raw, or no template: the text."""
+    if not text.strip():
+        raise UsageError("the prompt is empty; pass some text with --prompt")
+    if raw or not tokenizer.chat_template:
+        return tokenizer(text).input_ids
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def eos_ids(model, tokenizer) -> set:
+    """Token ids that end a reply: the model config's and the tokenizer's."""
+    return set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+# --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
+# Everything that needs no model is checked before one loads: a typo costs a second, not a load.
+
+# what --gamma, --ngram and --matches are for each drafter that takes them, when not given
+DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4}}
+
+
+def parse_draft(spec):
+    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers or model; N for layers:N."""
+    if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
+        if int(m[1]) < 1:
+            raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
+        return "layers", int(m[1])
+    if spec in ("heads", "lookup", "heads+lookup", "model"):
+        return spec, None
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number) or model")
+
+
+def draft_settings(args, kind):
+    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS; checks that only the
+    drafter's own flags are given and that its other flags fit it. Loads nothing."""
+    takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
+    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches") if getattr(args, k) is not None}
+    for k, v in given.items():
+        if k not in takes:
+            users = "lookup, heads+lookup, layers:N and model" if k == "gamma" else "lookup and heads+lookup"
+            raise UsageError(f"--{k} does not apply to --draft {args.draft} (only to {users}); drop it")
+        if v < 1:
+            raise UsageError(f"--{k} {v}: must be at least 1")
+    settings = takes | given
+    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"--gamma {settings['gamma']} x --matches {settings['matches']}: the lookup tree would be over "
+                         f"MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
+    if kind in ("layers", "model") and settings["gamma"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"--gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller --gamma")
+    if kind not in ("heads", "heads+lookup") and args.tree != "auto":
+        raise UsageError(f"--tree shapes the heads' tree, --draft {args.draft} has none; drop --tree or use --draft heads or heads+lookup")
+    if kind not in ("heads", "heads+lookup") and args.heads != "auto":
+        raise UsageError(f"--heads {args.heads}: --draft {args.draft} drafts without heads; drop --heads or use --draft heads or heads+lookup")
+    if kind == "heads+lookup" and args.heads == "none":
+        raise UsageError("--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup")
+    if kind == "model" and not args.draft_model:
+        raise UsageError("--draft model needs --draft-model NAME: a Llama-family folder or hub id with the same tokenizer as --model")
+    if kind != "model" and args.draft_model:
+        raise UsageError(f"--draft-model is used by --draft model, not --draft {args.draft}; add --draft model or drop --draft-model")
+    return settings
+
+
+def find_heads(name):
+    """--heads -> the folder to load heads from, or None (plain decoding). Loads nothing."""
+    if name == "none":
+        return None
+    if name == "auto":
+        folder = os.path.join(SHIPPED, "hydra++")
+        return folder if os.path.isdir(folder) else None
+    if name in heads_lib.KINDS:
+        folder = os.path.join(SHIPPED, name)
+        if not os.path.isdir(folder):
+            raise UsageError(f"--heads {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
+        return folder
+    if os.path.isdir(name):
+        return name
+    raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS)}")
+
+
+def load_heads(name, model):
+    """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder)."""
+    folder = find_heads(name)
+    if folder is None:
+        return None, None
+    try:
+        return heads_lib.load(folder, model), folder
+    except heads_lib.HeadsError as e:
+        if name == "auto":
+            return None, None  # shipped heads belong to the default model; another model runs plain
+        raise UsageError(f"--heads {name}: {e}") from None
+
+
+def parse_tree(spec):
+    """--tree spec -> paths (tree.parse: data only, nothing in it is ever evaluated)."""
+    try:
+        return tree_lib.parse(spec)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--tree: {e}") from None
+
+
+def tuned_tree_file(folder, device, dtype):
+    """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
+    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there."""
+    return os.path.join(folder, f"tree-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+
+
+def load_tree(spec, heads, heads_folder):
+    """--tree: a spec, or auto = the tree saved next to the heads (the one tuned for this device and
+    dtype if there is one, else tree.json), else a chain as deep as the heads."""
+    if heads is None:
+        return None
+    weight = next(heads.parameters())
+    saved = None
+    if heads_folder:
+        tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype)
+        saved = tuned if os.path.exists(tuned) else os.path.join(heads_folder, "tree.json")
+    if spec != "auto":
+        paths = parse_tree(spec)
+    elif saved and os.path.exists(saved):
+        paths, spec = parse_tree(saved), saved
+    else:
+        paths = tree_lib.chain(heads.cfg.num_heads)
+    t = tree_lib.build(paths)
+    if t.max_depth > heads.cfg.num_heads:
+        raise UsageError(f"--tree {spec}: depth {t.max_depth} needs {t.max_depth} heads, the heads have "
+                         f"{heads.cfg.num_heads}; use a tree at most {heads.cfg.num_heads} deep")
+    vocab = heads.cfg.kept_tokens or heads.cfg.vocab_size
+    if t.num_nodes > 1 and int(t.rank.max()) >= vocab:
+        raise UsageError(f"--tree {spec}: rank {int(t.rank.max())} asks a head for its top-{int(t.rank.max()) + 1} "
+                         f"tokens, the heads predict {vocab}; use smaller ranks")
+    return t
+
+
+def load_draft_model(name, model, tokenizer, device, dtype):
+    """--draft-model: a Llama-family model whose vocabulary is the base model's, token for token."""
+    try:
+        draft_model, draft_tokenizer = model_lib.load(name, device, dtype)
+    except model_lib.LoadError as e:
+        raise UsageError(f"--draft-model {name}: {e}") from None
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs or draft_model.cfg.vocab_size != model.cfg.vocab_size:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise UsageError(f"--draft-model {name}: its vocabulary differs from the model's ({len(theirs)} against {len(ours)} "
+                         f"tokens, {differ} entries differ; embeddings of {draft_model.cfg.vocab_size} against "
+                         f"{model.cfg.vocab_size} rows); use a draft model with the same tokenizer")
+    return draft_model
+
+
+def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temperature, top_p, generator):
+    """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
+    greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
+    dev = model.device
+    if kind == "heads":
+        return drafters_lib.HeadsDrafter(heads, tree) if heads is not None else drafters_lib.Plain(dev)
+    if kind == "lookup":
+        return drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
+    if kind == "heads+lookup":
+        return drafters_lib.heads_and_lookup(drafters_lib.HeadsDrafter(heads, tree), settings["gamma"], settings["ngram"],
+                                             settings["matches"], dev)
+    if kind == "layers":
+        return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
+    return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
+
+
+def flags_without_effect(args, parser):
+    """One remark for each flag set away from its default that the chosen mode ignores."""
+    changed = lambda name: getattr(args, name) != parser.get_default(name)
+    ignored = []
+    if args.temperature == 0:
+        ignored += [f"--{n.replace('_', '-')} has no effect at --temperature 0 (greedy decoding)"
+                    for n in ("top_p", "seed") if changed(n)]
+        if args.verify in ("sample", "typical"):
+            ignored.append(f"--verify {args.verify} at --temperature 0 is greedy verification (same output)")
+    if args.heads == "none" and args.draft == "heads" and changed("verify"):
+        ignored.append("--verify has no effect without a drafter (--heads none)")
+    if args.raw and args.system is not None:
+        ignored.append("--system has no effect with --raw (no chat template)")
+    if args.show and args.quiet:
+        ignored.append("--show has no effect with --quiet (no text is printed)")
+    elif args.show and not sys.stdout.isatty():
+        ignored.append("--show colours only a terminal; stdout is not one, so the text is written plain")
+    return ignored
+
+
+def check_generate_args(args, parser):
+    """generate.py's checks that need no model; remarks for flags without effect. Returns --draft's
+    (kind, N) and its settings."""
+    if args.prompt is None and args.prompts is None:
+        raise UsageError("give a --prompt \"...\" or a --prompts FILE.jsonl")
+    if args.prompt is not None and args.prompts is not None:
+        raise UsageError("give either --prompt or --prompts, not both")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("the prompt is empty; pass some text with --prompt")
+    for flag in ("prompt", "system"):
+        if getattr(args, flag) is not None:
+            check_text(getattr(args, flag), f"--{flag}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
+    if 0 < args.temperature < verify_lib.GREEDY_BELOW:
+        notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: decoding greedily, as at 0")
+        args.temperature = 0.0
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.verify == "greedy" and args.temperature > 0:
+        raise UsageError("--verify greedy decodes at temperature 0; drop --temperature or use --verify sample")
+    check_seed(args.seed)
+    if args.heads == "none" and args.tree != "auto":
+        raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
+    kind, layers = parse_draft(args.draft)
+    settings = draft_settings(args, kind)
+    if args.out:
+        writable_file("--out", args.out, "replies.jsonl")
+        if args.prompts and os.path.isfile(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
+            raise UsageError(f"--out {args.out} is the --prompts file: the replies would overwrite the prompts; give another --out")
+    pick_dtype(args.dtype, pick_device(args.device))
+    if args.tree != "auto":
+        parse_tree(args.tree)  # checked now, built once the heads are loaded
+    find_heads(args.heads)
+    for message in flags_without_effect(args, parser):
+        notice(message)
+    return kind, layers, settings
+
+
+def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
+    """generate.py's drafter, once the model is loaded: heads, their tree, a draft model, checked."""
+    heads, heads_folder = load_heads(args.heads, model) if kind in ("heads", "heads+lookup") else (None, None)
+    tree = load_tree(args.tree, heads, heads_folder)
+    if kind == "heads+lookup" and heads is None:
+        raise UsageError(f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with train.py and "
+                         "pass --heads FOLDER, or use --draft lookup")
+    if kind == "layers" and layers >= model.cfg.n_layers:
+        raise UsageError(f"--draft {args.draft}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
+                         f"{model.cfg.n_layers - 1} (all of them would be the model itself)")
+    draft_model = load_draft_model(args.draft_model, model, tokenizer, model.device, model.dtype) if kind == "model" else None
+    sampled = args.temperature > 0 and args.verify in ("auto", "sample")  # drafts for Leviathan's rule, else greedy ones
+    drafter = make_drafter(kind, layers, settings, model, heads, tree, draft_model,
+                           args.temperature if sampled else 0.0, args.top_p, generator)
+    if drafter.max_nodes > tree_lib.MAX_NODES:
+        raise UsageError(f"--draft {args.draft}: trees of up to {drafter.max_nodes} nodes, over MAX_NODES={tree_lib.MAX_NODES}; "
+                         "use a smaller --tree or --gamma")
+    return drafter
+
+
+def encode_prompts(prompts, tokenizer, args, context):
+    """[(id, token ids)] of the prompts, each with room for --max-new-tokens in the model's context."""
+    encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text, _ in prompts]
+    for pid, ids in encoded:
+        which = "the prompt" if args.prompts is None else f"prompt {pid}"
+        room = context - len(ids)
+        if room < 1:
+            raise UsageError(f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and reply together); shorten it")
+        if args.max_new_tokens > room:
+            raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {which} ({len(ids)} tokens) leaves room for "
+                             f"{room} in the model's context of {context}; ask for at most {room}")
+    return encoded
+
+
+def open_output(path):
+    """--out, opened for writing (None: no file)."""
+    try:
+        return open(path, "w", encoding="utf-8") if path else None
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
