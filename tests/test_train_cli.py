@@ -128,7 +128,7 @@ def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_mo
     chats = conversations(tmp_path / "chats.jsonl")
     folder = tmp_path / "features-chats.jsonl"
     shard = folder / "shard-00000.safetensors"
-    run = lambda *flags: run_train(capsys, "--model", tiny_model_dir, "--data", chats, "--work", tmp_path, *TINY_RUN, *flags)
+    run = lambda *flags: run_train(capsys, "--model", tiny_model_dir, "--data", chats, "--work", tmp_path, *TINY_RUN, "--overwrite", *flags)
 
     code, _, err = run("--gen-batch", 4)
     assert code == 0, err
@@ -180,6 +180,33 @@ def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_
     code, _, err = run_train(capsys, *common[:2], "--data", other, *common[4:], "--resume")
     check_one_line_error(code, err.strip().splitlines()[-1], "written for other heads or data (data: 30 conversations")
     assert (out / T.STATE).read_bytes() == state
+
+
+def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """train.py --out FOLDER into a folder holding a run: refused (exit 2, nothing touched) unless
+    --resume or --overwrite; --overwrite replaces the run's files and its tuned trees, nothing else."""
+    chats, out = conversations(tmp_path / "chats.jsonl"), tmp_path / "heads"
+    common = ["--model", tiny_model_dir, "--data", chats, "--work", tmp_path, "--out", out, *TINY_RUN]
+    assert run_train(capsys, *common)[0] == 0
+    (out / "tree-cpu-float32.json").write_text('{"paths": [[0]]}')        # tuned for these heads
+    (out / "notes.txt").write_text("mine")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    with monkeypatch.context() as mp:                                      # refused before the model loads
+        mp.setattr(model_lib, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        check_one_line_error(*run_train(capsys, *common, "--seed", 1)[::2], f"--out {out}", "heads.json",
+                             "--resume to continue", "--overwrite")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+    empty_resume = tmp_path / "other"
+    empty_resume.mkdir()
+    (empty_resume / "heads.json").write_text("{}")
+    check_one_line_error(*run_train(capsys, *common[:-len(TINY_RUN) - 2], "--out", empty_resume, *TINY_RUN, "--resume")[::2],
+                         "--resume finds no checkpoint")
+
+    code, _, err = run_train(capsys, *common, "--seed", 1, "--overwrite")
+    assert code == 0, err
+    assert not (out / "tree-cpu-float32.json").exists() and (out / "notes.txt").read_text() == "mine"
+    assert (out / "heads.safetensors").read_bytes() != before["heads.safetensors"]
 
 
 def self_distilled_shard(folder, n=2, k=16, dim=16):

@@ -1,0 +1,126 @@
+"""The CUDA path, guarded on a CPU: tensors that would live on an accelerator never mix with host
+tensors where CUDA would refuse ("Expected all tensors to be on the same device").
+
+No GPU runs in CI, so SimulatedDevice replays CUDA's rule on CPU tensors: a tensor is "on the
+device" when it was made with an explicit device (device=..., .to(device)), or computed from one
+that is (the model's and the heads' weights are); every other tensor is host memory. CUDA then
+refuses an op that mixes a device tensor with a host tensor of one or more dimensions (a 0-d host
+tensor is a scalar, which CUDA accepts), an in-place op that writes device values into host memory,
+and indexing host memory with device indices. The same code run with device="cpu" cannot tell
+the two apart; this mode can.
+"""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+import drafters
+import generate as G
+import heads as heads_lib
+import train as T
+import tree as tree_lib
+from conftest import tiny_config
+import dataset as D
+from test_train import args_for, features  # noqa: F401 (a fixture)
+
+FACTORIES = {"zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
+             "randperm", "eye", "linspace", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like"}
+INDEXING = {"__getitem__", "__setitem__", "index_select", "gather", "take"}
+
+
+def on_device(t):
+    return getattr(t, "_on_device", False)
+
+
+def place(t, device):
+    t._on_device = device
+    return t
+
+
+class SimulatedDevice(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        dev = [x for x in inputs if on_device(x)]
+        host = [x for x in inputs if not on_device(x)]
+        if dev and host and name not in FACTORIES | {"to", "copy_"}:
+            self_ = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if name in INDEXING and self_ is not None and on_device(self_):
+                pass  # device memory indexed by host indices: CUDA copies them over
+            elif name in INDEXING or (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):
+                if self_ is not None and not on_device(self_):  # writes or reads host memory with device data
+                    raise RuntimeError(f"{name}: host tensor {tuple(self_.shape)} with a device tensor")
+            elif any(x.dim() > 0 for x in host):
+                raise RuntimeError(f"{name}: device and host tensors mixed: {[tuple(x.shape) for x in host if x.dim()]}")
+        out = func(*args, **kwargs)
+        if name in FACTORIES:
+            where = kwargs.get("device") is not None or (name.endswith("_like") and bool(dev))
+        elif name in ("to", "cuda"):
+            moved = kwargs.get("device") is not None or any(isinstance(a, (str, torch.device)) for a in args[1:])
+            where = moved or bool(dev)
+            if moved and out is args[0]:  # .to() of what is already there returns it: a device copy is another tensor
+                out = out.view_as(out)
+        elif name in ("cpu", "numpy"):
+            where = False
+        else:
+            where = bool(dev)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                place(t, where)
+        return out
+
+
+def placed(module):
+    for t in list(module.parameters()) + list(module.buffers()):
+        place(t, True)
+    return module
+
+
+def test_the_simulation_catches_what_cuda_refuses():
+    """The pattern of the crash in train.evaluate: host counters that device scalars are added to."""
+    with SimulatedDevice():
+        x = torch.ones(3, device="cpu")                     # on the device
+        counts = torch.zeros(3)                             # host
+        with pytest.raises(RuntimeError, match="host tensor"):
+            counts[0] += x.sum()
+        with pytest.raises(RuntimeError, match="mixed"):
+            x + torch.ones(3)
+        x + torch.ones(())                                  # a host scalar is fine
+        x[torch.tensor([0, 1])]                             # device memory, host indices: fine
+        with pytest.raises(RuntimeError, match="host tensor"):
+            torch.ones(3)[x.long()]
+        (x.sum().cpu() + counts).tolist()                   # explicit transfers are fine
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    import model as model_lib
+    return placed(model_lib.Transformer(tiny_config(vocab_size=64)).eval())
+
+
+@pytest.mark.parametrize("kind", heads_lib.KINDS)
+def test_generate_keeps_to_the_device(small, kind):
+    heads = placed(heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), small).eval())
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    with SimulatedDevice():  # drafters move their trees to the device when they are built
+        for drafter in (None, drafters.HeadsDrafter(heads, tree), drafters.Lookup(3, 2, 1, "cpu")):
+            assert len(G.generate(small, [1, 2, 3, 1, 2], 12, drafter).tokens) == 12
+        g = torch.Generator().manual_seed(0)
+        G.generate(small, [1, 2, 3], 8, drafters.HeadsDrafter(heads, tree), "sample", 0.8, 1.0, g)
+
+
+def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
+    """train.evaluate added device counts into host counters: a crash at the first evaluation on CUDA."""
+    base, folder = features
+    data, args = D.load_data(folder), args_for(tmp_path)
+    kept, to_kept, _ = T.kept_vocabulary(data, base.cfg.vocab_size, args.kept_tokens)
+    heads = placed(heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), placed(base), kept).train())
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-3)
+    held_out, train_convs = T.split(len(data["offsets"]) - 1, 0)
+    with SimulatedDevice():
+        batch = T.collate(data, train_convs[:4], to_kept, 2, base.device)
+        T.train_step(T.TrainForward(heads), opt, batch, 1e-3, "teacher")
+        report = T.evaluate(heads.eval(), data, held_out, to_kept, args, base.device)
+    assert report["chain_tau"] >= 1
