@@ -312,6 +312,9 @@ def load_tree(spec, heads, heads_folder):
         paths = parse_tree(spec)
     elif saved and os.path.exists(saved):
         paths, spec = parse_tree(saved), saved
+        if weight.device.type != "cpu" and saved != tuned:
+            notice(f"no tree tuned for {weight.device.type} and {str(weight.dtype).removeprefix('torch.')} in {heads_folder}: "
+                   f"using {os.path.basename(saved)}, tuned on a CPU; bench.py --tune-tree picks one for this machine")
     else:
         paths = tree_lib.chain(heads.cfg.num_heads)
     t = tree_lib.build(paths)

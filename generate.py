@@ -83,6 +83,9 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
     if not prompt or len(prompt) + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
                          f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}")
+    if generator is not None and generator.device.type != torch.device(dev).type:
+        raise ValueError(f"the generator is on {generator.device}, the model on {dev}: sampling needs a generator "
+                         f"made on the model's device, torch.Generator(device={str(dev)!r})")
     verifier = choose_verifier(verify, temperature, top_p, generator)
     eos_ids = set(eos_ids)
     out = Result()

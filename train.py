@@ -307,8 +307,10 @@ def collate(data, convs, to_kept, K, device):
     for j in range(1, K + 1):
         n = max(T - 1 - j, 0)                                          # none when the batch is that short
         valid[:, :n, j - 1] = loss[:, 1 + j:1 + j + n]
-    return dict(ids=ids.to(device), hidden=hidden.to(device), valid=valid.to(device),
-                top_ids=to_kept[top_ids].to(device), top_p=top_p.to(device), targets=to_kept[ids].to(device))
+    pinned = device.type == "cuda"  # page-locked host memory: the copies overlap the GPU's work
+    move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)
+    return dict(ids=move(ids), hidden=move(hidden), valid=move(valid), top_ids=move(to_kept[top_ids]),
+                top_p=move(top_p), targets=move(to_kept[ids]))
 
 
 def head_states(heads, batch, noise=0.0, generator=None):
@@ -789,12 +791,9 @@ def clear_run(out):
             os.remove(os.path.join(out, name))
 
 
-def main(args):
-    check_args(args)
-    digest = dataset.file_digest(args.data) if args.data != "self" else None
-    rank, world, device = init_distributed(args.device)
-    if rank > 0:
-        dist.barrier()  # wait for rank 0 (below)
+def setup(args, digest, device):
+    """The model, the heads folder and the data folder this run uses: (model, tokenizer, out, writer,
+    key, folder). The writer is the model that writes the data and computes the features."""
     model, tokenizer = model_lib.load(args.model, device, torch.float32)
     check_model_args(args, model)
     work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
@@ -803,43 +802,72 @@ def main(args):
         writable_folder("--work", work)
         writable_folder("--out", out)
         check_out(out, args)
-    writer = data_model(model, args.dtype)  # the model that writes data and computes features
+    writer = data_model(model, args.dtype)
     key = dataset.data_key(writer, args.teacher_k, digest)
     if args.data == "self":
         folder = os.path.join(work, "self_distill")
     else:
         folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
+    return model, tokenizer, out, writer, key, folder
+
+
+def build_data(args, tokenizer, writer, key, folder):
+    """Rank 0's data stage: self-distilled data or a user's file's features, on disk (resumable).
+    Returns an exit code when the run ends here (--export-conversations, Ctrl-C), else None."""
+    on_sigterm = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        if args.data == "self":
+            dataset.check_self_data(folder, key)
+            if args.continue_from:
+                dataset.continue_from(writer, folder, args.continue_from, key)
+            print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
+            dataset.self_distill(writer, tokenizer, folder, args)
+        elif problem := dataset.features_problem(folder, key):
+            if os.path.isdir(folder):
+                notice(f"the features in {folder} cannot be used: {problem}; computing them again")
+            convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer)
+            print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
+            dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
+    except KeyboardInterrupt as e:
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        how = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        kept = dataset.saved_so_far(folder, args.data == "self")
+        print(f"\n[train] interrupted by {how} while building the data: {kept}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    if args.export_conversations:
+        n, tokens, answers = dataset.export_conversations(folder, args.export_conversations)
+        print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
+              f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
+        print(f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}", file=sys.stderr)
+        return 0
+    return None
+
+
+def main(args):
+    check_args(args)
+    digest = dataset.file_digest(args.data) if args.data != "self" else None
+    rank, world, device = init_distributed(args.device)
+    # Rank 0 converts the model and builds the data while the others wait; whatever happens to it
+    # (done early, an error, Ctrl-C), it tells them, so that no rank waits for ever.
+    outcome = ["failed"]
     if rank == 0:
-        on_sigterm = signal.signal(signal.SIGTERM, raise_terminated)
         try:
-            if args.data == "self":
-                dataset.check_self_data(folder, key)
-                if args.continue_from:
-                    dataset.continue_from(writer, folder, args.continue_from, key)
-                print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
-                dataset.self_distill(writer, tokenizer, folder, args)
-            elif problem := dataset.features_problem(folder, key):
-                if os.path.isdir(folder):
-                    notice(f"the features in {folder} cannot be used: {problem}; computing them again")
-                convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer)
-                print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
-                dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
-        except KeyboardInterrupt as e:
-            signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-            how = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-            kept = dataset.saved_so_far(folder, args.data == "self")
-            print(f"\n[train] interrupted by {how} while building the data: {kept}", file=sys.stderr)
-            return 128 + signum
+            model, tokenizer, out, writer, key, folder = setup(args, digest, device)
+            code = build_data(args, tokenizer, writer, key, folder)
+            outcome = ["train" if code is None else "done"]
         finally:
-            signal.signal(signal.SIGTERM, on_sigterm)
-        if args.export_conversations:
-            n, tokens, answers = dataset.export_conversations(folder, args.export_conversations)
-            print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
-                  f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
-            print(f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}", file=sys.stderr)
-            return
-        if world > 1:
-            dist.barrier()  # the model cache and the data are on disk: let the others go
+            if world > 1:
+                dist.broadcast_object_list(outcome, src=0)
+        if code is not None:
+            return code
+    else:
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] != "train":
+            dist.destroy_process_group()
+            return 0 if outcome[0] == "done" else 1
+        model, tokenizer, out, writer, key, folder = setup(args, digest, device)
     data = dataset.load_data(folder)
     if rank == 0:
         print(f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "

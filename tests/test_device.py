@@ -124,3 +124,10 @@ def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
         T.train_step(T.TrainForward(heads), opt, batch, 1e-3, "teacher")
         report = T.evaluate(heads.eval(), data, held_out, to_kept, args, base.device)
     assert report["chain_tau"] >= 1
+
+
+def test_a_generator_on_another_device_is_named_before_decoding():
+    import model as model_lib
+    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")   # a device that is not the generator's
+    with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
+        G.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())

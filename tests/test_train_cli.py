@@ -310,3 +310,37 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
     fake.write_bytes(b"not safetensors")
     check_one_line_error(*run_train(capsys, "--model", tiny_model_dir, "--data", fake, "--work", tmp_path)[::2],
                          "not a conversations file written by --export-conversations")
+
+
+# --- torchrun: the ranks stop together ----------------------------------------------------------
+
+def rank_worker(rank, port, argv, results):
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with open(os.path.join(results, f"rank{rank}"), "w") as f:
+        f.write(str(T.cli_main(argv)))
+
+
+@pytest.mark.parametrize("case", ["export", "bad data"])
+def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(tmp_path, tiny_model_dir, case):
+    """Rank 0 builds the data while the others wait; --export-conversations (done) or bad data (an
+    error) used to leave them waiting at a barrier for ever."""
+    import socket
+    chats = conversations(tmp_path / "chats.jsonl")
+    if case == "bad data":
+        chats.write_text("{not json\n")
+    extra = ["--export-conversations", tmp_path / "c.safetensors"] if case == "export" else []
+    argv = [str(a) for a in ["--model", tiny_model_dir, "--data", chats, "--work", tmp_path, "--device", "cpu", *TINY_RUN, *extra]]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.start_processes(rank_worker, args=(port, argv, str(tmp_path)), nprocs=2,
+                                                start_method="fork", join=False)
+    deadline = time.time() + 240
+    while not ctx.join(timeout=2):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("a rank is still waiting")
+    codes = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
+    assert codes == ([0, 0] if case == "export" else [2, 1]), codes
