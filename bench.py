@@ -77,7 +77,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
     p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
-    p.add_argument("--heads-dir", default=cli.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
+    p.add_argument("--heads-dir", default=cli.SHIPPED, help="where the heads methods find their heads: a heads folder as train.py "
+                   "writes it (its kind names the method), or a folder holding KIND/ or heads-KIND/ folders (medusa, hydra, hydra++)")
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -219,11 +220,35 @@ def layers_setting(args, model):
     return model.cfg.n_layers // 2, cli.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
 
 
+def heads_folder(heads_dir, kind):
+    """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
+    train.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder; or None."""
+    for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
+        try:
+            with open(os.path.join(folder, heads_lib.CONFIG)) as f:
+                if json.load(f).get("kind") == kind:
+                    return folder
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def load_heads(args, name, folder, model, asked):
+    """The heads in `folder`, or None for shipped heads of another base model when --methods is all."""
+    try:
+        return heads_lib.load(folder, model)
+    except heads_lib.HeadsError as e:
+        if name in asked or args.heads_dir != cli.SHIPPED:
+            raise cli.UsageError(f"--heads-dir {args.heads_dir}: {e}") from None
+        return None
+
+
 def build_methods(args, model, tokenizer, eos, device, dtype):
     """The methods asked for, and a note for each one skipped."""
     wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in wanted if m not in METHODS]:
         raise cli.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    asked = set() if args.methods == "all" else set(wanted)  # named: a missing one is an error, not a skip
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
     look = cli.DRAFT_DEFAULTS["lookup"]
@@ -261,12 +286,15 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             methods[name] = Method(name, theirs(hf, counter, eos, **kw), greedy=True)
         else:
             kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
-            folder = os.path.join(args.heads_dir, kind)
-            if not os.path.isfile(os.path.join(folder, heads_lib.CONFIG)):
-                notes.append(f"{name}: skipped (no heads in {folder})")
-                continue
+            folder = heads_folder(args.heads_dir, kind)
             if kind not in loaded:
-                heads, _ = cli.load_heads(folder, model)
+                heads = load_heads(args, name, folder, model, asked) if folder else None
+                if heads is None:
+                    if name in asked:
+                        raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}; give a heads "
+                                             "folder that train.py wrote (or a folder holding KIND/ or heads-KIND/ folders)")
+                    notes.append(f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})")
+                    continue
                 loaded[kind] = heads, cli.load_tree("auto", heads, folder)
             heads, tree = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
@@ -488,7 +516,9 @@ def smallest_within(rows, tie):
 
 @torch.inference_mode()
 def tune_tree(args, model, prompts, device):
-    folder = os.path.join(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
+    folder = heads_folder(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
+    if folder is None:
+        raise cli.UsageError(f"--heads {args.heads}: no {args.heads} heads in --heads-dir {args.heads_dir}; give a heads folder")
     heads, _ = cli.load_heads(folder, model)
     try:
         with open(os.path.join(folder, "eval.json")) as f:
@@ -646,6 +676,8 @@ def check_args(args):
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise cli.UsageError(f"--temperature {args.temperature}: must be a number >= 0")
     cli.check_seed(args.seed)
+    if not os.path.isdir(args.heads_dir):
+        raise cli.UsageError(f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote")
     if args.json:
         cli.writable_file("--json", args.json, "results/bench.json")
     if args.plots:

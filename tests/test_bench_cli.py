@@ -134,3 +134,39 @@ def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
     rows[-1]["tokens_per_s"] = 140.0
     assert B.smallest_within(rows, B.TREE_TIE)["budget"] == 8
     assert B.smallest_within(rows, 0.0)["budget"] == 8
+
+
+def saved_heads(folder, model_dir, kind="hydra++"):
+    """Untrained heads of `kind` for the model in model_dir, saved as train.py saves them."""
+    import heads as heads_lib
+    import model as model_lib
+    base, _ = model_lib.load(model_dir)
+    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base), folder)
+    return folder
+
+
+def test_heads_folders_as_train_writes_them(capsys, tmp_path, tiny_model_dir):
+    """--heads-dir takes a heads folder itself or a folder of heads-KIND/ folders (train.py's names);
+    a heads method that --methods names and that is not there is an error, not a skip."""
+    saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
+    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1,
+              "--max-new-tokens", 4, "--dtype", "fp32"]
+    for heads_dir in (tmp_path / "heads-hydra++", tmp_path):
+        code, out, err = run_bench(capsys, *common, "--methods", "plain,hydra++", "--heads-dir", heads_dir)
+        assert code == 0 and "| hydra++ |" in out, err
+    check_one_line_error(*run_bench(capsys, *common, "--methods", "medusa", "--heads-dir", tmp_path)[::2],
+                         "--methods medusa: no medusa heads in --heads-dir")
+
+
+def test_a_missing_heads_dir_is_refused_before_the_model_loads(no_model, capsys, tmp_path):
+    check_one_line_error(*run_bench(capsys, "--heads-dir", tmp_path / "typo", "--prompts", prompts_file(tmp_path))[::2],
+                         "--heads-dir", "no such folder")
+
+
+def test_another_model_skips_the_shipped_heads_unless_they_are_named(capsys, tmp_path, tiny_model_dir):
+    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1,
+              "--max-new-tokens", 4, "--dtype", "fp32"]
+    code, out, err = run_bench(capsys, *common, "--methods", "plain,lookup,medusa")
+    check_one_line_error(code, err, "--heads-dir", "heads were trained for")
+    code, out, err = run_bench(capsys, *common, "--methods", "all")
+    assert code == 0 and "medusa: skipped (no medusa heads for this model" in err and "| lookup |" in out, err
