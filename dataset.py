@@ -392,50 +392,90 @@ def folder_prompts(folder):
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def read_sharegpt(path, tokenizer):
-    """[(ids, loss mask)] from a JSONL file of {"conversations": [{"from"|"role", "value"|"content"}]}.
-    The loss mask marks the assistant's tokens. Errors name the line; nothing is dropped silently."""
+def records(path):
+    """[(where, record)] of a data file: JSON Lines (one object a line) or one JSON array of objects;
+    `where` names the line or the array index for messages."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
-    convs = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    if text.lstrip().startswith("["):  # the usual ShareGPT .json: one array
         try:
-            turns = json.loads(line)["conversations"]
-            messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
-                        for t in turns]
-            assert messages and all(isinstance(m["content"], str) for m in messages)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, AttributeError, RecursionError):
-            raise ValueError(f"{path}, line {n}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", "
-                             f"\"value\": \"...\"}}, ...]}} (or role/content)")
-        for m in messages:
-            check_text(m["content"], f"{path}, line {n}")
-        ids, loss = [], []
-
-        def extend(upto, speaker_is_assistant, generation_prompt=False):
-            """Append the tokens that rendering messages[:upto] adds after `ids`."""
+            return [(f"{path}, record {i}", r) for i, r in enumerate(json.loads(text))]
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix the file") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
             try:
-                text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
-            except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
-                raise ValueError(f"{path}, line {n}: the model's chat template refuses this conversation "
-                                 f"({' '.join(str(e).split())}); fix the turns or leave the line out") from None
-            full = tokenizer(text, add_special_tokens=False).input_ids
-            if full[:len(ids)] != ids:
-                raise ValueError(f"{path}, line {n}: the chat template renders the earlier turns differently once turn "
-                                 f"{upto} follows, so its tokens cannot be given to their speakers; leave the line out")
-            new = full[len(ids):]
-            ids.extend(new)
-            loss.extend([speaker_is_assistant] * len(new))
+                out.append((f"{path}, line {n}", json.loads(line)))
+            except (json.JSONDecodeError, RecursionError) as e:
+                out.append((f"{path}, line {n}", ValueError(f"{path}, line {n}: not valid JSON ({getattr(e, 'msg', e)})")))
+    return out
 
-        for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
-            if m["role"] == "assistant" and i > 0:
-                extend(i, False, generation_prompt=True)  # the assistant's header is the prompt's, as in decoding
-            extend(i + 1, m["role"] == "assistant")
-        convs.append((ids, loss))
+
+def messages_of(record, where):
+    """[{"role", "content"}] of a ShareGPT record ({"conversations": [{"from", "value"}]}) or an
+    OpenAI-style one ({"messages": [{"role", "content"}]})."""
+    if isinstance(record, Exception):
+        raise record
+    try:
+        turns = record["conversations"] if "conversations" in record else record["messages"]
+        messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
+                    for t in turns]
+        assert messages and all(isinstance(m["content"], str) for m in messages)
+    except (KeyError, TypeError, AssertionError, AttributeError):
+        raise ValueError(f"{where}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", \"value\": \"...\"}}, ...]}} "
+                         f"or {{\"messages\": [{{\"role\": \"user\"|\"assistant\", \"content\": \"...\"}}, ...]}}") from None
+    for m in messages:
+        check_text(m["content"], where)
+    return messages
+
+
+def conversation_tokens(messages, tokenizer, where):
+    """(ids, loss mask) of a conversation in the chat template; the mask marks the assistant's tokens."""
+    ids, loss = [], []
+
+    def extend(upto, speaker_is_assistant, generation_prompt=False):
+        """Append the tokens that rendering messages[:upto] adds after `ids`."""
+        try:
+            text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
+            raise ValueError(f"{where}: the model's chat template refuses this conversation "
+                             f"({' '.join(str(e).split())}); fix the turns or leave the line out") from None
+        full = tokenizer(text, add_special_tokens=False).input_ids
+        if full[:len(ids)] != ids:
+            raise ValueError(f"{where}: the chat template renders the earlier turns differently once turn "
+                             f"{upto} follows, so its tokens cannot be given to their speakers; leave the line out")
+        new = full[len(ids):]
+        ids.extend(new)
+        loss.extend([speaker_is_assistant] * len(new))
+
+    for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
+        if m["role"] == "assistant" and i > 0:
+            extend(i, False, generation_prompt=True)  # the assistant's header is the prompt's, as in decoding
+        extend(i + 1, m["role"] == "assistant")
+    return ids, loss
+
+
+def read_sharegpt(path, tokenizer, skip_bad=False):
+    """[(ids, loss mask)] from a ShareGPT-style or OpenAI-style data file (JSONL or a JSON array).
+    The loss mask marks the assistant's tokens. Errors name the line; skip_bad leaves bad records
+    out and says how many, else the first one stops the run. Nothing is dropped silently."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{path}: the model's tokenizer has no chat template, so conversations cannot be laid out "
+                         "as the model reads them; use a chat model (tokenizer_config.json with a chat_template)")
+    convs, bad = [], []
+    for where, record in records(path):
+        try:
+            convs.append(conversation_tokens(messages_of(record, where), tokenizer, where))
+        except ValueError as e:
+            if not skip_bad:
+                raise
+            bad.append(str(e))
+    if bad:
+        notice(f"{len(bad)} of {len(bad) + len(convs)} conversations left out (--skip-bad); the first: {bad[0]}")
     if not convs:
         raise ValueError(f"{path}: no conversations in the file")
     if not any(any(loss) for _, loss in convs):

@@ -88,6 +88,8 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
+    p.add_argument("--skip-bad", action="store_true", help="with --data FILE: leave out conversations that cannot be read (bad JSON, "
+                   "unknown roles, a template that refuses them) and say how many, instead of stopping at the first")
     p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it. An existing FILE is replaced only by more of its own conversations (the data grew)")
     p.add_argument("--continue-from", default=None, metavar="FILE", help="self-distillation: begin the data set with the conversations of FILE.safetensors (written by --export-conversations, e.g. the one in data/), their features computed in one pass, and write new ones from there up to --num-prompts")
     p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
@@ -411,7 +413,7 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
 
 STATE = "state.pt"
 RESUME_MAY_CHANGE = ("eval_every", "save_every")                # the new value is used
-NOT_RECORDED = ("resume", "overwrite", "out", "work", "device", "model", "data", "export_conversations", "continue_from")  # places; model and data: by identity
+NOT_RECORDED = ("resume", "overwrite", "skip_bad", "out", "work", "device", "model", "data", "export_conversations", "continue_from")  # places; model and data: by identity
 SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "max_prompt_tokens", "gen_batch", "answer_temperature", "seeds")
 
 
@@ -825,7 +827,7 @@ def build_data(args, tokenizer, writer, key, folder):
         elif problem := dataset.features_problem(folder, key):
             if os.path.isdir(folder):
                 notice(f"the features in {folder} cannot be used: {problem}; computing them again")
-            convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer)
+            convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer, args.skip_bad)
             print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
             dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
     except KeyboardInterrupt as e:

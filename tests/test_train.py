@@ -344,8 +344,37 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     assert ids[:loss.index(True)] == cli.encode(tokenizer, "Hi there")
 
 
+def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(default_model, tmp_path, capsys):
+    """The usual ShareGPT .json (one array), OpenAI-style {"messages": ...}, and --skip-bad, which
+    leaves bad records out with a count instead of stopping at the first."""
+    _, tokenizer = default_model
+    openai = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}
+    array = tmp_path / "chats.json"
+    array.write_text(json.dumps([GOOD, openai], indent=2))
+    first, second = D.read_sharegpt(str(array), tokenizer)
+    assert first == second                                          # the same conversation in both formats
+    array.write_text(json.dumps([GOOD, {"messages": "no"}]))
+    with pytest.raises(ValueError, match=r"chats\.json, record 1: expected"):
+        D.read_sharegpt(str(array), tokenizer)
+    array.write_text('[{"conversations": [\n  oops]}]')
+    with pytest.raises(ValueError, match=r"not valid JSON at line 2"):
+        D.read_sharegpt(str(array), tokenizer)
+    lines = tmp_path / "chats.jsonl"
+    lines.write_text("\n".join([json.dumps(GOOD), "{not json", json.dumps(openai), '{"conversations": 3}']) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: not valid JSON"):
+        D.read_sharegpt(str(lines), tokenizer)
+    assert len(D.read_sharegpt(str(lines), tokenizer, skip_bad=True)) == 2
+    assert "2 of 4 conversations left out (--skip-bad); the first: " in capsys.readouterr().err
+    no_template = Template(lambda ms: "")
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        D.read_sharegpt(str(lines), no_template)
+
+
 class Template:
     """A stand-in tokenizer: a chat template `render(messages) -> text`, one token per character."""
+    chat_template = "render"
+
     def __init__(self, render):
         self.render = render
 
