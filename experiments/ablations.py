@@ -2,7 +2,7 @@
 writes into each run's --out folder. Writes a Markdown table and an SVG bar chart of held-out
 chain tau (hand-written: the project does not depend on a plotting library).
 
-    python results/ablations.py results/ablations "K=3 (baseline)=runs/base" "K=5=runs/k5" ...
+    python experiments/ablations.py results/ablations "K=3 (baseline)=runs/base" "K=5=runs/k5" ...
 
 Each argument is LABEL=FOLDER (the label may contain '=': the last one splits). Runs compared in one
 table should share their data and held-out split, which train.py derives from the data set.
@@ -54,7 +54,7 @@ def fail(message):
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or any("=" not in a for a in sys.argv[2:]):
-        fail("usage: python results/ablations.py OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
+        fail("usage: python experiments/ablations.py OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
     stem, runs = sys.argv[1], {}
     for arg in sys.argv[2:]:
         label, folder = arg.rsplit("=", 1)

@@ -4,9 +4,10 @@ the heads' probabilities along its path), then keep the `budget` likeliest of al
 (a child is never likelier than its parent, so they form a tree). Against the shipped Hydra++ with
 its fixed tree, greedy, on eval/prompts.jsonl, every variant on every prompt in turn.
 
-    python results/dynamic_tree.py [--repeats 1] [--max-new-tokens 64] [--budgets 4,6,8]
+    python experiments/dynamic_tree.py [--repeats 1] [--max-new-tokens 64] [--budgets 4,6,8]
 
-Not in generate.py: measured (results/recipe-5m.md), it gains too little for what it adds.
+Prints a markdown table. Not in generate.py: measured (results/dynamic-tree.md, --repeats 2), it
+gains too little for what it adds.
 """
 import argparse
 import json
@@ -16,13 +17,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint         # noqa: E402
+import cli                # noqa: E402
 import drafters as D      # noqa: E402
 import generate as G      # noqa: E402
-import model as M         # noqa: E402
 import tree as T          # noqa: E402
 
 
-class DynamicTree(G.HeadsDrafter):
+class DynamicTree(D.HeadsDrafter):
     def __init__(self, heads, budget, width=4, topk=4):
         super().__init__(heads, T.build(T.chain(heads.cfg.num_heads)))
         self.budget, self.width, self.topk = budget, width, topk
@@ -57,16 +59,16 @@ p.add_argument("--max-new-tokens", type=int, default=64)
 p.add_argument("--budgets", default="4,6,8", help="dynamic trees of these many nodes (root not counted)")
 args = p.parse_args()
 
-device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
-heads, folder = G.load_heads("hydra++", model)
-tree = G.load_tree("auto", heads, folder)
-variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: G.HeadsDrafter(heads, tree)}
+device = cli.pick_device("auto")
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
+heads, folder = cli.load_heads("hydra++", model)
+tree = cli.load_tree("auto", heads, folder)
+variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: D.HeadsDrafter(heads, tree)}
 for budget in map(int, args.budgets.split(",")):
     variants[f"dynamic, {budget} nodes"] = lambda b=budget: DynamicTree(heads, b)
 rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))]
-prompts = [G.encode(tok, r["prompt"]) for r in rows]
-G.generate(model, prompts[0], 8, G.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids)   # warm-up
+prompts = [cli.encode(tok, r["prompt"]) for r in rows]
+G.generate(model, prompts[0], 8, D.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids)   # warm-up
 done = {name: [0, 0.0, 0] for name in variants}                       # tokens, seconds, steps
 for _ in range(args.repeats):
     for ids in prompts:

@@ -2,13 +2,14 @@
 two newer rules, on eval/prompts.jsonl, greedy, every variant on every prompt in turn (so a burst of
 machine noise hits all alike), against the better of hydra++ and lookup alone per category.
 
-    python results/merged_rules.py [--repeats 1] [--max-new-tokens 64] [--json results/merged-rules.json]
+    python experiments/merged_rules.py [--repeats 1] [--max-new-tokens 64] [--json FILE]
 
 shortest: lookup proposes matches of at least this many tokens; floor: the step keeps the heads'
 tree size, at least `floor` heads nodes (None: both trees whole). Both variants keep the older rules
 (lookup's chain adapts its length, and is verified alone while it copies). drafters.heads_and_lookup
-is shortest 2, floor 3. Prints a markdown table: overall tokens/s, then per category the ratio to
-max(hydra++, lookup) in that category.
+is shortest 2, floor 4: with the shipped Hydra++'s 4-node tree the heads' tree stays whole, as with
+floor None. Prints a markdown table: overall tokens/s, then per category the ratio to
+max(hydra++, lookup) in that category (results/merged-rules.md: --repeats 3 --max-new-tokens 128).
 """
 import argparse
 import json
@@ -18,9 +19,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint         # noqa: E402
+import cli                # noqa: E402
 import drafters as D      # noqa: E402
 import generate as G      # noqa: E402
-import model as M         # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--repeats", type=int, default=1)
@@ -28,21 +30,21 @@ p.add_argument("--max-new-tokens", type=int, default=64)
 p.add_argument("--json")
 args = p.parse_args()
 
-device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
-heads, folder = G.load_heads("hydra++", model)
-tree = G.load_tree("auto", heads, folder)
-dev, look = model.device, G.DRAFT_DEFAULTS["lookup"]
+device = cli.pick_device("auto")
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
+heads, folder = cli.load_heads("hydra++", model)
+tree = cli.load_tree("auto", heads, folder)
+dev, look = model.device, cli.DRAFT_DEFAULTS["lookup"]
 rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))]
 
-H = lambda: G.HeadsDrafter(heads, tree)
+H = lambda: D.HeadsDrafter(heads, tree)
 L = lambda **kw: D.Lookup(look["gamma"], look["ngram"], look["matches"], dev, **kw)
 variants = {"lookup": lambda: L(), "hydra++": H}
 for shortest, floor in [(1, None), (2, None), (1, 3), (2, 3)]:
     variants[f"merged shortest {shortest}, floor {floor}"] = \
         lambda s=shortest, f=floor: D.Merged(H(), L(adapt=True, shortest=s), dev, floor=f)
 
-prompts = [(r["category"], G.encode(tok, r["prompt"])) for r in rows]
+prompts = [(r["category"], cli.encode(tok, r["prompt"])) for r in rows]
 G.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)   # warm-up
 done = {name: {} for name in variants}                                 # name -> category -> [tokens, seconds]
 for _ in range(args.repeats):

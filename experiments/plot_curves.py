@@ -2,7 +2,7 @@
 read from the `curve` that train.py keeps in each eval.json. Writes a Markdown table and an SVG
 plot (hand-written: the project does not depend on a plotting library).
 
-    python results/plot_curves.py weights/smollm2-135m-instruct results/learning-curves
+    python experiments/plot_curves.py weights/smollm2-135m-instruct results/learning-curves
 """
 import json
 import os
@@ -54,7 +54,7 @@ def svg(curves, w=640, h=400, pad=60):
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        print("usage: python results/plot_curves.py HEADS_FOLDER OUT_STEM", file=sys.stderr)
+        print("usage: python experiments/plot_curves.py HEADS_FOLDER OUT_STEM", file=sys.stderr)
         sys.exit(2)
     folder, stem = sys.argv[1], sys.argv[2]
     curves = read_curves(folder)

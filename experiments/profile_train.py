@@ -2,7 +2,7 @@
 warm-up ones), then profiles one with FLOP counting, and prints the FLOPs, the share of time in matrix products and
 their rate next to a large square product's on the same cores (the machine's practical peak).
 
-    python results/profile_train.py /work/data/smollm2/self_distill hydra++
+    python experiments/profile_train.py /work/data/smollm2/self_distill hydra++
 
 Arguments: the features folder train.py built (its --work/self_distill) and the kind of heads.
 The defaults of train.py otherwise (K = 3, 8,192 kept tokens, 4,096 padded tokens a batch, seed 0;
@@ -21,9 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
-import model as model_lib  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -48,7 +49,7 @@ def square_peak(dtype, n=2048, repeats=5):
 
 
 def main(folder, kind):
-    model, _ = model_lib.load(model_lib.DEFAULT, torch.device("cpu"), torch.float32)
+    model, _ = checkpoint.load(checkpoint.DEFAULT, torch.device("cpu"), torch.float32)
     data = dataset.load_data(folder)
     kept, to_kept, _ = train.kept_vocabulary(data, model.cfg.vocab_size, 8192)
     torch.manual_seed(0)
@@ -56,7 +57,7 @@ def main(folder, kind):
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     _, train_convs = train.split(len(data["offsets"]) - 1, 0)
     batches = train.make_batches(data["offsets"].diff(), train_convs, 4096, 0, 0)
-    bf16 = train.pick_dtype("auto", "cpu") == torch.bfloat16
+    bf16 = cli.pick_dtype("auto", "cpu") == torch.bfloat16
     forward = train.TrainForward(heads)
     step = lambda batch: train.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
     timed_tokens, timed_seconds = 0, 0.0
@@ -87,7 +88,7 @@ def main(folder, kind):
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[2] not in ("medusa", "hydra", "hydra++"):
-        fail("usage: python results/profile_train.py FEATURES_FOLDER medusa|hydra|hydra++")
+        fail("usage: python experiments/profile_train.py FEATURES_FOLDER medusa|hydra|hydra++")
     if not os.path.isdir(sys.argv[1]):
         fail(f"error: {sys.argv[1]} is not a folder; give the features folder train.py built (its --work/self_distill)")
     main(sys.argv[1], sys.argv[2])

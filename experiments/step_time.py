@@ -2,7 +2,7 @@
 against its matrix products alone, then one speculative step of the shipped Hydra++ split into its
 phases (draft, the base forward over the tree, verification, the heads' context on accept).
 
-    python results/step_time.py [--prompts 8] [--max-new-tokens 64]
+    python experiments/step_time.py [--prompts 8] [--max-new-tokens 64]
 
 Prints a markdown table. Times are medians (the one-token step, the products) or means over every
 step (the phases).
@@ -19,6 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench               # noqa: E402
+import checkpoint          # noqa: E402
+import cli                 # noqa: E402
+import drafters as D       # noqa: E402
 import generate as G       # noqa: E402
 import model as M          # noqa: E402
 import verify as V         # noqa: E402
@@ -28,8 +31,8 @@ p.add_argument("--prompts", type=int, default=8)
 p.add_argument("--max-new-tokens", type=int, default=64)
 args = p.parse_args()
 
-device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
+device = cli.pick_device("auto")
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
 floor = bench.distance_to_floor(model, device)
 print(bench.machine_line(bench.machine(device, model.dtype, **floor)) + "\n")
 
@@ -49,8 +52,8 @@ if model.lm_head_packed is not None:  # the same step's matrix products alone, b
 rows.append(("memory floor (weights / measured bandwidth)", floor["bandwidth_floor_ms"]))
 
 # one speculative step, phase by phase: wrap the drafter's methods, the forward and the verifier
-heads, folder = G.load_heads("hydra++", model)
-tree = G.load_tree("auto", heads, folder)
+heads, folder = cli.load_heads("hydra++", model)
+tree = cli.load_tree("auto", heads, folder)
 spent, calls = collections.defaultdict(float), collections.Counter()
 
 
@@ -67,8 +70,8 @@ def timed(f, label):
 forward = M.Transformer.forward
 M.Transformer.forward = lambda self, tokens, *a, **kw: timed(forward, "prefill" if tokens.shape[1] > tree.num_nodes else f"forward, {tokens.shape[1]} token(s)")(self, tokens, *a, **kw)
 V.greedy = timed(V.greedy, "verify (greedy)")
-prompts = [G.encode(tok, json.loads(line)["prompt"]) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))][:args.prompts]
-for name, make in (("plain", lambda: None), ("hydra++", lambda: G.HeadsDrafter(heads, tree))):
+prompts = [cli.encode(tok, json.loads(line)["prompt"]) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))][:args.prompts]
+for name, make in (("plain", lambda: None), ("hydra++", lambda: D.HeadsDrafter(heads, tree))):
     G.generate(model, prompts[0], 8, make())  # warm-up
     spent.clear(), calls.clear()
     tokens = seconds = steps = 0

@@ -8,7 +8,7 @@ of answer positions: a head counts at position t only if every token it and the 
 predict lies in the window, so each window's tau is that of decoding steps inside it (the last K
 positions of a window, whose chain would reach past it, are left out). Writes a Markdown table.
 
-    python results/tau_by_position.py /work/data/smollm2/self_distill results/tau-by-position.md \
+    python experiments/tau_by_position.py /work/data/smollm2/self_distill results/tau-by-position.md \
         medusa=weights/smollm2-135m-instruct/medusa hydra=... hydra++=...
 """
 import os
@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import data_size  # noqa: E402
 import dataset  # noqa: E402
-import heads as heads_lib  # noqa: E402
-import model as model_lib  # noqa: E402
+import kernels  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
@@ -45,8 +45,8 @@ def measure(model, data, runs, seed=0, bf16=True):
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
     rows = {}
     for label, folder in runs:
-        heads = heads_lib.load(folder, model).eval()
-        model_lib.use_kernels(heads, model_lib.Kernels())  # the readable path: fp32 prepacked weights refuse bf16 autocast
+        heads = checkpoint.load_heads(folder, model).eval()
+        kernels.use(heads, kernels.Kernels())  # the readable path: fp32 prepacked weights refuse bf16 autocast
         saved = os.path.join(folder, "tree.json")
         shipped = tree_lib.load(saved) if os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
         to_kept = train.to_kept_map(None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size)
@@ -76,11 +76,11 @@ def table(n, rows):
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or any("=" not in a for a in sys.argv[3:]):
-        fail("usage: python results/tau_by_position.py FEATURES OUT.md LABEL=FOLDER [LABEL=FOLDER ...]")
+        fail("usage: python experiments/tau_by_position.py FEATURES OUT.md LABEL=FOLDER [LABEL=FOLDER ...]")
     runs = data_size.checked_runs(sys.argv[1], sys.argv[3:])
     try:
         data = dataset.load_data(sys.argv[1])
-        model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
+        model, _ = checkpoint.load(checkpoint.DEFAULT, torch.device("cpu"), torch.float32)
         n, rows = measure(model, data, runs)
     except data_size.BAD_INPUT as e:
         data_size.bad_input(e)
