@@ -684,7 +684,7 @@ def test_plot_curves_reads_eval_json_curves(features, tmp_path):
     import xml.dom.minidom
     out = tmp_path / "hydra++"
     run(features, out)
-    spec = importlib.util.spec_from_file_location("plot_curves", os.path.join(os.path.dirname(__file__), "..", "results", "plot_curves.py"))
+    spec = importlib.util.spec_from_file_location("plot_curves", os.path.join(os.path.dirname(__file__), "..", "experiments", "plot_curves.py"))
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     curves = plot.read_curves(str(tmp_path))
@@ -700,7 +700,7 @@ def test_ablations_table_reads_each_run(features, tmp_path):
     import sys
     import xml.dom.minidom
     run(features, tmp_path / "run")
-    script = os.path.join(os.path.dirname(__file__), "..", "results", "ablations.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ablations.py")
     spec = importlib.util.spec_from_file_location("ablations", script)
     abl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(abl)
@@ -740,7 +740,7 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
 
 
 def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp_path):
-    """results/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau that
+    """experiments/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau that
     train.py measured on its own held-out split at the end of the run; bad input exits 2."""
     import importlib.util
     import subprocess
@@ -748,7 +748,7 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
     import xml.dom.minidom
     base, folder = features
     run(features, tmp_path / "run")
-    script = os.path.join(os.path.dirname(__file__), "..", "results", "data_size.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "data_size.py")
     spec = importlib.util.spec_from_file_location("data_size", script)
     ds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ds)
@@ -766,7 +766,7 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
 
 
 def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_path):
-    """results/tau_by_position.py: answer positions restart at each assistant turn; the window of
+    """experiments/tau_by_position.py: answer positions restart at each assistant turn; the window of
     every position gives train.py's own held-out chain tau, and a window past every answer has no
     chain to count (tau 1); bad input exits 2."""
     import importlib.util
@@ -774,7 +774,7 @@ def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_pa
     import sys
     base, folder = features
     run(features, tmp_path / "run", "--train-dtype", "fp32")
-    script = os.path.join(os.path.dirname(__file__), "..", "results", "tau_by_position.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "tau_by_position.py")
     spec = importlib.util.spec_from_file_location("tau_by_position", script)
     tp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tp)
@@ -794,8 +794,8 @@ def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_pa
 def test_profile_train_refuses_bad_arguments(tmp_path):
     import subprocess
     import sys
-    script = os.path.join(os.path.dirname(__file__), "..", "results", "profile_train.py")
-    for argv, words in (([str(tmp_path), "eagle"], "usage: python results/profile_train.py"),
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "profile_train.py")
+    for argv, words in (([str(tmp_path), "eagle"], "usage: python experiments/profile_train.py"),
                         ([str(tmp_path / "nothing"), "hydra++"], "is not a folder")):
         bad = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
         assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
