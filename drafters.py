@@ -372,7 +372,7 @@ class HeadsPlusLookup:
 def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
     hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
-    results/README.md): lookup's chain adapts its length (Lookup.accept) and is verified alone while
+    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone while
     it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing is
     mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
     size, lookup's nodes taking the place of their last ones, the heads keeping at least 4 (the
