@@ -55,12 +55,13 @@ import cli
 import drafters
 import generate
 import heads as heads_lib
+import joint
 import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample",
+METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
            "lookup", "hydra++-lookup", "layers", "draft-model")
 
 
@@ -222,11 +223,13 @@ def layers_setting(args, model):
 
 def heads_folder(heads_dir, kind):
     """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
-    train.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder; or None."""
+    train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder;
+    or None. A joint kind (medusa-2) is heads of its frozen kind (medusa) with a LoRA delta."""
+    frozen = kind.removesuffix("-2")
     for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
         try:
             with open(os.path.join(folder, heads_lib.CONFIG)) as f:
-                if json.load(f).get("kind") == kind:
+                if json.load(f).get("kind") == frozen and joint.has_delta(folder) == (kind != frozen):
                     return folder
         except (OSError, ValueError, AttributeError):
             continue
@@ -234,13 +237,18 @@ def heads_folder(heads_dir, kind):
 
 
 def load_heads(args, name, folder, model, asked):
-    """The heads in `folder`, or None for shipped heads of another base model when --methods is all."""
+    """(heads in `folder`, the model they draft for), or (None, None) for shipped heads of another
+    base model when --methods is all. Joint heads draft for a copy of the model with their LoRA
+    delta merged in."""
     try:
-        return heads_lib.load(folder, model)
+        if joint.has_delta(folder):
+            model, _ = model_lib.load(args.model, model.device, model.dtype)
+            print(f"[bench] {name}: {joint.merge_delta(model, folder)}", file=sys.stderr)
+        return heads_lib.load(folder, model), model
     except heads_lib.HeadsError as e:
         if name in asked or args.heads_dir != cli.SHIPPED:
             raise cli.UsageError(f"--heads-dir {args.heads_dir}: {e}") from None
-        return None
+        return None, None
 
 
 def build_methods(args, model, tokenizer, eos, device, dtype):
@@ -286,24 +294,26 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             methods[name] = Method(name, theirs(hf, counter, eos, **kw), greedy=True)
         else:
             kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
+            if variant == "2":                        # a joint kind: its own heads, on its adapted model
+                kind, variant = name, ""
             folder = heads_folder(args.heads_dir, kind)
             if kind not in loaded:
-                heads = load_heads(args, name, folder, model, asked) if folder else None
+                heads, base = load_heads(args, name, folder, model, asked) if folder else (None, None)
                 if heads is None:
                     if name in asked:
                         raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}; give a heads "
                                              "folder that train.py wrote (or a folder holding KIND/ or heads-KIND/ folders)")
                     notes.append(f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})")
                     continue
-                loaded[kind] = heads, cli.load_tree("auto", heads, folder)
-            heads, tree = loaded[kind]
+                loaded[kind] = heads, cli.load_tree("auto", heads, folder), base
+            heads, tree, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
                 d = drafters.heads_and_lookup(d, look["gamma"], look["ngram"], look["matches"], device)
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
-            methods[name] = Method(name, ours(model, d, verify, temperature, eos),
-                                   greedy=verify == "greedy", depth=d.max_depth)
+            methods[name] = Method(name, ours(base, d, verify, temperature, eos),  # a joint kind's output is its adapted model's
+                                   greedy=verify == "greedy" and base is model, depth=d.max_depth)
             if not variant:
                 notes.append(f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}")
     return methods, notes

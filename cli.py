@@ -35,6 +35,7 @@ import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
+JOINT_KINDS = ("medusa-2", "hydra++-2")  # heads trained with the base model's last layers (joint.py)
 MAX_SEED = 2 ** 32 - 1  # train.py combines it with the step into one 64-bit seed
 
 
@@ -254,30 +255,36 @@ def draft_settings(args, kind):
     return settings
 
 
-def find_heads(name):
+def find_heads(name, flag="--heads"):
     """--heads -> the folder to load heads from, or None (plain decoding). Loads nothing."""
     if name == "none":
         return None
     if name == "auto":
         folder = os.path.join(SHIPPED, "hydra++")
         return folder if os.path.isdir(folder) else None
-    if name in heads_lib.KINDS:
+    if name in heads_lib.KINDS + JOINT_KINDS:
         folder = os.path.join(SHIPPED, name)
         if not os.path.isdir(folder):
-            raise UsageError(f"--heads {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
+            raise UsageError(f"{flag} {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
         return folder
     if os.path.isdir(name):
         return name
-    raise UsageError(f"--heads {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS)}")
+    raise UsageError(f"{flag} {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS + JOINT_KINDS)}")
 
 
 def load_heads(name, model):
-    """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder)."""
+    """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder).
+    Heads trained jointly with the base model (joint.py) bring a LoRA delta: it is merged into the
+    model's weights here, so the model is changed from then on (a notice says how)."""
+    import joint  # heads trained with the base model's last layers
     folder = find_heads(name)
     if folder is None:
         return None, None
     try:
-        return heads_lib.load(folder, model), folder
+        heads = heads_lib.load(folder, model)
+        if joint.has_delta(folder):
+            notice(joint.merge_delta(model, folder) + "; --heads none decodes with the original model")
+        return heads, folder
     except heads_lib.HeadsError as e:
         if name == "auto":
             return None, None  # shipped heads belong to the default model; another model runs plain
