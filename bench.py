@@ -51,6 +51,7 @@ from typing import Callable
 
 import torch
 
+import checkpoint
 import drafters
 import generate
 import heads as heads_lib
@@ -75,7 +76,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.7, help=f"temperature of hydra++-typical and hydra++-sample (below {verify_lib.GREEDY_BELOW}: greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--heads-dir", default=generate.SHIPPED, help="folder holding the medusa/, hydra/, hydra++/ heads folders")
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
@@ -182,7 +183,7 @@ def load_hf(name, device, dtype):
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(model_lib.resolve(name), dtype=dtype).to(device).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint.resolve(name), dtype=dtype).to(device).eval()
 
 
 class ForwardCounter:
@@ -261,7 +262,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
         else:
             kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
             folder = os.path.join(args.heads_dir, kind)
-            if not os.path.isfile(os.path.join(folder, heads_lib.CONFIG)):
+            if not os.path.isfile(os.path.join(folder, checkpoint.HEADS_CONFIG)):
                 notes.append(f"{name}: skipped (no heads in {folder})")
                 continue
             if kind not in loaded:
@@ -675,16 +676,16 @@ def wants_assisted(args):
 
 def draft_folder(name):
     """--draft-model: the folder of a Llama-family model (config.json read; nothing loaded)."""
-    folder = model_lib.resolve(name)
+    folder = checkpoint.resolve(name)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
         arch = config.get("model_type") if isinstance(config, dict) else None
     except (OSError, ValueError, RecursionError) as e:
         raise generate.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
-    if arch not in model_lib.SUPPORTED:
+    if arch not in checkpoint.SUPPORTED:
         raise generate.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
-                                  f"({', '.join(model_lib.SUPPORTED)}); give a small model of the base model's family")
+                                  f"({', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family")
     return folder
 
 
@@ -708,7 +709,7 @@ def main(args):
     device = generate.pick_device(args.device)
     dtype = generate.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
-    model, tokenizer = model_lib.load(args.model, device, dtype)
+    model, tokenizer = checkpoint.load(args.model, device, dtype)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     prompts = [(pid, cat, generate.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:
@@ -760,7 +761,7 @@ def cli(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (bench.py ... | head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (generate.UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+    except (generate.UsageError, checkpoint.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

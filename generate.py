@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoint
 import drafters as drafters_lib
 import heads as heads_lib
-import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
 
@@ -74,7 +74,7 @@ def build_parser():
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # the model and the drafter
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
                    "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model)")
@@ -321,7 +321,7 @@ def load_heads(name, model):
     if folder is None:
         return None, None
     try:
-        return heads_lib.load(folder, model), folder
+        return checkpoint.load_heads(folder, model), folder
     except heads_lib.HeadsError as e:
         if name == "auto":
             return None, None  # shipped heads belong to the default model; another model runs plain
@@ -450,8 +450,8 @@ def draft_settings(args, kind):
 def load_draft_model(name, model, tokenizer, device, dtype):
     """--draft-model: a Llama-family model whose vocabulary is the base model's, token for token."""
     try:
-        draft_model, draft_tokenizer = model_lib.load(name, device, dtype)
-    except model_lib.LoadError as e:
+        draft_model, draft_tokenizer = checkpoint.load(name, device, dtype)
+    except checkpoint.LoadError as e:
         raise UsageError(f"--draft-model {name}: {e}") from None
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs or draft_model.cfg.vocab_size != model.cfg.vocab_size:
@@ -615,7 +615,7 @@ def main(args):
 
     # the model, then what depends on it
     torch.manual_seed(args.seed)
-    model, tokenizer = model_lib.load(args.model, device, dtype)
+    model, tokenizer = checkpoint.load(args.model, device, dtype)
     heads, heads_folder = load_heads(args.heads, model) if kind in ("heads", "heads+lookup") else (None, None)
     tree = load_tree(args.tree, heads, heads_folder)
     if kind == "heads+lookup" and heads is None:
@@ -684,7 +684,7 @@ def cli(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+    except (UsageError, checkpoint.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

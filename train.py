@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+import checkpoint
 import dataset
 import model as model_lib
 from generate import Parser, UsageError, notice, pick_device, pick_dtype, writable_file, writable_folder
@@ -84,7 +85,7 @@ def build_parser():
     p = Parser(description="Train draft heads on a frozen base model.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # base model
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default', a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default', a local HF folder or a hub id")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
@@ -399,7 +400,7 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
 # Invariant: state.pt alone is the checkpoint. It holds the heads' weights, the optimizer state and
 # the step they belong to, in one file written to state.pt.tmp (flushed to disk) and renamed over
 # the old one, so after a kill -9 it is the old checkpoint or the new one, whole, never a mix.
-# heads.safetensors + heads.json next to it (heads.save, what generate.py loads) are written after
+# heads.safetensors + heads.json next to it (checkpoint.save_heads, what generate.py loads) are written after
 # it: a crash between the two leaves them one checkpoint older than state.pt, and --resume never
 # reads them. Nothing else needs saving: batches are fixed by (seed, epoch), the noise by (seed,
 # step, rank), the learning rate by the step. `identity` (heads config, data size and digest, the
@@ -448,7 +449,6 @@ def data_digest(data):
 
 
 def save_checkpoint(folder, heads, opt, step, identity, progress=None):
-    import heads as heads_lib
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
     with open(path + ".tmp", "wb") as f:
@@ -456,7 +456,7 @@ def save_checkpoint(folder, heads, opt, step, identity, progress=None):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    heads_lib.save(heads, folder)
+    checkpoint.save_heads(heads, folder)
 
 
 def load_checkpoint(folder, heads, opt, identity):
@@ -783,9 +783,9 @@ def main(args):
     rank, world, device = init_distributed(args.device)
     if rank > 0:
         dist.barrier()  # wait for rank 0 (below)
-    model, tokenizer = model_lib.load(args.model, device, torch.float32)
+    model, tokenizer = checkpoint.load(args.model, device, torch.float32)
     check_model_args(args, model)
-    work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
+    work = args.work or os.path.join(checkpoint.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
     out = args.out or os.path.join(work, "heads-" + args.heads)
     if args.out is None:  # the default folders, known now that the model has a name
         writable_folder("--work", work)
@@ -841,7 +841,7 @@ def cli(argv=None) -> int:
     try:
         main(build_parser().parse_args(argv))
         return 0
-    except (UsageError, ValueError, OSError, model_lib.LoadError) as e:
+    except (UsageError, ValueError, OSError, checkpoint.LoadError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: not a mistake in the input

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ablations  # noqa: E402
+import checkpoint  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
-import model as model_lib  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -40,7 +40,7 @@ def measure(model, data, first_fresh, runs, seed=0):
             f"the first {first_fresh:,}, which no run below trained on.")
     reports = {}
     for label, folder in runs:
-        heads = heads_lib.load(folder, model).eval()
+        heads = checkpoint.load_heads(folder, model).eval()
         to_kept = train.to_kept_map(None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size)
         with torch.inference_mode():
             reports[label] = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
@@ -55,7 +55,7 @@ def table(what, reports):
     return "\n".join(lines) + "\n"
 
 
-BAD_INPUT = (OSError, ValueError, heads_lib.HeadsError, model_lib.LoadError)   # what a wrong folder raises
+BAD_INPUT = (OSError, ValueError, heads_lib.HeadsError, checkpoint.LoadError)   # what a wrong folder raises
 
 
 def checked_runs(features, pairs):
@@ -80,7 +80,7 @@ if __name__ == "__main__":
     runs = checked_runs(sys.argv[1], sys.argv[4:])
     try:
         data = dataset.load_data(sys.argv[1])
-        model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
+        model, _ = checkpoint.load("default", torch.device("cpu"), torch.float32)
         what, reports = measure(model, data, int(sys.argv[2]), runs)
     except BAD_INPUT as e:
         bad_input(e)

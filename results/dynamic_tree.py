@@ -16,9 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint        # noqa: E402
 import drafters as D      # noqa: E402
 import generate as G      # noqa: E402
-import model as M         # noqa: E402
 import tree as T          # noqa: E402
 
 
@@ -58,7 +58,7 @@ p.add_argument("--budgets", default="4,6,8", help="dynamic trees of these many n
 args = p.parse_args()
 
 device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
+model, tok = checkpoint.load("default", device, G.pick_dtype("auto", device))
 heads, folder = G.load_heads("hydra++", model)
 tree = G.load_tree("auto", heads, folder)
 variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: G.HeadsDrafter(heads, tree)}

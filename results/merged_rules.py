@@ -18,9 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint        # noqa: E402
 import drafters as D      # noqa: E402
 import generate as G      # noqa: E402
-import model as M         # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--repeats", type=int, default=1)
@@ -29,7 +29,7 @@ p.add_argument("--json")
 args = p.parse_args()
 
 device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
+model, tok = checkpoint.load("default", device, G.pick_dtype("auto", device))
 heads, folder = G.load_heads("hydra++", model)
 tree = G.load_tree("auto", heads, folder)
 dev, look = model.device, G.DRAFT_DEFAULTS["lookup"]

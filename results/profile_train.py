@@ -21,9 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
-import model as model_lib  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -48,7 +48,7 @@ def square_peak(dtype, n=2048, repeats=5):
 
 
 def main(folder, kind):
-    model, _ = model_lib.load(model_lib.DEFAULT, torch.device("cpu"), torch.float32)
+    model, _ = checkpoint.load(checkpoint.DEFAULT, torch.device("cpu"), torch.float32)
     data = dataset.load_data(folder)
     kept, to_kept, _ = train.kept_vocabulary(data, model.cfg.vocab_size, 8192)
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench               # noqa: E402
+import checkpoint          # noqa: E402
 import generate as G       # noqa: E402
 import model as M          # noqa: E402
 import verify as V         # noqa: E402
@@ -29,7 +30,7 @@ p.add_argument("--max-new-tokens", type=int, default=64)
 args = p.parse_args()
 
 device = G.pick_device("auto")
-model, tok = M.load("default", device, G.pick_dtype("auto", device))
+model, tok = checkpoint.load("default", device, G.pick_dtype("auto", device))
 floor = bench.distance_to_floor(model, device)
 print(bench.machine_line(bench.machine(device, model.dtype, **floor)) + "\n")
 

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import data_size  # noqa: E402
 import dataset  # noqa: E402
-import heads as heads_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
@@ -45,7 +45,7 @@ def measure(model, data, runs, seed=0, bf16=True):
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
     rows = {}
     for label, folder in runs:
-        heads = heads_lib.load(folder, model).eval()
+        heads = checkpoint.load_heads(folder, model).eval()
         model_lib.use_kernels(heads, model_lib.Kernels())  # the readable path: fp32 prepacked weights refuse bf16 autocast
         saved = os.path.join(folder, "tree.json")
         shipped = tree_lib.load(saved) if os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
@@ -80,7 +80,7 @@ if __name__ == "__main__":
     runs = data_size.checked_runs(sys.argv[1], sys.argv[3:])
     try:
         data = dataset.load_data(sys.argv[1])
-        model, _ = model_lib.load("default", torch.device("cpu"), torch.float32)
+        model, _ = checkpoint.load("default", torch.device("cpu"), torch.float32)
         n, rows = measure(model, data, runs)
     except data_size.BAD_INPUT as e:
         data_size.bad_input(e)

@@ -3,7 +3,7 @@ no traceback, before the model loads where it can (an output folder that cannot 
 found before the run, not after an hour of measuring); Ctrl-C prints what was measured so far and
 exits 130.
 
-Most cases call bench.cli(argv) in-process, with model.load replaced by a tripwire or on a tiny
+Most cases call bench.cli(argv) in-process, with checkpoint.load replaced by a tripwire or on a tiny
 random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python bench.py`.
 """
 import json

@@ -1,10 +1,12 @@
-"""model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep()."""
+"""model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep();
+checkpoint.py's loading of a model (the default one's conversion, bad folders, the script)."""
 import json
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import checkpoint
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -18,7 +20,7 @@ def hf_twin(cfg, rope_scaling=None, tie=False):
                          intermediate_size=cfg.hidden_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
                          rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie)
     hf = LlamaForCausalLM(hf_cfg).eval()
-    ours_cfg = model_lib.Config.from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
+    ours_cfg = checkpoint.config_from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
     ours = model_lib.Transformer(ours_cfg).eval()
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     ours.load_state_dict(state, strict=not tie)
@@ -43,7 +45,7 @@ def test_parity_default_model(default_model):
     """The readable path and the kernels chosen for this CPU in fp32 (prepacked linears where
     oneDNN is there) both match transformers."""
     model, tok = default_model
-    hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32).eval()
     tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Germany is")])
     chosen = model.kernels
     assert chosen == model_lib.Kernels.choose("cpu", torch.float32, 0)
@@ -134,26 +136,26 @@ def test_corrupted_cache_is_rebuilt(tmp_path, monkeypatch):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "a.bin").write_bytes(b"hello")
-    digest = model_lib._sha256(folder / "a.bin")
+    digest = checkpoint._sha256(folder / "a.bin")
     (folder / "manifest.json").write_text(json.dumps({"a.bin": [5, digest]}))
-    assert model_lib.cache_is_valid(str(folder))
+    assert checkpoint.cache_is_valid(str(folder))
     (folder / "a.bin").write_bytes(b"hellO")                      # same size, other bytes
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
     (folder / "a.bin").write_bytes(b"hell")                       # truncated
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
     (folder / "manifest.json").unlink()                           # conversion died before the manifest
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
 
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(model_lib.LoadError, match="not supported.*llama"):
-        model_lib.load(str(tmp_path))
+    with pytest.raises(checkpoint.LoadError, match="not supported.*llama"):
+        checkpoint.load(str(tmp_path))
 
 
 def test_missing_model():
-    with pytest.raises(model_lib.LoadError, match="not a folder nor a hub id"):
-        model_lib.load("/no/such/folder")
+    with pytest.raises(checkpoint.LoadError, match="not a folder nor a hub id"):
+        checkpoint.load("/no/such/folder")
 
 
 # --- fast kernels and reduced precision -------------------------------------------------------------
@@ -242,21 +244,21 @@ def have_prepacking():
 
 
 def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
-    """`python model.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
+    """`python checkpoint.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
     def one_line_error(words):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, err
 
     with pytest.raises(SystemExit) as e:
-        model_lib.main(["--help"])
+        checkpoint.main(["--help"])
     assert e.value.code == 0 and "--model" in capsys.readouterr().out
-    assert model_lib.main(["--model", tiny_model_dir, "--prompt", "Hello"]) == 0
+    assert checkpoint.main(["--model", tiny_model_dir, "--prompt", "Hello"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("loaded tiny-random-llama in ") and err == ""
-    assert model_lib.main(["--model", "/no/such/model"]) == 2
+    assert checkpoint.main(["--model", "/no/such/model"]) == 2
     one_line_error("not a folder nor a hub id")
     with pytest.raises(SystemExit) as e:  # argparse's own exit, with our one line
-        model_lib.main(["--bogus"])
+        checkpoint.main(["--bogus"])
     assert e.value.code == 2
     one_line_error("unrecognized arguments: --bogus")
 
@@ -271,10 +273,10 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
         num_key_value_heads=1, tie_word_embeddings=True))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda src, gguf_file, dtype: hf)
-    model_lib.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
+    checkpoint.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
     out, err = capsys.readouterr()
     assert out == "" and "[model] converting model.gguf" in err
-    assert model_lib.cache_is_valid(str(tmp_path / "converted"))
+    assert checkpoint.cache_is_valid(str(tmp_path / "converted"))
 
 
 def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):

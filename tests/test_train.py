@@ -18,6 +18,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import checkpoint as checkpoint_lib
 import dataset as D
 import heads as heads_lib
 import model as model_lib
@@ -233,14 +234,14 @@ def crash_during_step(monkeypatch, n):
 
 def crash_between_writes(monkeypatch, n):
     """The n-th checkpoint dies after state.pt is renamed into place, before the heads files."""
-    real, saves = heads_lib.save, [0]
+    real, saves = checkpoint_lib.save_heads, [0]
 
     def save(heads, folder):
         saves[0] += 1
         if saves[0] == n:
             raise Crash
         real(heads, folder)
-    monkeypatch.setattr(heads_lib, "save", save)
+    monkeypatch.setattr(checkpoint_lib, "save_heads", save)
     return record_steps(monkeypatch), Crash
 
 
@@ -265,7 +266,7 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
     state = checkpoint(tmp_path)
     assert state["step"] == len(done) in (n - 1, n)                 # the checkpoint is of the last step done
     if stop is crash_between_writes:                                # the heads files lag state.pt by one step...
-        lagging = heads_lib.load(str(tmp_path), features[0]).state_dict()
+        lagging = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
         assert not all(torch.equal(lagging[k], state["heads"][k]) for k in lagging)
     after = record_steps(monkeypatch)                               # ...and resuming ignores them
     run(features, tmp_path, "--resume")
@@ -278,7 +279,7 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
     # the learning curve (held-out tau every 5 steps, tokens trained on) continues as if never stopped
     assert final["progress"] == ref_state["progress"] and len(ref_state["progress"]["curve"]) >= 3
     exported = {k: v.half().float() if v.is_floating_point() else v for k, v in ref_state["heads"].items()}
-    assert_same_weights(heads_lib.load(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
+    assert_same_weights(checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
 
 
 def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
@@ -310,7 +311,7 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_pat
     state = checkpoint(tmp_path)
     assert state["step"] == 4
     assert all(torch.isfinite(w).all() for w in state["heads"].values())
-    exported = heads_lib.load(str(tmp_path), features[0]).state_dict()
+    exported = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
     half = {k: v.half().float() if v.is_floating_point() else v for k, v in state["heads"].items()}
     assert_same_weights(exported, half)                             # nothing of step 5 reached the disk
 

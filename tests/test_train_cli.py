@@ -4,7 +4,7 @@ keyed by the data's content and the settings that shape them, and rebuilt with a
 or damaged; --resume refuses flags other than the checkpoint's; Ctrl-C while the model writes its
 own data keeps the shards written and exits 130.
 
-Most cases call train.cli(argv) in-process, with model.load replaced by a tripwire (checks that must
+Most cases call train.cli(argv) in-process, with checkpoint.load replaced by a tripwire (checks that must
 fail before the model loads) or on a tiny random Llama saved to a folder (conftest.tiny_model_dir);
 two run `python train.py` in a subprocess, as a user meets it.
 """
@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import model as model_lib
 import dataset as D
 import train as T
@@ -164,14 +165,14 @@ def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_
     assert code == 0, err
     state = (out / T.STATE).read_bytes()
 
-    real_load = model_lib.load
+    real_load = checkpoint.load
     with monkeypatch.context() as mp:                              # refused before the model loads
-        mp.setattr(model_lib, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
         check_one_line_error(*run_train(capsys, *common, "--resume", "--lr", 0.01, "--seed", 3)[::2],
                              "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
                              "start afresh with another --out")
         check_one_line_error(*run_train(capsys, *common, "--resume", "--epochs", 2)[::2], "--epochs 2 (checkpoint: 1)")
-    assert model_lib.load is real_load and (out / T.STATE).read_bytes() == state
+    assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
 
     code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)  # harmless: the new value is used
     assert code == 0 and "notice: --eval-every 5 (checkpoint: 1000): the new value is used" in err, err
