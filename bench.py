@@ -55,6 +55,7 @@ import checkpoint
 import drafters
 import generate
 import heads as heads_lib
+import kernels as kernels_lib
 import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
@@ -93,7 +94,7 @@ def build_parser():
     p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
     p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree / --tune-layers: timed runs per size; the median counts")
     # layers tuning
-    p.add_argument("--kernels", action="store_true", help="time each kernel choice of model.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
+    p.add_argument("--kernels", action="store_true", help="time each kernel choice of kernels.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
     return p
@@ -438,9 +439,11 @@ def timed(fn, device):
 
 @torch.inference_mode()
 def kernel_table(model, device):
-    """--kernels: each op of model.Kernels at this model's shapes, readable path against the fast
-    path chosen for this device and dtype (ms, median of 50 calls); then one whole step of each."""
-    c, fast, readable = model.cfg, model.kernels, model_lib.Kernels()
+    """--kernels: each fast twin of kernels.py at this model's shapes, the readable path against the
+    kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
+    results/kernels-cpu.md holds this table."""
+    c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
+    fast_attend = kernels_lib.attend if fast.attention == "cpu-bf16" else model_lib.attend
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
     ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
     rows = []
@@ -448,21 +451,23 @@ def kernel_table(model, device):
                           ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
         q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
         mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
-        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask, readable)), ms(lambda: model_lib.attend(q, k, v, mask, fast))))
+        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask)), ms(lambda: fast_attend(q, k, v, mask))))
     # one row through every layer's down projection in turn, as a decode step reads them: from
     # memory, not from a cache that one weight timed alone would sit in
     w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
-    for what, pairs in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
-                         [(layer.mlp.down_proj.weight, layer.mlp.down_packed) for layer in model.layers]),
-                        (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [(model.lm_head.weight, model.lm_head_packed)])):
-        x = rand(1, pairs[0][0].shape[1])
-        rows.append((what, ms(lambda: [model_lib.linear(x, weight, None) for weight, _ in pairs]),
-                     ms(lambda: [model_lib.linear(x, weight, packed) for weight, packed in pairs])))
+    for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
+                          [layer.mlp.down_proj for layer in model.layers]),
+                         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
+        x = rand(1, layers[0].in_features)
+        pairs = [(m.weight, getattr(m, "packed", None)) for m in layers]   # packed: kernels.PackedLinear's copy
+        rows.append((what, ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
+                     ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
+                                 for weight, packed in pairs])))
     steps = {}
     for name, kernels in (("readable", readable), ("fast", fast)):
-        model.use_kernels(kernels)
+        kernels_lib.use(model, kernels)
         steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
-    model.use_kernels(fast)
+    kernels_lib.use(model, fast)
     rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
     rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
     print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))

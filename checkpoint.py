@@ -8,7 +8,8 @@ checked field by field, and a problem is an exception whose message names it and
     save_heads(heads, folder); heads = load_heads(folder, model)   # heads.safetensors + heads.json
     cfg = config_from_hf(json.load(f), name)   # a config.json as a model.Config
 
-Run `python checkpoint.py [--model M] [--prompt P]` to load a model and print a greedy reply.
+Both loads end with kernels.use(), so what they return runs the fast kernels for its device and
+dtype. Run `python checkpoint.py [--model M] [--prompt P]` to load a model and print a greedy reply.
 Test: `python -m pytest -q tests/test_model.py tests/test_heads.py`.
 """
 import hashlib
@@ -22,8 +23,9 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file, save_file
 
+import kernels
 from heads import HeadsConfig, HeadsError, build
-from model import Config, Rope, Transformer, use_kernels
+from model import Config, Rope, Transformer
 
 SUPPORTED = ("llama", "mistral")  # architectures model.py computes exactly (model_type in config.json)
 DEFAULT = "default"               # name of the embedded default model
@@ -194,7 +196,8 @@ def read_weights(folder):
 
 
 def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
-    """Load a Llama-family model and its tokenizer. Returns (Transformer in eval mode, tokenizer)."""
+    """Load a Llama-family model and its tokenizer. Returns (model.Transformer in eval mode, running
+    the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
     from transformers import AutoTokenizer
     folder = resolve(name_or_path)
     path = os.path.join(folder, "config.json")
@@ -231,7 +234,7 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     model.rope = Rope(cfg)  # built on the meta device above: make the real frequencies
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
+    return kernels.use(model), tokenizer
 
 
 # --- draft heads -------------------------------------------------------------------------------
@@ -273,7 +276,7 @@ def _read_config(path) -> HeadsConfig:
 
 def load_heads(folder, base):
     """Heads saved by save_heads(), rebuilt for `base` (a model.Transformer) after checking they
-    were trained for it."""
+    were trained for it, running the fast kernels for its device and dtype (kernels.use)."""
     if not os.path.isdir(folder):
         raise HeadsError(f"heads folder {folder} does not exist")
     weights, config = os.path.join(folder, HEADS_WEIGHTS), os.path.join(folder, HEADS_CONFIG)
@@ -291,8 +294,7 @@ def load_heads(folder, base):
     except RuntimeError as e:
         reason = str(e).splitlines()[-1].strip()
         raise HeadsError(f"{weights} does not hold the weights {config} describes ({reason})") from None
-    use_kernels(heads, base.kernels)  # the base's kernels, prepacked from these weights (not build()'s)
-    return heads
+    return kernels.use(heads)  # prepacked from these weights, not build()'s
 
 
 # --- as a script: load a model, print a short greedy reply ---------------------------------------

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Block, Config, KVCache, Linear, RMSNorm, Rope, attention_mask, linear, lm_head_fingerprint, prepack
+from model import Block, Config, KVCache, RMSNorm, Rope, attention_mask, lm_head_fingerprint
 
 KINDS = ("medusa", "hydra", "hydra++")
 
@@ -54,7 +54,6 @@ class HeadsConfig:
 # --- the vocabulary projection ------------------------------------------------------------------
 # The base LM head's rows (all V, or the V' kept ones), shared by every head or copied per head.
 
-
 class LMHead(nn.Module):
     def __init__(self, base, num_heads: int, own: bool, kept_ids):
         super().__init__()
@@ -65,14 +64,10 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(rows.repeat(num_heads, 1, 1))  # (K, V', D)
         else:     # frozen, not saved, one matrix for every head
             self.register_buffer("weight", rows, persistent=False)   # (V', D)
-        self.packed = None
-
-    def use_kernels(self, kernels):  # the frozen matrix, prepacked (model.Kernels; 4x faster for a few bf16 rows)
-        self.packed = prepack(self.weight) if kernels.packed and self.weight.dim() == 2 else None
 
     def forward(self, z, d=None):
         if self.weight.dim() == 2:
-            return linear(z, self.weight, self.packed)                       # (..., V')
+            return F.linear(z, self.weight)                                  # (..., V')
         if d is None:  # z (..., K, D): head k through its own matrix
             assert z.shape[-2] == len(self.weight), f"need z (..., K={len(self.weight)}, D), got {tuple(z.shape)}"
             return torch.einsum("...kd,kvd->...kv", z, self.weight)         # (..., K, V')
@@ -82,11 +77,10 @@ class LMHead(nn.Module):
 # --- Medusa -------------------------------------------------------------------------------------
 # Head k reads h_t alone. W and b start at zero, so every block starts as the identity.
 
-
 class ResBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.linear = Linear(dim, dim)
+        self.linear = nn.Linear(dim, dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -132,14 +126,13 @@ class MedusaHeads(nn.Module):
 # Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})]: the state and the k tokens
 # on the path to the node it drafts after. E is the base input embedding, frozen.
 
-
 def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
     """num_layers hidden layers of width D with SiLU, then a Linear to D that starts at zero:
     with the residual z = h + MLP(...), an untrained Hydra head is the base LM head."""
     layers = []
     for i in range(num_layers):
-        layers += [Linear(d_in if i == 0 else dim, dim), nn.SiLU()]
-    out = Linear(dim, dim)
+        layers += [nn.Linear(d_in if i == 0 else dim, dim), nn.SiLU()]
+    out = nn.Linear(dim, dim)
     nn.init.zeros_(out.weight)
     nn.init.zeros_(out.bias)
     return nn.Sequential(*layers, out)
@@ -232,7 +225,6 @@ class HydraHeads(nn.Module):
 
 # --- building -----------------------------------------------------------------------------------
 # Fresh heads for a base model, checked against it (checkpoint.load_heads builds them this way too).
-
 
 def _check_base(cfg: HeadsConfig, base) -> None:
     want = {"dim": base.cfg.dim, "vocab_size": base.cfg.vocab_size, "LM head fingerprint": lm_head_fingerprint(base)}

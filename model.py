@@ -7,9 +7,10 @@ forward pass that takes an explicit tree attention mask.
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
     cache.keep(idx)                                          # commit the accepted new entries
 
-The arithmetic is all here: RMSNorm, rotary embeddings (plain, linear and Llama-3 scaling),
-grouped-query attention, SwiGLU MLP, tied or untied LM head. Reading weights and config files is
-checkpoint.py's job. Test: `python -m pytest -q tests/test_model.py` (parity with transformers).
+The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
+scaling), grouped-query attention, SwiGLU MLP, tied or untied LM head. Reading weights and config
+files is checkpoint.py's job; faster CPU forms of some layers, each tested equal to the one here,
+are kernels.py's. Test: `python -m pytest -q tests/test_model.py` (parity with transformers).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
 Dh head size, V vocabulary.
@@ -17,13 +18,12 @@ Dh head size, V vocabulary.
 import hashlib
 import itertools
 import math
-import os
-import sys
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 
 # --- configuration ---------------------------------------------------------------------------
 # One model's shapes; checkpoint.config_from_hf reads them from a transformers config.json.
@@ -144,111 +144,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-# --- kernels: the readable op, and the fast one beside it ------------------------------------------
-# The forward pass below is written with plain PyTorch ops (the readable path: what the parity
-# tests check against transformers). On a CPU some of them hit slow kernels. In bf16, measured on
-# this project's 2-core AMD EPYC (AVX512-BF16, no AMX), torch 2.13, 2 threads, SmolLM2-135M's
-# shapes, ms per call, median of 50 (`python bench.py --kernels` measures them on your machine):
-#
-#   op (bf16)                                     readable path       fast path
-#   attention, 1 query over 201 keys (decode)     SDPA 0.205          SDPA in fp32 0.053
-#   attention, batch 64 x 1 query, key mask        SDPA 6.35           2 matmuls, fp32 softmax 0.72
-#   attention, 16 queries (tree), 200 (prefill)    SDPA 0.17, 0.99     (kept: no faster path)
-#   linear 1536 -> 576, 1 row                      F.linear 0.082      oneDNN, prepacked 0.036
-#   LM head 576 -> 49152, 1 row                    F.linear 4.26       oneDNN, prepacked 1.78
-#   whole decode step, batch 1, 200 cached tokens  43.6                25.3
-#
-# PyTorch's bf16 SDPA on CPU runs a blocked flash kernel built for long queries, and F.linear on one
-# bf16 row misses oneDNN's fast path; oneDNN's matrix product on a weight reordered once into its
-# blocked layout runs near the memory bandwidth.
-#
-# In fp32 on a CPU, F.linear (MKL) streams a one-row product's weights from memory at ~11 GB/s,
-# against ~21 GB/s for a plain read of them; the same oneDNN-prepacked weights are faster at every
-# row count. Measured on a 2-core AMD EPYC with AVX2 only (no AVX512, so bf16 is emulated and fp32
-# is the default there), torch 2.13, 2 threads, the whole SmolLM2-135M, ms per call, median:
-#
-#   step (fp32)                                   readable path       fast path (prepacked)
-#   decode, batch 1, 200 cached tokens             58.0                40.5
-#   tree of 16 tokens, 200 cached                  125.5               76.0
-#   prefill of 256 tokens                          546.5               463.7
-#   batch 64 x 1 token, 200 cached                 301.9               273.5
-#
-# So Kernels.choose() prepacks the linear layers on every CPU with oneDNN (fp32 and native bf16),
-# adds the bf16 attention path where bf16 is native, and keeps the readable path on CUDA, where
-# the defaults are already the fast kernels. The prepacked weights are a second copy of every
-# linear layer's weight (the plain one stays for the readable path, the heads and saving), made
-# once when the model is moved to its device and dtype, and only where that copy fits in free
-# memory.
-
-@dataclass(frozen=True)
-class Kernels:
-    attention: str = "sdpa"  # "sdpa": F.scaled_dot_product_attention | "cpu-bf16": see attend()
-    packed: bool = False     # linear layers use oneDNN-prepacked copies of their weights
-
-    @staticmethod
-    def choose(device, dtype, weight_bytes=0) -> "Kernels":
-        if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-            return Kernels()
-        bf16_kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        if dtype == torch.bfloat16 and not bf16_kernels:
-            return Kernels()  # bf16 is emulated on this CPU: nothing here is faster
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-        packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                  and 2 * weight_bytes < free)
-        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed)
-
-
-def attend(q, k, v, mask, kernels: Kernels):
+def attend(q, k, v, mask):
     """Grouped-query attention. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask (B|1, 1, T, S) bool or
     None (see all) -> (B, H, T, Dh). Query head h reads key/value head h // (H / Hkv)."""
-    B, H, T, Dh = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if kernels.attention == "sdpa":      # readable path
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
-    if B == 1 and T == 1:                # one decode step: the fp32 kernel is 4x faster than bf16's
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                              enable_gqa=Hkv != H).to(q.dtype)
-    if B == 1 or B * H * T * S > 2 ** 25:  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
-    # batches (train.py's data stage): the G = H / Hkv query heads of a key/value head become G*T
-    # rows of one matrix product in bf16; softmax in fp32 (as SDPA does inside, minus the blocking).
-    # k and v are views into the cache with gaps between rows; bf16 matmul on such views is 6x
-    # slower than a copy to contiguous memory followed by the product (2.3 against 0.14 + 0.39 ms)
-    G = H // Hkv
-    k, v = k.contiguous(), v.contiguous()
-    scores = (q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)).float() * Dh ** -0.5  # (B, Hkv, G*T, S)
-    if mask is not None:
-        scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, :, None], -math.inf).view(B, Hkv, G * T, S)
-    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
-
-
-@torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
-def prepack(*weights):
-    """One oneDNN-prepacked weight for F.linear over the concatenated (out, in) weights."""
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).contiguous())
-
-
-def linear(x, weight, packed, bias=None):
-    """F.linear(x, weight, bias) (readable path), or through the prepacked copy of `weight` when
-    there is one; never under autograd (oneDNN's prepacked op has no backward)."""
-    if packed is None or torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-class Linear(nn.Linear):
-    """nn.Linear with the same fast path, for the draft heads' layers (heads.py): a few rows a
-    drafting step, where bf16 F.linear is 2.5x slower than the prepacked product (55 against 22 us
-    for 1152 -> 576 on the 2-core EPYC). The copy is made by use_kernels from the weights as they
-    are then: weights changed later (training) run the readable path under autograd, and need
-    use_kernels again before inference."""
-    packed = None
-
-    def use_kernels(self, kernels: "Kernels"):
-        self.packed = prepack(self.weight) if kernels.packed else None
-
-    def forward(self, x):
-        return linear(x, self.weight, self.packed, self.bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -259,21 +158,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.use_kernels(Kernels())
 
-    def use_kernels(self, kernels: Kernels):
-        self.kernels = kernels  # q, k and v come out of one prepacked product: one call, not three
-        self.qkv_packed = prepack(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight) if kernels.packed else None
-        self.o_packed = prepack(self.o_proj.weight) if kernels.packed else None
+    # project() and attend() are methods so that a faster form of this layer can replace just them
+    def project(self, x):
+        """x (B, T, D) -> q (B, T, H*Dh), k and v (B, T, Hkv*Dh)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(self, q, k, v, mask):
+        return attend(q, k, v, mask)                                           # (B, H, T, Dh)
 
     def forward(self, x, cos, sin, attn_mask, kv):
         """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or None."""
         B, T, _ = x.shape
         c = self.cfg
-        if self.qkv_packed is not None and not torch.is_grad_enabled():
-            q, k, v = linear(x, None, self.qkv_packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
         q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)       # (B, H, T, Dh)
         k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
@@ -283,8 +181,8 @@ class Attention(nn.Module):
             k_cache[:, :, start:start + T] = k
             v_cache[:, :, start:start + T] = v
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]         # (B, Hkv, S, Dh)
-        y = attend(q, k, v, attn_mask, self.kernels)                           # (B, H, T, Dh)
-        return linear(y.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim), self.o_proj.weight, self.o_packed)
+        y = self.attend(q, k, v, attn_mask)                                    # (B, H, T, Dh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))  # (B, T, D)
 
 
 class MLP(nn.Module):
@@ -293,38 +191,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-        self.use_kernels(Kernels())
 
-    def use_kernels(self, kernels: Kernels):
-        self.gate_up_packed = prepack(self.gate_proj.weight, self.up_proj.weight) if kernels.packed else None
-        self.down_packed = prepack(self.down_proj.weight) if kernels.packed else None
+    def gate_up(self, x):  # a method so that a faster form can compute both in one product
+        return self.gate_proj(x), self.up_proj(x)                    # (B, T, hidden_dim) each
 
     def forward(self, x):
-        if self.gate_up_packed is not None and not torch.is_grad_enabled():
-            gate, up = linear(x, None, self.gate_up_packed).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_packed)  # SwiGLU
-
-
-def use_kernels(module: nn.Module, kernels: Kernels) -> Kernels:
-    """Switch everything inside `module` that has a fast path (the base model: attention, MLPs, LM
-    head; heads: their Linear layers, LM head and Hydra++'s Block) to `kernels`. A kernel this
-    build or machine lacks falls back to the readable path with one notice on stderr, never a
-    crash. Returns the kernels in use."""
-    try:
-        for m in module.modules():
-            if isinstance(m, Transformer):
-                m.kernels, m.lm_head_packed = kernels, prepack(m.lm_head.weight) if kernels.packed else None
-            elif hasattr(m, "use_kernels"):  # Attention, MLP, Linear, heads.LMHead
-                m.use_kernels(kernels)
-        return kernels
-    except (RuntimeError, AttributeError) as e:
-        if kernels == Kernels():
-            raise
-        print(f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
-              file=sys.stderr)
-        return use_kernels(module, Kernels())
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)                      # SwiGLU, (B, T, D)
 
 
 class Block(nn.Module):
@@ -370,19 +243,6 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg)
-        self.kernels, self.lm_head_packed = Kernels(), None
-
-    def _apply(self, fn, recurse=True):
-        """After .to(device, dtype) (or .half(), .cuda(), ...): choose the kernels for where the
-        weights now are, and prepack for them (see Kernels)."""
-        super()._apply(fn, recurse)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        return self.use_kernels(Kernels.choose(self.device, self.dtype, weight_bytes))
-
-    def use_kernels(self, kernels: Kernels):
-        """Switch every layer to `kernels`; Kernels() is the readable path. Returns the model."""
-        use_kernels(self, kernels)
-        return self
 
     @property
     def device(self):
@@ -416,7 +276,7 @@ class Transformer(nn.Module):
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
         hidden = self.norm(x)                                                 # (B, T, D)
-        logits = linear(hidden[:, -1:] if last_only else hidden, self.lm_head.weight, self.lm_head_packed)  # (B, T|1, V)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)        # (B, T|1, V)
         return logits, hidden
 
 

@@ -47,7 +47,8 @@ from tqdm import tqdm
 
 import checkpoint
 import dataset
-import model as model_lib
+import kernels
+from kernels import bucket
 from generate import Parser, UsageError, notice, pick_device, pick_dtype, writable_file, writable_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -163,81 +164,12 @@ def next_token_loss(logits, target):
     return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
 
 
-class FusedHeadLoss(torch.autograd.Function):
-    """sum_m scale_m * teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one pass, the
-    same numbers as autograd through the readable pair, with the gradient written out.
-
-    Through autograd the (M, V') logits (M ~ 13k predictions, V' = 8k kept tokens: 213 MB in bf16)
-    and their gradient are whole tensors, each written and read several times, and allocated anew
-    every step (the page faults of that alone showed up in the profile). Here ROWS rows at a time go
-    through the LM head, their loss and its gradient while the block's logits sit in cache, and the
-    gradients of z (and of W, if it trains) are formed there and then; backward only scales them by
-    the one number it receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i over
-    the teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the
-    formula of teacher_loss gives
-
-        dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
-                                                                              dL/dW = (dL/dlogits)^T z
-
-    a dense term (a scaled softmax) and k sparse ones. w = 0 where 1 - s is clamped at 1e-6, as
-    autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
-    the loss and its gradient in fp32. tests/test_train.py checks the value and both gradients
-    against autograd through teacher_loss and next_token_loss."""
-
-    ROWS = 256
-
-    @staticmethod
-    def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
-        # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
-        want_z, want_w = ctx.needs_input_grad[:2]
-        with torch.autocast(z.device.type, enabled=False):
-            M, extra = len(z), bucket(len(z), FusedHeadLoss.ROWS) - len(z)   # whole blocks: one product shape
-            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
-            z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
-            grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
-            total = torch.zeros((), device=z.device)
-            w_ = weight.detach().to(dtype)
-            for a in range(0, len(z), FusedHeadLoss.ROWS):
-                rows = slice(a, a + FusedHeadLoss.ROWS)
-                zb = z[rows].detach().to(dtype)                               # (R, D)
-                logits = (zb @ w_.T).float()                                  # (R, V')
-                lse = logits.logsumexp(-1)                                    # (R,)
-                kept = top_ids[rows] >= 0                                     # (R, k)
-                ids = top_ids[rows].clamp(min=0)
-                picked = (logits.gather(1, ids) - lse[:, None]) * kept        # (R, k) log q_i, 0 if not kept
-                q = picked.exp() * kept                                       # (R, k)
-                p = top_p[rows].float() * kept                                # (R, k)
-                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
-                rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
-                loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
-                sc = scale[rows]                                              # (R,)
-                total += (sc * loss).sum()
-                if not (want_z or want_w):
-                    continue
-                w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
-                g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
-                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
-                if want_z:
-                    grad_z[rows] = g @ w_
-                if want_w:
-                    grad_w += g.T @ zb
-        ctx.save_for_backward(None if grad_z is None else grad_z[:M], grad_w)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_z, grad_w = ctx.saved_tensors
-        return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
-                None, None, None, None)
-
-
 def batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
     """The mean loss of a batch's M predictions: z (M, D) the head states, weight the LM head's
     (V', D), or (K, V', D) one per head; j (M,) is head - 1. Teacher loss: every head alike;
     next-token loss: head j+1 weighted 0.8^(j+1) (Medusa-1), which is the teacher loss with the data
     token as a teacher sure of it (p = 1). A batch with no predictions gives 0. Both go through
-    FusedHeadLoss, the fast form of LM head + teacher_loss / next_token_loss (same values and
+    kernels.FusedHeadLoss, the fast form of LM head + teacher_loss / next_token_loss (same values and
     gradients); dtype is its products'."""
     M = max(len(z), 1)
     if kind == "teacher":
@@ -246,19 +178,9 @@ def batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
         ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
         scale = 0.8 ** (j + 1).float() / M
     if weight.dim() == 2:   # one matrix for every head
-        return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
-    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
+        return kernels.FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
+    return sum(kernels.FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
                for d in range(len(weight)))
-
-
-def bucket(n, size):
-    """n rounded up to a multiple of size. oneDNN (the CPU's matrix products) builds a kernel for
-    every new shape and keeps up to 1,024 of them, so shapes that change every step cost time and
-    memory that grows over a run (6.0 GB at step 430, 7.2 GB at step 1,000 of a 5M-token Hydra++
-    run). Training pads to buckets: a batch's length to 16, the heads' rows to 64, the loss's to
-    whole blocks. 60 steps, 4 alternating rounds, bf16 on the 2-core Zen 5 EPYC: 4,140 against
-    3,900 assistant tokens/s (medians), 2.3 against 3.0 GB of anonymous memory at the end."""
-    return -(-n // size) * size
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -693,10 +615,10 @@ def data_model(model, dtype):
     dtype = pick_dtype(dtype, model.device.type)
     if dtype == model.dtype:
         return model
-    kernels = model.kernels  # oneDNN's prepacked weights cannot be deep-copied: copy without them;
-    model.use_kernels(model_lib.Kernels())  # .to() prepacks the copy's own for its dtype
-    writer = copy.deepcopy(model).to(dtype=dtype)
-    model.use_kernels(kernels)
+    fast = kernels.in_use(model)  # oneDNN's prepacked weights cannot be deep-copied: copy without them,
+    kernels.use(model, kernels.Kernels())
+    writer = kernels.use(copy.deepcopy(model).to(dtype=dtype))  # with the copy's own kernels for its dtype
+    kernels.use(model, fast)
     return writer
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint  # noqa: E402
 import data_size  # noqa: E402
 import dataset  # noqa: E402
-import model as model_lib  # noqa: E402
+import kernels  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
@@ -46,7 +46,7 @@ def measure(model, data, runs, seed=0, bf16=True):
     rows = {}
     for label, folder in runs:
         heads = checkpoint.load_heads(folder, model).eval()
-        model_lib.use_kernels(heads, model_lib.Kernels())  # the readable path: fp32 prepacked weights refuse bf16 autocast
+        kernels.use(heads, kernels.Kernels())  # the readable path: fp32 prepacked weights refuse bf16 autocast
         saved = os.path.join(folder, "tree.json")
         shipped = tree_lib.load(saved) if os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
         to_kept = train.to_kept_map(None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size)

@@ -21,6 +21,7 @@ import torch
 import checkpoint as checkpoint_lib
 import dataset as D
 import heads as heads_lib
+import kernels
 import model as model_lib
 import train as T
 from conftest import tiny_config
@@ -162,50 +163,6 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
     assert T.batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), torch.zeros(0, dtype=torch.long),
                         torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_loss_has_the_readable_losses_values_and_gradients(dtype):
-    # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
-    # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
-    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
-    g = torch.Generator().manual_seed(0)
-    M, D, V, k = 600, 24, 300, 5
-    assert M > 2 * T.FusedHeadLoss.ROWS and M % T.FusedHeadLoss.ROWS
-    z = torch.randn(M, D, generator=g)
-    weight = torch.randn(V, D, generator=g) * 0.6
-    z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
-    z[7] = 0
-    z[7, 0] = 40                                                    # its logits are 40 weight[:, 0]:
-    weight[:, 0] = -1
-    weight[:k, 0] = 0                                               # 0 on tokens 0..4, -40 elsewhere
-    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
-    ids[7] = torch.arange(k)
-    ids[torch.rand(M, k, generator=g) < 0.1] = -1
-    p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
-    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
-    target = torch.randint(-1, V, (M,), generator=g)
-    one = torch.ones(M, 1)
-    project = lambda z_, w_: z_.to(dtype) @ w_.to(dtype).T          # the LM head, in the products' dtype
-    for readable, ids_, p_ in ((lambda x: T.teacher_loss(x, ids, p), ids, p),
-                               (lambda x: T.next_token_loss(x, target), target[:, None], one)):
-        scale = torch.rand(M, generator=g)                          # any weights of the rows
-        za, wa = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = (readable(project(za, wa)) * scale).sum()
-        (want * 3).backward()                                       # any upstream gradient
-        zb, wb = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        got = T.FusedHeadLoss.apply(zb, wb, ids_, p_, scale, dtype)
-        (got * 3).backward()
-        torch.testing.assert_close(got, want.float(), atol=1e-3, rtol=1e-4)
-        for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
-            if dtype == torch.float32:                              # the same sums in another order
-                torch.testing.assert_close(mine, readable_grad, atol=1e-4, rtol=1e-4)
-            else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
-                assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
-        # a frozen LM head gets no gradient and needs none
-        zc = z.clone().requires_grad_()
-        (T.FusedHeadLoss.apply(zc, weight, ids_, p_, scale, dtype) * 3).backward()
-        torch.testing.assert_close(zc.grad, zb.grad)
 
 
 @pytest.mark.parametrize("loss", ["teacher", "next-token"])
@@ -777,10 +734,11 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     The base's oneDNN-prepacked weights are opaque tensors that cannot be deep-copied: the copy is
     made without them (and prepacks its own), and the base keeps its kernels."""
     torch.manual_seed(0)
-    base = model_lib.Transformer(tiny_config()).to(torch.float32).eval().requires_grad_(False)  # .to() prepacks
-    kernels = base.kernels
+    base = kernels.use(model_lib.Transformer(tiny_config()).eval().requires_grad_(False))  # prepacked
+    fast = kernels.in_use(base)
     writer = T.data_model(base, "bf16")
-    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and base.kernels == kernels
+    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and kernels.in_use(base) == fast
+    assert kernels.in_use(writer) == kernels.Kernels.choose("cpu", torch.bfloat16, 0)
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()
     assert torch.allclose(got, want, atol=0.05, rtol=0.05)
