@@ -5,6 +5,7 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     kernels.use(model)                   # the twins Kernels.choose() picks for the model's device and dtype
     kernels.use(model, Kernels())        # back to the readable layers
     kernels.in_use(model)                # -> the Kernels in use
+    loss = fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype)   # training's loss
 
     readable                                        fast twin (here)
     nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight
@@ -12,7 +13,7 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
-    train: LM head, then teacher_loss               FusedHeadLoss: both in blocks of rows
+    train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
 
 use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
 prepacks its weights as they are then; use(..., Kernels()) swaps back. checkpoint.load and
@@ -296,3 +297,21 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_z, grad_w = ctx.saved_tensors
         return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
                 None, None, None, None)
+
+
+def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
+    """train.batch_loss(kind, train.logits_of(heads, z, j), j, top_ids, top_p, target)'s twin, from
+    the head states z (M, D) and the LM head's weight (V', D), or (K, V', D) one per head; j (M,)
+    is head - 1; dtype is the products'. The next-token loss is the teacher loss with the data
+    token as a teacher sure of it (p = 1), so both go through FusedHeadLoss, each row weighted as
+    batch_loss weighs it."""
+    M = max(len(z), 1)
+    if kind == "teacher":
+        ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)
+    else:
+        ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
+        scale = 0.8 ** (j + 1).float() / M
+    if weight.dim() == 2:   # one matrix for every head
+        return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
+    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
+               for d in range(len(weight)))

@@ -108,6 +108,7 @@ def build_parser():
     p.add_argument("--own-lm-head", action="store_true", help="a trainable LM head per head (Medusa-1) instead of the shared frozen one")
     p.add_argument("--kept-tokens", type=int, default=8192, help="heads predict over this many most frequent tokens (0 = whole vocabulary)" + span("--kept-tokens") + ", at most the vocabulary")
     p.add_argument("--loss", default="teacher", choices=["teacher", "next-token"], help="teacher: the base model's distribution (Hydra); next-token: data tokens, weights 0.8^k (Medusa-1)")
+    p.add_argument("--loss-impl", default="fused", choices=["fused", "readable"], help="how the loss is computed: readable (the heads' LM head, then teacher_loss / next_token_loss) or fused (kernels.fused_batch_loss: both in blocks of rows, faster and in less memory); they give the same values and gradients (tests/test_kernels.py)")
     p.add_argument("--noise", type=float, default=0.0, help="NEFTune-style input noise alpha (0 = off)" + span("--noise"))
     p.add_argument("--train-dtype", default="auto", choices=["auto", "fp32", "bf16"], help="the heads' matrix products in training: auto (bf16 where it is fast: CUDA, CPUs with native bf16; 1.9x on a 2-core AVX512-BF16 CPU) | fp32 | bf16; losses, gradients' sums and weights stay fp32")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data" + span("--epochs"))
@@ -164,23 +165,15 @@ def next_token_loss(logits, target):
     return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
 
 
-def batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
-    """The mean loss of a batch's M predictions: z (M, D) the head states, weight the LM head's
-    (V', D), or (K, V', D) one per head; j (M,) is head - 1. Teacher loss: every head alike;
-    next-token loss: head j+1 weighted 0.8^(j+1) (Medusa-1), which is the teacher loss with the data
-    token as a teacher sure of it (p = 1). A batch with no predictions gives 0. Both go through
-    kernels.FusedHeadLoss, the fast form of LM head + teacher_loss / next_token_loss (same values and
-    gradients); dtype is its products'."""
-    M = max(len(z), 1)
+def batch_loss(kind, logits, j, top_ids, top_p, target):
+    """The mean loss of a batch's M predictions, from the heads' logits (M, V') (logits_of); j (M,)
+    is head - 1. Teacher loss: every head alike; next-token loss: head j+1 weighted 0.8^(j+1)
+    (Medusa-1). A batch with no predictions gives 0. --loss-impl fused trains with its fast twin,
+    kernels.fused_batch_loss: the same values and gradients (tests/test_kernels.py)."""
+    M = max(len(logits), 1)
     if kind == "teacher":
-        ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)
-    else:
-        ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
-        scale = 0.8 ** (j + 1).float() / M
-    if weight.dim() == 2:   # one matrix for every head
-        return kernels.FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
-    return sum(kernels.FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
-               for d in range(len(weight)))
+        return teacher_loss(logits, top_ids, top_p).sum() / M
+    return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -268,15 +261,19 @@ def logits_of(heads, z, j):
 class TrainForward(nn.Module):
     """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only of
     what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train)."""
+    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
+    loss_impl: "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
 
-    def __init__(self, heads):
+    def __init__(self, heads, loss_impl="fused"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.loss_impl = heads, loss_impl
 
     def forward(self, batch, loss_kind, noise=0.0, generator=None, dtype=torch.float32):
+        """dtype: the fused loss's products (the readable one's follow autocast)."""
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
-        return batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
+        if self.loss_impl == "readable":
+            return batch_loss(loss_kind, logits_of(self.heads, z, j), j, top_ids, top_p, target)
+        return kernels.fused_batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
 
 
 # --- evaluation ---------------------------------------------------------------------------------------
@@ -511,7 +508,7 @@ def train(model, data, out, args):
         log(f"[train] resumed from step {step} in {out}")
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
-    forward = TrainForward(heads)
+    forward = TrainForward(heads, args.loss_impl)
     if world > 1:  # its backward averages gradients over ranks; the frozen shared buffers are never sent
         # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them once)
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)

@@ -4,7 +4,7 @@ random models, seeded).
 One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (a decode step, a
 tree, a batch with a key mask, a prefill), FastMLP and model.MLP, FastLMHead and heads.LMHead, the
 whole model fast and readable (fp32 to rounding, bf16 as close to fp32 as the readable path is),
-FusedHeadLoss and the LM head + train.teacher_loss / next_token_loss (value and both gradients). Also: use() swaps layers in place
+fused_batch_loss and train.batch_loss (value and both gradients). Also: use() swaps layers in place
 and back (same parameters, same state_dict); the loaders apply it; a kernel this build lacks falls
 back with one notice; off the CPU none of the fast paths is reached. Cases this CPU lacks (no
 oneDNN prepacking, no native bf16) are skipped with the reason.
@@ -292,7 +292,10 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
 # --- the training loss ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_loss_has_the_readable_losses_values_and_gradients(dtype):
+@pytest.mark.parametrize("kind", ["teacher", "next-token"])
+def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dtype):
+    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head (shared,
+    or one per head), products in `dtype`: the value and the gradients of z and of the LM head."""
     # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
     # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
     # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
@@ -312,24 +315,55 @@ def test_fused_head_loss_has_the_readable_losses_values_and_gradients(dtype):
     p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
     p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
     target = torch.randint(-1, V, (M,), generator=g)
-    one = torch.ones(M, 1)
-    project = lambda z_, w_: z_.to(dtype) @ w_.to(dtype).T          # the LM head, in the products' dtype
-    for readable, ids_, p_ in ((lambda x: T.teacher_loss(x, ids, p), ids, p),
-                               (lambda x: T.next_token_loss(x, target), target[:, None], one)):
-        scale = torch.rand(M, generator=g)                          # any weights of the rows
-        za, wa = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = (readable(project(za, wa)) * scale).sum()
+    j = torch.randint(0, 3, (M,), generator=g)                      # head - 1
+    per_head = weight.repeat(3, 1, 1)
+    per_head[..., 1:] += 0.1 * torch.randn(3, V, D - 1, generator=g)  # column 0 (row 7's) the same
+
+    def logits_of(z_, w_):  # the LM head, in the products' dtype: (M, V')
+        if w_.dim() == 2:
+            return z_.to(dtype) @ w_.to(dtype).T
+        return (z_.to(dtype)[:, None] @ w_.to(dtype)[j].transpose(-1, -2))[:, 0]
+    for w in (weight, per_head):
+        za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
+        want = T.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
         (want * 3).backward()                                       # any upstream gradient
-        zb, wb = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        got = kernels.FusedHeadLoss.apply(zb, wb, ids_, p_, scale, dtype)
+        zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
+        got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)
         (got * 3).backward()
-        torch.testing.assert_close(got, want.float(), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
         for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
             if dtype == torch.float32:                              # the same sums in another order
-                torch.testing.assert_close(mine, readable_grad, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(mine, readable_grad, atol=1e-6, rtol=1e-4)
             else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
                 assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
         # a frozen LM head gets no gradient and needs none
         zc = z.clone().requires_grad_()
-        (kernels.FusedHeadLoss.apply(zc, weight, ids_, p_, scale, dtype) * 3).backward()
+        (kernels.fused_batch_loss(kind, zc, w, j, ids, p, target, dtype) * 3).backward()
         torch.testing.assert_close(zc.grad, zb.grad)
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("kind", ["teacher", "next-token"])
+def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny, kind, own):
+    """train.py's --loss-impl: TrainForward's readable loss (the heads' LM head, then batch_loss)
+    and its fused twin, on a collated batch of Hydra++ heads: the same loss and weight gradients."""
+    g = torch.Generator().manual_seed(0)
+    n, kept = 24, torch.arange(0, 64, 2)
+    data = dict(offsets=torch.tensor([0, 11, n]), ids=torch.randint(1, 64, (n,), generator=g),
+                loss=torch.rand(n, generator=g) > 0.3, hidden=torch.randn(n, 32, generator=g).half(),
+                top_ids=torch.randint(0, 64, (n, 4), generator=g),
+                top_p=(torch.rand(n, 4, generator=g).softmax(-1) * 0.9).half())
+    batch = T.collate(data, [0, 1], T.to_kept_map(kept, 64), 3, "cpu")
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=3, own_lm_head=own), tiny, kept).train()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    loss, grads = {}, {}
+    for impl in ("readable", "fused"):
+        heads.zero_grad()
+        loss[impl] = T.TrainForward(heads, impl)(batch, kind)
+        loss[impl].backward()
+        grads[impl] = [p.grad for p in heads.parameters()]
+    torch.testing.assert_close(loss["fused"], loss["readable"], atol=1e-6, rtol=1e-5)
+    for fused, readable in zip(grads["fused"], grads["readable"]):
+        torch.testing.assert_close(fused, readable, atol=1e-6, rtol=1e-4)

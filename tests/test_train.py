@@ -1,6 +1,6 @@
 """Tests for train.py, on a tiny random base model and features it computed (CPU, seeded).
 
-A few steps lower the loss for every head kind and loss; the teacher and next-token losses equal
+A few steps lower the loss for every head kind, loss and loss implementation; the teacher and next-token losses equal
 values worked out by hand, and the teacher loss is smallest at the teacher's own probabilities,
 residual mass included; a run stopped by a crash (kill -9), by a crash between the checkpoint's
 two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an uninterrupted
@@ -132,10 +132,11 @@ def test_teacher_loss_by_hand():
     # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 = 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
     assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
-    # the batch loss is their mean: 3.4109430 / 3
-    # z = log q through an identity LM head, shared or one per head
+    # the batch loss is their mean: 3.4109430 / 3; the fused one's too, with z = log q through an
+    # identity LM head, shared or one per head
+    assert math.isclose(T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = T.batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
         assert math.isclose(got, 1.1369810, abs_tol=1e-6)
 
 
@@ -144,8 +145,9 @@ def test_next_token_loss_by_hand():
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
     assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 + 0.4691408) / 3
+    assert math.isclose(T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 0.5260588, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = T.batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
         assert math.isclose(got, 0.5260588, abs_tol=1e-6)
 
 
@@ -161,13 +163,15 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
     assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
-    assert T.batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), torch.zeros(0, dtype=torch.long),
-                        torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
+    none = torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
+    assert T.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
+    assert kernels.fused_batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), *none) == 0
 
 
+@pytest.mark.parametrize("impl", ["fused", "readable"])
 @pytest.mark.parametrize("loss", ["teacher", "next-token"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_few_steps_lower_the_loss(features, kind, loss):
+def test_a_few_steps_lower_the_loss(features, kind, loss, impl):
     base, folder = features
     data = D.load_data(folder)
     kept, to_kept, _ = T.kept_vocabulary(data, V, 32)
@@ -176,7 +180,7 @@ def test_a_few_steps_lower_the_loss(features, kind, loss):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     batch = T.collate(data, list(range(6)), to_kept, 3, "cpu")
     assert batch["valid"].any(), "the batch must hold something to predict"
-    losses = [T.train_step(T.TrainForward(heads), opt, batch, 1e-2, loss) for _ in range(12)]
+    losses = [T.train_step(T.TrainForward(heads, impl), opt, batch, 1e-2, loss) for _ in range(12)]
     assert losses[-1] < 0.8 * losses[0], losses
 
 
