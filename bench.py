@@ -51,11 +51,13 @@ from typing import Callable
 
 import torch
 
+import checkpoint
 import cli
 import drafters
 import generate
 import heads as heads_lib
 import joint
+import kernels as kernels_lib
 import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
@@ -77,7 +79,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.7, help=f"temperature of hydra++-typical and hydra++-sample (below {verify_lib.GREEDY_BELOW}: greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--heads-dir", default=cli.SHIPPED, help="where the heads methods find their heads: a heads folder as train.py "
                    "writes it (its kind names the method), or a folder holding KIND/ or heads-KIND/ folders (medusa, hydra, hydra++)")
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
@@ -95,7 +97,7 @@ def build_parser():
     p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
     p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree / --tune-layers: timed runs per size; the median counts")
     # layers tuning
-    p.add_argument("--kernels", action="store_true", help="time each kernel choice of model.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
+    p.add_argument("--kernels", action="store_true", help="time each kernel choice of kernels.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
     return p
@@ -185,7 +187,7 @@ def load_hf(name, device, dtype):
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(model_lib.resolve(name), dtype=dtype).to(device).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint.resolve(name), dtype=dtype).to(device).eval()
 
 
 class ForwardCounter:
@@ -228,7 +230,7 @@ def heads_folder(heads_dir, kind):
     frozen = kind.removesuffix("-2")
     for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
         try:
-            with open(os.path.join(folder, heads_lib.CONFIG)) as f:
+            with open(os.path.join(folder, checkpoint.HEADS_CONFIG)) as f:
                 if json.load(f).get("kind") == frozen and joint.has_delta(folder) == (kind != frozen):
                     return folder
         except (OSError, ValueError, AttributeError):
@@ -242,9 +244,9 @@ def load_heads(args, name, folder, model, asked):
     delta merged in."""
     try:
         if joint.has_delta(folder):
-            model, _ = model_lib.load(args.model, model.device, model.dtype)
+            model, _ = checkpoint.load(args.model, model.device, model.dtype)
             print(f"[bench] {name}: {joint.merge_delta(model, folder)}", file=sys.stderr)
-        return heads_lib.load(folder, model), model
+        return checkpoint.load_heads(folder, model), model
     except heads_lib.HeadsError as e:
         if name in asked or args.heads_dir != cli.SHIPPED:
             raise cli.UsageError(f"--heads-dir {args.heads_dir}: {e}") from None
@@ -476,9 +478,11 @@ def timed(fn, device):
 
 @torch.inference_mode()
 def kernel_table(model, device):
-    """--kernels: each op of model.Kernels at this model's shapes, readable path against the fast
-    path chosen for this device and dtype (ms, median of 50 calls); then one whole step of each."""
-    c, fast, readable = model.cfg, model.kernels, model_lib.Kernels()
+    """--kernels: each fast twin of kernels.py at this model's shapes, the readable path against the
+    kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
+    results/kernels-cpu.md holds this table."""
+    c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
+    fast_attend = kernels_lib.attend if fast.attention == "cpu-bf16" else model_lib.attend
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
     ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
     rows = []
@@ -486,21 +490,23 @@ def kernel_table(model, device):
                           ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
         q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
         mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
-        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask, readable)), ms(lambda: model_lib.attend(q, k, v, mask, fast))))
+        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask)), ms(lambda: fast_attend(q, k, v, mask))))
     # one row through every layer's down projection in turn, as a decode step reads them: from
     # memory, not from a cache that one weight timed alone would sit in
     w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
-    for what, pairs in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
-                         [(layer.mlp.down_proj.weight, layer.mlp.down_packed) for layer in model.layers]),
-                        (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [(model.lm_head.weight, model.lm_head_packed)])):
-        x = rand(1, pairs[0][0].shape[1])
-        rows.append((what, ms(lambda: [model_lib.linear(x, weight, None) for weight, _ in pairs]),
-                     ms(lambda: [model_lib.linear(x, weight, packed) for weight, packed in pairs])))
+    for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
+                          [layer.mlp.down_proj for layer in model.layers]),
+                         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
+        x = rand(1, layers[0].in_features)
+        pairs = [(m.weight, getattr(m, "packed", None)) for m in layers]   # packed: kernels.PackedLinear's copy
+        rows.append((what, ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
+                     ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
+                                 for weight, packed in pairs])))
     steps = {}
     for name, kernels in (("readable", readable), ("fast", fast)):
-        model.use_kernels(kernels)
+        kernels_lib.use(model, kernels)
         steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
-    model.use_kernels(fast)
+    kernels_lib.use(model, fast)
     rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
     rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
     print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))
@@ -714,16 +720,16 @@ def wants_assisted(args):
 
 def draft_folder(name):
     """--draft-model: the folder of a Llama-family model (config.json read; nothing loaded)."""
-    folder = model_lib.resolve(name)
+    folder = checkpoint.resolve(name)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
         arch = config.get("model_type") if isinstance(config, dict) else None
     except (OSError, ValueError, RecursionError) as e:
         raise cli.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
-    if arch not in model_lib.SUPPORTED:
+    if arch not in checkpoint.SUPPORTED:
         raise cli.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
-                                  f"({', '.join(model_lib.SUPPORTED)}); give a small model of the base model's family")
+                                  f"({', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family")
     return folder
 
 
@@ -747,7 +753,7 @@ def main(args):
     device = cli.pick_device(args.device)
     dtype = cli.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
-    model, tokenizer = model_lib.load(args.model, device, dtype)
+    model, tokenizer = checkpoint.load(args.model, device, dtype)
     eos = cli.eos_ids(model, tokenizer)
     prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:

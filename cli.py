@@ -27,9 +27,9 @@ import tempfile
 
 import torch
 
+import checkpoint
 import drafters as drafters_lib
 import heads as heads_lib
-import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
 
@@ -69,7 +69,7 @@ def run(main, parser, argv=None, interrupted="[interrupted by Ctrl-C]") -> int:
     except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (UsageError, model_lib.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
+    except (UsageError, checkpoint.LoadError, heads_lib.HeadsError, ValueError, OSError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: not a mistake in the input
@@ -281,7 +281,7 @@ def load_heads(name, model):
     if folder is None:
         return None, None
     try:
-        heads = heads_lib.load(folder, model)
+        heads = checkpoint.load_heads(folder, model)
         if joint.has_delta(folder):
             notice(joint.merge_delta(model, folder) + "; --heads none decodes with the original model")
         return heads, folder
@@ -338,8 +338,8 @@ def load_tree(spec, heads, heads_folder):
 def load_draft_model(name, model, tokenizer, device, dtype):
     """--draft-model: a Llama-family model whose vocabulary is the base model's, token for token."""
     try:
-        draft_model, draft_tokenizer = model_lib.load(name, device, dtype)
-    except model_lib.LoadError as e:
+        draft_model, draft_tokenizer = checkpoint.load(name, device, dtype)
+    except checkpoint.LoadError as e:
         raise UsageError(f"--draft-model {name}: {e}") from None
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs or draft_model.cfg.vocab_size != model.cfg.vocab_size:

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoint
 import cli
 import drafters as drafters_lib
-import model as model_lib
 import verify as verify_lib
 
 # --- the decode loop -----------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def build_parser():
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # the model and the drafter
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
                    "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model)")
@@ -225,7 +225,7 @@ def main(args):
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
     show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe
     torch.manual_seed(args.seed)
-    model, tokenizer = model_lib.load(args.model, device, dtype)
+    model, tokenizer = checkpoint.load(args.model, device, dtype)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     drafter = cli.generate_drafter(args, kind, layers, settings, model, tokenizer, generator)
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)

@@ -18,25 +18,20 @@ W and the last MLP layer start at zero, so an untrained Medusa or Hydra head is 
     z = heads(h, tokens)                                    # training: (B, T, K, D)
     z = heads(h, tokens, at=(b, t))                         # training at N chosen positions: (N, K, D)
     logits = heads.project(z, d)                            # (..., V'); heads.full_ids(ids) -> base ids
-    save(heads, folder); heads = load(folder, base)         # heads.safetensors + heads.json
 
-Test: `python -m pytest -q tests/test_heads.py`.
+checkpoint.save_heads / load_heads write and read them. Test: `python -m pytest -q tests/test_heads.py`.
 Shapes: B batch, T time, D hidden, K heads, V' head vocabulary (V, or the kept tokens), P parent
 nodes (tree nodes at one depth), d the depth = the head drafting it (1-based).
 """
-import json
-import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from model import Block, Config, KVCache, Linear, RMSNorm, Rope, attention_mask, linear, lm_head_fingerprint, prepack, use_kernels
+from model import Block, Config, KVCache, RMSNorm, Rope, attention_mask, lm_head_fingerprint
 
 KINDS = ("medusa", "hydra", "hydra++")
-WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 
 
 class HeadsError(Exception):
@@ -59,7 +54,6 @@ class HeadsConfig:
 # --- the vocabulary projection ------------------------------------------------------------------
 # The base LM head's rows (all V, or the V' kept ones), shared by every head or copied per head.
 
-
 class LMHead(nn.Module):
     def __init__(self, base, num_heads: int, own: bool, kept_ids):
         super().__init__()
@@ -70,14 +64,10 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(rows.repeat(num_heads, 1, 1))  # (K, V', D)
         else:     # frozen, not saved, one matrix for every head
             self.register_buffer("weight", rows, persistent=False)   # (V', D)
-        self.packed = None
-
-    def use_kernels(self, kernels):  # the frozen matrix, prepacked (model.Kernels; 4x faster for a few bf16 rows)
-        self.packed = prepack(self.weight) if kernels.packed and self.weight.dim() == 2 else None
 
     def forward(self, z, d=None):
         if self.weight.dim() == 2:
-            return linear(z, self.weight, self.packed)                       # (..., V')
+            return F.linear(z, self.weight)                                  # (..., V')
         if d is None:  # z (..., K, D): head k through its own matrix
             assert z.shape[-2] == len(self.weight), f"need z (..., K={len(self.weight)}, D), got {tuple(z.shape)}"
             return torch.einsum("...kd,kvd->...kv", z, self.weight)         # (..., K, V')
@@ -87,11 +77,10 @@ class LMHead(nn.Module):
 # --- Medusa -------------------------------------------------------------------------------------
 # Head k reads h_t alone. W and b start at zero, so every block starts as the identity.
 
-
 class ResBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.linear = Linear(dim, dim)
+        self.linear = nn.Linear(dim, dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -137,14 +126,13 @@ class MedusaHeads(nn.Module):
 # Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})]: the state and the k tokens
 # on the path to the node it drafts after. E is the base input embedding, frozen.
 
-
 def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
     """num_layers hidden layers of width D with SiLU, then a Linear to D that starts at zero:
     with the residual z = h + MLP(...), an untrained Hydra head is the base LM head."""
     layers = []
     for i in range(num_layers):
-        layers += [Linear(d_in if i == 0 else dim, dim), nn.SiLU()]
-    out = Linear(dim, dim)
+        layers += [nn.Linear(d_in if i == 0 else dim, dim), nn.SiLU()]
+    out = nn.Linear(dim, dim)
     nn.init.zeros_(out.weight)
     nn.init.zeros_(out.bias)
     return nn.Sequential(*layers, out)
@@ -235,9 +223,8 @@ class HydraHeads(nn.Module):
         return ids if self.kept_ids is None else self.kept_ids[ids]
 
 
-# --- building, saving, loading ------------------------------------------------------------------
-# heads.json is parsed as data and checked field by field; weights come from safetensors only.
-
+# --- building -----------------------------------------------------------------------------------
+# Fresh heads for a base model, checked against it (checkpoint.load_heads builds them this way too).
 
 def _check_base(cfg: HeadsConfig, base) -> None:
     want = {"dim": base.cfg.dim, "vocab_size": base.cfg.vocab_size, "LM head fingerprint": lm_head_fingerprint(base)}
@@ -281,60 +268,3 @@ def build(cfg: HeadsConfig, base, kept_ids=None) -> nn.Module:
         kept_ids = kept_ids.to(base.device)
     heads = (MedusaHeads if cfg.kind == "medusa" else HydraHeads)(cfg, base, kept_ids)
     return heads.to(device=base.device, dtype=base.dtype)  # no-op for the shared base buffers
-
-
-def save(heads, folder, dtype=torch.float16) -> None:
-    """folder/heads.safetensors (trainable weights in `dtype`, half precision by default: half the
-    file, 10 mantissa bits against the 7 that bf16 decoding uses, a relative rounding of at most
-    5e-4 for fp32 decoding; kept_ids as they are; never base tensors)
-    and folder/heads.json (the config); each written to a temporary file, then renamed."""
-    os.makedirs(folder, exist_ok=True)
-    weights, config = os.path.join(folder, WEIGHTS), os.path.join(folder, CONFIG)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    save_file(state, weights + ".tmp")
-    with open(config + ".tmp", "w") as f:
-        json.dump(asdict(heads.cfg), f, indent=1)
-    os.replace(weights + ".tmp", weights)
-    os.replace(config + ".tmp", config)
-
-
-def _read_config(path) -> HeadsConfig:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise HeadsError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise HeadsError(f"{path} must hold a JSON object of HeadsConfig fields, not a {type(data).__name__}")
-    types = {f.name: f.type for f in fields(HeadsConfig)}
-    if unknown := sorted(set(data) - set(types)):
-        raise HeadsError(f"{path} has unknown field(s) {unknown}; known fields: {', '.join(types)}")
-    if missing := sorted(set(types) - set(data)):
-        raise HeadsError(f"{path} lacks field(s) {missing}; write it with heads.save()")
-    for name, value in data.items():
-        if type(value) is not types[name]:  # exact: true is not an int, 4.0 is not an int
-            raise HeadsError(f"{path}: field '{name}' must be {types[name].__name__}, got {value!r}")
-    return HeadsConfig(**data)
-
-
-def load(folder, base) -> nn.Module:
-    """Heads saved by save(), rebuilt for `base` after checking they were trained for it."""
-    if not os.path.isdir(folder):
-        raise HeadsError(f"heads folder {folder} does not exist")
-    weights, config = os.path.join(folder, WEIGHTS), os.path.join(folder, CONFIG)
-    for path in (config, weights):
-        if not os.path.isfile(path):
-            raise HeadsError(f"{folder} has no {os.path.basename(path)}; pass a folder written by heads.save()")
-    cfg = _read_config(config)
-    try:
-        state = load_file(weights)
-    except Exception as e:  # safetensors raises its own SafetensorError on a truncated or garbled file
-        raise HeadsError(f"{weights} is unreadable or corrupted ({e})") from None
-    heads = build(cfg, base, state.get("kept_ids"))
-    try:
-        heads.load_state_dict(state)
-    except RuntimeError as e:
-        reason = str(e).splitlines()[-1].strip()
-        raise HeadsError(f"{weights} does not hold the weights {config} describes ({reason})") from None
-    use_kernels(heads, base.kernels)  # the base's kernels, prepacked from these weights (not build()'s)
-    return heads

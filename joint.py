@@ -34,9 +34,11 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+import checkpoint
 import cli
 import dataset
 import heads as heads_lib
+import kernels
 import model as model_lib
 import train
 
@@ -142,7 +144,7 @@ def merge_delta(model, folder):
         weight = submodule(model.layers[int(layer)], path).weight
         delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()     # (out, in)
         weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
-    model.to(model.device)  # the fast kernels' copies of the weights are made again from the merged ones
+    kernels.use(model)  # the fast kernels' copies of the weights are made again from the merged ones
     return f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the heads' LoRA delta (rank {cfg['rank']})"
 
 
@@ -180,9 +182,9 @@ def joint_loss(adapted, heads, batch, lm_rows, heads_weight, decay, dtype):
     """(total, distillation, heads) of a collated batch whose "hidden" is the adapted layers' input."""
     h = adapted(batch["hidden"].float())                                              # (B, T, D)
     seen = batch["top_p"][..., 0] > 0                                                 # (B, T) a teacher was recorded
-    distill = train.batch_loss("teacher", h[seen], lm_rows, None, batch["top_ids"][seen], batch["top_p"][seen], None, dtype)
+    distill = kernels.fused_batch_loss("teacher", h[seen], lm_rows, None, batch["top_ids"][seen], batch["top_p"][seen], None, dtype)
     z, j, top_ids, top_p, target, _ = train.head_states(heads, {**batch, "hidden": h})
-    per_head = [train.batch_loss("teacher", z[j == d], heads.lm_head.weight, None, top_ids[j == d], top_p[j == d], None, dtype)
+    per_head = [kernels.fused_batch_loss("teacher", z[j == d], heads.lm_head.weight, None, top_ids[j == d], top_p[j == d], None, dtype)
                 for d in range(heads.cfg.num_heads)]
     heads_loss = sum(decay ** d * loss for d, loss in enumerate(per_head))
     return distill + heads_weight * heads_loss, distill, heads_loss
@@ -238,11 +240,11 @@ def report_line(step, r):
 def run(args):
     """Joint training as the flags say; writes --out (heads, delta, eval.json) and returns the report."""
     device = torch.device(cli.pick_device(args.device))
-    base, _ = model_lib.load(args.model, device, torch.float32)
+    base, _ = checkpoint.load(args.model, device, torch.float32)
     if args.layers >= base.cfg.n_layers:
         raise cli.UsageError(f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most {base.cfg.n_layers - 1}")
-    heads = heads_lib.load(cli.find_heads(args.init, "--init"), base)
-    model_lib.use_kernels(heads, model_lib.Kernels())  # the readable path: these weights will change
+    heads = checkpoint.load_heads(cli.find_heads(args.init, "--init"), base)
+    kernels.use(heads, kernels.Kernels())  # the readable path: these weights will change
     if heads.kept_ids is None:
         raise cli.UsageError(f"--init {args.init}: heads over the whole vocabulary; give heads trained with --kept-tokens")
     convs = dataset.read_conversations(args.data)
@@ -294,7 +296,7 @@ def run(args):
             if stop.signum:
                 break
     os.makedirs(args.out, exist_ok=True)
-    heads_lib.save(heads, args.out)
+    checkpoint.save_heads(heads, args.out)
     save_delta(adapted, args.out, base)
     r.update(curve=curve, seconds=round(time.time() - t0), tokens=int(data["loss"][: int(data["offsets"][len(trained)])].sum()),
              flags={k: v for k, v in vars(args).items()})
@@ -306,7 +308,7 @@ def run(args):
 
 def build_parser():
     p = cli.Parser(description="Train draft heads together with the base model's last layers (Medusa-2, LoRA).")
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default', a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default', a local HF folder or a hub id")
     p.add_argument("--init", default="medusa", help="the trained heads to start from (stage 1 of LP-FT): a shipped kind or a heads folder")
     p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
                    help="a conversations file written by train.py --export-conversations (the one --init was trained on)")

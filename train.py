@@ -45,8 +45,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+import checkpoint
+import kernels
 import dataset
-import model as model_lib
+from kernels import bucket
 from cli import MAX_SEED, Parser, UsageError, notice, pick_device, pick_dtype, run, writable_file, writable_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,7 +86,7 @@ def build_parser():
     p = Parser(description="Train draft heads on a frozen base model.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # base model
-    p.add_argument("--model", default=model_lib.DEFAULT, help="'default', a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default', a local HF folder or a hub id")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
@@ -108,6 +110,7 @@ def build_parser():
     p.add_argument("--own-lm-head", action="store_true", help="a trainable LM head per head (Medusa-1) instead of the shared frozen one")
     p.add_argument("--kept-tokens", type=int, default=8192, help="heads predict over this many most frequent tokens (0 = whole vocabulary)" + span("--kept-tokens") + ", at most the vocabulary")
     p.add_argument("--loss", default="teacher", choices=["teacher", "next-token"], help="teacher: the base model's distribution (Hydra); next-token: data tokens, weights 0.8^k (Medusa-1)")
+    p.add_argument("--loss-impl", default="fused", choices=["fused", "readable"], help="how the loss is computed: readable (the heads' LM head, then teacher_loss / next_token_loss) or fused (kernels.fused_batch_loss: both in blocks of rows, faster and in less memory); they give the same values and gradients (tests/test_kernels.py)")
     p.add_argument("--noise", type=float, default=0.0, help="NEFTune-style input noise alpha (0 = off)" + span("--noise"))
     p.add_argument("--train-dtype", default="auto", choices=["auto", "fp32", "bf16"], help="the heads' matrix products in training: auto (bf16 where it is fast: CUDA, CPUs with native bf16) | fp32 | bf16; losses, gradients' sums and weights stay fp32")
     p.add_argument("--epochs", type=int, default=2, help="passes over the data" + span("--epochs"))
@@ -166,102 +169,15 @@ def next_token_loss(logits, target):
     return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
 
 
-class FusedHeadLoss(torch.autograd.Function):
-    """sum_m scale_m * teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one pass, the
-    same numbers as autograd through the readable pair, with the gradient written out.
-
-    Through autograd the (M, V') logits (M ~ 13k predictions, V' = 8k kept tokens: 213 MB in bf16)
-    and their gradient are whole tensors, each written and read several times, and allocated anew
-    every step (the page faults of that alone showed up in the profile). Here ROWS rows at a time go
-    through the LM head, their loss and its gradient while the block's logits sit in cache, and the
-    gradients of z (and of W, if it trains) are formed there and then; backward only scales them by
-    the one number it receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i over
-    the teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the
-    formula of teacher_loss gives
-
-        dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
-                                                                              dL/dW = (dL/dlogits)^T z
-
-    a dense term (a scaled softmax) and k sparse ones. w = 0 where 1 - s is clamped at 1e-6, as
-    autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
-    the loss and its gradient in fp32. tests/test_train.py checks the value and both gradients
-    against autograd through teacher_loss and next_token_loss."""
-
-    ROWS = 256
-
-    @staticmethod
-    def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
-        # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
-        want_z, want_w = ctx.needs_input_grad[:2]
-        with torch.autocast(z.device.type, enabled=False):
-            M, extra = len(z), bucket(len(z), FusedHeadLoss.ROWS) - len(z)   # whole blocks: one product shape
-            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
-            z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
-            grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
-            total = torch.zeros((), device=z.device)
-            w_ = weight.detach().to(dtype)
-            for a in range(0, len(z), FusedHeadLoss.ROWS):
-                rows = slice(a, a + FusedHeadLoss.ROWS)
-                zb = z[rows].detach().to(dtype)                               # (R, D)
-                logits = (zb @ w_.T).float()                                  # (R, V')
-                lse = logits.logsumexp(-1)                                    # (R,)
-                kept = top_ids[rows] >= 0                                     # (R, k)
-                ids = top_ids[rows].clamp(min=0)
-                picked = (logits.gather(1, ids) - lse[:, None]) * kept        # (R, k) log q_i, 0 if not kept
-                q = picked.exp() * kept                                       # (R, k)
-                p = top_p[rows].float() * kept                                # (R, k)
-                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
-                rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
-                loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
-                sc = scale[rows]                                              # (R,)
-                total += (sc * loss).sum()
-                if not (want_z or want_w):
-                    continue
-                w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
-                g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
-                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
-                if want_z:
-                    grad_z[rows] = g @ w_
-                if want_w:
-                    grad_w += g.T @ zb
-        ctx.save_for_backward(None if grad_z is None else grad_z[:M], grad_w)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_z, grad_w = ctx.saved_tensors
-        return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
-                None, None, None, None)
-
-
-def batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
-    """The mean loss of a batch's M predictions: z (M, D) the head states, weight the LM head's
-    (V', D), or (K, V', D) one per head; j (M,) is head - 1. Teacher loss: every head alike;
-    next-token loss: head j+1 weighted 0.8^(j+1) (Medusa-1), which is the teacher loss with the data
-    token as a teacher sure of it (p = 1). A batch with no predictions gives 0. Both go through
-    FusedHeadLoss, the fast form of LM head + teacher_loss / next_token_loss (same values and
-    gradients); dtype is its products'."""
-    M = max(len(z), 1)
+def batch_loss(kind, logits, j, top_ids, top_p, target):
+    """The mean loss of a batch's M predictions, from the heads' logits (M, V') (logits_of); j (M,)
+    is head - 1. Teacher loss: every head alike; next-token loss: head j+1 weighted 0.8^(j+1)
+    (Medusa-1). A batch with no predictions gives 0. --loss-impl fused trains with its fast twin,
+    kernels.fused_batch_loss: the same values and gradients (tests/test_kernels.py)."""
+    M = max(len(logits), 1)
     if kind == "teacher":
-        ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)
-    else:
-        ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
-        scale = 0.8 ** (j + 1).float() / M
-    if weight.dim() == 2:   # one matrix for every head
-        return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
-    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
-               for d in range(len(weight)))
-
-
-def bucket(n, size):
-    """n rounded up to a multiple of size. oneDNN (the CPU's matrix products) builds a kernel for
-    every new shape and keeps up to 1,024 of them, so shapes that change every step cost time and
-    memory that grows over a run (6.0 GB at step 430, 7.2 GB at step 1,000 of a 5M-token Hydra++
-    run). Training pads to buckets: a batch's length to 16, the heads' rows to 64, the loss's to
-    whole blocks. 60 steps, 4 alternating rounds, bf16 on the 2-core Zen 5 EPYC: 4,140 against
-    3,900 assistant tokens/s (medians), 2.3 against 3.0 GB of anonymous memory at the end."""
-    return -(-n // size) * size
+        return teacher_loss(logits, top_ids, top_p).sum() / M
+    return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -351,15 +267,19 @@ def logits_of(heads, z, j):
 class TrainForward(nn.Module):
     """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only of
     what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train)."""
+    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
+    loss_impl: "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
 
-    def __init__(self, heads):
+    def __init__(self, heads, loss_impl="fused"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.loss_impl = heads, loss_impl
 
     def forward(self, batch, loss_kind, noise=0.0, generator=None, dtype=torch.float32):
+        """dtype: the fused loss's products (the readable one's follow autocast)."""
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
-        return batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
+        if self.loss_impl == "readable":
+            return batch_loss(loss_kind, logits_of(self.heads, z, j), j, top_ids, top_p, target)
+        return kernels.fused_batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
 
 
 # --- evaluation ---------------------------------------------------------------------------------------
@@ -404,7 +324,7 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
 # Invariant: state.pt alone is the checkpoint. It holds the heads' weights, the optimizer state and
 # the step they belong to, in one file written to state.pt.tmp (flushed to disk) and renamed over
 # the old one, so after a kill -9 it is the old checkpoint or the new one, whole, never a mix.
-# heads.safetensors + heads.json next to it (heads.save, what generate.py loads) are written after
+# heads.safetensors + heads.json next to it (checkpoint.save_heads, what generate.py loads) are written after
 # it: a crash between the two leaves them one checkpoint older than state.pt, and --resume never
 # reads them. Nothing else needs saving: batches are fixed by (seed, epoch), the noise by (seed,
 # step, rank), the learning rate by the step. `identity` (heads config, data size and digest, the
@@ -453,7 +373,6 @@ def data_digest(data):
 
 
 def save_checkpoint(folder, heads, opt, step, identity, progress=None):
-    import heads as heads_lib
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
     with open(path + ".tmp", "wb") as f:
@@ -461,7 +380,7 @@ def save_checkpoint(folder, heads, opt, step, identity, progress=None):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    heads_lib.save(heads, folder)
+    checkpoint.save_heads(heads, folder)
 
 
 def load_checkpoint(folder, heads, opt, identity):
@@ -594,7 +513,7 @@ def train(model, data, out, args):
         log(f"[train] resumed from step {step} in {out}")
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
-    forward = TrainForward(heads)
+    forward = TrainForward(heads, args.loss_impl)
     if world > 1:  # its backward averages gradients over ranks; the frozen shared buffers are never sent
         # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them once)
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
@@ -698,10 +617,10 @@ def data_model(model, dtype):
     dtype = pick_dtype(dtype, model.device.type)
     if dtype == model.dtype:
         return model
-    kernels = model.kernels  # oneDNN's prepacked weights cannot be deep-copied: copy without them;
-    model.use_kernels(model_lib.Kernels())  # .to() prepacks the copy's own for its dtype
-    writer = copy.deepcopy(model).to(dtype=dtype)
-    model.use_kernels(kernels)
+    fast = kernels.in_use(model)  # oneDNN's prepacked weights cannot be deep-copied: copy without them,
+    kernels.use(model, kernels.Kernels())
+    writer = kernels.use(copy.deepcopy(model).to(dtype=dtype))  # with the copy's own kernels for its dtype
+    kernels.use(model, fast)
     return writer
 
 
@@ -796,9 +715,9 @@ def clear_run(out):
 def setup(args, digest, device):
     """The model, the heads folder and the data folder this run uses: (model, tokenizer, out, writer,
     key, folder). The writer is the model that writes the data and computes the features."""
-    model, tokenizer = model_lib.load(args.model, device, torch.float32)
+    model, tokenizer = checkpoint.load(args.model, device, torch.float32)
     check_model_args(args, model)
-    work = args.work or os.path.join(model_lib.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
+    work = args.work or os.path.join(checkpoint.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
     out = args.out or os.path.join(work, "heads-" + args.heads)
     if args.out is None:  # the default folders, known now that the model has a name
         writable_folder("--work", work)

@@ -23,6 +23,7 @@ import checkpoint          # noqa: E402
 import cli                 # noqa: E402
 import drafters as D       # noqa: E402
 import generate as G       # noqa: E402
+import kernels as K        # noqa: E402
 import model as M          # noqa: E402
 import verify as V         # noqa: E402
 
@@ -37,16 +38,16 @@ floor = bench.distance_to_floor(model, device)
 print(bench.machine_line(bench.machine(device, model.dtype, **floor)) + "\n")
 
 rows = [("batch-1 decode step, 200 cached tokens", floor["batch_1_step_ms"])]  # bench.step_time, median of 20
-if model.lm_head_packed is not None:  # the same step's matrix products alone, back to back
-    products = [(a.self_attn.qkv_packed, a.self_attn.o_packed, a.mlp.gate_up_packed, a.mlp.down_packed) for a in model.layers]
+if isinstance(model.lm_head, K.PackedLinear):  # the same step's matrix products alone, back to back
+    products = [(a.self_attn.packed, a.self_attn.o_proj.packed, a.mlp.packed, a.mlp.down_proj.packed) for a in model.layers]
     x, y = torch.randn(1, 1, model.cfg.dim, dtype=model.dtype), torch.randn(1, 1, model.cfg.hidden_dim, dtype=model.dtype)
 
-    @torch.inference_mode()  # the prepacked path of model.linear
+    @torch.inference_mode()  # the prepacked path of kernels.linear
     def chain():
         for qkv, o, gate_up, down in products:
             for w, i in ((qkv, x), (o, x), (gate_up, x), (down, y)):
-                M.linear(i, None, w)
-        M.linear(x, None, model.lm_head_packed)
+                K.linear(i, w)
+        K.linear(x, model.lm_head.packed)
     chain()
     rows.append(("its matrix products alone (the same prepacked weights)", statistics.median(bench.timed(chain, device) for _ in range(60)) * 1e3))
 rows.append(("memory floor (weights / measured bandwidth)", floor["bandwidth_floor_ms"]))

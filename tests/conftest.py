@@ -6,6 +6,7 @@ import tempfile
 import pytest
 import torch
 
+import checkpoint
 import model as model_lib
 
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
@@ -27,7 +28,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def default_model():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, fp32 on CPU."""
-    return model_lib.load(model_lib.DEFAULT, "cpu", torch.float32)
+    return checkpoint.load(checkpoint.DEFAULT, "cpu", torch.float32)
 
 
 def save_tiny_model(folder, seed=0, **config):
@@ -41,12 +42,12 @@ def save_tiny_model(folder, seed=0, **config):
               tie_word_embeddings=True, eos_token_id=2, _name_or_path="tiny-random-llama") | config
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
-    model = model_lib.Transformer(model_lib.Config.from_hf(hf, hf["_name_or_path"]))
+    model = model_lib.Transformer(checkpoint.config_from_hf(hf, hf["_name_or_path"]))
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
               os.path.join(folder, "model.safetensors"))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
-    default = model_lib.resolve(model_lib.DEFAULT)
+    default = checkpoint.resolve(checkpoint.DEFAULT)
     for name in os.listdir(default):
         if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
             shutil.copy(os.path.join(default, name), folder)
@@ -61,10 +62,10 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """model.load raises: the checks under test must fail before any model loads."""
+    """checkpoint.load raises: the checks under test must fail before any model loads."""
     def tripwire(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
-    monkeypatch.setattr(model_lib, "load", tripwire)
+    monkeypatch.setattr(checkpoint, "load", tripwire)
 
 
 @pytest.fixture

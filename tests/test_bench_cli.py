@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 
+import checkpoint
 import cli
 import bench as B
-import generate as G
 from conftest import ctrl_c_after
 from test_cli import check_one_line_error
 
@@ -139,9 +139,8 @@ def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
 def saved_heads(folder, model_dir, kind="hydra++"):
     """Untrained heads of `kind` for the model in model_dir, saved as train.py saves them."""
     import heads as heads_lib
-    import model as model_lib
-    base, _ = model_lib.load(model_dir)
-    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base), folder)
+    base, _ = checkpoint.load(model_dir)
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base), folder)
     return folder
 
 

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import cli
 import drafters
 import generate as G
@@ -53,24 +54,24 @@ def run_script(*argv, timeout=180):
 
 @pytest.fixture
 def loaded(monkeypatch, default_model):
-    """model.load("default") answers with the session's model; other names load for real."""
-    real = model_lib.load
-    monkeypatch.setattr(model_lib, "load", lambda name, device="cpu", dtype=None:
-                        default_model if name == model_lib.DEFAULT else real(name, device, dtype))
+    """checkpoint.load("default") answers with the session's model; other names load for real."""
+    real = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda name, device="cpu", dtype=None:
+                        default_model if name == checkpoint.DEFAULT else real(name, device, dtype))
     return default_model
 
 
 @pytest.fixture(scope="module")
 def heads_dir(default_model, tmp_path_factory):
-    """Untrained Hydra heads (3) for the default model, saved by heads.save."""
+    """Untrained Hydra heads (3) for the default model, saved by checkpoint.save_heads."""
     folder = tmp_path_factory.mktemp("heads")
-    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=3), default_model[0]), folder)
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=3), default_model[0]), folder)
     return folder
 
 
 def copy_heads(src, dst):
     os.makedirs(dst, exist_ok=True)
-    for name in (heads_lib.WEIGHTS, heads_lib.CONFIG):
+    for name in (checkpoint.HEADS_WEIGHTS, checkpoint.HEADS_CONFIG):
         with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
             g.write(f.read())
     return dst
@@ -211,18 +212,18 @@ def test_unusual_prompts_work(loaded, capsys):
 
 def test_heads_folder_missing_files(loaded, capsys, tmp_path, heads_dir):
     folder = copy_heads(heads_dir, tmp_path / "h")
-    os.remove(folder / heads_lib.WEIGHTS)
+    os.remove(folder / checkpoint.HEADS_WEIGHTS)
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", folder)[::2], "has no heads.safetensors")
     copy_heads(heads_dir, folder)
-    os.remove(folder / heads_lib.CONFIG)
+    os.remove(folder / checkpoint.HEADS_CONFIG)
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", folder)[::2], "has no heads.json")
 
 
 def test_heads_weights_damaged(loaded, capsys, tmp_path, heads_dir):
     folder = copy_heads(heads_dir, tmp_path / "h")
-    data = (folder / heads_lib.WEIGHTS).read_bytes()
+    data = (folder / checkpoint.HEADS_WEIGHTS).read_bytes()
     for damaged in (data[: len(data) // 2], data[:5], b"\x00" * 64, b"hello" + data[5:]):
-        (folder / heads_lib.WEIGHTS).write_bytes(damaged)
+        (folder / checkpoint.HEADS_WEIGHTS).write_bytes(damaged)
         check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", folder)[::2], "unreadable or corrupted")
 
 
@@ -236,15 +237,15 @@ def test_heads_weights_damaged(loaded, capsys, tmp_path, heads_dir):
 ])
 def test_heads_config_damaged(loaded, capsys, tmp_path, heads_dir, change, words):
     folder = copy_heads(heads_dir, tmp_path / "h")
-    good = json.loads((folder / heads_lib.CONFIG).read_text())
-    (folder / heads_lib.CONFIG).write_text(json.dumps(good | change))
+    good = json.loads((folder / checkpoint.HEADS_CONFIG).read_text())
+    (folder / checkpoint.HEADS_CONFIG).write_text(json.dumps(good | change))
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", folder)[::2], f"--heads {folder}", words)
 
 
 def test_heads_for_another_model(loaded, capsys, tmp_path):
     torch.manual_seed(0)
     tiny = model_lib.Transformer(tiny_config(name="tiny-llama")).eval()
-    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny), tmp_path)
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny), tmp_path)
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", tmp_path)[::2],
                          "heads were trained for tiny-llama, not SmolLM2", "train heads for this one")
 
@@ -337,7 +338,7 @@ def tiny_llama_folder(capsys, folder, tokenizer):
 
 def test_draft_model_with_another_vocabulary(loaded, capsys, tmp_path):
     from transformers import AutoTokenizer
-    other = AutoTokenizer.from_pretrained(model_lib.resolve(model_lib.DEFAULT))
+    other = AutoTokenizer.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT))
     other.add_tokens(["<a-token-the-model-lacks>"])
     folder = tiny_llama_folder(capsys, tmp_path / "other", other)
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "model", "--draft-model", folder)[::2],
@@ -517,8 +518,8 @@ def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
 
 def test_colour_codes_only_on_a_terminal(capsys, monkeypatch, tmp_path, tiny_model_dir):
     """--show colours drafted tokens on a terminal; into a file or a pipe the text stays plain."""
-    model, _ = model_lib.load(tiny_model_dir)
-    heads_lib.save(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path)
+    model, _ = checkpoint.load(tiny_model_dir)
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path)
     argv = ["--model", tiny_model_dir, "--heads", tmp_path, "--prompt", "hi", "--max-new-tokens", 16, "--show"]
     code, out, err = run_cli(capsys, *argv)                  # capsys: not a terminal
     assert code == 0, err

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import checkpoint
 import cli
 import drafters
 import generate as G
@@ -68,7 +69,7 @@ def test_greedy_speculative_equals_plain_default_model(default_model, kind):
 def test_plain_greedy_equals_transformers_generate(default_model):
     from transformers import LlamaForCausalLM
     model, tok = default_model
-    hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32).eval()
     for text in ["What is the capital of France?", "Write a short poem about rain."]:
         prompt = cli.encode(tok, text)
         ours = G.generate(model, prompt, 20, eos_ids={tok.eos_token_id})

@@ -2,7 +2,8 @@
 
 Shapes of every head kind; untrained heads equal the base LM head; the teacher-forced training pass
 agrees with the drafting path; the Hydra++ PrefixMLP gives the same output in chunks with its cache
-as in one call; save/load round trips and refuses other base models and damaged files.
+as in one call; checkpoint.save_heads / load_heads round trip and refuse other base models and
+damaged files.
 Run: `python -m pytest -q tests/test_heads.py`. Shapes: B batch, T time, D hidden, K heads, V vocab.
 """
 import json
@@ -16,7 +17,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model  # noqa: E402
-from heads import HeadsConfig, HeadsError, build, load, save  # noqa: E402
+from checkpoint import load_heads, save_heads  # noqa: E402
+from heads import HeadsConfig, HeadsError, build  # noqa: E402
 
 torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and stall on a busy machine)
 B, T, K, V, D = 2, 7, 3, 64, 32
@@ -162,7 +164,7 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
     base = tiny_base()
     heads = perturb(build(HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base,
                           kept(n_kept) if n_kept else None))
-    save(heads, tmp_path, dtype=torch.float32)  # exact round trip; the default half precision is tested below
+    save_heads(heads, tmp_path, dtype=torch.float32)  # exact round trip; the default half precision is tested below
     assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors"]
     saved = load_file(tmp_path / "heads.safetensors")
     trainable = {n for n, p in heads.named_parameters()}
@@ -175,7 +177,7 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
     if not own and not n_kept:
         assert heads.lm_head.weight.data_ptr() == base.lm_head.weight.data_ptr()
 
-    again = load(tmp_path, base)
+    again = load_heads(tmp_path, base)
     assert again.cfg == heads.cfg
     tokens, _, hidden = inputs(base)
     h = heads.context(hidden, torch.arange(T))
@@ -187,9 +189,9 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
 def test_default_save_is_half_precision_and_close(tmp_path):
     base = tiny_base()
     heads = perturb(build(HeadsConfig("hydra++", num_heads=K), base))
-    save(heads, tmp_path)
+    save_heads(heads, tmp_path)
     assert all(v.dtype == torch.float16 for v in load_file(tmp_path / "heads.safetensors").values())
-    again = load(tmp_path, base)
+    again = load_heads(tmp_path, base)
     tokens, _, hidden = inputs(base)
     h = heads.context(hidden, torch.arange(T))
     ref, got = heads.project(heads(h, tokens)), again.project(again(again.context(hidden, torch.arange(T)), tokens))
@@ -198,24 +200,24 @@ def test_default_save_is_half_precision_and_close(tmp_path):
 
 @pytest.mark.parametrize("other", [dict(seed=1), dict(dim=16)])
 def test_load_refuses_another_base(tmp_path, other):
-    save(build(HeadsConfig("hydra", num_heads=K), tiny_base()), tmp_path)
+    save_heads(build(HeadsConfig("hydra", num_heads=K), tiny_base()), tmp_path)
     other_base = tiny_base(**other)
     other_base.cfg.name = "other-model"
     with pytest.raises(HeadsError, match="heads were trained for random, not other-model"):
-        load(tmp_path, other_base)
+        load_heads(tmp_path, other_base)
 
 
 def test_load_refuses_damaged_files(tmp_path):
     base = tiny_base()
     with pytest.raises(HeadsError, match="does not exist"):
-        load(tmp_path / "nowhere", base)
-    save(build(HeadsConfig("medusa", num_heads=K), base), tmp_path)
+        load_heads(tmp_path / "nowhere", base)
+    save_heads(build(HeadsConfig("medusa", num_heads=K), base), tmp_path)
     good = json.loads((tmp_path / "heads.json").read_text())
 
     def broken_config(text, match):
         (tmp_path / "heads.json").write_text(text)
         with pytest.raises(HeadsError, match=match):
-            load(tmp_path, base)
+            load_heads(tmp_path, base)
 
     broken_config("[1, 2]", "JSON object")
     broken_config("{not json", "not readable JSON")
@@ -225,65 +227,12 @@ def test_load_refuses_damaged_files(tmp_path):
     broken_config(json.dumps(good | {"kind": "eagle"}), "unknown head kind 'eagle'")
     broken_config(json.dumps(good | {"num_heads": K + 1}), "does not hold the weights")
     (tmp_path / "heads.json").write_text(json.dumps(good))
-    load(tmp_path, base)  # restored: loads again
+    load_heads(tmp_path, base)  # restored: loads again
 
     data = (tmp_path / "heads.safetensors").read_bytes()
     (tmp_path / "heads.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(HeadsError, match="unreadable or corrupted"):
-        load(tmp_path, base)
+        load_heads(tmp_path, base)
     os.remove(tmp_path / "heads.safetensors")
     with pytest.raises(HeadsError, match="has no heads.safetensors"):
-        load(tmp_path, base)
-
-
-def test_loaded_hydra_plus_plus_runs_the_base_kernels_from_its_own_weights(tmp_path):
-    """heads.load prepacks the PrefixMLP from the loaded weights (not the zero-initialised ones):
-    its output with the base's fast kernels matches the readable path's."""
-    torch.manual_seed(0)
-    base = model.Transformer(model.Config(vocab_size=V, dim=D, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, max_seq_len=64, name="tiny")).eval().requires_grad_(False)
-    heads = build(HeadsConfig("hydra++", num_heads=2), base)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.1)
-    save(heads, tmp_path, dtype=torch.float32)
-    base = base.to(dtype=torch.bfloat16).use_kernels(model.Kernels(attention="cpu-bf16", packed=model.Kernels.choose("cpu", torch.bfloat16).packed))
-    loaded = load(tmp_path, base)
-    h = torch.randn(1, 5, base.cfg.dim).bfloat16()
-    with torch.inference_mode():
-        fast = loaded.context(h, torch.arange(5)).float()
-        model.use_kernels(loaded, model.Kernels())
-        readable = loaded.context(h, torch.arange(5)).float()
-        stale = build(HeadsConfig("hydra++", num_heads=2), base).context(h, torch.arange(5)).float()  # zero-initialised layer
-    assert (fast - readable).abs().max() < 0.05 * readable.abs().max(), (fast - readable).abs().max()
-    assert (fast - stale).abs().max() > 10 * (fast - readable).abs().max()
-
-
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
-def test_loaded_heads_draft_the_same_through_prepacked_layers(tmp_path, kind):
-    """heads.load prepacks every layer a drafting step runs (the MLPs' Linear layers and the frozen
-    LM head) where the base's kernels are prepacked: the logits of each depth match the readable
-    path's, from the loaded weights."""
-    packed = model.Kernels.choose("cpu", torch.bfloat16).packed
-    if not packed:
-        pytest.skip("no oneDNN prepacking in this build")
-    torch.manual_seed(0)
-    base = model.Transformer(model.Config(vocab_size=V, dim=D, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, max_seq_len=64, name="tiny")).eval().requires_grad_(False)
-    heads = build(HeadsConfig(kind, num_heads=2, kept_tokens=0), base, torch.arange(0, V, 2))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.1)
-    save(heads, tmp_path, dtype=torch.float32)
-    base = base.to(dtype=torch.bfloat16).use_kernels(model.Kernels(attention="cpu-bf16", packed=True))
-    loaded = load(tmp_path, base)
-    layers = [m for m in loaded.modules() if isinstance(m, model.Linear)] + [loaded.lm_head]
-    assert layers[:-1] and all(m.packed is not None for m in layers)
-    h, path = torch.randn(1, base.cfg.dim).bfloat16(), torch.tensor([[3, 5], [7, 1]])
-    with torch.inference_mode():
-        def logits():
-            return [loaded.project(loaded.head(d, h, path[:, :d]), d).float() for d in (1, 2)]
-        fast = logits()
-        model.use_kernels(loaded, model.Kernels())
-        assert all(m.packed is None for m in layers)
-        readable = logits()
-    for f, r in zip(fast, readable):
-        assert (f - r).abs().max() < 0.02 * r.abs().max(), (f - r).abs().max()
+        load_heads(tmp_path, base)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import checkpoint
 import cli
 import drafters
 import generate as G
@@ -78,7 +79,7 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
     heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base)
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
-    heads_lib.save(heads, str(tmp_path))
+    checkpoint.save_heads(heads, str(tmp_path))
     joint.save_delta(trained_adapter(base), str(tmp_path), base)
     loaded, folder = cli.load_heads(str(tmp_path), model)                    # merges the delta into `model`
     plain = G.generate(model, [5, 6, 7, 8], 24)
@@ -90,14 +91,14 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
 
 def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3, hidden_size=32, intermediate_size=64)
-    base, _ = model_lib.load(model_dir)
+    base, _ = checkpoint.load(model_dir)
     convs = random_convs(n=40, vocab=200)
     ids = torch.cat([torch.tensor(c) for c, _ in convs]).int()
     loss = torch.cat([torch.tensor(m) for _, m in convs])
     offsets = torch.tensor([0] + [len(c) for c, _ in convs]).cumsum(0)
     save_file({"ids": ids, "loss": loss, "offsets": offsets}, str(tmp_path / "convs.safetensors"))
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), base, torch.arange(256))
-    heads_lib.save(heads, str(tmp_path / "init"))
+    checkpoint.save_heads(heads, str(tmp_path / "init"))
     out = tmp_path / "out"
     code = joint.cli_main(["--model", model_dir, "--init", str(tmp_path / "init"), "--data", str(tmp_path / "convs.safetensors"),
                            "--conversations", "30", "--eval-conversations", "5", "--batch-tokens", "64", "--epochs", "2",

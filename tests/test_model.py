@@ -1,10 +1,13 @@
-"""model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep()."""
+"""model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep();
+checkpoint.py's loading of a model (the default one's conversion, bad folders, the script)."""
 import json
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import checkpoint
+import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -18,7 +21,7 @@ def hf_twin(cfg, rope_scaling=None, tie=False):
                          intermediate_size=cfg.hidden_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
                          rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie)
     hf = LlamaForCausalLM(hf_cfg).eval()
-    ours_cfg = model_lib.Config.from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
+    ours_cfg = checkpoint.config_from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
     ours = model_lib.Transformer(ours_cfg).eval()
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     ours.load_state_dict(state, strict=not tie)
@@ -43,19 +46,19 @@ def test_parity_default_model(default_model):
     """The readable path and the kernels chosen for this CPU in fp32 (prepacked linears where
     oneDNN is there) both match transformers."""
     model, tok = default_model
-    hf = LlamaForCausalLM.from_pretrained(model_lib.resolve(model_lib.DEFAULT), dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32).eval()
     tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Germany is")])
-    chosen = model.kernels
-    assert chosen == model_lib.Kernels.choose("cpu", torch.float32, 0)
+    chosen = kernels.in_use(model)
+    assert chosen == kernels.Kernels.choose("cpu", torch.float32, 0)
     try:
         with torch.no_grad():
             ref = hf(tokens).logits
-            for kernels in (model_lib.Kernels(), chosen):
-                model.use_kernels(kernels)
+            for k in (kernels.Kernels(), chosen):
+                kernels.use(model, k)
                 logits, _ = model(tokens, torch.arange(tokens.shape[1]))
                 torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
     finally:
-        model.use_kernels(chosen)
+        kernels.use(model, chosen)
 
 
 def test_tree_forward_equals_sequential(tiny):
@@ -134,29 +137,29 @@ def test_corrupted_cache_is_rebuilt(tmp_path, monkeypatch):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "a.bin").write_bytes(b"hello")
-    digest = model_lib._sha256(folder / "a.bin")
+    digest = checkpoint._sha256(folder / "a.bin")
     (folder / "manifest.json").write_text(json.dumps({"a.bin": [5, digest]}))
-    assert model_lib.cache_is_valid(str(folder))
+    assert checkpoint.cache_is_valid(str(folder))
     (folder / "a.bin").write_bytes(b"hellO")                      # same size, other bytes
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
     (folder / "a.bin").write_bytes(b"hell")                       # truncated
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
     (folder / "manifest.json").unlink()                           # conversion died before the manifest
-    assert not model_lib.cache_is_valid(str(folder))
+    assert not checkpoint.cache_is_valid(str(folder))
 
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(model_lib.LoadError, match="not supported.*llama"):
-        model_lib.load(str(tmp_path))
+    with pytest.raises(checkpoint.LoadError, match="not supported.*llama"):
+        checkpoint.load(str(tmp_path))
 
 
 def test_missing_model():
-    with pytest.raises(model_lib.LoadError, match="not a folder nor a hub id"):
-        model_lib.load("/no/such/folder")
+    with pytest.raises(checkpoint.LoadError, match="not a folder nor a hub id"):
+        checkpoint.load("/no/such/folder")
 
 
-# --- fast kernels and reduced precision -------------------------------------------------------------
+# --- reduced precision -----------------------------------------------------------------------------
 
 def test_rope_frequencies_stay_fp32():
     """Casting the model to bf16 must not round the rotary frequencies: rounded (8 mantissa bits,
@@ -176,88 +179,21 @@ def test_rope_frequencies_stay_fp32():
     assert (rounded.cos() - exact.cos()).abs().max() > 0.5                                     # the check can fail
 
 
-@pytest.mark.parametrize("B,T,S", [(1, 1, 9), (1, 5, 12), (3, 1, 12), (2, 4, 10)])
-def test_fast_attention_equals_sdpa(B, T, S):
-    """attend()'s fast path (fp32 SDPA for one query, grouped matmuls otherwise) computes what
-    the readable path computes: checked in fp32 with causal, tree and key masks."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8)
-    masks = [None, torch.rand(B, 1, T, S) > 0.3]
-    masks[1][..., -1] = True                                  # every query sees at least one key
-    for mask in masks:
-        ref = model_lib.attend(q, k, v, mask, model_lib.Kernels())
-        fast = model_lib.attend(q, k, v, mask, model_lib.Kernels(attention="cpu-bf16"))
-        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_fast_kernels_match_readable_path_in_bf16(tiny):
-    """The bf16 forward with the fast kernels (prepacked linears where this CPU has them) stays
-    as close to the fp32 result as the readable bf16 path does: same prefix, tree and batch."""
-    tiny32 = tiny
-    tiny16 = model_lib.Transformer(tiny.cfg).eval().requires_grad_(False)
-    tiny16.load_state_dict(tiny32.state_dict())
-    tiny16 = tiny16.to(dtype=torch.bfloat16)
-    fast = model_lib.Kernels.choose("cpu", torch.bfloat16)
-    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
-    tokens = torch.randint(0, 64, (2, 12))
-    with torch.inference_mode():
-        errors = {}
-        for name, kernels in (("readable", model_lib.Kernels()), ("fast", model_lib.Kernels(attention="cpu-bf16", packed=fast.packed))):
-            tiny16.use_kernels(kernels)
-            out = []
-            for m in (tiny32, tiny16):
-                cache = m.new_cache(32, batch=2)
-                m(tokens, torch.arange(12), None, cache)
-                cache.keep(range(12))
-                logits, _ = m(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache)
-                out.append(logits.float())
-            errors[name] = (out[0] - out[1]).abs().max().item()
-    assert errors["fast"] < 2 * errors["readable"] + 0.05, errors
-
-
-def test_prepacked_fp32_linears_match_the_readable_path(tiny):
-    """fp32 on a CPU: the prepacked linear layers (Kernels.choose's pick where oneDNN is there) give
-    the readable path's logits to fp32 rounding, for a prefix, a tree and a padded batch."""
-    if not have_prepacking():
-        pytest.skip("this torch build has no oneDNN prepacking")
-    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
-    tokens = torch.randint(0, 64, (2, 12))
-    key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
-    key_mask[1, :3] = False
-    out = {}
-    with torch.inference_mode():
-        for name, kernels in (("readable", model_lib.Kernels()), ("packed", model_lib.Kernels(packed=True))):
-            tiny.use_kernels(kernels)
-            assert (tiny.lm_head_packed is not None) == kernels.packed
-            cache = tiny.new_cache(32, batch=2)
-            prefix, _ = tiny(tokens, torch.arange(12), None, cache, key_mask=key_mask[:, :12])
-            cache.keep(range(12))
-            logits, _ = tiny(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask)
-            out[name] = torch.cat([prefix, logits], 1)
-    torch.testing.assert_close(out["packed"], out["readable"], atol=1e-5, rtol=1e-5)
-
-
-def have_prepacking():
-    return model_lib.Kernels.choose("cpu", torch.float32, 0).packed
-
-
 def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
-    """`python model.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
+    """`python checkpoint.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
     def one_line_error(words):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, err
 
     with pytest.raises(SystemExit) as e:
-        model_lib.main(["--help"])
+        checkpoint.main(["--help"])
     assert e.value.code == 0 and "--model" in capsys.readouterr().out
-    assert model_lib.main(["--model", tiny_model_dir, "--prompt", "Hello"]) == 0
+    assert checkpoint.main(["--model", tiny_model_dir, "--prompt", "Hello"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("loaded tiny-random-llama in ") and err == ""
-    assert model_lib.main(["--model", "/no/such/model"]) == 2
+    assert checkpoint.main(["--model", "/no/such/model"]) == 2
     one_line_error("not a folder nor a hub id")
-    with pytest.raises(SystemExit) as e:  # argparse's own exit, with our one line
-        model_lib.main(["--bogus"])
-    assert e.value.code == 2
+    assert checkpoint.main(["--bogus"]) == 2
     one_line_error("unrecognized arguments: --bogus")
 
 
@@ -271,20 +207,7 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
         num_key_value_heads=1, tie_word_embeddings=True))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda src, gguf_file, dtype: hf)
-    model_lib.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
+    checkpoint.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
     out, err = capsys.readouterr()
     assert out == "" and "[model] converting model.gguf" in err
-    assert model_lib.cache_is_valid(str(tmp_path / "converted"))
-
-
-def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
-    """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
-    def missing(*weights):
-        raise RuntimeError("no oneDNN here")
-    monkeypatch.setattr(model_lib, "prepack", missing)
-    tokens = torch.randint(0, 64, (1, 6))
-    ref = tiny(tokens, torch.arange(6))[0]
-    tiny.use_kernels(model_lib.Kernels(attention="cpu-bf16", packed=True))
-    assert tiny.kernels == model_lib.Kernels() and tiny.lm_head_packed is None
-    assert capsys.readouterr().err.count("notice: fast kernels unavailable") == 1
-    torch.testing.assert_close(tiny(tokens, torch.arange(6))[0], ref)
+    assert checkpoint.cache_is_valid(str(tmp_path / "converted"))

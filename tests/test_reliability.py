@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+import checkpoint
 import drafters
 import generate as G
 import heads as heads_lib
@@ -164,7 +165,7 @@ def random_heads_dir(default_model, tmp_path_factory):
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     folder = tmp_path_factory.mktemp("random_heads")
-    heads_lib.save(heads, folder)
+    checkpoint.save_heads(heads, folder)
     return folder
 
 

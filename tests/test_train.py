@@ -1,6 +1,6 @@
 """Tests for train.py, on a tiny random base model and features it computed (CPU, seeded).
 
-A few steps lower the loss for every head kind and loss; the teacher and next-token losses equal
+A few steps lower the loss for every head kind, loss and loss implementation; the teacher and next-token losses equal
 values worked out by hand, and the teacher loss is smallest at the teacher's own probabilities,
 residual mass included; a run stopped by a crash (kill -9), by a crash between the checkpoint's
 two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an uninterrupted
@@ -18,9 +18,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import checkpoint as checkpoint_lib
 import cli
 import dataset as D
 import heads as heads_lib
+import kernels
 import model as model_lib
 import train as T
 from conftest import tiny_config
@@ -131,10 +133,11 @@ def test_teacher_loss_by_hand():
     # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 = 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
     assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
-    # the batch loss is their mean: 3.4109430 / 3
-    # z = log q through an identity LM head, shared or one per head
+    # the batch loss is their mean: 3.4109430 / 3; the fused one's too, with z = log q through an
+    # identity LM head, shared or one per head
+    assert math.isclose(T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = T.batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
         assert math.isclose(got, 1.1369810, abs_tol=1e-6)
 
 
@@ -143,8 +146,9 @@ def test_next_token_loss_by_hand():
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
     assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 + 0.4691408) / 3
+    assert math.isclose(T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 0.5260588, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = T.batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
         assert math.isclose(got, 0.5260588, abs_tol=1e-6)
 
 
@@ -160,57 +164,15 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
     assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
-    assert T.batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), torch.zeros(0, dtype=torch.long),
-                        torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)) == 0
+    none = torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
+    assert T.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
+    assert kernels.fused_batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), *none) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_loss_has_the_readable_losses_values_and_gradients(dtype):
-    # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
-    # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
-    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
-    g = torch.Generator().manual_seed(0)
-    M, D, V, k = 600, 24, 300, 5
-    assert M > 2 * T.FusedHeadLoss.ROWS and M % T.FusedHeadLoss.ROWS
-    z = torch.randn(M, D, generator=g)
-    weight = torch.randn(V, D, generator=g) * 0.6
-    z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
-    z[7] = 0
-    z[7, 0] = 40                                                    # its logits are 40 weight[:, 0]:
-    weight[:, 0] = -1
-    weight[:k, 0] = 0                                               # 0 on tokens 0..4, -40 elsewhere
-    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
-    ids[7] = torch.arange(k)
-    ids[torch.rand(M, k, generator=g) < 0.1] = -1
-    p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
-    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
-    target = torch.randint(-1, V, (M,), generator=g)
-    one = torch.ones(M, 1)
-    project = lambda z_, w_: z_.to(dtype) @ w_.to(dtype).T          # the LM head, in the products' dtype
-    for readable, ids_, p_ in ((lambda x: T.teacher_loss(x, ids, p), ids, p),
-                               (lambda x: T.next_token_loss(x, target), target[:, None], one)):
-        scale = torch.rand(M, generator=g)                          # any weights of the rows
-        za, wa = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = (readable(project(za, wa)) * scale).sum()
-        (want * 3).backward()                                       # any upstream gradient
-        zb, wb = z.clone().requires_grad_(), weight.clone().requires_grad_()
-        got = T.FusedHeadLoss.apply(zb, wb, ids_, p_, scale, dtype)
-        (got * 3).backward()
-        torch.testing.assert_close(got, want.float(), atol=1e-3, rtol=1e-4)
-        for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
-            if dtype == torch.float32:                              # the same sums in another order
-                torch.testing.assert_close(mine, readable_grad, atol=1e-4, rtol=1e-4)
-            else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
-                assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
-        # a frozen LM head gets no gradient and needs none
-        zc = z.clone().requires_grad_()
-        (T.FusedHeadLoss.apply(zc, weight, ids_, p_, scale, dtype) * 3).backward()
-        torch.testing.assert_close(zc.grad, zb.grad)
-
-
+@pytest.mark.parametrize("impl", ["fused", "readable"])
 @pytest.mark.parametrize("loss", ["teacher", "next-token"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_few_steps_lower_the_loss(features, kind, loss):
+def test_a_few_steps_lower_the_loss(features, kind, loss, impl):
     base, folder = features
     data = D.load_data(folder)
     kept, to_kept, _ = T.kept_vocabulary(data, V, 32)
@@ -219,7 +181,7 @@ def test_a_few_steps_lower_the_loss(features, kind, loss):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     batch = T.collate(data, list(range(6)), to_kept, 3, "cpu")
     assert batch["valid"].any(), "the batch must hold something to predict"
-    losses = [T.train_step(T.TrainForward(heads), opt, batch, 1e-2, loss) for _ in range(12)]
+    losses = [T.train_step(T.TrainForward(heads, impl), opt, batch, 1e-2, loss) for _ in range(12)]
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -234,14 +196,14 @@ def crash_during_step(monkeypatch, n):
 
 def crash_between_writes(monkeypatch, n):
     """The n-th checkpoint dies after state.pt is renamed into place, before the heads files."""
-    real, saves = heads_lib.save, [0]
+    real, saves = checkpoint_lib.save_heads, [0]
 
     def save(heads, folder):
         saves[0] += 1
         if saves[0] == n:
             raise Crash
         real(heads, folder)
-    monkeypatch.setattr(heads_lib, "save", save)
+    monkeypatch.setattr(checkpoint_lib, "save_heads", save)
     return record_steps(monkeypatch), Crash
 
 
@@ -266,7 +228,7 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
     state = checkpoint(tmp_path)
     assert state["step"] == len(done) in (n - 1, n)                 # the checkpoint is of the last step done
     if stop is crash_between_writes:                                # the heads files lag state.pt by one step...
-        lagging = heads_lib.load(str(tmp_path), features[0]).state_dict()
+        lagging = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
         assert not all(torch.equal(lagging[k], state["heads"][k]) for k in lagging)
     after = record_steps(monkeypatch)                               # ...and resuming ignores them
     run(features, tmp_path, "--resume")
@@ -279,7 +241,7 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
     # the learning curve (held-out tau every 5 steps, tokens trained on) continues as if never stopped
     assert final["progress"] == ref_state["progress"] and len(ref_state["progress"]["curve"]) >= 3
     exported = {k: v.half().float() if v.is_floating_point() else v for k, v in ref_state["heads"].items()}
-    assert_same_weights(heads_lib.load(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
+    assert_same_weights(checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
 
 
 def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
@@ -311,7 +273,7 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_pat
     state = checkpoint(tmp_path)
     assert state["step"] == 4
     assert all(torch.isfinite(w).all() for w in state["heads"].values())
-    exported = heads_lib.load(str(tmp_path), features[0]).state_dict()
+    exported = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
     half = {k: v.half().float() if v.is_floating_point() else v for k, v in state["heads"].items()}
     assert_same_weights(exported, half)                             # nothing of step 5 reached the disk
 
@@ -806,10 +768,11 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     The base's oneDNN-prepacked weights are opaque tensors that cannot be deep-copied: the copy is
     made without them (and prepacks its own), and the base keeps its kernels."""
     torch.manual_seed(0)
-    base = model_lib.Transformer(tiny_config()).to(torch.float32).eval().requires_grad_(False)  # .to() prepacks
-    kernels = base.kernels
+    base = kernels.use(model_lib.Transformer(tiny_config()).eval().requires_grad_(False))  # prepacked
+    fast = kernels.in_use(base)
     writer = T.data_model(base, "bf16")
-    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and base.kernels == kernels
+    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and kernels.in_use(base) == fast
+    assert kernels.in_use(writer) == kernels.Kernels.choose("cpu", torch.bfloat16, 0)
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()
     assert torch.allclose(got, want, atol=0.05, rtol=0.05)

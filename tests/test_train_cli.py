@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import model as model_lib
 import dataset as D
 import train as T
@@ -164,14 +165,14 @@ def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_
     assert code == 0, err
     state = (out / T.STATE).read_bytes()
 
-    real_load = model_lib.load
+    real_load = checkpoint.load
     with monkeypatch.context() as mp:                              # refused before the model loads
-        mp.setattr(model_lib, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
         check_one_line_error(*run_train(capsys, *common, "--resume", "--lr", 0.01, "--seed", 3)[::2],
                              "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
                              "start afresh with another --out")
         check_one_line_error(*run_train(capsys, *common, "--resume", "--epochs", 2)[::2], "--epochs 2 (checkpoint: 1)")
-    assert model_lib.load is real_load and (out / T.STATE).read_bytes() == state
+    assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
 
     code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)  # harmless: the new value is used
     assert code == 0 and "notice: --eval-every 5 (checkpoint: 1000): the new value is used" in err, err

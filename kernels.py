@@ -1,0 +1,317 @@
+"""
+The fast CPU paths, each the twin of a readable function or layer in model.py, heads.py or
+train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: use().
+
+    kernels.use(model)                   # the twins Kernels.choose() picks for the model's device and dtype
+    kernels.use(model, Kernels())        # back to the readable layers
+    kernels.in_use(model)                # -> the Kernels in use
+    loss = fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype)   # training's loss
+
+    readable                                        fast twin (here)
+    nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight
+    model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v
+    model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
+    model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
+    heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
+    train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
+
+use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
+prepacks its weights as they are then; use(..., Kernels()) swaps back. checkpoint.load and
+checkpoint.load_heads end with use(), so whatever loads a model or heads runs the twins.
+Why each twin is faster, and by how much on which CPU: results/kernels-cpu.md, whose table
+`python bench.py --kernels` measures on this machine. Off the CPU (CUDA) the readable layers
+already run the fast kernels and use() keeps them. Under autograd every twin runs its readable
+forward (oneDNN's prepacked product has no backward): weights trained after use() need use()
+again before inference reads them.
+
+Test: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S cache slots,
+H query heads, Hkv key/value heads, Dh head size, D hidden, M predictions, V' head vocabulary,
+k teacher top-k, R rows of a block.
+"""
+import itertools
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import heads
+import model
+
+
+# --- choosing ------------------------------------------------------------------------------------
+# PyTorch's bf16 attention on a CPU runs a blocked flash kernel built for long queries, and
+# F.linear on a few rows misses oneDNN's fast path, in bf16 and (through MKL) in fp32; oneDNN's
+# product on a weight reordered once into its blocked layout runs near the memory bandwidth. So on
+# every CPU the linear layers are prepacked (fp32, and bf16 where it is native), and the bf16
+# attention path is added where bf16 is native. The prepacked weights are a second copy of every
+# linear layer's weight, made only where it fits in free memory.
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() below
+    packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
+
+    @staticmethod
+    def choose(device, dtype, weight_bytes=0) -> "Kernels":
+        """The fast kernels for weights of `weight_bytes` on `device` in `dtype`; Kernels() (the
+        readable path) off the CPU, and where nothing here is faster."""
+        if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return Kernels()
+        bf16_kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if dtype == torch.bfloat16 and not bf16_kernels:
+            return Kernels()  # bf16 is emulated on this CPU: nothing here is faster
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+        packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                  and 2 * weight_bytes < free)
+        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed)
+
+
+# --- linear layers: prepacked weights ------------------------------------------------------------
+
+@torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
+def prepack(*weights):
+    """One oneDNN-prepacked weight for the concatenated (out, in) weights."""
+    return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).contiguous())
+
+
+def linear(x, packed, bias=None):
+    """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear's twin: the product through a prepacked copy of the weight."""
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.packed
+
+    def prepare(self, kernels):
+        self.kernels, self.packed = kernels, prepack(self.weight)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        return linear(x, self.packed, self.bias)
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+def attend(q, k, v, mask):
+    """model.attend's twin for bf16 on a CPU. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask
+    (B|1, 1, T, S) bool or None -> (B, H, T, Dh)."""
+    B, H, T, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if B == 1 and T == 1:                # one decode step: SDPA's fp32 kernel is faster than its bf16 one
+        return model.attend(q.float(), k.float(), v.float(), mask).to(q.dtype)
+    if B == 1 or B * H * T * S > 2 ** 25:  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
+        return model.attend(q, k, v, mask)
+    # batches (train.py's data stage): the G = H / Hkv query heads of a key/value head become G*T
+    # rows of one matrix product in bf16; softmax in fp32 (as SDPA does inside, minus the blocking).
+    # k and v are views into the cache with gaps between rows, on which a bf16 matmul is much
+    # slower than a copy to contiguous memory followed by the product.
+    G = H // Hkv
+    k, v = k.contiguous(), v.contiguous()
+    scores = (q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)).float() * Dh ** -0.5  # (B, Hkv, G*T, S)
+    if mask is not None:
+        scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, :, None], -math.inf).view(B, Hkv, G * T, S)
+    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
+
+
+class FastAttention(model.Attention):
+    """model.Attention's twin: q, k and v out of one prepacked product (one call, not three), and
+    attend() above where the kernels say "cpu-bf16"."""
+    FUSED = ("q_proj", "k_proj", "v_proj")  # packed here together, not each on its own
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.packed or kernels.attention != "sdpa"
+
+    def prepare(self, kernels):
+        self.kernels = kernels
+        self.packed = prepack(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight) if kernels.packed else None
+
+    def project(self, x):
+        if self.packed is None or torch.is_grad_enabled():
+            return super().project(x)
+        c = self.cfg
+        return linear(x, self.packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
+
+    def attend(self, q, k, v, mask):
+        if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
+            return super().attend(q, k, v, mask)
+        return attend(q, k, v, mask)                                           # (B, H, T, Dh)
+
+
+# --- the MLP and the heads' LM head --------------------------------------------------------------
+
+class FastMLP(model.MLP):
+    """model.MLP's twin: gate and up out of one prepacked product."""
+    FUSED = ("gate_proj", "up_proj")
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.packed
+
+    def prepare(self, kernels):
+        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight)
+
+    def gate_up(self, x):
+        if torch.is_grad_enabled():
+            return super().gate_up(x)
+        return linear(x, self.packed).chunk(2, dim=-1)                       # (B, T, hidden_dim) each
+
+
+class FastLMHead(heads.LMHead):
+    """heads.LMHead's twin for the frozen matrix every head shares: prepacked, as the base's."""
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.packed and layer.weight.dim() == 2
+
+    def prepare(self, kernels):
+        self.kernels, self.packed = kernels, prepack(self.weight)
+
+    def forward(self, z, d=None):
+        if torch.is_grad_enabled():
+            return super().forward(z, d)
+        return linear(z, self.packed)                                          # (..., V')
+
+
+# --- switching a module's layers -----------------------------------------------------------------
+
+TWINS = {nn.Linear: PackedLinear, model.Attention: FastAttention, model.MLP: FastMLP, heads.LMHead: FastLMHead}
+READABLE = {twin: readable for readable, twin in TWINS.items()}
+
+
+def in_use(module: nn.Module) -> Kernels:
+    """The kernels module's layers run (Kernels(): the readable ones)."""
+    return next((m.kernels for m in module.modules() if type(m) in READABLE), Kernels())
+
+
+def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
+    """Swap every layer inside `module` that has a twin (the base model: attention, MLPs, linear
+    layers, LM head; heads: their linear layers, LM head and Hydra++'s decoder layer) to `kernels`,
+    prepacked from the weights as they are now; None: Kernels.choose for the module's device and
+    dtype. Kernels(): the readable classes. A kernel this build or machine lacks falls back to
+    the readable path with one notice on stderr, never a crash. Returns the module."""
+    tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+    if kernels is None and tensors:
+        kernels = Kernels.choose(tensors[0].device, tensors[0].dtype, sum(t.numel() * t.element_size() for t in tensors))
+    kernels = kernels or Kernels()
+    try:
+        fused = set()  # layers that a twin above them already packed, with others, into one product
+        for m in module.modules():  # parents before their children
+            if type(m) in READABLE:  # back to the readable class, without the prepacked copy
+                m.__class__ = READABLE[type(m)]
+                m.__dict__.pop("kernels", None), m.__dict__.pop("packed", None)
+            twin = TWINS.get(type(m))
+            if twin is not None and id(m) not in fused and twin.wanted(m, kernels):
+                m.__class__ = twin
+                m.prepare(kernels)
+                fused.update(id(getattr(m, name)) for name in getattr(twin, "FUSED", ()) if kernels.packed)
+        return module
+    except (RuntimeError, AttributeError) as e:
+        if kernels == Kernels():
+            raise
+        print(f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
+              file=sys.stderr)
+        return use(module, Kernels())
+
+
+# --- the training loss ---------------------------------------------------------------------------
+
+def bucket(n, size):
+    """n rounded up to a multiple of size. oneDNN (the CPU's matrix products) builds a kernel for
+    every new shape and keeps up to 1,024 of them, so shapes that change every step cost time and
+    memory that grows over a run. Training pads to buckets: a batch's length to 16, the heads'
+    rows to 64, the loss's to whole blocks (results/train-speed-zen5-bf16.md)."""
+    return -(-n // size) * size
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    """sum_m scale_m * train.teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one
+    pass, the same numbers as autograd through the readable pair, with the gradient written out.
+
+    Through autograd the (M, V') logits and their gradient are whole tensors, each written and read
+    several times, and allocated anew every step. Here ROWS rows at a time go through the LM head,
+    their loss and its gradient while the block's logits sit in cache, and the gradients of z (and
+    of W, if it trains) are formed there and then; backward only scales them by the one number it
+    receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i over the teacher's
+    top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the formula of
+    teacher_loss gives
+
+        dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
+                                                                              dL/dW = (dL/dlogits)^T z
+
+    a dense term (a scaled softmax) and k sparse ones. w = 0 where 1 - s is clamped at 1e-6, as
+    autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
+    the loss and its gradient in fp32. How much faster: results/train-speed-zen5-bf16.md."""
+
+    ROWS = 256
+
+    @staticmethod
+    def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
+        # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
+        want_z, want_w = ctx.needs_input_grad[:2]
+        with torch.autocast(z.device.type, enabled=False):
+            M, extra = len(z), bucket(len(z), FusedHeadLoss.ROWS) - len(z)   # whole blocks: one product shape
+            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
+            z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
+            grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
+            total = torch.zeros((), device=z.device)
+            w_ = weight.detach().to(dtype)
+            for a in range(0, len(z), FusedHeadLoss.ROWS):
+                rows = slice(a, a + FusedHeadLoss.ROWS)
+                zb = z[rows].detach().to(dtype)                               # (R, D)
+                logits = (zb @ w_.T).float()                                  # (R, V')
+                lse = logits.logsumexp(-1)                                    # (R,)
+                kept = top_ids[rows] >= 0                                     # (R, k)
+                ids = top_ids[rows].clamp(min=0)
+                picked = (logits.gather(1, ids) - lse[:, None]) * kept        # (R, k) log q_i, 0 if not kept
+                q = picked.exp() * kept                                       # (R, k)
+                p = top_p[rows].float() * kept                                # (R, k)
+                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
+                rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
+                loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
+                sc = scale[rows]                                              # (R,)
+                total += (sc * loss).sum()
+                if not (want_z or want_w):
+                    continue
+                w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
+                g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
+                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
+                if want_z:
+                    grad_z[rows] = g @ w_
+                if want_w:
+                    grad_w += g.T @ zb
+        ctx.save_for_backward(None if grad_z is None else grad_z[:M], grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_z, grad_w = ctx.saved_tensors
+        return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
+                None, None, None, None)
+
+
+def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
+    """train.batch_loss(kind, train.logits_of(heads, z, j), j, top_ids, top_p, target)'s twin, from
+    the head states z (M, D) and the LM head's weight (V', D), or (K, V', D) one per head; j (M,)
+    is head - 1; dtype is the products'. The next-token loss is the teacher loss with the data
+    token as a teacher sure of it (p = 1), so both go through FusedHeadLoss, each row weighted as
+    batch_loss weighs it."""
+    M = max(len(z), 1)
+    if kind == "teacher":
+        ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)
+    else:
+        ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
+        scale = 0.8 ** (j + 1).float() / M
+    if weight.dim() == 2:   # one matrix for every head
+        return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
+    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
+               for d in range(len(weight)))

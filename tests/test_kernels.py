@@ -1,0 +1,369 @@
+"""kernels.py's fast twins against the readable layers and functions they stand for (CPU, tiny
+random models, seeded).
+
+One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (a decode step, a
+tree, a batch with a key mask, a prefill), FastMLP and model.MLP, FastLMHead and heads.LMHead, the
+whole model fast and readable (fp32 to rounding, bf16 as close to fp32 as the readable path is),
+fused_batch_loss and train.batch_loss (value and both gradients). Also: use() swaps layers in place
+and back (same parameters, same state_dict); the loaders apply it; a kernel this build lacks falls
+back with one notice; off the CPU none of the fast paths is reached. Cases this CPU lacks (no
+oneDNN prepacking, no native bf16) are skipped with the reason.
+Run: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S keys, D hidden,
+M predictions, V vocabulary, k teacher top-k.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import checkpoint
+import heads as heads_lib
+import kernels
+import model as model_lib
+import train as T
+import tree as tree_lib
+from conftest import tiny_config
+from kernels import Kernels
+
+PACKED = Kernels.choose("cpu", torch.float32, 0).packed          # oneDNN prepacking in this torch build
+BF16 = Kernels.choose("cpu", torch.bfloat16, 0)                   # Kernels() where bf16 is emulated here
+needs_packing = pytest.mark.skipif(not PACKED, reason="this torch build has no oneDNN prepacking")
+needs_bf16 = pytest.mark.skipif(BF16 == Kernels(), reason="this CPU has no native bf16 kernels")
+FAST = Kernels(attention="cpu-bf16", packed=PACKED)             # every twin this build can run
+
+
+def close_as_readable(fast, readable, exact):
+    """bf16: the fast result is as close to the fp32 one (`exact`) as the readable bf16 one is."""
+    errors = [(x.float() - exact).abs().max().item() for x in (fast, readable)]
+    assert errors[0] <= 2 * errors[1] + 1e-2 * exact.abs().max().item(), errors
+
+
+# --- choosing and switching ---------------------------------------------------------------------
+
+def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
+    """CUDA (and any device but the CPU) keeps the readable path: Kernels.choose answers Kernels()
+    without asking oneDNN anything, and use() on a model there swaps nothing and prepacks nothing."""
+    def unreachable(*a, **k):
+        raise AssertionError("a CPU-only fast path was reached")
+    for name in ("prepack", "linear", "attend"):
+        monkeypatch.setattr(kernels, name, unreachable)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert Kernels.choose("cuda", dtype) == Kernels.choose(torch.device("cuda", 1), dtype, 10 ** 9) == Kernels()
+        assert Kernels.choose("meta", dtype) == Kernels()
+    with torch.device("meta"):
+        meta = model_lib.Transformer(tiny_config())
+    for m in (meta, meta.to(torch.bfloat16)):
+        kernels.use(m)
+        assert kernels.in_use(m) == Kernels() and not any(type(x) in kernels.READABLE for x in m.modules())
+    assert capsys.readouterr().err == ""
+
+
+def test_use_swaps_in_place_and_kernels_restores_the_readable_classes(tiny):
+    """use() changes classes only: the same parameters (the same storage) and state_dict keys,
+    fast or readable; use(..., Kernels()) leaves exactly the readable classes, no prepacked copy."""
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), tiny)
+    for module in (tiny, heads):
+        classes = [type(m) for m in module.modules()]
+        storage = {k: v.data_ptr() for k, v in module.state_dict().items()}
+        kernels.use(module, FAST)
+        assert kernels.in_use(module) == FAST
+        assert {k: v.data_ptr() for k, v in module.state_dict().items()} == storage
+        assert any(type(m) in kernels.READABLE for m in module.modules())
+        kernels.use(module, Kernels())
+        assert [type(m) for m in module.modules()] == classes and kernels.in_use(module) == Kernels()
+        assert not any("packed" in vars(m) or "kernels" in vars(m) for m in module.modules())
+        assert {k: v.data_ptr() for k, v in module.state_dict().items()} == storage
+
+
+@needs_packing
+def test_fused_products_are_packed_once(tiny):
+    """q, k, v (and gate, up) go through their layer's one fused product: not also each alone."""
+    kernels.use(tiny, Kernels(packed=True))
+    attn, mlp = tiny.layers[0].self_attn, tiny.layers[0].mlp
+    assert type(attn) is kernels.FastAttention and type(mlp) is kernels.FastMLP
+    assert all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    assert all(type(m) is kernels.PackedLinear for m in (attn.o_proj, mlp.down_proj, tiny.lm_head))
+
+
+def test_loaders_run_the_kernels_chosen_for_the_device_and_dtype(tiny_model_dir, tmp_path):
+    model, _ = checkpoint.load(tiny_model_dir)
+    assert kernels.in_use(model) == Kernels.choose("cpu", torch.float32, 0)
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path)
+    assert kernels.in_use(checkpoint.load_heads(tmp_path, model)) == Kernels.choose("cpu", torch.float32, 0)
+
+
+def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
+    """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
+    def missing(*weights):
+        raise RuntimeError("no oneDNN here")
+    monkeypatch.setattr(kernels, "prepack", missing)
+    tokens = torch.randint(0, 64, (1, 6))
+    ref = tiny(tokens, torch.arange(6))[0]
+    kernels.use(tiny, Kernels(attention="cpu-bf16", packed=True))
+    assert kernels.in_use(tiny) == Kernels() and not any(type(m) in kernels.READABLE for m in tiny.modules())
+    assert capsys.readouterr().err.count("notice: fast kernels unavailable") == 1
+    torch.testing.assert_close(tiny(tokens, torch.arange(6))[0], ref)
+
+
+# --- the pairs -----------------------------------------------------------------------------------
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_packed_linear_equals_nn_linear(dtype):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = nn.Linear(48, 40, bias=bias).to(dtype)
+        xs = [torch.randn(1, 48, dtype=dtype), torch.randn(3, 5, 48, dtype=dtype)]       # (1, D), (B, T, D)
+        with torch.inference_mode():
+            want = [layer(x) for x in xs]
+            kernels.use(layer, Kernels(packed=True))
+            assert type(layer) is kernels.PackedLinear
+            got = [layer(x) for x in xs]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+        x = torch.randn(2, 48, dtype=dtype, requires_grad=True)  # under autograd: nn.Linear's product
+        layer(x).sum().backward()
+        torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, -1))
+
+
+@pytest.mark.parametrize("B,T,S", [(1, 1, 9), (1, 5, 12), (3, 1, 12), (2, 4, 10)])
+def test_attend_equals_model_attend(B, T, S):
+    """kernels.attend (fp32 SDPA for one query, grouped matmuls for a batch) computes model.attend:
+    in fp32, with no mask and with a tree and key mask."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8)
+    masks = [None, torch.rand(B, 1, T, S) > 0.3]
+    masks[1][..., -1] = True                                  # every query sees at least one key
+    for mask in masks:
+        torch.testing.assert_close(kernels.attend(q, k, v, mask), model_lib.attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with key mask": (3, 1, 8, True),
+         "prefill": (1, 12, 0, False)}  # B, T, cached keys, key mask
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_fast_attention_equals_attention(case, dtype):
+    """One attention layer over a KV cache: FastAttention (fused q/k/v, o_proj prepacked, attend()
+    above) gives model.Attention's output."""
+    B, T, start, padded = CASES[case]
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    layer = model_lib.Attention(cfg)
+    x = torch.randn(B, T, cfg.dim)                                                     # (B, T, D)
+    cos, sin = model_lib.Rope(cfg)(torch.arange(start, start + T))
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None   # (5, 5)
+    key_mask = torch.rand(B, start + T) > 0.3 if padded else None
+    mask = model_lib.attention_mask(T, start, tree, key_mask, x.device)
+    cache = torch.randn(2, B, cfg.n_kv_heads, start + T, cfg.head_dim)                 # k, v: prefix, then slots
+
+    def run(to, kernels_=Kernels()):
+        m = model_lib.Attention(cfg).to(to)
+        m.load_state_dict(layer.state_dict())
+        kernels.use(m, kernels_)
+        k, v = cache.to(to).clone()
+        with torch.inference_mode():
+            return m(x.to(to), cos.to(to), sin.to(to), mask, (k, v, start)).float()   # (B, T, D)
+    exact = run(torch.float32)
+    if dtype == torch.float32:
+        torch.testing.assert_close(run(torch.float32, FAST), exact, atol=1e-5, rtol=1e-5)
+    else:
+        close_as_readable(run(dtype, FAST), run(dtype), exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+@needs_packing
+def test_fast_mlp_equals_mlp(dtype):
+    torch.manual_seed(0)
+    mlp = model_lib.MLP(tiny_config()).to(dtype)
+    x = torch.randn(2, 3, 32, dtype=dtype)                                                 # (B, T, D)
+    with torch.inference_mode():
+        want = mlp(x)
+        kernels.use(mlp, Kernels(packed=True))
+        assert type(mlp) is kernels.FastMLP
+        got = mlp(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_packing
+@pytest.mark.parametrize("kept", [False, True])
+def test_fast_lm_head_equals_lm_head(tiny, kept):
+    """The heads' frozen shared LM head (all tokens or the kept ones) prepacked; a trainable one per
+    head (a (K, V', D) weight) keeps the readable class."""
+    ids = torch.arange(0, 64, 3) if kept else None
+    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), tiny, ids)
+    own = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2, own_lm_head=True), tiny, ids)
+    z = torch.randn(5, 32)                                                                 # (P, D)
+    with torch.inference_mode():
+        want = heads.project(z, 1)
+        kernels.use(heads, Kernels(packed=True))
+        kernels.use(own, Kernels(packed=True))
+        assert type(heads.lm_head) is kernels.FastLMHead and type(own.lm_head) is heads_lib.LMHead
+        torch.testing.assert_close(heads.project(z, 1), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
+    """checkpoint.load_heads prepacks every layer a drafting step runs (the MLPs' linear layers,
+    the frozen LM head, Hydra++'s decoder layer) from the loaded weights, not build()'s zero-
+    initialised ones: the logits of each depth, and Hydra++'s context, match the readable path's."""
+    torch.manual_seed(0)
+    base = model_lib.Transformer(tiny_config(max_seq_len=64)).eval().requires_grad_(False)
+    heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base, torch.arange(0, 64, 2))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    checkpoint.save_heads(heads, tmp_path, dtype=torch.float32)
+    base = kernels.use(base.to(dtype=torch.bfloat16))
+    loaded = checkpoint.load_heads(tmp_path, base)
+    assert kernels.in_use(loaded) == BF16
+    if BF16.packed:
+        mlps = loaded.blocks if kind == "medusa" else loaded.mlps
+        assert type(loaded.lm_head) is kernels.FastLMHead
+        assert all(type(m) is kernels.PackedLinear for m in mlps.modules() if isinstance(m, nn.Linear))
+    h, path = torch.randn(1, 5, 32).bfloat16(), torch.tensor([[3, 5], [7, 1]])
+
+    def outputs():
+        context = loaded.context(h, torch.arange(5))                                     # (1, 5, D)
+        return [context.float()] + [loaded.project(loaded.head(d, context[:, -1], path[:, :d]), d).float() for d in (1, 2)]
+    with torch.inference_mode():
+        fast = outputs()
+        kernels.use(loaded, Kernels())
+        readable = outputs()
+        stale = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base, torch.arange(0, 64, 2))
+        stale = stale.context(h, torch.arange(5)).float()                             # zero-initialised
+    for f, r in zip(fast, readable):
+        assert (f - r).abs().max() < 0.05 * r.abs().max(), (f - r).abs().max()
+    if kind == "hydra++":  # a layer prepacked from the zero-initialised weights would be far off
+        assert (fast[0] - stale).abs().max() > 10 * (fast[0] - readable[0]).abs().max()
+
+
+# --- the whole model -----------------------------------------------------------------------------
+
+@needs_packing
+def test_prepacked_fp32_linears_match_the_readable_path(tiny):
+    """fp32 on a CPU: the prepacked linear layers (Kernels.choose's pick where oneDNN is there) give
+    the readable path's logits to fp32 rounding, for a prefix, a tree and a padded batch."""
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
+    tokens = torch.randint(0, 64, (2, 12))
+    key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
+    key_mask[1, :3] = False
+    out = {}
+    with torch.inference_mode():
+        for name, k in (("readable", Kernels()), ("packed", Kernels(packed=True))):
+            kernels.use(tiny, k)
+            assert (type(tiny.lm_head) is kernels.PackedLinear) == k.packed
+            cache = tiny.new_cache(32, batch=2)
+            prefix, _ = tiny(tokens, torch.arange(12), None, cache, key_mask=key_mask[:, :12])
+            cache.keep(range(12))
+            logits, _ = tiny(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask)
+            out[name] = torch.cat([prefix, logits], 1)
+    torch.testing.assert_close(out["packed"], out["readable"], atol=1e-5, rtol=1e-5)
+
+
+def test_fast_kernels_match_readable_path_in_bf16(tiny):
+    """The bf16 forward with the fast kernels (prepacked linears where this CPU has them) stays
+    as close to the fp32 result as the readable bf16 path does: same prefix, tree and batch."""
+    tiny32 = tiny
+    tiny16 = model_lib.Transformer(tiny.cfg).eval().requires_grad_(False)
+    tiny16.load_state_dict(tiny32.state_dict())
+    tiny16 = tiny16.to(dtype=torch.bfloat16)
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.inference_mode():
+        errors = {}
+        for name, k in (("readable", Kernels()), ("fast", Kernels(attention="cpu-bf16", packed=BF16.packed))):
+            kernels.use(tiny16, k)
+            out = []
+            for m in (tiny32, tiny16):
+                cache = m.new_cache(32, batch=2)
+                m(tokens, torch.arange(12), None, cache)
+                cache.keep(range(12))
+                logits, _ = m(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache)
+                out.append(logits.float())
+            errors[name] = (out[0] - out[1]).abs().max().item()
+    assert errors["fast"] < 2 * errors["readable"] + 0.05, errors
+
+
+# --- the training loss ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["teacher", "next-token"])
+def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dtype):
+    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head (shared,
+    or one per head), products in `dtype`: the value and the gradients of z and of the LM head."""
+    # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
+    # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
+    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
+    g = torch.Generator().manual_seed(0)
+    M, D, V, k = 600, 24, 300, 5
+    assert M > 2 * kernels.FusedHeadLoss.ROWS and M % kernels.FusedHeadLoss.ROWS
+    z = torch.randn(M, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.6
+    z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
+    z[7] = 0
+    z[7, 0] = 40                                                    # its logits are 40 weight[:, 0]:
+    weight[:, 0] = -1
+    weight[:k, 0] = 0                                               # 0 on tokens 0..4, -40 elsewhere
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
+    ids[7] = torch.arange(k)
+    ids[torch.rand(M, k, generator=g) < 0.1] = -1
+    p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
+    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
+    target = torch.randint(-1, V, (M,), generator=g)
+    j = torch.randint(0, 3, (M,), generator=g)                      # head - 1
+    per_head = weight.repeat(3, 1, 1)
+    per_head[..., 1:] += 0.1 * torch.randn(3, V, D - 1, generator=g)  # column 0 (row 7's) the same
+
+    def logits_of(z_, w_):  # the LM head, in the products' dtype: (M, V')
+        if w_.dim() == 2:
+            return z_.to(dtype) @ w_.to(dtype).T
+        return (z_.to(dtype)[:, None] @ w_.to(dtype)[j].transpose(-1, -2))[:, 0]
+    for w in (weight, per_head):
+        za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
+        want = T.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
+        (want * 3).backward()                                       # any upstream gradient
+        zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
+        got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)
+        (got * 3).backward()
+        torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
+        for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
+            if dtype == torch.float32:                              # the same sums in another order
+                torch.testing.assert_close(mine, readable_grad, atol=1e-6, rtol=1e-4)
+            else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
+                assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
+        # a frozen LM head gets no gradient and needs none
+        zc = z.clone().requires_grad_()
+        (kernels.fused_batch_loss(kind, zc, w, j, ids, p, target, dtype) * 3).backward()
+        torch.testing.assert_close(zc.grad, zb.grad)
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("kind", ["teacher", "next-token"])
+def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny, kind, own):
+    """train.py's --loss-impl: TrainForward's readable loss (the heads' LM head, then batch_loss)
+    and its fused twin, on a collated batch of Hydra++ heads: the same loss and weight gradients."""
+    g = torch.Generator().manual_seed(0)
+    n, kept = 24, torch.arange(0, 64, 2)
+    data = dict(offsets=torch.tensor([0, 11, n]), ids=torch.randint(1, 64, (n,), generator=g),
+                loss=torch.rand(n, generator=g) > 0.3, hidden=torch.randn(n, 32, generator=g).half(),
+                top_ids=torch.randint(0, 64, (n, 4), generator=g),
+                top_p=(torch.rand(n, 4, generator=g).softmax(-1) * 0.9).half())
+    batch = T.collate(data, [0, 1], T.to_kept_map(kept, 64), 3, "cpu")
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=3, own_lm_head=own), tiny, kept).train()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    loss, grads = {}, {}
+    for impl in ("readable", "fused"):
+        heads.zero_grad()
+        loss[impl] = T.TrainForward(heads, impl)(batch, kind)
+        loss[impl].backward()
+        grads[impl] = [p.grad for p in heads.parameters()]
+    torch.testing.assert_close(loss["fused"], loss["readable"], atol=1e-6, rtol=1e-5)
+    for fused, readable in zip(grads["fused"], grads["readable"]):
+        torch.testing.assert_close(fused, readable, atol=1e-6, rtol=1e-4)
