@@ -225,7 +225,7 @@ def collate(data, convs, to_kept, K, device):
     for j in range(1, K + 1):
         n = max(T - 1 - j, 0)                                          # none when the batch is that short
         valid[:, :n, j - 1] = loss[:, 1 + j:1 + j + n]
-    pinned = device.type == "cuda"  # page-locked host memory: the copies overlap the GPU's work
+    pinned = torch.device(device).type == "cuda"  # page-locked host memory: the copies overlap the GPU's work
     move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)
     return dict(ids=move(ids), hidden=move(hidden), valid=move(valid), top_ids=move(to_kept[top_ids]),
                 top_p=move(top_p), targets=move(to_kept[ids]))
