@@ -22,22 +22,12 @@ rotated per prompt) so machine noise hits all methods alike; the median over rep
 tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain decoding's in this run;
 tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
 
-The command line (tests/test_bench_cli.py): bad input ends with one line on stderr, "error: <what>
-...; <fix>", exit code 2, before the model loads where it can (--json and --plots included: a
-folder that cannot be written is found before the run, not after it). Ctrl-C prints the tables of
-what was measured so far and exits 130.
-
---tune-layers: for each N (first layers drafting), decode the prompts greedily with a long chain
-and count how deep drafts are accepted; time a 1-token forward of N layers (one draft) and a
-(gamma+1)-token forward of the model (one verify) after a cached prefix; save the N and gamma that
-maximise expected tau / (gamma drafts + verify) as layers.json next to the heads.
-
---tune-tree: from the heads' calibration (eval.json, written by train.py: acceptance of each rank
-of each head on held-out data), build tree.sparse(acc, budget) for every budget, time one verify
-step (a forward of the tree after a cached prefix) and one draft on this machine, and save the tree
-that maximises expected tau / (step + draft time) next to the heads, named for the device and dtype
-(tree-cpu-float32.json, tree-cuda-bfloat16.json): generate.py's --tree auto prefers it to the
-shipped tree.json.
+The command line (tests/test_bench_cli.py) follows cli.py's convention; --json and --plots are
+checked before the run; Ctrl-C prints the tables of what was measured so far and exits 130.
+--tune-tree and --tune-layers pick the heads' tree and the N and gamma of 'layers' for this
+machine: expected tau (from held-out calibration, or measured acceptance) over the time of a
+draft and a verify step measured here; the choice is saved next to the heads, named for the
+device and dtype where it depends on them, and generate.py prefers it.
 """
 import argparse
 import json

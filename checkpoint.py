@@ -302,15 +302,17 @@ def load_heads(folder, base):
 def main(argv=None) -> int:
     """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.
     Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
-    import cli  # the command line's conventions, and the one decode loop
-    import generate
+    import cli  # the command line's conventions
 
     def smoke(args):
         t0 = time.time()
         model, tok = load(args.model)
         print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
-        print(repr(tok.decode(generate.generate(model, cli.encode(tok, args.prompt), 20).tokens)))
-    p = cli.Parser(description="Load a model and print a 20-token greedy reply.")
+        ids = cli.encode(tok, args.prompt)
+        logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)       # (1, 1, V)
+        top = logits[0, -1].float().softmax(-1).topk(5)
+        print("next token: " + ", ".join(f"{tok.decode([i])!r} {p:.2f}" for p, i in zip(top.values.tolist(), top.indices.tolist())))
+    p = cli.Parser(description="Load a model and print its five likeliest first tokens of a reply.")
     p.add_argument("--model", default=DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--prompt", default="What is 2+2?", help="the user message")
     return cli.run(smoke, p, argv)

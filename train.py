@@ -13,18 +13,15 @@ Pipeline, each stage cached on disk and reused (stages 1 and 2 live in dataset.p
    model answers them (self-distillation). Or a user's ShareGPT-style JSONL.
 2. features: one pass of the frozen base model stores, per token, its final hidden state and its
    top-k next-token probabilities (the teacher); later epochs never run the base model again.
-3. heads (this file): trained on those features over the most frequent tokens of the data (a kept-token map),
-   with all heads' vocabulary projections in one matrix product. Checkpoints (state.pt) hold
-   everything a resumed run needs to continue exactly as if it had never stopped. Ctrl-C finishes
-   the current step, writes a checkpoint and exits with status 130. Under torchrun, rank 0 builds
+3. heads (this file): trained on those features over the most frequent tokens of the data.
+   Checkpoints (state.pt) hold everything a resumed run needs to continue exactly as if it had
+   never stopped; Ctrl-C finishes the step, writes one and exits 130. Under torchrun, rank 0 builds
    the data, every rank trains on its share of the batches, rank 0 evaluates, saves and prints.
 
-The command line (tests/test_train_cli.py): bad input (a flag outside its range, given in --help; a
---data file that is missing; a folder that cannot be written; --resume with flags other than the
-checkpoint's) ends with one line on stderr, "error: <what> ...; <fix>", and exit code 2, before the
-model loads where it can. Cached features are keyed by what shapes them and rebuilt, with a notice,
-when stale or damaged. Ctrl-C (or SIGTERM) while the data is built keeps the finished shards and
-exits 130 (143).
+The command line (tests/test_train_cli.py) follows cli.py's convention; an --out folder holding a
+run is refused unless --resume or --overwrite; cached features are keyed by what shapes them and
+rebuilt, with a notice, when stale or damaged; Ctrl-C or SIGTERM while the data is built keeps the
+finished shards.
 
 Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes: B batch, T time,
 D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
