@@ -2,6 +2,7 @@
 merged into the weights computes what training computed, greedy speculative decoding with joint
 heads is token-identical to plain greedy decoding of the adapted model, and the command line
 refuses bad input in one line."""
+import json
 import os
 
 import pytest
@@ -107,7 +108,7 @@ def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_
     assert {"heads.safetensors", "heads.json", "lora.safetensors", "lora.json", "eval.json"} <= set(os.listdir(out))
     delta = joint.load_file(str(out / "lora.safetensors"))
     assert any(k.endswith(".B") and v.abs().sum() > 0 for k, v in delta.items())    # the adapter learned
-    report = __import__("json").loads((out / "eval.json").read_text())
+    report = json.loads((out / "eval.json").read_text())
     assert report["curve"][0]["greedy_agreement"] == 1.0                     # fp32 data: the start is the model itself
     assert report["greedy_agreement"] > 0.9
 
