@@ -76,6 +76,7 @@ def build_parser():
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="int8: every method's base model on weight-only int8 linear layers (generate.py --quantize)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
     p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")
@@ -236,6 +237,8 @@ def load_heads(args, name, folder, model, asked):
         if joint.has_delta(folder):
             model, _ = checkpoint.load(args.model, model.device, model.dtype)
             print(f"[bench] {name}: {joint.merge_delta(model, folder)}", file=sys.stderr)
+            if args.quantize == "int8":
+                kernels_lib.quantize_int8(model)
         return checkpoint.load_heads(folder, model), model
     except heads_lib.HeadsError as e:
         if name in asked or args.heads_dir != cli.SHIPPED:
@@ -744,6 +747,8 @@ def main(args):
     dtype = cli.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
+    if args.quantize == "int8":
+        kernels_lib.quantize_int8(model)
     eos = cli.eos_ids(model, tokenizer)
     prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:
@@ -767,7 +772,7 @@ def main(args):
             raise KeyboardInterrupt from None
         prompts, secs, outs, interrupted = [prompts[i] for i in stop.done], stop.seconds, stop.outputs, True
     res = results(methods, prompts, secs, outs)
-    mach = machine(device, dtype, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
+    mach = machine(device, dtype, quantize=args.quantize, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, **distance_to_floor(model, device))
     print(tables(res, mach))
     for name, r in res.items():

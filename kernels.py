@@ -32,10 +32,11 @@ import itertools
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import heads
 import model
@@ -53,6 +54,7 @@ import model
 class Kernels:
     attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() below
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
+    int8: bool = False       # linear layers run through int8 copies of their weights (quantize_int8)
 
     @staticmethod
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
@@ -82,19 +84,39 @@ def linear(x, packed, bias=None):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@torch.no_grad()
+def int8_weight(weight):
+    """Weight-only int8, one scale per output channel: weight ~ scale[:, None] * q, q in [-127, 127]."""
+    scale = weight.float().abs().amax(1).clamp(min=1e-12) / 127                      # (out,)
+    return (weight.float() / scale[:, None]).round().to(torch.int8), scale.to(weight.dtype)
+
+
+def int8_linear(x, q, scale, bias=None):
+    """F.linear(x, scale[:, None] * q, bias): on a CPU one kernel that reads the int8 weight, half
+    the bytes of bf16; elsewhere the weight is widened first (correct, not faster)."""
+    if x.device.type == "cpu":
+        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q, scale).view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x, q.to(x.dtype)) * scale
+    return y if bias is None else y + bias
+
+
 class PackedLinear(nn.Linear):
-    """nn.Linear's twin: the product through a prepacked copy of the weight."""
+    """nn.Linear's twin: the product through a prepacked copy of the weight, or an int8 one."""
 
     @staticmethod
     def wanted(layer, kernels):
-        return kernels.packed
+        return kernels.packed or kernels.int8
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.weight)
+        self.kernels = kernels
+        self.packed = int8_weight(self.weight) if kernels.int8 else prepack(self.weight)
 
     def forward(self, x):
         if torch.is_grad_enabled():
             return super().forward(x)
+        if self.kernels.int8:
+            return int8_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
 
 
@@ -220,6 +242,13 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
         print(f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
               file=sys.stderr)
         return use(module, Kernels())
+
+
+def quantize_int8(module: nn.Module) -> nn.Module:
+    """Weight-only int8 for every linear layer of `module` (a base model: its projections and LM
+    head), the attention as chosen before; the embedding, the KV cache and the activations keep
+    their dtype. Returns the module."""
+    return use(module, replace(in_use(module), packed=False, int8=True))
 
 
 # --- the training loss ---------------------------------------------------------------------------

@@ -367,3 +367,37 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
     torch.testing.assert_close(loss["fused"], loss["readable"], atol=1e-6, rtol=1e-5)
     for fused, readable in zip(grads["fused"], grads["readable"]):
         torch.testing.assert_close(fused, readable, atol=1e-6, rtol=1e-4)
+
+
+# --- weight-only int8 ----------------------------------------------------------------------------
+
+def test_int8_linear_is_the_product_with_its_dequantized_weight():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    x = torch.randn(2, 3, 64)
+    q, scale = kernels.int8_weight(layer.weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    torch.testing.assert_close((q.float() * scale[:, None]), layer.weight, atol=float(scale.max()) / 2 + 1e-7, rtol=0)
+    with torch.no_grad():
+        got = kernels.int8_linear(x, q, scale, layer.bias)
+    torch.testing.assert_close(got, x @ (q.float() * scale[:, None]).T + layer.bias, atol=1e-4, rtol=1e-4)
+
+
+def test_an_int8_model_decodes_speculatively_as_it_decodes_plainly():
+    """Quantised weights change the model a little; the lossless contract holds against that model."""
+    import drafters
+    import generate
+    torch.manual_seed(0)
+    base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), base)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.2)
+    before = base.lm_head.weight.clone()
+    kernels.quantize_int8(base)
+    assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).int8
+    assert torch.equal(base.lm_head.weight, before)                          # the weights themselves stay
+    plain = generate.generate(base, [3, 4, 5], 20)
+    spec = generate.generate(base, [3, 4, 5], 20, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
+    assert spec.tokens == plain.tokens
+    kernels.use(base, kernels.Kernels())
+    assert type(base.lm_head) is nn.Linear
