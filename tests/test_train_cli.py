@@ -193,7 +193,7 @@ def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(capsys, mon
     (out / "notes.txt").write_text("mine")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     with monkeypatch.context() as mp:                                      # refused before the model loads
-        mp.setattr(model_lib, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        mp.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
         check_one_line_error(*run_train(capsys, *common, "--seed", 1)[::2], f"--out {out}", "heads.json",
                              "--resume to continue", "--overwrite")
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
