@@ -160,8 +160,9 @@ def machine_line(m):
 class Method:
     name: str
     run: Callable
-    greedy: bool    # its output must equal plain decoding's
+    greedy: bool    # its output must equal plain decoding's (an adapted model's: how far it moved)
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
+    adapted: bool = False  # decodes a copy of the model changed by its heads' LoRA delta (joint.py)
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -307,8 +308,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 d = drafters.heads_and_lookup(d, look["gamma"], look["ngram"], look["matches"], device)
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
-            methods[name] = Method(name, ours(base, d, verify, temperature, eos),  # a joint kind's output is its adapted model's
-                                   greedy=verify == "greedy" and base is model, depth=d.max_depth)
+            methods[name] = Method(name, ours(base, d, verify, temperature, eos), greedy=verify == "greedy",
+                                   depth=d.max_depth, adapted=base is not model)
             if not variant:
                 notes.append(f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}")
     return methods, notes
@@ -776,7 +777,10 @@ def main(args):
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, **distance_to_floor(model, device))
     print(tables(res, mach))
     for name, r in res.items():
-        if r["identical"] is False:
+        if methods[name].adapted:
+            print(f"[bench] {name} decodes its adapted model: {len(prompts) - len(r['differs_on'] or [])} of {len(prompts)} "
+                  "replies keep the original model's greedy reply", file=sys.stderr)
+        elif r["identical"] is False:
             why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "
                                                      "from a 1-token one, so near-ties can flip; fp32 is exact)")
             print(f"[bench] {name}: output differs from plain decoding on {', '.join(map(str, r['differs_on']))}{why}", file=sys.stderr)

@@ -24,6 +24,7 @@ original one. Greedy speculative decoding is lossless against the adapted model 
 
 Test: `python -m pytest -q tests/test_joint.py`. Shapes: B batch, T time, D hidden, r LoRA rank.
 """
+import hashlib
 import json
 import math
 import os
@@ -252,10 +253,19 @@ def run(args):
     held_out, train_convs = held_out[:args.eval_conversations], train_convs[:args.conversations]
     first = base.cfg.n_layers - args.layers
     writer = train.data_model(base, args.dtype)
+    key = {"model": base.cfg.name, "lm_head": model_lib.lm_head_fingerprint(base), "data": dataset.file_digest(args.data),
+           "convs": train_convs + held_out, "first": first, "teacher_k": args.teacher_k, "dtype": str(writer.dtype)}
+    cached = os.path.join(checkpoint.cache_root(), "joint", hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".safetensors")
     t0 = time.time()
-    data = joint_data(writer, [convs[i] for i in train_convs + held_out], first, args.teacher_k)
+    if os.path.exists(cached):  # the same model, data, split and layer: computed by an earlier run
+        data = load_file(cached)
+    else:
+        data = joint_data(writer, [convs[i] for i in train_convs + held_out], first, args.teacher_k)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        save_file(data, cached + ".tmp")
+        os.replace(cached + ".tmp", cached)
     print(f"[joint] {len(train_convs)} + {len(held_out)} conversations, {len(data['ids'])} tokens: the stream into "
-          f"layer {first} and the teacher in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+          f"layer {first} and the teacher in {time.time() - t0:.0f} s (kept in {cached})", file=sys.stderr, flush=True)
     del writer
     trained, held = list(range(len(train_convs))), list(range(len(train_convs), len(train_convs) + len(held_out)))
     to_kept = train.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)

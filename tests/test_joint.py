@@ -90,7 +90,8 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
     assert G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens       # --heads none: the original model
 
 
-def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path):
+def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))          # where the layers' input is kept
     model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3, hidden_size=32, intermediate_size=64)
     base, _ = checkpoint.load(model_dir)
     convs = random_convs(n=40, vocab=200)
@@ -111,6 +112,7 @@ def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_
     report = json.loads((out / "eval.json").read_text())
     assert report["curve"][0]["greedy_agreement"] == 1.0                     # fp32 data: the start is the model itself
     assert report["greedy_agreement"] > 0.9
+    assert len(os.listdir(tmp_path / "cache" / "joint")) == 1               # a second run reads it, not the model
 
 
 @pytest.mark.parametrize("argv, words", [
