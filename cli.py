@@ -209,38 +209,47 @@ def eos_ids(model, tokenizer) -> set:
 # --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
-# what --gamma, --ngram and --matches are for each drafter that takes them, when not given
-DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4}}
+# what --gamma, --ngram and --matches are for each drafter that takes them,
+# when not given
+DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
+                  "jacobi": {"gamma": 4}}
+PARALLEL = ("jacobi",)  # training-free drafters that read the model's own outputs
 
 
 def parse_draft(spec):
-    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers or model; N for layers:N."""
+    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers, model or jacobi; N for layers:N."""
     if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
         if int(m[1]) < 1:
             raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
         return "layers", int(m[1])
-    if spec in ("heads", "lookup", "heads+lookup", "model"):
+    if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
         return spec, None
-    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number) or model")
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model or jacobi")
+
+
+def check_sizes(kind, settings, where):
+    """The drafter's settings (as given by `where`) fit one forward of at most MAX_NODES nodes."""
+    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"{where}gamma {settings['gamma']} x {where}matches {settings['matches']}: the lookup tree would be "
+                         f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
+    if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
 
 
 def draft_settings(args, kind):
-    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS; checks that only the
-    drafter's own flags are given and that its other flags fit it. Loads nothing."""
+    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS;
+    checks that only the drafter's own flags are given and that its other flags fit it. Loads nothing."""
     takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
     given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches") if getattr(args, k) is not None}
     for k, v in given.items():
         if k not in takes:
-            users = "lookup, heads+lookup, layers:N and model" if k == "gamma" else "lookup and heads+lookup"
+            users = [{"lookup": "lookup, heads+lookup", "layers": "layers:N"}.get(d, d) for d, t in DRAFT_DEFAULTS.items() if k in t]
+            users = ", ".join(users[:-1]) + " and " + users[-1] if len(users) > 1 else users[0]
             raise UsageError(f"--{k} does not apply to --draft {args.draft} (only to {users}); drop it")
         if v < 1:
             raise UsageError(f"--{k} {v}: must be at least 1")
     settings = takes | given
-    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
-        raise UsageError(f"--gamma {settings['gamma']} x --matches {settings['matches']}: the lookup tree would be over "
-                         f"MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
-    if kind in ("layers", "model") and settings["gamma"] >= tree_lib.MAX_NODES:
-        raise UsageError(f"--gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller --gamma")
+    check_sizes(kind, settings, "--")
     if kind not in ("heads", "heads+lookup") and args.tree != "auto":
         raise UsageError(f"--tree shapes the heads' tree, --draft {args.draft} has none; drop --tree or use --draft heads or heads+lookup")
     if kind not in ("heads", "heads+lookup") and args.heads != "auto":
@@ -356,6 +365,8 @@ def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temper
                                              settings["matches"], dev)
     if kind == "layers":
         return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
+    if kind == "jacobi":
+        return drafters_lib.Jacobi(settings["gamma"], dev)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 

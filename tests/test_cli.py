@@ -303,6 +303,11 @@ DRAFT_FLAGS = [
     (["--draft", "model"], "--draft model needs --draft-model"),
     (["--draft-model", "some/model"], "add --draft model or drop --draft-model"),
     (["--draft", "lookup", "--draft-model", "some/model"], "add --draft model"),
+    (["--draft", "jacobi", "--gamma", "0"], "--gamma 0: must be at least 1"),
+    (["--draft", "jacobi", "--gamma", "1024"], "--gamma 1024: the chain would be over MAX_NODES=1024; use a smaller --gamma"),
+    (["--draft", "jacobi", "--ngram", "3"], "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup)"),
+    (["--draft", "jacobi", "--tree", "chain:2"], "--draft jacobi has none"),
+    (["--draft", "jacobi", "--draft-model", "some/model"], "add --draft model or drop --draft-model"),
 ]
 
 
@@ -365,7 +370,8 @@ def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys,
     for argv, words in [(["--draft", "lookup", "--gamma", "4", "--matches", "2"], "lookup: n-grams 3..1, up to 4 tokens, 2 matches"),
                         (["--draft", "heads+lookup", "--heads", heads_dir, "--tree", "chain:2"], "heads: hydra, tree: 3 nodes + lookup"),
                         (["--draft", "layers:20"], "layers:20, 4 tokens a step"),
-                        (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step")]:
+                        (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step"),
+                        (["--draft", "jacobi", "--gamma", "3"], "jacobi: 3 guesses a step")]:
         ids, err = reply_ids(capsys, tmp_path, *argv)
         assert ids == plain, argv
         assert words in err.splitlines()[0]
