@@ -209,22 +209,22 @@ def eos_ids(model, tokenizer) -> set:
 # --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
-# what --gamma, --ngram and --matches are for each drafter that takes them,
+# what --gamma, --ngram, --matches, --window and --guesses are for each drafter that takes them,
 # when not given
 DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
-                  "jacobi": {"gamma": 4}}
-PARALLEL = ("jacobi",)  # training-free drafters that read the model's own outputs
+                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}}
+PARALLEL = ("jacobi", "lookahead")  # training-free drafters that read the model's own outputs
 
 
 def parse_draft(spec):
-    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers, model or jacobi; N for layers:N."""
+    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers, model, jacobi or lookahead; N for layers:N."""
     if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
         if int(m[1]) < 1:
             raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
         return "layers", int(m[1])
     if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
         return spec, None
-    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model or jacobi")
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model, jacobi or lookahead")
 
 
 def check_sizes(kind, settings, where):
@@ -234,13 +234,20 @@ def check_sizes(kind, settings, where):
                          f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
     if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
         raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
+    if kind == "lookahead":
+        w, n, g = settings["window"], settings["ngram"], settings["guesses"]
+        if n < 2:
+            raise UsageError(f"{where}ngram {n}: lookahead's n-grams are a first token and at least one more; use {where}ngram 2 or more")
+        if 1 + g * (n - 1) + (w - 1) + (n - 2) * w > tree_lib.MAX_NODES:  # drafters.Lookahead.max_nodes
+            raise UsageError(f"{where}window {w}, {where}ngram {n}, {where}guesses {g}: a step would compute {(w - 1) + (n - 2) * w} "
+                             f"window nodes and verify up to {g * (n - 1)}, over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
 
 
 def draft_settings(args, kind):
-    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS;
+    """--gamma, --ngram, --matches, --window, --guesses as given, the rest from DRAFT_DEFAULTS;
     checks that only the drafter's own flags are given and that its other flags fit it. Loads nothing."""
     takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
-    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches", "window", "guesses") if getattr(args, k) is not None}
     for k, v in given.items():
         if k not in takes:
             users = [{"lookup": "lookup, heads+lookup", "layers": "layers:N"}.get(d, d) for d, t in DRAFT_DEFAULTS.items() if k in t]
@@ -367,6 +374,8 @@ def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temper
         return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
     if kind == "jacobi":
         return drafters_lib.Jacobi(settings["gamma"], dev)
+    if kind == "lookahead":
+        return drafters_lib.Lookahead(settings["window"], settings["ngram"], settings["guesses"], dev)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 

@@ -2,7 +2,7 @@
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. Seven drafters, one interface:
+one forward and verify.py keeps an acceptable path. Eight drafters, one interface:
 
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
@@ -14,6 +14,8 @@ one forward and verify.py keeps an acceptable path. Seven drafters, one interfac
     HeadsPlusLookup(heads, lookup)   both trees in one, shared prefixes drafted once
     heads_and_lookup(heads, ...)     the same, with the rules that make the pair pay
     Jacobi(gamma)                    Jacobi decoding: the model's own outputs of last step, as guesses
+    Lookahead(window, ngram, guesses)   lookahead decoding: n-grams from a window of Jacobi
+                                     trajectories computed in the same forward; no training either
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
                                           states over them (1, T, D), room for max_len positions
@@ -21,13 +23,14 @@ one forward and verify.py keeps an acceptable path. Seven drafters, one interfac
     d.accept(tokens, hidden, positions, logits)   what the base model committed: the root and the
                                           accepted drafts, their hidden states (1, n, D) and positions
                                           (n,); and its logits (N, V) at every node of the step, kept
-                                          or not (Jacobi drafts from those)
+                                          or not (Jacobi and lookahead draft from those)
     d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
 
 Test: `python -m pytest -q tests/test_drafters.py`.
 Shapes: N tree nodes (root included), G drafted tokens of a chain (gamma), V vocabulary, D hidden,
 T new tokens of one forward, P parent nodes at one depth, M computed-only nodes (a window).
 """
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -443,3 +446,71 @@ class Jacobi:
         # the output at node k+i guesses the token i places after the bonus
         self.guesses = logits[len(tokens):].argmax(-1).tolist()
 
+
+# --- lookahead decoding --------------------------------------------------------------------------
+# Fu et al. 2024: Jacobi's guesses are poor as a chain, but the trajectories its iterations trace
+# hold good n-grams. One forward carries, after the root, two branches that never see each other.
+# The window (computed only): W columns of N-1 levels of Jacobi iterations, here W = 3, N = 4:
+#     offset      0    1    2    3    4    5
+#     chain      root  c1   c2                   the oldest level, a causal chain after the root
+#     level 1          a0   a1   a2              level l, column r sits at offset r + l and sees the
+#     level 2               b0   b1   b2         root, c_1..c_r and its column up to itself: the
+#     outputs                    o0   o1   o2    sequence its Jacobi trajectory continues
+# Each step adds the W n-grams (c_r, a_r, b_r, o_r), c_0 = the root, to a pool keyed by their first
+# token and moves every level down one (chain = level 1 without a0, level 1 = level 2, level 2 =
+# outputs). The verification branch: up to G pool n-grams that start with the root, each a causal
+# chain after it, shared prefixes merged (graft): a tree like any other, verified by verify.py.
+# The window shifts one position a step whatever was accepted, as the authors' code does. It starts
+# as prompt tokens and yields n-grams once every level holds model outputs (after N-2 steps); the
+# authors fill its levels one by one instead, with a changing shape.
+
+
+class Lookahead:
+    """A W x (N-1) window of Jacobi trajectories (computed only) and up to G n-grams of N-1 tokens
+    from its pool (verified) in one forward. cells[i] = (level, column) of window node i; the root
+    is (0, 0). Mask: (l, r) sees (l', r') iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
+
+    def __init__(self, window: int, ngram: int, guesses: int, device):
+        assert window >= 1 and ngram >= 2 and guesses >= 1, f"need window >= 1, ngram >= 2, guesses >= 1, got {window}, {ngram}, {guesses}"
+        self.W, self.N, self.G = window, ngram, guesses
+        self.cells = [(0, r) for r in range(1, window)] + [(l, r) for l in range(1, ngram - 1) for r in range(window)]
+        index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}   # (0, 0) is the root
+        sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)   # (M, 1+M)
+        for i, (level, r) in enumerate(self.cells):
+            sees[i, [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]] = True
+        depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)   # (M,)
+        self.shapes = Shapes(device, Window(sees, depth))
+        self.top = [index[ngram - 2, r] for r in range(window)]  # the top of each column, in [root, window]
+        self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
+        self.legend, self.max_depth = ["base model", "lookahead"], ngram - 1
+        self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
+
+    def start(self, prompt, hidden, max_len):
+        fill = itertools.cycle(prompt)
+        self.levels = [[next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)]
+        self.pool, self.steps = {}, 0   # first token -> the latest distinct n-grams after it, oldest first
+
+    def draft(self, root):
+        nodes = {}
+        for gram in reversed(self.pool.get(root, [])):  # the latest first: the verifiers try it first
+            graft(nodes, chain_nodes(list(gram), 1))
+        d = self.shapes.draft(root, nodes, computed=[t for level in self.levels for t in level])
+        self.n = d.candidates
+        return d
+
+    def accept(self, tokens, hidden, positions, logits):
+        at = [self.n + i - 1 if i else 0 for i in self.top]   # window node i follows the n candidates
+        new = logits[at].argmax(-1).tolist()             # (W,) the next token of every trajectory
+        if self.steps >= self.N - 2:
+            starts = [tokens[0]] + self.levels[0]        # c_0 = this step's root, then the chain
+            for r in range(self.W):
+                self._add(starts[r], tuple(level[r] for level in self.levels[1:]) + (new[r],))
+        stack = self.levels + [new]
+        self.levels, self.steps = [stack[1][1:]] + stack[2:], self.steps + 1
+
+    def _add(self, first, gram):
+        grams = self.pool.setdefault(first, [])
+        if gram in grams:
+            grams.remove(gram)
+        grams.append(gram)
+        del grams[:-self.G]   # keep the G latest

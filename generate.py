@@ -10,7 +10,7 @@ forward verifies them.
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
     python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
     python generate.py --model big/llama --draft model --draft-model small/llama
-    python generate.py --prompt "..." --draft jacobi --gamma 4 --show
+    python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
 
 One decode loop, generate(), serves every method. Each step:
@@ -20,8 +20,8 @@ One decode loop, generate(), serves every method. Each step:
     -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
     -> the drafter learns what was accepted, and what the model said at every node (drafter.accept)
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
-A draft may carry nodes after its tree that are computed but never verified (drafters.Draft.
-candidates): the verifiers see only the tree, KVCache.keep only what they accept.
+A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
+drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
 
 Contracts (tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
 token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
@@ -197,14 +197,17 @@ def build_parser():
     p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
                    "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) | jacobi (the model's own outputs "
-                   "of last step as guesses, Jacobi decoding)")
+                   "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi iterations, lookahead decoding)")
     p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for the default model) | a heads folder; auto = hydra++ if shipped for this model, else none")
     p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
     p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
     p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N, model and jacobi (its m guesses); unless given: " +
                    ", ".join(f"{k} {v['gamma']}" for k, v in cli.DRAFT_DEFAULTS.items() if "gamma" in v))
-    p.add_argument("--ngram", type=int, default=None, help=f"lookup: match the last n tokens, n from this down to 1; unless given: {cli.DRAFT_DEFAULTS['lookup']['ngram']}")
+    p.add_argument("--ngram", type=int, default=None, help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' length N, "
+                   "first token included, = the window's levels + 1; unless given: " + ", ".join(f"{k} {v['ngram']}" for k, v in cli.DRAFT_DEFAULTS.items() if "ngram" in v))
     p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {cli.DRAFT_DEFAULTS['lookup']['matches']}")
+    p.add_argument("--window", type=int, default=None, help=f"lookahead: W, the Jacobi trajectories computed a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['window']}")
+    p.add_argument("--guesses", type=int, default=None, help=f"lookahead: G, the most n-grams from its pool verified a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['guesses']}")
     # decoding
     p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -220,7 +223,7 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
-    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, or the base model itself); only on a terminal")
+    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
     return p
 

@@ -305,8 +305,18 @@ DRAFT_FLAGS = [
     (["--draft", "lookup", "--draft-model", "some/model"], "add --draft model"),
     (["--draft", "jacobi", "--gamma", "0"], "--gamma 0: must be at least 1"),
     (["--draft", "jacobi", "--gamma", "1024"], "--gamma 1024: the chain would be over MAX_NODES=1024; use a smaller --gamma"),
-    (["--draft", "jacobi", "--ngram", "3"], "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup)"),
+    (["--draft", "lookahead", "--window", "0"], "--window 0: must be at least 1"),
+    (["--draft", "lookahead", "--guesses", "-1"], "--guesses -1: must be at least 1"),
+    (["--draft", "lookahead", "--ngram", "1"], "--ngram 1: lookahead's n-grams are a first token and at least one more; use --ngram 2 or more"),
+    (["--draft", "lookahead", "--window", "100", "--ngram", "11"], "--window 100, --ngram 11, --guesses 4: a step would compute 999 window nodes"),
+    (["--draft", "lookahead", "--guesses", "600", "--ngram", "3"], "verify up to 1200, over MAX_NODES=1024; use smaller values"),
+    (["--draft", "jacobi", "--window", "3"], "--window does not apply to --draft jacobi (only to lookahead); drop it"),
+    (["--draft", "jacobi", "--ngram", "3"], "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup and lookahead)"),
+    (["--draft", "lookahead", "--gamma", "3"], "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model and jacobi)"),
+    (["--draft", "lookup", "--guesses", "2"], "--guesses does not apply to --draft lookup"),
+    (["--draft", "lookahead", "--matches", "2"], "--matches does not apply to --draft lookahead"),
     (["--draft", "jacobi", "--tree", "chain:2"], "--draft jacobi has none"),
+    (["--draft", "lookahead", "--heads", "hydra"], "--draft lookahead drafts without heads"),
     (["--draft", "jacobi", "--draft-model", "some/model"], "add --draft model or drop --draft-model"),
 ]
 
@@ -371,7 +381,8 @@ def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys,
                         (["--draft", "heads+lookup", "--heads", heads_dir, "--tree", "chain:2"], "heads: hydra, tree: 3 nodes + lookup"),
                         (["--draft", "layers:20"], "layers:20, 4 tokens a step"),
                         (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step"),
-                        (["--draft", "jacobi", "--gamma", "3"], "jacobi: 3 guesses a step")]:
+                        (["--draft", "jacobi", "--gamma", "3"], "jacobi: 3 guesses a step"),
+                        (["--draft", "lookahead", "--window", "3", "--ngram", "4", "--guesses", "2"], "lookahead: window 3, 4-grams, up to 2 guesses")]:
         ids, err = reply_ids(capsys, tmp_path, *argv)
         assert ids == plain, argv
         assert words in err.splitlines()[0]

@@ -1,11 +1,12 @@
 """drafters.py's contracts, on tiny random models (CPU, seeded) and a few on the default model.
 
 Greedy output is token-identical to plain greedy decoding whatever the drafter (lookup as a chain
-and as a tree, the first layers, a draft model, heads + lookup in one tree, Jacobi); sampling
-with a draft model, the first layers or Jacobi follows the base model's own distribution
-(chi-square over the first three tokens), and a broken residual rule fails the same check; lookup
-accepts long runs when the answer is in the prompt verbatim; the draft model's KV cache holds
-exactly the accepted sequence; Jacobi accepts its whole block once it has converged.
+and as a tree, the first layers, a draft model, heads + lookup in one tree, Jacobi, lookahead);
+sampling with a draft model, the first layers, Jacobi or lookahead follows the base model's own
+distribution (chi-square over the first three tokens), and a broken residual rule fails the same
+check; lookup accepts long runs when the answer is in the prompt verbatim; the draft model's KV
+cache holds exactly the accepted sequence; Jacobi accepts its whole block once it has converged;
+every node of lookahead's forward sees exactly its trajectory (window) or its n-gram (verified).
 Run: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes, V vocabulary.
 """
 import collections
@@ -59,6 +60,8 @@ def drafter(name, base, gamma=3):
         return D.heads_and_lookup(heads, gamma, 3, 1, "cpu")
     if name == "jacobi":
         return D.Jacobi(gamma, "cpu")
+    if name.startswith("lookahead"):  # lookahead:W,N,G
+        return D.Lookahead(*map(int, name.partition(":")[2].split(",")), "cpu")
     raise ValueError(name)
 
 
@@ -129,7 +132,7 @@ def copy_plain(default_model):
     return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
 
 
-@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model", "jacobi"])
+@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model", "jacobi", "lookahead:4,3,4"])
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
@@ -375,9 +378,9 @@ def test_broken_residual_rule_is_caught(monkeypatch):
     assert chi_square(base, lambda g: D.ModelDrafter(small_one, 2, 1.0, 1.0, g), 2000) > 2 * LIMIT
 
 
-@pytest.mark.parametrize("name", ["jacobi"])
+@pytest.mark.parametrize("name", ["jacobi", "lookahead:3,2,2"])
 def test_parallel_sampling_matches_base_distribution(name):
-    """Jacobi's guesses are fixed before the step: the tree rule is exact."""
+    """Jacobi's guesses and lookahead's n-grams are fixed before the step: the tree rule is exact."""
     base = peaky(0, n_layers=1)
     assert chi_square(base, lambda g: drafter(name, base, gamma=2), 2000) < LIMIT
 
@@ -394,9 +397,9 @@ def test_sampled_drafts_carry_their_distribution(small):
     assert greedy.draft(4).probs is None  # picked, not sampled: verified by the tree rule
 
 
-# --- parallel decoding: Jacobi -------------------------------------------------------------------
+# --- parallel decoding: Jacobi and lookahead ------------------------------------------------------
 
-PARALLEL = ["jacobi"]
+PARALLEL = ["jacobi", "lookahead:3,3,2", "lookahead:2,2,3", "lookahead:1,4,2", "lookahead:4,4,4"]
 
 
 @pytest.mark.parametrize("name", PARALLEL)
@@ -432,3 +435,70 @@ def test_jacobi_accepts_the_whole_block_once_it_has_converged():
     r = G.generate(zero, [3, 1, 4], 21, D.Jacobi(4, "cpu"))
     assert r.tokens == [0] * 21 and r.accepted == [4] * 4  # converged from the first step: 5 tokens a step
 
+
+def test_lookahead_verifies_the_ngrams_its_window_traced():
+    """On the oracle the window's outputs are right wherever it stands; after N-1 steps its levels
+    hold them, the next root starts one of its n-grams, and all N-1 tokens of it are accepted."""
+    answer = list(range(100, 160))
+    steps, accepted = copy_run(D.Lookahead(3, 3, 2, "cpu"), [1, 2, 3], answer, 200)
+    assert accepted[:4] == [0, 0, 0, 2] and max(accepted) == 2 and steps < len(answer) - 1
+
+
+def test_lookahead_mask_each_node_sees_its_trajectory_or_its_ngram(small):
+    """Brute force from the definitions, then the model itself: window node (level l, column r)
+    continues the sequence root, c_1..c_r, then its column's levels 1..l, at consecutive
+    positions; a verification node continues the root and its n-gram up to itself. Its logits
+    equal a plain causal forward over the prompt and that sequence."""
+    la = D.Lookahead(3, 4, 3, "cpu")  # W = 3, N = 4: the chain c_1 c_2, levels 1 and 2 of 3 columns
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    la.start(prompt, None, 64)
+    la.pool[5] = [(8, 9, 10), (1, 4, 6), (1, 2, 3)]  # two of them share their first token
+    d = la.draft(5)
+    n, N = d.candidates, len(d.tokens)
+    assert n == 1 + 3 + 1 + 2 + 2 and N == n + 2 + 2 * 3  # the shared token once and d.source == [0] + [1] * (n - 1)
+    window = {cell: n + i for i, cell in enumerate(la.cells)}
+    window[0, 0] = 0
+    follows = {}  # node -> the nodes of its sequence, by definition
+    for i, path in enumerate([()] + d.tree.paths):
+        follows[i] = [j for j, p in enumerate([()] + d.tree.paths) if path[:len(p)] == p]
+        gram = d.tokens[follows[i][1:]].tolist()
+        assert i == 0 or any(list(g[:len(gram)]) == gram for g in la.pool[5])
+    for (level, r), i in window.items():
+        if i:
+            follows[i] = [window[0, j] for j in range(r + 1)] + [window[k, r] for k in range(1, level + 1)]
+    for i in range(N):
+        assert d.mask[i].nonzero().flatten().tolist() == sorted(follows[i]), i
+        assert d.depth[follows[i]].tolist() == list(range(int(d.depth[i]) + 1))  # one node a position, no gaps
+    cache = small.new_cache(64)
+    small(torch.tensor([prompt]), torch.arange(len(prompt)), None, cache)
+    cache.keep(range(len(prompt)))
+    logits, _ = small(d.tokens[None], len(prompt) + d.depth, d.mask, cache)           # (1, N, V)
+    for i in range(N):
+        seq = prompt + d.tokens[follows[i]].tolist()
+        alone, _ = small(torch.tensor([seq]), torch.arange(len(seq)))
+        assert torch.allclose(logits[0, i], alone[0, -1], atol=1e-5), i
+
+
+def test_lookahead_pool_keeps_the_latest_ngrams_and_starts_collecting_once_the_window_is_filled():
+    la = D.Lookahead(2, 3, 2, "cpu")  # W = 2, N = 3: chain c_1, level 1 of 2 columns
+    la.start([7, 8, 9], None, 64)
+    assert la.levels == [[7], [8, 9]] and la.cells == [(0, 1), (1, 0), (1, 1)]
+    vocab = 16
+
+    def step(root, outputs):  # one step whose window tops (column 0, 1) say `outputs`
+        d = la.draft(root)
+        logits = torch.zeros(len(d.tokens), vocab)                                # (N, V)
+        for r, t in enumerate(outputs):
+            logits[d.candidates + la.cells.index((1, r)), t] = 1
+        la.accept([root], None, None, logits)
+    step(1, [2, 3])
+    assert la.pool == {} and la.levels == [[9], [2, 3]]          # the first step fills level 1
+    step(4, [5, 6])
+    assert la.pool == {4: [(2, 5)], 9: [(3, 6)]} and la.levels == [[3], [5, 6]]
+    step(4, [7, 8])
+    assert la.pool[4] == [(2, 5), (5, 7)] and la.pool[3] == [(6, 8)]
+    la._add(4, (2, 5))                                         # seen again: now the latest
+    la._add(4, (1, 1))                                         # a third: the oldest goes (G = 2)
+    assert la.pool[4] == [(2, 5), (1, 1)]
+    d = la.draft(4)
+    assert d.tokens[:d.candidates].tolist() == [4, 1, 2, 1, 5]  # the latest first: (1, 1) ranks before (2, 5)
