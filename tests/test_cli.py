@@ -303,22 +303,28 @@ DRAFT_FLAGS = [
     (["--draft", "model"], "--draft model needs --draft-model"),
     (["--draft-model", "some/model"], "add --draft model or drop --draft-model"),
     (["--draft", "lookup", "--draft-model", "some/model"], "add --draft model"),
-    (["--draft", "jacobi", "--gamma", "0"], "--gamma 0: must be at least 1"),
-    (["--draft", "jacobi", "--gamma", "1024"], "--gamma 1024: the chain would be over MAX_NODES=1024; use a smaller --gamma"),
-    (["--draft", "lookahead", "--window", "0"], "--window 0: must be at least 1"),
-    (["--draft", "lookahead", "--guesses", "-1"], "--guesses -1: must be at least 1"),
-    (["--draft", "lookahead", "--ngram", "1"], "--ngram 1: lookahead's n-grams are a first token and at least one more; use --ngram 2 or more"),
-    (["--draft", "lookahead", "--window", "100", "--ngram", "11"], "--window 100, --ngram 11, --guesses 4: a step would compute 999 window nodes"),
-    (["--draft", "lookahead", "--guesses", "600", "--ngram", "3"], "verify up to 1200, over MAX_NODES=1024; use smaller values"),
-    (["--draft", "jacobi", "--window", "3"], "--window does not apply to --draft jacobi (only to lookahead); drop it"),
-    (["--draft", "jacobi", "--ngram", "3"], "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup and lookahead)"),
-    (["--draft", "lookahead", "--gamma", "3"], "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model and jacobi)"),
-    (["--draft", "lookup", "--guesses", "2"], "--guesses does not apply to --draft lookup"),
-    (["--draft", "lookahead", "--matches", "2"], "--matches does not apply to --draft lookahead"),
-    (["--draft", "jacobi", "--tree", "chain:2"], "--draft jacobi has none"),
-    (["--draft", "lookahead", "--heads", "hydra"], "--draft lookahead drafts without heads"),
-    (["--draft", "jacobi", "--draft-model", "some/model"], "add --draft model or drop --draft-model"),
 ]
+
+
+# --draft jacobi and lookahead: every count out of range, and the flags and combinations they do not take
+PARALLEL_FLAGS = [
+    ("jacobi --gamma 0", "--gamma 0: must be at least 1"),
+    ("jacobi --gamma 1024", "--gamma 1024: the chain would be over MAX_NODES=1024; use a smaller --gamma"),
+    ("lookahead --window 0", "--window 0: must be at least 1"),
+    ("lookahead --guesses -1", "--guesses -1: must be at least 1"),
+    ("lookahead --ngram 1", "--ngram 1: lookahead's n-grams are a first token and at least one more; use --ngram 2 or more"),
+    ("lookahead --window 100 --ngram 11", "--window 100, --ngram 11, --guesses 4: a step would compute 999 window nodes"),
+    ("lookahead --guesses 600 --ngram 3", "verify up to 1200, over MAX_NODES=1024; use smaller values"),
+    ("jacobi --window 3", "--window does not apply to --draft jacobi (only to lookahead); drop it"),
+    ("jacobi --ngram 3", "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup and lookahead)"),
+    ("lookahead --gamma 3", "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model and jacobi)"),
+    ("lookup --guesses 2", "--guesses does not apply to --draft lookup"),
+    ("lookahead --matches 2", "--matches does not apply to --draft lookahead"),
+    ("jacobi --tree chain:2", "--draft jacobi has none"),
+    ("lookahead --heads hydra", "--draft lookahead drafts without heads"),
+    ("jacobi --draft-model some/model", "add --draft model or drop --draft-model"),
+]
+DRAFT_FLAGS += [(["--draft", *argv.split()], words) for argv, words in PARALLEL_FLAGS]
 
 
 @pytest.mark.parametrize("argv, words", DRAFT_FLAGS, ids=[" ".join(a)[:40] for a, _ in DRAFT_FLAGS])
