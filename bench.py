@@ -9,6 +9,7 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-cpu-float32.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
+    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
@@ -57,11 +58,12 @@ import generate
 import heads as heads_lib
 import model as model_lib
 import tree as tree_lib
+import tuning
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model")
+           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead")
 
 
 def build_parser():
@@ -97,6 +99,7 @@ def build_parser():
     p.add_argument("--kernels", action="store_true", help="time each kernel choice of model.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
+    p.add_argument("--tune-parallel", action="store_true", help="choose jacobi's m and lookahead's W, N, G for this machine instead of benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, --tune-repeats; saved in --heads-dir)")
     return p
 
 
@@ -273,6 +276,10 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                                       gamma, 0.0, 1.0, None)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
+        elif name in cli.PARALLEL:  # jacobi, lookahead: as --tune-parallel chose for this machine
+            d, note = tuning.tuned_drafter(name, args.heads_dir, model)
+            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
+            notes.append(note)
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -686,7 +693,7 @@ def check_args(args):
         draft_folder(args.draft_model)
     default = build_parser().get_default
     ignored = (["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"] if args.tune_tree
-               else ["heads", "max_budget", "prefix_len", "tune_repeats"])
+               else ["heads", "max_budget"] + ([] if args.tune_layers or args.tune_parallel else ["prefix_len", "tune_repeats"]))
     for name in ignored:
         if getattr(args, name) != default(name):
             cli.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
@@ -746,6 +753,8 @@ def main(args):
         return tune_tree(args, model, prompts, device)
     if args.tune_layers:
         return tune_layers(args, model, prompts, device, eos)
+    if args.tune_parallel:
+        return tuning.tune_parallel(args, model, prompts, eos, machine(device, dtype, **distance_to_floor(model, device)))
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)

@@ -14,6 +14,7 @@ traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
     eos_ids(model, tokenizer)                        the one set of tokens that end a reply
     find_heads, load_heads, load_tree, parse_draft, draft_settings, make_drafter
                                                      generate.py's --heads, --tree and --draft
+    tuned_tree_file, tuned_parallel                  what bench.py tuned for this machine
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_reliability.py`.
 """
@@ -210,7 +211,7 @@ def eos_ids(model, tokenizer) -> set:
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
 # what --gamma, --ngram, --matches, --window and --guesses are for each drafter that takes them,
-# when not given
+# when not given (jacobi and lookahead: unless bench.py --tune-parallel chose for this machine)
 DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
                   "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}}
 PARALLEL = ("jacobi", "lookahead")  # training-free drafters that read the model's own outputs
@@ -308,10 +309,31 @@ def parse_tree(spec):
         raise UsageError(f"--tree: {e}") from None
 
 
-def tuned_tree_file(folder, device, dtype):
+def tuned_tree_file(folder, device, dtype, stem="tree"):
     """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
-    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there."""
-    return os.path.join(folder, f"tree-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there (stem
+    "parallel": where --tune-parallel saves jacobi's and lookahead's settings)."""
+    return os.path.join(folder, f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+
+
+def tuned_parallel(folder, model, kind):
+    """The settings bench.py --tune-parallel saved in `folder` for `kind` (jacobi or lookahead) on
+    this model, device and dtype, checked like the flags; {} if there are none."""
+    file = tuned_tree_file(folder, model.device, model.dtype, "parallel")
+    try:
+        with open(file, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved.get("model") != model.cfg.name:
+            return {}
+        settings = {k: saved[kind][k] for k in DRAFT_DEFAULTS[kind]}
+    except OSError:
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise UsageError(f"{file}: not a settings file of bench.py --tune-parallel; run it again or delete the file") from None
+    if not all(type(v) is int and v >= 1 for v in settings.values()):
+        raise UsageError(f"{file}: {kind} settings {settings} are not all whole numbers >= 1; run bench.py --tune-parallel again")
+    check_sizes(kind, settings, f"{file}: ")
+    return settings
 
 
 def load_tree(spec, heads, heads_folder):
@@ -451,6 +473,9 @@ def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
         raise UsageError(f"--draft {args.draft}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
                          f"{model.cfg.n_layers - 1} (all of them would be the model itself)")
     draft_model = load_draft_model(args.draft_model, model, tokenizer, model.device, model.dtype) if kind == "model" else None
+    if kind in PARALLEL:  # what bench.py --tune-parallel chose for this machine, under the flags given
+        settings = settings | tuned_parallel(SHIPPED, model, kind) | {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
+        check_sizes(kind, settings, "--")
     sampled = args.temperature > 0 and args.verify in ("auto", "sample")  # drafts for Leviathan's rule, else greedy ones
     drafter = make_drafter(kind, layers, settings, model, heads, tree, draft_model,
                            args.temperature if sampled else 0.0, args.top_p, generator)

@@ -170,3 +170,32 @@ def test_another_model_skips_the_shipped_heads_unless_they_are_named(capsys, tmp
     check_one_line_error(code, err, "--heads-dir", "heads were trained for")
     code, out, err = run_bench(capsys, *common, "--methods", "all")
     assert code == 0 and "medusa: skipped (no medusa heads for this model" in err and "| lookup |" in out, err
+
+
+def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_path, tiny_model_dir):
+    """--tune-parallel prints every setting it tried and saves its choice for this model, device and
+    dtype in --heads-dir; bench's jacobi and lookahead methods then decode at it, as plain does."""
+    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2, "--max-new-tokens", 6,
+              "--dtype", "fp32", "--heads-dir", tmp_path]
+    code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
+    assert set(saved["jacobi"]) == {"gamma"} and set(saved["lookahead"]) == {"window", "ngram", "guesses"}
+    assert out.count("**<- chosen**") == 2 and "| jacobi | gamma 4 |" in out and "| lookahead | window 4 ngram 3 guesses 4 |" in out
+    code, out, err = run_bench(capsys, *common, "--methods", "jacobi,lookahead", "--repeats", 1)
+    assert code == 0 and err.count("(tuned for this machine)") == 2, err
+    assert f"[bench] jacobi: {saved['jacobi']['gamma']} guesses a step" in err
+    for name in ("jacobi", "lookahead"):
+        assert any(line.startswith(f"| {name} |") and line.endswith("| yes |") for line in out.splitlines()), out
+
+
+def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
+    import tuning
+    grid = {"a": (1, 2, 3, 4, 5), "b": (1, 2, 3)}
+    seen = []
+
+    def score(s):
+        seen.append(s)
+        return -(s["a"] - 4) ** 2 - (s["b"] - 1) ** 2
+    assert tuning.ascend({"a": 1, "b": 3}, grid, score) == {"a": 4, "b": 1}
+    assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping

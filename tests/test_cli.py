@@ -394,6 +394,29 @@ def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys,
         assert words in err.splitlines()[0]
 
 
+def test_parallel_drafters_take_the_tuned_settings_under_the_flags(loaded, capsys, tmp_path, monkeypatch):
+    """--draft jacobi and lookahead read what bench.py --tune-parallel saved for this model, device
+    and dtype (a flag given wins); a damaged file is named, with the fix."""
+    model, _ = loaded
+    monkeypatch.setattr(cli, "SHIPPED", str(tmp_path))
+    file = cli.tuned_tree_file(tmp_path, "cpu", model.dtype, "parallel")
+    saved = {"model": model.cfg.name, "jacobi": {"gamma": 2}, "lookahead": {"window": 2, "ngram": 2, "guesses": 3}}
+    with open(file, "w") as f:
+        json.dump(saved, f)
+    for argv, words in [(["--draft", "jacobi"], "jacobi: 2 guesses"), (["--draft", "lookahead", "--ngram", "3"], "window 2, 3-grams, up to 3 guesses")]:
+        _, err = reply_ids(capsys, tmp_path, *argv)
+        assert words in err.splitlines()[0]
+    with open(file, "w") as f:
+        json.dump(saved | {"model": "another model"}, f)
+    assert "jacobi: 4 guesses" in reply_ids(capsys, tmp_path, "--draft", "jacobi")[1].splitlines()[0]  # not for this model: the defaults
+    for damage, words in [("{", "not a settings file of bench.py --tune-parallel; run it again or delete the file"),
+                          (json.dumps(saved | {"jacobi": {"gamma": 0}}), "are not all whole numbers >= 1"),
+                          (json.dumps(saved | {"lookahead": {"window": 600, "ngram": 3, "guesses": 2}}), "over MAX_NODES")]:
+        with open(file, "w") as f:
+            f.write(damage)
+        check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "lookahead" if "MAX" in words else "jacobi")[::2], file, words)
+
+
 def test_sampling_with_layers_runs(loaded, capsys, tmp_path):
     ids, err = reply_ids(capsys, tmp_path, "--draft", "layers:20", "--temperature", "0.8", "--seed", "1")
     assert "sampled" in err.splitlines()[0] and len(ids) > 0
