@@ -444,7 +444,7 @@ class Jacobi:
     def accept(self, tokens, hidden, positions, logits):
         # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node k;
         # the output at node k+i guesses the token i places after the bonus
-        self.guesses = logits[len(tokens):].argmax(-1).tolist()
+        self.guesses = logits[len(tokens):].argmax(-1).tolist()             # (m-k,)
 
 
 # --- lookahead decoding --------------------------------------------------------------------------
