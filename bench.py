@@ -9,6 +9,7 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-cpu-float32.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
+    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
@@ -48,13 +49,13 @@ import generate
 import heads as heads_lib
 import joint
 import kernels as kernels_lib
-import model as model_lib
-import tree as tree_lib
+import tuning
+from tuning import distance_to_floor, kernel_table, machine, machine_line, plotting, sync, tune_layers, tune_tree
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model")
+           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead")
 
 
 def build_parser():
@@ -91,65 +92,8 @@ def build_parser():
     p.add_argument("--kernels", action="store_true", help="time each kernel choice of kernels.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
+    p.add_argument("--tune-parallel", action="store_true", help="choose jacobi's m and lookahead's W, N, G for this machine instead of benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, --tune-repeats; saved in --heads-dir)")
     return p
-
-
-# --- the machine ----------------------------------------------------------------------------------
-# Printed next to every table and saved in the JSON: numbers mean nothing without it.
-
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def hardware(device):
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "unknown CPU"
-    return f"{name} ({os.cpu_count()} cores)"
-
-
-def machine(device, dtype, **extra):
-    return {"hardware": hardware(device), "device": str(device), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), **extra}
-
-
-def memory_bandwidth(device, mbytes=512):
-    """GB/s reading a buffer much larger than any cache (the median of 7 sums, after one to touch
-    every page): what a decode step, which reads every weight once, can at most stream."""
-    x = torch.rand(mbytes * 2 ** 20 // 4, device=device)
-    x.sum()
-    return x.numel() * 4 / statistics.median(timed(lambda: x.sum(), device) for _ in range(7)) / 1e9
-
-
-@torch.inference_mode()
-def step_time(model, device, tokens=1, prefix=200, repeats=20):
-    """Median seconds of one forward of `tokens` new tokens (causal) after a cached prefix."""
-    cache = model.new_cache(prefix + tokens)
-    model(torch.zeros(1, prefix, dtype=torch.long, device=device), torch.arange(prefix, device=device), None, cache)
-    cache.keep(range(prefix))
-    ids, pos = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(prefix, prefix + tokens, device=device)
-    return statistics.median(timed(lambda: model(ids, pos, None, cache), device) for _ in range(repeats))
-
-
-def distance_to_floor(model, device):
-    """How far the batch-1 decode step is from its memory-bandwidth floor: every weight is read
-    once a step (the embedding table only a row of, unless the LM head shares it)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.cfg.tie_embeddings:
-        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    bandwidth, step = memory_bandwidth(device), step_time(model, device)
-    floor = weights / (bandwidth * 1e9)
-    return {"batch_1_step_ms": round(step * 1e3, 1), "weights_read_MB": round(weights / 1e6), "memory_GB_per_s": round(bandwidth, 1),
-            "bandwidth_floor_ms": round(floor * 1e3, 1), "step_over_floor": f"{step / floor:.1f}x"}
-
-
-def machine_line(m):
-    return "_" + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in m.items()) + "_"
 
 
 # --- methods --------------------------------------------------------------------------------------
@@ -215,21 +159,6 @@ def layers_setting(args, model):
     return model.cfg.n_layers // 2, cli.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
 
 
-def heads_folder(heads_dir, kind):
-    """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
-    train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder;
-    or None. A joint kind (medusa-2) is heads of its frozen kind (medusa) with a LoRA delta."""
-    frozen = kind.removesuffix("-2")
-    for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
-        try:
-            with open(os.path.join(folder, checkpoint.HEADS_CONFIG)) as f:
-                if json.load(f).get("kind") == frozen and joint.has_delta(folder) == (kind != frozen):
-                    return folder
-        except (OSError, ValueError, AttributeError):
-            continue
-    return None
-
-
 def load_heads(args, name, folder, model, asked):
     """(heads in `folder`, the model they draft for), or (None, None) for shipped heads of another
     base model when --methods is all. Joint heads draft for a copy of the model with their LoRA
@@ -277,6 +206,10 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                                       gamma, 0.0, 1.0, None)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
+        elif name in cli.PARALLEL:  # jacobi, lookahead: as --tune-parallel chose for this machine
+            d, note = tuning.tuned_drafter(name, args.heads_dir, model)
+            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
+            notes.append(note)
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -292,7 +225,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
             if variant == "2":                        # a joint kind: its own heads, on its adapted model
                 kind, variant = name, ""
-            folder = heads_folder(args.heads_dir, kind)
+            folder = cli.heads_folder(args.heads_dir, kind)
             if kind not in loaded:
                 heads, base = load_heads(args, name, folder, model, asked) if folder else (None, None)
                 if heads is None:
@@ -414,19 +347,6 @@ def tables(res, mach):
     return "\n".join(lines)
 
 
-def plotting(quiet=False):
-    """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        if not quiet:
-            print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-        return None
-
-
 def plot_bench(res, mach, folder):
     if (plt := plotting()) is None:
         return
@@ -457,211 +377,6 @@ def plot_bench(res, mach, folder):
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "acceptance.png"), dpi=120)
     print(f"[plots] {folder}/speedup.png, {folder}/acceptance.png", file=sys.stderr)
-
-
-# --- tree tuning ----------------------------------------------------------------------------------
-# Expected tokens/s of a tree = expected tau / (verify step + draft), both measured here.
-
-def timed(fn, device):
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
-@torch.inference_mode()
-def kernel_table(model, device):
-    """--kernels: each fast twin of kernels.py at this model's shapes, the readable path against the
-    kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
-    results/kernels-cpu.md holds this table."""
-    c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
-    fast_attend = kernels_lib.attend if fast.attention == "cpu-bf16" else model_lib.attend
-    rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
-    ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
-    rows = []
-    for what, B, T, S in (("attention, 1 query (decode)", 1, 1, 201), ("attention, 16 queries (tree)", 1, 16, 216),
-                          ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
-        q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
-        mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
-        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask)), ms(lambda: fast_attend(q, k, v, mask))))
-    # one row through every layer's down projection in turn, as a decode step reads them: from
-    # memory, not from a cache that one weight timed alone would sit in
-    w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
-    for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
-                          [layer.mlp.down_proj for layer in model.layers]),
-                         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
-        x = rand(1, layers[0].in_features)
-        pairs = [(m.weight, getattr(m, "packed", None)) for m in layers]   # packed: kernels.PackedLinear's copy
-        rows.append((what, ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
-                     ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
-                                 for weight, packed in pairs])))
-    steps = {}
-    for name, kernels in (("readable", readable), ("fast", fast)):
-        kernels_lib.use(model, kernels)
-        steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
-    kernels_lib.use(model, fast)
-    rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
-    rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
-    print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))
-    print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
-    for what, a, b in rows:
-        print(f"| {what} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
-    return 0
-
-
-# Tree sizes expected within 1% of the fastest count as a tie, and the smallest of them is kept: the
-# held-out calibration overrates deep, low-ranked nodes on new prompts more than shallow ones
-# (hydra++ on the 5M-token data, eval prompts, bf16: tau 1.71 against 1.86 expected at 3 nodes,
-# 1.92 against 2.16 at 8), and a node costs a little beyond the step timed here (the heads' accept,
-# the tree's bookkeeping). Measured, interleaved, 3 runs: 3 nodes 106.5 tokens/s, 8 nodes 102.8.
-TREE_TIE = 0.01
-
-
-def smallest_within(rows, tie):
-    """The first row (the smallest tree) whose expected tokens/s is within `tie` of the best."""
-    top = max(r["tokens_per_s"] for r in rows)
-    return next(r for r in rows if r["tokens_per_s"] >= (1 - tie) * top)
-
-
-@torch.inference_mode()
-def tune_tree(args, model, prompts, device):
-    folder = heads_folder(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
-    if folder is None:
-        raise cli.UsageError(f"--heads {args.heads}: no {args.heads} heads in --heads-dir {args.heads_dir}; give a heads folder")
-    heads, _ = cli.load_heads(folder, model)
-    try:
-        with open(os.path.join(folder, "eval.json")) as f:
-            acc = json.load(f)["rank_acceptance"][:heads.cfg.num_heads]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise cli.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
-    # a realistic cached prefix: eval prompts, encoded one after another
-    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
-    n_max = args.max_budget + 1
-    cache, head_cache = model.new_cache(len(prefix) + n_max), heads.new_cache(len(prefix) + n_max)
-    positions = torch.arange(len(prefix), device=device)
-    logits, hidden = model(torch.tensor([prefix], device=device), positions, None, cache, last_only=True)
-    cache.keep(range(len(prefix)))
-    h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
-    root = int(logits[0, -1].argmax())
-    rows = []
-    for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
-        paths = tree_lib.sparse(acc, budget)
-        t = tree_lib.build(paths)
-        plan = drafters.draft_plan(t)
-        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
-        tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
-        mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
-        step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
-        step(), step(), draft()  # warm-up
-        rows.append({"budget": budget, "depth": t.max_depth, "expected_tau": tree_lib.expected_tau(acc, paths),
-                     "paths": paths, "step": step, "draft": draft if budget else None, "step_s": [], "draft_s": []})
-    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
-        for r in rows:
-            r["step_s"].append(timed(r["step"], device))
-            r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
-    for r in rows:
-        r["step_ms"], r["draft_ms"] = statistics.median(r["step_s"]) * 1e3, statistics.median(r["draft_s"]) * 1e3
-        r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
-    best = smallest_within(rows[1:], TREE_TIE)
-    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats, **distance_to_floor(model, device))
-    print(machine_line(mach) + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
-        print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
-    saved = cli.tuned_tree_file(folder, device, model.dtype)
-    tree_lib.save(best["paths"], saved)
-    print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
-          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")
-    if args.json:
-        with open(args.json, "w") as f:
-            keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
-            json.dump({"machine": mach, "trees": [{k: r[k] for k in keys} for r in rows],
-                       "chosen": best["budget"]}, f, indent=1)
-    if args.plots and (plt := plotting()) is not None:
-        os.makedirs(args.plots, exist_ok=True)
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-        nodes = [r["budget"] + 1 for r in rows]
-        a.plot(nodes, [r["expected_tau"] for r in rows], marker=".")
-        b.plot(nodes, [r["tokens_per_s"] for r in rows], marker=".")
-        b.axvline(best["budget"] + 1, color="gray", linestyle="--", label="chosen")
-        a.set(xlabel="tree nodes (root included)", ylabel="expected tau")
-        b.set(xlabel="tree nodes (root included)", ylabel="expected tokens/s")
-        b.legend()
-        fig.suptitle(f"{os.path.basename(os.path.normpath(folder))}: {mach['hardware']}, {mach['dtype']}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
-        print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
-
-
-# --- layers tuning --------------------------------------------------------------------------------
-# Self-speculative drafting with the first N layers: expected tokens/s of (N, gamma) = expected tau /
-# (gamma one-token forwards of N layers + one (gamma+1)-token forward of the model). A chain of gamma
-# drafts accepts min(a, gamma) where a chain of max_gamma accepts a (greedy), so one decoding run per
-# N with the longest chain gives the expected tau of every shorter one: 1 + P(a >= 1) + ... + P(a >= gamma).
-
-@torch.inference_mode()
-def tune_layers(args, model, prompts, device, eos):
-    if args.max_gamma < 1:
-        raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
-    L, G = model.cfg.n_layers, args.max_gamma
-    candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
-    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
-    P = len(prefix)
-    cache = model.new_cache(P + G + 1)
-    model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, cache, last_only=True)
-    cache.keep(range(P))
-    chain = torch.full((1, G + 1), prefix[-1], device=device)                     # (1, G+1) any tokens do
-    at_end = torch.tensor([P], device=device)                                      # (1,) the position after the prefix
-    verify = {g: lambda g=g: model(chain[:, :g + 1], P + torch.arange(g + 1, device=device), None, cache)
-              for g in range(1, G + 1)}
-    rows = []
-    for n in candidates:
-        drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, n, f"layers:{n}")
-        accepted = [a for _, _, ids in prompts for a in generate.generate(model, ids, args.max_new_tokens, drafter, eos_ids=eos).accepted]
-        dcache = model.new_cache(P + 1, num_layers=n)
-        model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, dcache, last_only=True, num_layers=n)
-        dcache.keep(range(P))
-        rows.append({"layers": n, "reach": generate.acceptance_by_depth(accepted, G), "draft_s": [],
-                     "draft": lambda n=n, dcache=dcache: model(chain[:, :1], at_end, None, dcache, num_layers=n)})
-    verify_s = {g: [] for g in verify}
-    plain = lambda: model(chain[:, :1], at_end, None, cache)
-    plain_s = []
-    for fn in [plain, *verify.values(), *(r["draft"] for r in rows)]:
-        fn()  # warm-up
-    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
-        plain_s.append(timed(plain, device))
-        for g, fn in verify.items():
-            verify_s[g].append(timed(fn, device))
-        for r in rows:
-            r["draft_s"].append(timed(r["draft"], device))
-    plain_ms = statistics.median(plain_s) * 1e3
-    verify_ms = {g: statistics.median(v) * 1e3 for g, v in verify_s.items()}
-    table = []
-    for r in rows:
-        draft_ms = statistics.median(r["draft_s"]) * 1e3
-        for g in verify:
-            tau = 1 + sum(r["reach"][:g])
-            table.append({"layers": r["layers"], "gamma": g, "expected_tau": tau, "draft_ms": draft_ms, "verify_ms": verify_ms[g],
-                          "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3})
-    best = max(table, key=lambda t: t["tokens_per_s"])
-    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats, **distance_to_floor(model, device))
-    print(machine_line(mach) + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
-          "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
-    for n in candidates:
-        t = max((t for t in table if t["layers"] == n), key=lambda t: t["tokens_per_s"])
-        mark = " **<- chosen**" if t is best else ""
-        print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
-    speedup = best["tokens_per_s"] * plain_ms / 1e3
-    out = os.path.join(args.heads_dir, "layers.json")
-    with open(out, "w") as f:
-        json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
-                   "expected_speedup": speedup}, f, indent=1)
-    print(f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau {best['expected_tau']:.2f}, "
-          f"{speedup:.2f}x plain decoding{'' if speedup > 1 else ' (no setting beats plain decoding on this machine)'}; saved {out}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": mach, "plain_ms": plain_ms, "rows": table, "chosen": {k: best[k] for k in ("layers", "gamma")}}, f, indent=1)
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -696,7 +411,7 @@ def check_args(args):
         draft_folder(args.draft_model)
     default = build_parser().get_default
     ignored = (["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"] if args.tune_tree
-               else ["heads", "max_budget", "prefix_len", "tune_repeats"])
+               else ["heads", "max_budget"] + ([] if args.tune_layers or args.tune_parallel else ["prefix_len", "tune_repeats"]))
     for name in ignored:
         if getattr(args, name) != default(name):
             cli.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
@@ -758,6 +473,8 @@ def main(args):
         return tune_tree(args, model, prompts, device)
     if args.tune_layers:
         return tune_layers(args, model, prompts, device, eos)
+    if args.tune_parallel:
+        return tuning.tune_parallel(args, model, prompts, eos, machine(device, dtype, **distance_to_floor(model, device)))
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)

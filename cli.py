@@ -14,6 +14,7 @@ traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
     eos_ids(model, tokenizer)                        the one set of tokens that end a reply
     find_heads, load_heads, load_tree, parse_draft, draft_settings, make_drafter
                                                      generate.py's --heads, --tree and --draft
+    tuned_tree_file, tuned_parallel                  what bench.py tuned for this machine
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_reliability.py`.
 """
@@ -210,38 +211,54 @@ def eos_ids(model, tokenizer) -> set:
 # --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
-# what --gamma, --ngram and --matches are for each drafter that takes them, when not given
-DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4}}
+# what --gamma, --ngram, --matches, --window and --guesses are for each drafter that takes them,
+# when not given (jacobi and lookahead: unless bench.py --tune-parallel chose for this machine)
+DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
+                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}}
+PARALLEL = ("jacobi", "lookahead")  # training-free drafters that read the model's own outputs
 
 
 def parse_draft(spec):
-    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers or model; N for layers:N."""
+    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers, model, jacobi or lookahead; N for layers:N."""
     if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
         if int(m[1]) < 1:
             raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
         return "layers", int(m[1])
-    if spec in ("heads", "lookup", "heads+lookup", "model"):
+    if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
         return spec, None
-    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number) or model")
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model, jacobi or lookahead")
+
+
+def check_sizes(kind, settings, where):
+    """The drafter's settings (as given by `where`) fit one forward of at most MAX_NODES nodes."""
+    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"{where}gamma {settings['gamma']} x {where}matches {settings['matches']}: the lookup tree would be "
+                         f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
+    if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
+        raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
+    if kind == "lookahead":
+        w, n, g = settings["window"], settings["ngram"], settings["guesses"]
+        if n < 2:
+            raise UsageError(f"{where}ngram {n}: lookahead's n-grams are a first token and at least one more; use {where}ngram 2 or more")
+        if 1 + g * (n - 1) + (w - 1) + (n - 2) * w > tree_lib.MAX_NODES:  # drafters.Lookahead.max_nodes
+            raise UsageError(f"{where}window {w}, {where}ngram {n}, {where}guesses {g}: a step would compute {(w - 1) + (n - 2) * w} "
+                             f"window nodes and verify up to {g * (n - 1)}, over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
 
 
 def draft_settings(args, kind):
-    """--gamma, --ngram, --matches as given, the rest from DRAFT_DEFAULTS; checks that only the
-    drafter's own flags are given and that its other flags fit it. Loads nothing."""
+    """--gamma, --ngram, --matches, --window, --guesses as given, the rest from DRAFT_DEFAULTS;
+    checks that only the drafter's own flags are given and that its other flags fit it. Loads nothing."""
     takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
-    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("gamma", "ngram", "matches", "window", "guesses") if getattr(args, k) is not None}
     for k, v in given.items():
         if k not in takes:
-            users = "lookup, heads+lookup, layers:N and model" if k == "gamma" else "lookup and heads+lookup"
+            users = [{"lookup": "lookup, heads+lookup", "layers": "layers:N"}.get(d, d) for d, t in DRAFT_DEFAULTS.items() if k in t]
+            users = ", ".join(users[:-1]) + " and " + users[-1] if len(users) > 1 else users[0]
             raise UsageError(f"--{k} does not apply to --draft {args.draft} (only to {users}); drop it")
         if v < 1:
             raise UsageError(f"--{k} {v}: must be at least 1")
     settings = takes | given
-    if kind in ("lookup", "heads+lookup") and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES:
-        raise UsageError(f"--gamma {settings['gamma']} x --matches {settings['matches']}: the lookup tree would be over "
-                         f"MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
-    if kind in ("layers", "model") and settings["gamma"] >= tree_lib.MAX_NODES:
-        raise UsageError(f"--gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller --gamma")
+    check_sizes(kind, settings, "--")
     if kind not in ("heads", "heads+lookup") and args.tree != "auto":
         raise UsageError(f"--tree shapes the heads' tree, --draft {args.draft} has none; drop --tree or use --draft heads or heads+lookup")
     if kind not in ("heads", "heads+lookup") and args.heads != "auto":
@@ -272,6 +289,22 @@ def find_heads(name, flag="--heads"):
     raise UsageError(f"{flag} {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS + JOINT_KINDS)}")
 
 
+def heads_folder(heads_dir, kind):
+    """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
+    train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder;
+    or None. A joint kind (medusa-2) is heads of its frozen kind (medusa) with a LoRA delta."""
+    import joint  # heads trained with the base model's last layers
+    frozen = kind.removesuffix("-2")
+    for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
+        try:
+            with open(os.path.join(folder, checkpoint.HEADS_CONFIG)) as f:
+                if json.load(f).get("kind") == frozen and joint.has_delta(folder) == (kind != frozen):
+                    return folder
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 def load_heads(name, model):
     """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder).
     Heads trained jointly with the base model (joint.py) bring a LoRA delta: it is merged into the
@@ -299,10 +332,31 @@ def parse_tree(spec):
         raise UsageError(f"--tree: {e}") from None
 
 
-def tuned_tree_file(folder, device, dtype):
+def tuned_tree_file(folder, device, dtype, stem="tree"):
     """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
-    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there."""
-    return os.path.join(folder, f"tree-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there (stem
+    "parallel": where --tune-parallel saves jacobi's and lookahead's settings)."""
+    return os.path.join(folder, f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+
+
+def tuned_parallel(folder, model, kind):
+    """The settings bench.py --tune-parallel saved in `folder` for `kind` (jacobi or lookahead) on
+    this model, device and dtype, checked like the flags; {} if there are none."""
+    file = tuned_tree_file(folder, model.device, model.dtype, "parallel")
+    try:
+        with open(file, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved.get("model") != model.cfg.name:
+            return {}
+        settings = {k: saved[kind][k] for k in DRAFT_DEFAULTS[kind]}
+    except OSError:
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise UsageError(f"{file}: not a settings file of bench.py --tune-parallel; run it again or delete the file") from None
+    if not all(type(v) is int and v >= 1 for v in settings.values()):
+        raise UsageError(f"{file}: {kind} settings {settings} are not all whole numbers >= 1; run bench.py --tune-parallel again")
+    check_sizes(kind, settings, f"{file}: ")
+    return settings
 
 
 def load_tree(spec, heads, heads_folder):
@@ -363,6 +417,10 @@ def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temper
                                              settings["matches"], dev)
     if kind == "layers":
         return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
+    if kind == "jacobi":
+        return drafters_lib.Jacobi(settings["gamma"], dev)
+    if kind == "lookahead":
+        return drafters_lib.Lookahead(settings["window"], settings["ngram"], settings["guesses"], dev)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 
@@ -438,6 +496,9 @@ def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
         raise UsageError(f"--draft {args.draft}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
                          f"{model.cfg.n_layers - 1} (all of them would be the model itself)")
     draft_model = load_draft_model(args.draft_model, model, tokenizer, model.device, model.dtype) if kind == "model" else None
+    if kind in PARALLEL:  # what bench.py --tune-parallel chose for this machine, under the flags given
+        settings = settings | tuned_parallel(SHIPPED, model, kind) | {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
+        check_sizes(kind, settings, "--")
     sampled = args.temperature > 0 and args.verify in ("auto", "sample")  # drafts for Leviathan's rule, else greedy ones
     drafter = make_drafter(kind, layers, settings, model, heads, tree, draft_model,
                            args.temperature if sampled else 0.0, args.top_p, generator)

@@ -2,7 +2,7 @@
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. Six drafters, one interface:
+one forward and verify.py keeps an acceptable path. Eight drafters, one interface:
 
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
@@ -13,18 +13,24 @@ one forward and verify.py keeps an acceptable path. Six drafters, one interface:
                                      (self-speculative, no extra weights)
     HeadsPlusLookup(heads, lookup)   both trees in one, shared prefixes drafted once
     heads_and_lookup(heads, ...)     the same, with the rules that make the pair pay
+    Jacobi(gamma)                    Jacobi decoding: the model's own outputs of last step, as guesses
+    Lookahead(window, ngram, guesses)   lookahead decoding: n-grams from a window of Jacobi
+                                     trajectories computed in the same forward; no training either
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
                                           states over them (1, T, D), room for max_len positions
     d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
-    d.accept(tokens, hidden, positions)   what the base model committed: the root and the accepted
-                                          drafts, their hidden states (1, n, D) and positions (n,)
+    d.accept(tokens, hidden, positions, logits)   what the base model committed: the root and the
+                                          accepted drafts, their hidden states (1, n, D) and positions
+                                          (n,); and its logits (N, V) at every node of the step, kept
+                                          or not (Jacobi and lookahead draft from those)
     d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
 
 Test: `python -m pytest -q tests/test_drafters.py`.
 Shapes: N tree nodes (root included), G drafted tokens of a chain (gamma), V vocabulary, D hidden,
-T new tokens of one forward, P parent nodes at one depth.
+T new tokens of one forward, P parent nodes at one depth, M computed-only nodes (a window).
 """
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -37,35 +43,63 @@ import verify as verify_lib
 # Trees here change from step to step (a lookup finds a match or not, of some length), but only
 # among a few shapes: each is built once, with its device copies, and looked up by its paths.
 # A drafter fills {path: (token, source)}; paths are tree.py's, ranks in insertion order.
+# A forward may also carry nodes that are computed but never verified (lookahead's window): they
+# follow the tree, the mask says what they see, and only the drafter reads what the model made of them.
 
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor        # (N,) on the model's device: node 0 is the root, then the drafts
-    tree: tree_lib.Tree         # the structure, on the CPU (the verifiers walk it)
-    mask: torch.Tensor | None   # (N, N) tree.mask on the device; None for a root-only tree (no mask needed)
-    depth: torch.Tensor         # (N,) tree.depth on the device: node i sits at position prefix + depth[i]
-    source: list                # (N,) who drafted each node: an index into the drafter's legend, 0 = the root
+    tokens: torch.Tensor        # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
+    tree: tree_lib.Tree         # the candidates, nodes [0, tree.num_nodes), on the CPU (the verifiers walk it)
+    mask: torch.Tensor | None   # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
+    depth: torch.Tensor         # (N,) on the device: node i sits at position prefix + depth[i]
+    source: list                # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
     probs: torch.Tensor | None = None  # (N-1, V) a chain of sampled drafts: the p each was drawn from
+
+    @property
+    def candidates(self) -> int:
+        """Nodes [0, candidates) are the tree the verifiers walk and KVCache.keep may keep. Any node
+        after them is computed only: it rides in the same forward under the same mask, no verifier
+        reads it, its KV entries are never kept, and the drafter reads its logits in accept()."""
+        return self.tree.num_nodes
+
+
+@dataclass(frozen=True)
+class Window:
+    """Computed-only nodes that follow every tree of a drafter: what each sees among the root (column
+    0) and the window's own nodes (columns 1..M), and its position past the root."""
+    sees: torch.Tensor          # (M, 1+M) bool
+    depth: torch.Tensor         # (M,) long
+
+    def after(self, t: tree_lib.Tree):
+        """The mask and depths of tree t followed by the window. The tree never sees the window; the
+        window sees the root and nothing else of the tree."""
+        n, m = t.num_nodes, len(self.depth)
+        mask = torch.zeros(n + m, n + m, dtype=torch.bool)                     # (N, N)
+        mask[:n, :n], mask[n:, 0], mask[n:, n:] = t.mask, self.sees[:, 0], self.sees[:, 1:]
+        return mask, torch.cat([t.depth, self.depth])                          # (N, N), (N,)
 
 
 class Shapes:
-    """tree.build(paths) with the device copies of its mask and depths, once per distinct tree."""
+    """tree.build(paths) with the device copies of its mask and depths, once per distinct tree;
+    with a Window, the window's nodes follow every tree."""
 
-    def __init__(self, device):
-        self.device, self.built = device, {}
+    def __init__(self, device, window: Window | None = None):
+        self.device, self.window, self.built = device, window, {}
 
     def __call__(self, paths):
         key = frozenset(paths)
         if key not in self.built:
             t = tree_lib.build(list(paths))
-            self.built[key] = t, t.mask.to(self.device) if t.num_nodes > 1 else None, t.depth.to(self.device)
+            mask, depth = self.window.after(t) if self.window else (t.mask, t.depth)   # (N, N), (N,)
+            self.built[key] = t, mask.to(self.device) if len(mask) > 1 else None, depth.to(self.device)
         return self.built[key]
 
-    def draft(self, root: int, nodes: dict, probs=None) -> Draft:
-        """nodes {path: (token, source)} -> the Draft, its tokens in the tree's node order."""
+    def draft(self, root: int, nodes: dict, probs=None, computed=()) -> Draft:
+        """nodes {path: (token, source)} -> the Draft, its tokens in the tree's node order, then the
+        window's tokens `computed`."""
         tree, mask, depth = self(nodes)
-        tokens = [root] + [nodes[p][0] for p in tree.paths]
+        tokens = [root] + [nodes[p][0] for p in tree.paths] + list(computed)
         source = [0] + [nodes[p][1] for p in tree.paths]
         return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs)   # (N,)
 
@@ -156,7 +190,7 @@ class HeadsDrafter:
         tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)       # (N,)
         return Draft(tokens, self.tree, self.mask, self.depth, self.source)
 
-    def accept(self, tokens, hidden, positions):
+    def accept(self, tokens, hidden, positions, logits):
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]              # (1, D)
 
 
@@ -177,7 +211,7 @@ class Plain:
     def draft(self, root):
         return self.shapes.draft(root, {})
 
-    def accept(self, tokens, hidden, positions):
+    def accept(self, tokens, hidden, positions, logits):
         pass
 
 
@@ -237,7 +271,7 @@ class Lookup:
             graft(nodes, chain_nodes(follow, 1))
         return self.shapes.draft(root, nodes)
 
-    def accept(self, tokens, hidden, positions):
+    def accept(self, tokens, hidden, positions, logits):
         # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
@@ -315,7 +349,7 @@ class ModelDrafter:
         sampled = torch.stack(probs) if self.temperature > 0 else None                    # (G, V)
         return Draft(tokens, tree, mask, depth, [0] + [1] * self.gamma, sampled)
 
-    def accept(self, tokens, hidden, positions):
+    def accept(self, tokens, hidden, positions, logits):
         drafts, k = self.drafts.tolist(), 0
         while k < len(tokens) - 1 and k < self.gamma - 1 and tokens[1 + k] == drafts[k]:
             k += 1                            # accepted drafts whose keys are in the cache
@@ -364,9 +398,9 @@ class HeadsPlusLookup:
             nodes = dict(list(nodes.items())[:max(len(nodes) - len(copied), self.floor)])
         return self.shapes.draft(root, graft(nodes, copied, self.offset))
 
-    def accept(self, tokens, hidden, positions):
-        self.heads.accept(tokens, hidden, positions)
-        self.lookup.accept(tokens, hidden, positions)
+    def accept(self, tokens, hidden, positions, logits):
+        self.heads.accept(tokens, hidden, positions, logits)
+        self.lookup.accept(tokens, hidden, positions, logits)
 
 
 def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
@@ -379,3 +413,104 @@ def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     floor), so that the small tuned CPU trees stay whole or nearly and larger ones are trimmed."""
     lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
     return HeadsPlusLookup(heads, lookup, device, floor=4)
+
+
+# --- Jacobi decoding -----------------------------------------------------------------------------
+# Santilli et al. 2023: append m guesses to the sequence ([PAD] at first) and run them through the
+# model as a causal chain; the output at each guess is the greedy next token given the guesses before
+# it. The guesses that equal the output before them are accepted (verify.greedy on the chain: at least
+# the bonus token is new), and the outputs after the accepted ones are the next step's guesses. A
+# fixed point of this iteration is greedy decoding itself, so the output is lossless.
+
+
+class Jacobi:
+    """m guesses a step as a chain: mask[i, j] = j <= i, causal after the root. The guesses are the
+    model's outputs of last step at the same positions; where no output reaches (the start, or after
+    a whole block was accepted) the last guess (or the root) is repeated: the block's padding."""
+
+    def __init__(self, gamma: int, device):
+        assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
+        self.gamma, self.shapes = gamma, Shapes(device)
+        self.name = f"jacobi: {gamma} guesses a step"
+        self.legend, self.max_nodes, self.max_depth = ["base model", "jacobi"], 1 + gamma, gamma
+
+    def start(self, prompt, hidden, max_len):
+        self.guesses = []
+
+    def draft(self, root):
+        pad = self.guesses[-1] if self.guesses else root
+        return self.shapes.draft(root, chain_nodes((self.guesses + [pad] * self.gamma)[:self.gamma], 1))
+
+    def accept(self, tokens, hidden, positions, logits):
+        # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node k;
+        # the output at node k+i guesses the token i places after the bonus
+        self.guesses = logits[len(tokens):].argmax(-1).tolist()             # (m-k,)
+
+
+# --- lookahead decoding --------------------------------------------------------------------------
+# Fu et al. 2024: Jacobi's guesses are poor as a chain, but the trajectories its iterations trace
+# hold good n-grams. One forward carries, after the root, two branches that never see each other.
+# The window (computed only): W columns of N-1 levels of Jacobi iterations, here W = 3, N = 4:
+#     offset      0    1    2    3    4    5
+#     chain      root  c1   c2                   the oldest level, a causal chain after the root
+#     level 1          a0   a1   a2              level l, column r sits at offset r + l and sees the
+#     level 2               b0   b1   b2         root, c_1..c_r and its column up to itself: the
+#     outputs                    o0   o1   o2    sequence its Jacobi trajectory continues
+# Each step adds the W n-grams (c_r, a_r, b_r, o_r), c_0 = the root, to a pool keyed by their first
+# token and moves every level down one (chain = level 1 without a0, level 1 = level 2, level 2 =
+# outputs). The verification branch: up to G pool n-grams that start with the root, each a causal
+# chain after it, shared prefixes merged (graft): a tree like any other, verified by verify.py.
+# The window shifts one position a step whatever was accepted, as the authors' code does. It starts
+# as prompt tokens and yields n-grams once every level holds model outputs (after N-2 steps); the
+# authors fill its levels one by one instead, with a changing shape.
+
+
+class Lookahead:
+    """A W x (N-1) window of Jacobi trajectories (computed only) and up to G n-grams of N-1 tokens
+    from its pool (verified) in one forward. cells[i] = (level, column) of window node i; the root
+    is (0, 0). Mask: (l, r) sees (l', r') iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
+
+    def __init__(self, window: int, ngram: int, guesses: int, device):
+        assert window >= 1 and ngram >= 2 and guesses >= 1, f"need window >= 1, ngram >= 2, guesses >= 1, got {window}, {ngram}, {guesses}"
+        self.W, self.N, self.G = window, ngram, guesses
+        self.cells = [(0, r) for r in range(1, window)] + [(l, r) for l in range(1, ngram - 1) for r in range(window)]
+        index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}   # (0, 0) is the root
+        sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)   # (M, 1+M)
+        for i, (level, r) in enumerate(self.cells):
+            sees[i, [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]] = True
+        depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)   # (M,)
+        self.shapes = Shapes(device, Window(sees, depth))
+        self.top = [index[ngram - 2, r] for r in range(window)]  # the top of each column, in [root, window]
+        self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
+        self.legend, self.max_depth = ["base model", "lookahead"], ngram - 1
+        self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
+
+    def start(self, prompt, hidden, max_len):
+        fill = itertools.cycle(prompt)
+        self.levels = [[next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)]
+        self.pool, self.steps = {}, 0   # first token -> the latest distinct n-grams after it, oldest first
+
+    def draft(self, root):
+        nodes = {}
+        for gram in reversed(self.pool.get(root, [])):  # the latest first: the verifiers try it first
+            graft(nodes, chain_nodes(list(gram), 1))
+        d = self.shapes.draft(root, nodes, computed=[t for level in self.levels for t in level])
+        self.n = d.candidates
+        return d
+
+    def accept(self, tokens, hidden, positions, logits):
+        at = [self.n + i - 1 if i else 0 for i in self.top]   # window node i follows the n candidates
+        new = logits[at].argmax(-1).tolist()             # (W,) the next token of every trajectory
+        if self.steps >= self.N - 2:
+            starts = [tokens[0]] + self.levels[0]        # c_0 = this step's root, then the chain
+            for r in range(self.W):
+                self._add(starts[r], tuple(level[r] for level in self.levels[1:]) + (new[r],))
+        stack = self.levels + [new]
+        self.levels, self.steps = [stack[1][1:]] + stack[2:], self.steps + 1
+
+    def _add(self, first, gram):
+        grams = self.pool.setdefault(first, [])
+        if gram in grams:
+            grams.remove(gram)
+        grams.append(gram)
+        del grams[:-self.G]   # keep the G latest

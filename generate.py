@@ -1,6 +1,7 @@
 """
 Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
-a draft model or the model's own first layers propose tokens, one forward verifies them.
+a draft model, the model's own first layers or its own Jacobi iterations propose tokens, one
+forward verifies them.
 
     python generate.py --prompt "Write a haiku about the sea."            # shipped heads, greedy
     python generate.py --prompt "..." --heads none                        # plain decoding
@@ -9,6 +10,7 @@ a draft model or the model's own first layers propose tokens, one forward verifi
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
     python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
     python generate.py --model big/llama --draft model --draft-model small/llama
+    python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
 
 One decode loop, generate(), serves every method. Each step:
@@ -16,8 +18,10 @@ One decode loop, generate(), serves every method. Each step:
     -> one forward of the base model over the whole tree, tree mask     (model.Transformer)
     -> verification picks the longest acceptable path + a bonus token   (verify.py)
     -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
-    -> the drafter learns what was accepted                             (drafter.accept)
+    -> the drafter learns what was accepted, and what the model said at every node (drafter.accept)
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
+A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
+drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
 
 Contracts (tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
 token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
@@ -56,20 +60,21 @@ VERIFIERS = ("auto", "greedy", "typical", "sample")
 
 
 def choose_verifier(verify, temperature, top_p, generator):
-    """verifier(logits (N, V), draft) -> (accepted node indices, bonus token)."""
+    """verifier(logits (n, V), tokens (n,), draft) -> (accepted node indices, bonus token), over the
+    draft's n candidates."""
     if verify not in VERIFIERS:
         raise ValueError(f"verify={verify!r}: use one of {', '.join(VERIFIERS)}")
     if verify == "greedy" and temperature >= verify_lib.GREEDY_BELOW:
         raise ValueError(f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}")
     if temperature < verify_lib.GREEDY_BELOW:  # what "greedy" (checked above) and auto at temperature 0 mean
-        return lambda l, d: verify_lib.greedy(l, d.tokens, d.tree)
+        return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
     if verify == "typical":
-        return lambda l, d: verify_lib.typical(l, d.tokens, d.tree, temperature, top_p, generator=generator)
+        return lambda l, t, d: verify_lib.typical(l, t, d.tree, temperature, top_p, generator=generator)
 
-    def sample(l, d):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
+    def sample(l, t, d):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
         if d.probs is not None:
-            return verify_lib.leviathan(l, d.tokens, d.probs, temperature, top_p, generator)
-        return verify_lib.speculative(l, d.tokens, d.tree, temperature, top_p, generator)
+            return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
+        return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
     return sample
 
 
@@ -122,7 +127,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
         d = drafter.draft(root)                                                     # tokens (N,), tree, ...
         positions = cache.length + d.depth                                          # (N,)
         logits, hidden = model(d.tokens[None], positions, d.mask, cache)            # (1, N, V), (1, N, D)
-        nodes, bonus = verifier(logits[0].float(), d)
+        n = d.candidates                                          # the tree; nodes after it are computed only
+        nodes, bonus = verifier(logits[0, :n].float(), d.tokens[:n], d)             # (n, V), (n,)
         cache.keep(nodes)  # slots [0, length): the prompt and every emitted token but the bonus
         out.steps += 1
         kept = d.tokens[nodes].tolist()                                             # the root, accepted drafts
@@ -130,7 +136,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
         done = emit(kept[1:] + [bonus], [d.source[i] for i in nodes[1:].tolist()] + [0])
         out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))          # drafts emitted (EOS, length)
         if not done:
-            drafter.accept(kept, hidden[:, nodes], positions[nodes])
+            drafter.accept(kept, hidden[:, nodes], positions[nodes], logits[0])
         root = bonus
     out.seconds = time.perf_counter() - t0
     return out
@@ -191,14 +197,19 @@ def build_parser():
     p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
     p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
-                   "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model)")
+                   "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) | jacobi (the model's own outputs "
+                   "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi iterations, lookahead decoding); jacobi and "
+                   "lookahead take the settings bench.py --tune-parallel saved for this machine where no flag sets them")
     p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ | medusa-2 | hydra++-2 (shipped for the default model; the -2 kinds were trained with the model's last layers, which they adapt) | a heads folder; auto = hydra++ if shipped for this model, else none")
     p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
     p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
-    p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N and model; unless given: " +
-                   ", ".join(f"{k} {v['gamma']}" for k, v in cli.DRAFT_DEFAULTS.items()))
-    p.add_argument("--ngram", type=int, default=None, help=f"lookup: match the last n tokens, n from this down to 1; unless given: {cli.DRAFT_DEFAULTS['lookup']['ngram']}")
+    p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N, model and jacobi (its m guesses); unless given: " +
+                   ", ".join(f"{k} {v['gamma']}" for k, v in cli.DRAFT_DEFAULTS.items() if "gamma" in v))
+    p.add_argument("--ngram", type=int, default=None, help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' length N, "
+                   "first token included, = the window's levels + 1; unless given: " + ", ".join(f"{k} {v['ngram']}" for k, v in cli.DRAFT_DEFAULTS.items() if "ngram" in v))
     p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {cli.DRAFT_DEFAULTS['lookup']['matches']}")
+    p.add_argument("--window", type=int, default=None, help=f"lookahead: W, the Jacobi trajectories computed a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['window']}")
+    p.add_argument("--guesses", type=int, default=None, help=f"lookahead: G, the most n-grams from its pool verified a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['guesses']}")
     # decoding
     p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -216,7 +227,7 @@ def build_parser():
                    "(one scale per output channel; fewer bytes to read a step), heads and KV cache as they are")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
-    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, or the base model itself); only on a terminal")
+    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
     return p
 

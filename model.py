@@ -104,8 +104,9 @@ class KVCache:
     and attends over [0, length+T); it does not move `length`. The caller then commits with
     keep(idx): the new entries idx (indices into those T, ascending, e.g. the accepted tree path)
     are copied to slots [length, length+len(idx)) and length grows by len(idx). Everything at or
-    beyond `length` is garbage left by rejected tree nodes: harmless, because no forward reads a
-    slot >= length before overwriting it.
+    beyond `length` is garbage left by rejected tree nodes and by nodes that were computed but
+    never verified (lookahead's window, drafters.Draft.candidates): harmless, because no forward
+    reads a slot >= length before overwriting it.
     """
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
@@ -116,7 +117,8 @@ class KVCache:
         self.max_len = max_len
 
     def keep(self, idx):
-        """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix."""
+        """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix: accepted
+        nodes only, never a node that was computed but not verified."""
         n, start = len(idx), self.length
         idx = torch.as_tensor(idx, device=self.k.device)
         if not torch.equal(idx, torch.arange(n, device=idx.device)):  # a plain step keeps 0..n-1 in place
@@ -260,7 +262,8 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions, mask=None, cache=None, key_mask=None, last_only=False, num_layers=None):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
-        visible. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
+        visible. Rows may be nodes that are computed but never verified (a lookahead window): the
+        mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. num_layers: run only the first layers, then

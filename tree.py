@@ -20,16 +20,13 @@ mask is lower-triangular. A node sits at position prefix_len + depth. Pure data,
 build() runs once per generation, with plain Python loops on small lists.
 
     build(paths) -> Tree           chain(n), cartesian(topk) -> paths
-    sparse(acc, budget) -> paths   expected_tau(acc, paths): trees tuned to measured acceptance
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
 
 Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to test.
 Shape legend: N tree nodes (root included), L leaves.
 """
-import heapq
 import itertools
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -127,7 +124,7 @@ def build(paths) -> Tree:
 
 
 # --- making paths -------------------------------------------------------------------------------
-# Two dense shapes; sparse trees, tuned to measured acceptance rates, are in the next section.
+# Two dense shapes; tuning.sparse grows a tree to measured acceptance rates.
 
 
 def chain(n: int) -> list[Path]:
@@ -145,54 +142,6 @@ def cartesian(topk: list[int]) -> list[Path]:
     if 1 + sum(sizes) > MAX_NODES:
         raise ValueError(f"cartesian({list(topk)}) has {1 + sum(sizes)} nodes, over MAX_NODES={MAX_NODES}; use smaller top-k values")
     return [p for d in range(1, len(topk) + 1) for p in itertools.product(*(range(k) for k in topk[:d]))]
-
-
-# --- sparse trees --------------------------------------------------------------------------------
-# Medusa's greedy search. acc[k][r] = P(rank r of head k+1 holds the base model's token), measured
-# on calibration data (train.py writes it to eval.json). Assuming heads err independently, a node
-# is accepted with the product of acc along its path, and the expected tokens per step is
-# 1 (the base model's bonus token) + the sum of those products over all nodes. Growing the tree one node
-# at a time, always taking the likeliest node that can hang on it, maximises that sum for every
-# budget when each acc[k] falls with the rank (then a child or a later sibling is never likelier).
-
-
-def _check_acc(acc) -> None:
-    if not (isinstance(acc, (list, tuple)) and acc and all(isinstance(a, (list, tuple)) and a for a in acc)
-            and all(isinstance(x, (int, float)) and 0 <= x <= 1 for a in acc for x in a)):
-        raise ValueError(f"acc must be a non-empty list (one per head) of non-empty lists of "
-                         f"probabilities in [0, 1], got {acc!r}")
-
-
-def path_prob(acc, path) -> float:
-    """Acceptance probability of a node under independence: the product of acc along its path."""
-    return math.prod(acc[d][r] for d, r in enumerate(path))
-
-
-def expected_tau(acc, paths) -> float:
-    """Estimated tokens per step of a tree: 1 (the bonus token) + the sum of its nodes' path_prob."""
-    _check_acc(acc)
-    return 1.0 + sum(path_prob(acc, p) for p in build(paths).paths)
-
-
-def sparse(acc, budget: int) -> list[Path]:
-    """The greedy tree of `budget` non-root nodes. Candidates are the first child (rank 0, one depth
-    further, up to len(acc) heads) and the next sibling (next rank, up to len(acc[d])) of every
-    node taken so far, starting from the root's first child (0,). Ties go to the smaller path."""
-    _check_acc(acc)
-    room = sum(itertools.accumulate((len(a) for a in acc), lambda x, y: x * y))
-    if not isinstance(budget, int) or not 0 <= budget <= min(room, MAX_NODES - 1):
-        raise ValueError(f"budget must be an int in [0, {min(room, MAX_NODES - 1)}] for these {len(acc)} heads "
-                         f"and {[len(a) for a in acc]} ranks, got {budget!r}")
-    taken, frontier = [], [(-acc[0][0], (0,))]  # a heap of (-path_prob, path)
-    while len(taken) < budget:
-        p = heapq.heappop(frontier)[1]
-        taken.append(p)
-        d, r = len(p) - 1, p[-1]  # the node's head (0-based) and rank
-        sibling = [p[:-1] + (r + 1,)] if r + 1 < len(acc[d]) else []
-        child = [p + (0,)] if d + 1 < len(acc) else []
-        for q in sibling + child:
-            heapq.heappush(frontier, (-path_prob(acc, q), q))
-    return build(taken).paths
 
 
 # --- files and the --tree flag ------------------------------------------------------------------

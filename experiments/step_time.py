@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench               # noqa: E402
+import tuning              # noqa: E402
 import checkpoint          # noqa: E402
 import cli                 # noqa: E402
 import drafters as D       # noqa: E402
@@ -34,10 +34,10 @@ args = p.parse_args()
 
 device = cli.pick_device("auto")
 model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
-floor = bench.distance_to_floor(model, device)
-print(bench.machine_line(bench.machine(device, model.dtype, **floor)) + "\n")
+floor = tuning.distance_to_floor(model, device)
+print(tuning.machine_line(tuning.machine(device, model.dtype, **floor)) + "\n")
 
-rows = [("batch-1 decode step, 200 cached tokens", floor["batch_1_step_ms"])]  # bench.step_time, median of 20
+rows = [("batch-1 decode step, 200 cached tokens", floor["batch_1_step_ms"])]  # tuning.step_time, median of 20
 if isinstance(model.lm_head, K.PackedLinear):  # the same step's matrix products alone, back to back
     products = [(a.self_attn.packed, a.self_attn.o_proj.packed, a.mlp.packed, a.mlp.down_proj.packed) for a in model.layers]
     x, y = torch.randn(1, 1, model.cfg.dim, dtype=model.dtype), torch.randn(1, 1, model.cfg.hidden_dim, dtype=model.dtype)
@@ -49,7 +49,7 @@ if isinstance(model.lm_head, K.PackedLinear):  # the same step's matrix products
                 K.linear(i, w)
         K.linear(x, model.lm_head.packed)
     chain()
-    rows.append(("its matrix products alone (the same prepacked weights)", statistics.median(bench.timed(chain, device) for _ in range(60)) * 1e3))
+    rows.append(("its matrix products alone (the same prepacked weights)", statistics.median(tuning.timed(chain, device) for _ in range(60)) * 1e3))
 rows.append(("memory floor (weights / measured bandwidth)", floor["bandwidth_floor_ms"]))
 
 # one speculative step, phase by phase: wrap the drafter's methods, the forward and the verifier

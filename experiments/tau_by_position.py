@@ -25,6 +25,7 @@ import dataset  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
+import tuning  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 WINDOWS = [(0, 16), (16, 64), (0, 64), (64, 1 << 30), (0, 1 << 30)]   # answer positions [a, b)
@@ -54,7 +55,7 @@ def measure(model, data, runs, seed=0, bf16=True):
             window = dict(data, loss=loss & (pos >= a) & (pos < b))
             with torch.inference_mode():
                 r = train.evaluate(heads, window, held_out, to_kept, args, torch.device("cpu"), bf16)
-            r["trees"] = [tree_lib.expected_tau(r["rank_acceptance"], paths) for paths in (shipped, tree_lib.sparse(r["rank_acceptance"], 64))]
+            r["trees"] = [tuning.expected_tau(r["rank_acceptance"], paths) for paths in (shipped, tuning.sparse(r["rank_acceptance"], 64))]
             rows.setdefault(label, []).append(r)
             print(label, a, b, f"chain tau {r['chain_tau']:.3f}", flush=True)
     return len(held_out), rows

@@ -15,6 +15,7 @@ import pytest
 import checkpoint
 import cli
 import bench as B
+import tuning
 from conftest import ctrl_c_after
 from test_cli import check_one_line_error
 
@@ -130,10 +131,10 @@ def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
     """--tune-tree: sizes expected within 1% of the fastest tie, and the smallest of them wins; a
     size clearly faster than the smaller ones still wins."""
     rows = [{"budget": b, "tokens_per_s": t} for b, t in [(1, 104.4), (2, 116.1), (3, 127.9), (4, 127.9), (8, 128.0)]]
-    assert B.smallest_within(rows, B.TREE_TIE)["budget"] == 3
+    assert tuning.smallest_within(rows, tuning.TREE_TIE)["budget"] == 3
     rows[-1]["tokens_per_s"] = 140.0
-    assert B.smallest_within(rows, B.TREE_TIE)["budget"] == 8
-    assert B.smallest_within(rows, 0.0)["budget"] == 8
+    assert tuning.smallest_within(rows, tuning.TREE_TIE)["budget"] == 8
+    assert tuning.smallest_within(rows, 0.0)["budget"] == 8
 
 
 def saved_heads(folder, model_dir, kind="hydra++"):
@@ -169,3 +170,32 @@ def test_another_model_skips_the_shipped_heads_unless_they_are_named(capsys, tmp
     check_one_line_error(code, err, "--heads-dir", "heads were trained for")
     code, out, err = run_bench(capsys, *common, "--methods", "all")
     assert code == 0 and "medusa: skipped (no medusa heads for this model" in err and "| lookup |" in out, err
+
+
+def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_path, tiny_model_dir):
+    """--tune-parallel prints every setting it tried and saves its choice for this model, device and
+    dtype in --heads-dir; bench's jacobi and lookahead methods then decode at it, as plain does."""
+    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2, "--max-new-tokens", 6,
+              "--dtype", "fp32", "--heads-dir", tmp_path]
+    code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
+    assert set(saved["jacobi"]) == {"gamma"} and set(saved["lookahead"]) == {"window", "ngram", "guesses"}
+    assert out.count("**<- chosen**") == 2 and "| jacobi | gamma 4 |" in out and "| lookahead | window 4 ngram 3 guesses 4 |" in out
+    code, out, err = run_bench(capsys, *common, "--methods", "jacobi,lookahead", "--repeats", 1)
+    assert code == 0 and err.count("(tuned for this machine)") == 2, err
+    assert f"[bench] jacobi: {saved['jacobi']['gamma']} guesses a step" in err
+    for name in ("jacobi", "lookahead"):
+        assert any(line.startswith(f"| {name} |") and line.endswith("| yes |") for line in out.splitlines()), out
+
+
+def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
+    import tuning
+    grid = {"a": (1, 2, 3, 4, 5), "b": (1, 2, 3)}
+    seen = []
+
+    def score(s):
+        seen.append(s)
+        return -(s["a"] - 4) ** 2 - (s["b"] - 1) ** 2
+    assert tuning.ascend({"a": 1, "b": 3}, grid, score) == {"a": 4, "b": 1}
+    assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping

@@ -307,6 +307,27 @@ DRAFT_FLAGS = [
 ]
 
 
+# --draft jacobi and lookahead: every count out of range, and the flags and combinations they do not take
+PARALLEL_FLAGS = [
+    ("jacobi --gamma 0", "--gamma 0: must be at least 1"),
+    ("jacobi --gamma 1024", "--gamma 1024: the chain would be over MAX_NODES=1024; use a smaller --gamma"),
+    ("lookahead --window 0", "--window 0: must be at least 1"),
+    ("lookahead --guesses -1", "--guesses -1: must be at least 1"),
+    ("lookahead --ngram 1", "--ngram 1: lookahead's n-grams are a first token and at least one more; use --ngram 2 or more"),
+    ("lookahead --window 100 --ngram 11", "--window 100, --ngram 11, --guesses 4: a step would compute 999 window nodes"),
+    ("lookahead --guesses 600 --ngram 3", "verify up to 1200, over MAX_NODES=1024; use smaller values"),
+    ("jacobi --window 3", "--window does not apply to --draft jacobi (only to lookahead); drop it"),
+    ("jacobi --ngram 3", "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup and lookahead)"),
+    ("lookahead --gamma 3", "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model and jacobi)"),
+    ("lookup --guesses 2", "--guesses does not apply to --draft lookup"),
+    ("lookahead --matches 2", "--matches does not apply to --draft lookahead"),
+    ("jacobi --tree chain:2", "--draft jacobi has none"),
+    ("lookahead --heads hydra", "--draft lookahead drafts without heads"),
+    ("jacobi --draft-model some/model", "add --draft model or drop --draft-model"),
+]
+DRAFT_FLAGS += [(["--draft", *argv.split()], words) for argv, words in PARALLEL_FLAGS]
+
+
 @pytest.mark.parametrize("argv, words", DRAFT_FLAGS, ids=[" ".join(a)[:40] for a, _ in DRAFT_FLAGS])
 def test_bad_draft_flags(no_model, capsys, argv, words):
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", *argv)[::2], words)
@@ -366,10 +387,35 @@ def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys,
     for argv, words in [(["--draft", "lookup", "--gamma", "4", "--matches", "2"], "lookup: n-grams 3..1, up to 4 tokens, 2 matches"),
                         (["--draft", "heads+lookup", "--heads", heads_dir, "--tree", "chain:2"], "heads: hydra, tree: 3 nodes + lookup"),
                         (["--draft", "layers:20"], "layers:20, 4 tokens a step"),
-                        (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step")]:
+                        (["--draft", "model", "--draft-model", folder, "--gamma", "2"], "draft model, 2 tokens a step"),
+                        (["--draft", "jacobi", "--gamma", "3"], "jacobi: 3 guesses a step"),
+                        (["--draft", "lookahead", "--window", "3", "--ngram", "4", "--guesses", "2"], "lookahead: window 3, 4-grams, up to 2 guesses")]:
         ids, err = reply_ids(capsys, tmp_path, *argv)
         assert ids == plain, argv
         assert words in err.splitlines()[0]
+
+
+def test_parallel_drafters_take_the_tuned_settings_under_the_flags(loaded, capsys, tmp_path, monkeypatch):
+    """--draft jacobi and lookahead read what bench.py --tune-parallel saved for this model, device
+    and dtype (a flag given wins); a damaged file is named, with the fix."""
+    model, _ = loaded
+    monkeypatch.setattr(cli, "SHIPPED", str(tmp_path))
+    file = cli.tuned_tree_file(tmp_path, "cpu", model.dtype, "parallel")
+    saved = {"model": model.cfg.name, "jacobi": {"gamma": 2}, "lookahead": {"window": 2, "ngram": 2, "guesses": 3}}
+    with open(file, "w") as f:
+        json.dump(saved, f)
+    for argv, words in [(["--draft", "jacobi"], "jacobi: 2 guesses"), (["--draft", "lookahead", "--ngram", "3"], "window 2, 3-grams, up to 3 guesses")]:
+        _, err = reply_ids(capsys, tmp_path, *argv)
+        assert words in err.splitlines()[0]
+    with open(file, "w") as f:
+        json.dump(saved | {"model": "another model"}, f)
+    assert "jacobi: 4 guesses" in reply_ids(capsys, tmp_path, "--draft", "jacobi")[1].splitlines()[0]  # not for this model: the defaults
+    for damage, words in [("{", "not a settings file of bench.py --tune-parallel; run it again or delete the file"),
+                          (json.dumps(saved | {"jacobi": {"gamma": 0}}), "are not all whole numbers >= 1"),
+                          (json.dumps(saved | {"lookahead": {"window": 600, "ngram": 3, "guesses": 2}}), "over MAX_NODES")]:
+        with open(file, "w") as f:
+            f.write(damage)
+        check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--draft", "lookahead" if "MAX" in words else "jacobi")[::2], file, words)
 
 
 def test_sampling_with_layers_runs(loaded, capsys, tmp_path):

@@ -1,10 +1,12 @@
 """drafters.py's contracts, on tiny random models (CPU, seeded) and a few on the default model.
 
 Greedy output is token-identical to plain greedy decoding whatever the drafter (lookup as a chain
-and as a tree, the first layers, a draft model, heads + lookup in one tree); sampling with a draft
-model or the first layers follows the base model's own distribution (chi-square over the first
-three tokens), and a broken residual rule fails the same check; lookup accepts long runs when the
-answer is in the prompt verbatim; the draft model's KV cache holds exactly the accepted sequence.
+and as a tree, the first layers, a draft model, heads + lookup in one tree, Jacobi, lookahead);
+sampling with a draft model, the first layers, Jacobi or lookahead follows the base model's own
+distribution (chi-square over the first three tokens), and a broken residual rule fails the same
+check; lookup accepts long runs when the answer is in the prompt verbatim; the draft model's KV
+cache holds exactly the accepted sequence; Jacobi accepts its whole block once it has converged;
+every node of lookahead's forward sees exactly its trajectory (window) or its n-gram (verified).
 Run: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes, V vocabulary.
 """
 import collections
@@ -56,6 +58,10 @@ def drafter(name, base, gamma=3):
     if name == "hydra+lookup":
         heads = D.HeadsDrafter(random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
         return D.heads_and_lookup(heads, gamma, 3, 1, "cpu")
+    if name == "jacobi":
+        return D.Jacobi(gamma, "cpu")
+    if name.startswith("lookahead"):  # lookahead:W,N,G
+        return D.Lookahead(*map(int, name.partition(":")[2].split(",")), "cpu")
     raise ValueError(name)
 
 
@@ -93,8 +99,8 @@ class Checked(D.ModelDrafter):
         super().start(prompt, hidden, max_len)
         self.seq, self.checked = list(prompt), 0
 
-    def accept(self, tokens, hidden, positions):
-        super().accept(tokens, hidden, positions)
+    def accept(self, tokens, hidden, positions, logits):
+        super().accept(tokens, hidden, positions, logits)
         self.seq += tokens
         n = self.cache.length
         assert self.seq[n:] == self.pending
@@ -126,7 +132,7 @@ def copy_plain(default_model):
     return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
 
 
-@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model"])
+@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model", "jacobi", "lookahead:4,3,4"])
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
@@ -138,9 +144,10 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     elif name == "model":  # the model as its own draft model: the only one at hand with its tokenizer
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
     else:
-        d = D.Lookup(10, 3, 1, "cpu")
+        d = drafter(name, model, gamma=4) if name != "lookup" else D.Lookup(10, 3, 1, "cpu")
     r = G.generate(model, prompt, 24, d, eos_ids=eos)
-    assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
+    assert r.tokens == plain.tokens and r.stopped == "eos"
+    assert sum(r.accepted) > 0 or name == "jacobi"  # Jacobi's guesses are rarely right on a real model: the tiny ones test it
     if "lookup" in name:  # the reply copies the prompt: lookup's chain is accepted whole
         assert max(r.accepted) >= 8 and r.steps <= 4, (r.accepted, r.steps)
 
@@ -154,7 +161,7 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     assert lk.continuations(3) == [[4, 5, 3]]        # (1, 2, 3) beats the later (2, 3) and (3,)
     lk.start([1, 2, 3, 4, 5, 3, 6, 2, 3, 7, 3, 9, 8, 2], None, 64)
     assert lk.continuations(3) == [[7, 3, 9]]        # no (8, 2, 3); the latest (2, 3)
-    lk.accept([3, 7], None, None)                    # the text grows: ... 8, 2, 3, 7 and root 3
+    lk.accept([3, 7], None, None, None)              # the text grows: ... 8, 2, 3, 7 and root 3
     assert lk.continuations(3) == [[9, 8, 2]]        # (3, 7, 3) at 8..10
     three = D.Lookup(2, 1, 3, "cpu")
     three.start([2, 1, 2, 3, 2, 4, 2, 1], None, 64)
@@ -180,28 +187,28 @@ def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
     lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
     lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
     assert lk.draft(1).tokens.tolist() == [1, 2, 3, 4, 6]   # root, then the whole gamma at first
-    lk.accept([1, 2, 3], None, None)                        # 2 of 4 kept: 1 token fewer
+    lk.accept([1, 2, 3], None, None, None)                  # 2 of 4 kept: 1 token fewer
     assert lk.length == 3 and lk.draft(4).tokens.tolist() == [4, 6, 7, 1]
-    lk.accept([4], None, None)                              # none kept: 1 fewer again
+    lk.accept([4], None, None, None)                        # none kept: 1 fewer again
     assert lk.length == 2 and lk.draft(8).tokens.tolist() == [8]   # no match: nothing proposed ...
-    lk.accept([8], None, None)
+    lk.accept([8], None, None, None)
     assert lk.length == 2                                   # ... and nothing to learn from
     assert lk.draft(6).tokens.tolist() == [6, 7, 1]
-    lk.accept([6, 7, 1], None, None)                        # the whole chain kept: 2 more (up to gamma)
+    lk.accept([6, 7, 1], None, None, None)                  # the whole chain kept: 2 more (up to gamma)
     assert lk.length == 4
     fixed = D.Lookup(4, 1, 1, "cpu")
     fixed.start([5, 1, 2, 3, 4, 6, 7], None, 64)
-    fixed.draft(1), fixed.accept([1], None, None)
+    fixed.draft(1), fixed.accept([1], None, None, None)
     assert fixed.length == 4 and fixed.draft(2).tokens.tolist() == [2, 3, 4, 6, 7]   # without adapt it never moves
 
 
 def test_a_step_without_a_lookup_match_ends_the_copying_streak():
     lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
     lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
-    lk.draft(1), lk.accept([1, 2, 3, 4, 6], None, None)    # the whole chain at full length: copying
+    lk.draft(1), lk.accept([1, 2, 3, 4, 6], None, None, None) # the whole chain at full length: copying
     assert lk.copying and lk.length == 4
     assert lk.draft(8).tokens.tolist() == [8]              # no match: nothing proposed ...
-    lk.accept([8], None, None)
+    lk.accept([8], None, None, None)
     assert not lk.copying and lk.length == 4               # ... the streak ends, the length stays
 
 
@@ -213,19 +220,20 @@ def test_lookup_with_no_match_drafts_a_root_only_tree():
 
 
 def copy_run(lk, prompt, answer, vocab):
-    """Decode `answer` with lookup drafts and greedy verification, the base model replaced by an
+    """Decode `answer` with `lk`'s drafts and greedy verification, the base model replaced by an
     oracle that says answer[k] at reply position k whatever came before: (steps, accepted per step)."""
     lk.start(prompt, None, 256)
     out, accepted = [answer[0]], []
     while len(out) < len(answer):
         d = lk.draft(out[-1])
-        at = [min(len(out) + int(depth), len(answer) - 1) for depth in d.tree.depth]
+        at = [min(len(out) + int(depth), len(answer) - 1) for depth in d.depth]   # every node, computed-only ones too
         logits = F.one_hot(torch.tensor([answer[k] for k in at]), vocab).float()   # (N, V)
-        nodes, bonus = verify_lib.greedy(logits, d.tokens, d.tree)
+        n = d.candidates
+        nodes, bonus = verify_lib.greedy(logits[:n], d.tokens[:n], d.tree)
         kept = d.tokens[nodes].tolist()
         out += kept[1:] + [bonus]
         accepted.append(len(nodes) - 1)
-        lk.accept(kept, None, None)
+        lk.accept(kept, None, None, logits)
     assert out[:len(answer)] == answer
     return len(accepted), accepted
 
@@ -287,10 +295,10 @@ def test_merged_verifies_lookup_alone_while_it_copies(small):
     assert merged.draft(3).tree.num_nodes > 5                       # heads' 6 nodes and lookup's 4
     accepted = [3, 4, 5, 6, 1]                                      # lookup's whole chain kept, at full length
     h = small(torch.tensor([prompt + accepted]), torch.arange(len(prompt) + 5))[1][:, -5:]
-    merged.accept(accepted, h, torch.arange(len(prompt), len(prompt) + 5))
+    merged.accept(accepted, h, torch.arange(len(prompt), len(prompt) + 5), None)
     d = merged.draft(2)                                             # copying: lookup's chain alone
     assert d.tokens.tolist() == [2, 3, 4, 5, 6] and d.source == [0, 3, 3, 3, 3]
-    merged.accept([2, 9], h[:, :2], torch.arange(13, 15))           # broken: back to both
+    merged.accept([2, 9], h[:, :2], torch.arange(13, 15), None)     # broken: back to both
     assert merged.draft(4).tree.num_nodes > 5
 
 
@@ -370,6 +378,13 @@ def test_broken_residual_rule_is_caught(monkeypatch):
     assert chi_square(base, lambda g: D.ModelDrafter(small_one, 2, 1.0, 1.0, g), 2000) > 2 * LIMIT
 
 
+@pytest.mark.parametrize("name", ["jacobi", "lookahead:3,2,2"])
+def test_parallel_sampling_matches_base_distribution(name):
+    """Jacobi's guesses and lookahead's n-grams are fixed before the step: the tree rule is exact."""
+    base = peaky(0, n_layers=1)
+    assert chi_square(base, lambda g: drafter(name, base, gamma=2), 2000) < LIMIT
+
+
 def test_sampled_drafts_carry_their_distribution(small):
     g = torch.Generator().manual_seed(0)
     d = D.ModelDrafter(small, 3, 0.8, 0.9, g)
@@ -380,3 +395,110 @@ def test_sampled_drafts_carry_their_distribution(small):
     greedy = D.ModelDrafter(small, 3, 0.0, 1.0, None)
     greedy.start([1, 2, 3], None, 32)
     assert greedy.draft(4).probs is None  # picked, not sampled: verified by the tree rule
+
+
+# --- parallel decoding: Jacobi and lookahead ------------------------------------------------------
+
+PARALLEL = ["jacobi", "lookahead:3,3,2", "lookahead:2,2,3", "lookahead:1,4,2", "lookahead:4,4,4"]
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_parallel_greedy_equals_plain_where_nothing_is_accepted_and_where_a_reply_ends_in_a_draft(name):
+    """Two models: one whose next token is set by the last one (Jacobi's guesses, made from wrong
+    tokens, are never right: steps accept nothing) and one that settles into repeating a token
+    (whole blocks are accepted). Replies cut by the length limit and by an EOS at many places."""
+    nothing = drafted = inside = 0
+    for model in (tiny(0, vocab_size=12), tiny(2, vocab_size=4)):
+        for seed in range(2):
+            prompt = torch.randint(0, model.cfg.vocab_size, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+            plain = G.generate(model, prompt, 40).tokens
+            for n in (1, 2, 3, 5, 8, 13, 21, 34, 40):
+                r = G.generate(model, prompt, n, drafter(name, model))
+                assert r.tokens == plain[:n] and len(r.sources) == n, (name, n)
+                nothing, drafted = nothing + r.accepted.count(0), drafted + sum(r.accepted)
+                inside += len(r.tokens) - 1 - sum(r.accepted) == r.steps - 2  # the last step's bonus was never emitted
+            eos = plain[10]
+            r = G.generate(model, prompt, 40, drafter(name, model), eos_ids={eos})
+            assert r.tokens == plain[:plain.index(eos) + 1] and r.stopped == "eos"
+    assert nothing and drafted and inside, (nothing, drafted, inside)
+
+
+def test_jacobi_accepts_the_whole_block_once_it_has_converged():
+    """An oracle that says answer[k] at reply position k whatever the guesses before it: the first
+    step's guesses are padding (nothing accepted) and its outputs are all right, so the next step
+    accepts the whole block of 4; after a whole block only padding is left, and so on."""
+    answer = list(range(100, 160))
+    steps, accepted = copy_run(D.Jacobi(4, "cpu"), [1, 2, 3], answer, 200)
+    assert accepted == [0, 4] * 10 and steps == 20  # 59 tokens after the first: 6 every 2 steps
+    zero = tiny(0, vocab_size=12)
+    zero.lm_head.weight.zero_()  # equal logits everywhere: argmax says token 0, the model repeats it
+    r = G.generate(zero, [3, 1, 4], 21, D.Jacobi(4, "cpu"))
+    assert r.tokens == [0] * 21 and r.accepted == [4] * 4  # converged from the first step: 5 tokens a step
+
+
+def test_lookahead_verifies_the_ngrams_its_window_traced():
+    """On the oracle the window's outputs are right wherever it stands; after N-1 steps its levels
+    hold them, the next root starts one of its n-grams, and all N-1 tokens of it are accepted."""
+    answer = list(range(100, 160))
+    steps, accepted = copy_run(D.Lookahead(3, 3, 2, "cpu"), [1, 2, 3], answer, 200)
+    assert accepted[:4] == [0, 0, 0, 2] and max(accepted) == 2 and steps < len(answer) - 1
+
+
+def test_lookahead_mask_each_node_sees_its_trajectory_or_its_ngram(small):
+    """Brute force from the definitions, then the model itself: window node (level l, column r)
+    continues the sequence root, c_1..c_r, then its column's levels 1..l, at consecutive
+    positions; a verification node continues the root and its n-gram up to itself. Its logits
+    equal a plain causal forward over the prompt and that sequence."""
+    la = D.Lookahead(3, 4, 3, "cpu")  # W = 3, N = 4: the chain c_1 c_2, levels 1 and 2 of 3 columns
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    la.start(prompt, None, 64)
+    la.pool[5] = [(8, 9, 10), (1, 4, 6), (1, 2, 3)]  # two of them share their first token
+    d = la.draft(5)
+    n, N = d.candidates, len(d.tokens)
+    assert n == 1 + 3 + 1 + 2 + 2 and N == n + 2 + 2 * 3  # the shared token once and d.source == [0] + [1] * (n - 1)
+    window = {cell: n + i for i, cell in enumerate(la.cells)}
+    window[0, 0] = 0
+    follows = {}  # node -> the nodes of its sequence, by definition
+    for i, path in enumerate([()] + d.tree.paths):
+        follows[i] = [j for j, p in enumerate([()] + d.tree.paths) if path[:len(p)] == p]
+        gram = d.tokens[follows[i][1:]].tolist()
+        assert i == 0 or any(list(g[:len(gram)]) == gram for g in la.pool[5])
+    for (level, r), i in window.items():
+        if i:
+            follows[i] = [window[0, j] for j in range(r + 1)] + [window[k, r] for k in range(1, level + 1)]
+    for i in range(N):
+        assert d.mask[i].nonzero().flatten().tolist() == sorted(follows[i]), i
+        assert d.depth[follows[i]].tolist() == list(range(int(d.depth[i]) + 1))  # one node a position, no gaps
+    cache = small.new_cache(64)
+    small(torch.tensor([prompt]), torch.arange(len(prompt)), None, cache)
+    cache.keep(range(len(prompt)))
+    logits, _ = small(d.tokens[None], len(prompt) + d.depth, d.mask, cache)           # (1, N, V)
+    for i in range(N):
+        seq = prompt + d.tokens[follows[i]].tolist()
+        alone, _ = small(torch.tensor([seq]), torch.arange(len(seq)))
+        assert torch.allclose(logits[0, i], alone[0, -1], atol=1e-5), i
+
+
+def test_lookahead_pool_keeps_the_latest_ngrams_and_starts_collecting_once_the_window_is_filled():
+    la = D.Lookahead(2, 3, 2, "cpu")  # W = 2, N = 3: chain c_1, level 1 of 2 columns
+    la.start([7, 8, 9], None, 64)
+    assert la.levels == [[7], [8, 9]] and la.cells == [(0, 1), (1, 0), (1, 1)]
+    vocab = 16
+
+    def step(root, outputs):  # one step whose window tops (column 0, 1) say `outputs`
+        d = la.draft(root)
+        logits = torch.zeros(len(d.tokens), vocab)                                # (N, V)
+        for r, t in enumerate(outputs):
+            logits[d.candidates + la.cells.index((1, r)), t] = 1
+        la.accept([root], None, None, logits)
+    step(1, [2, 3])
+    assert la.pool == {} and la.levels == [[9], [2, 3]]          # the first step fills level 1
+    step(4, [5, 6])
+    assert la.pool == {4: [(2, 5)], 9: [(3, 6)]} and la.levels == [[3], [5, 6]]
+    step(4, [7, 8])
+    assert la.pool[4] == [(2, 5), (5, 7)] and la.pool[3] == [(6, 8)]
+    la._add(4, (2, 5))                                         # seen again: now the latest
+    la._add(4, (1, 1))                                         # a third: the oldest goes (G = 2)
+    assert la.pool[4] == [(2, 5), (1, 1)]
+    d = la.draft(4)
+    assert d.tokens[:d.candidates].tolist() == [4, 1, 2, 1, 5]  # the latest first: (1, 1) ranks before (2, 5)

@@ -95,6 +95,22 @@ def test_max_new_tokens_and_eos_exact(small):
     assert r.tokens == full[:first + 1] and r.stopped == "eos"
 
 
+def test_computed_only_nodes_are_never_kept(small, monkeypatch):
+    """Lookahead's window rides in every forward but is never verified: the KV cache still holds
+    exactly the accepted sequence (its slots equal a fresh forward over prompt and reply)."""
+    caches, new_cache = [], small.new_cache
+    monkeypatch.setattr(small, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1])
+    prompt = [1, 2, 3, 4, 5]
+    r = G.generate(small, prompt, 40, drafters.Lookahead(3, 3, 3, "cpu"))
+    assert r.tokens == G.generate(small, prompt, 40).tokens and sum(r.accepted) > 0
+    cache, seq = caches[0], prompt + r.tokens
+    n = min(cache.length, len(seq))
+    fresh = new_cache(n)
+    small(torch.tensor([seq[:n]]), torch.arange(n), None, fresh)
+    assert cache.length >= len(seq) - 1  # all but the last bonus
+    assert torch.allclose(cache.k[..., :n, :], fresh.k, atol=1e-5) and torch.allclose(cache.v[..., :n, :], fresh.v, atol=1e-5)
+
+
 def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
     with pytest.raises(ValueError, match="needs temperature 0"):   # greedy steps after a sampled first token
         G.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)

@@ -1,0 +1,493 @@
+"""This machine: what a step costs here, and the settings that pay here. bench.py's modes call it.
+
+    machine(device, dtype), distance_to_floor(model, device), timed(fn, device)   measuring
+    kernel_table(model, device)            --kernels: each fast kernel against its readable twin
+    sparse(acc, budget), expected_tau(acc, paths)          trees grown to measured acceptance
+    tune_tree(args, model, prompts, device)                --tune-tree: the heads' tree
+    tune_layers(args, model, prompts, device, eos)         --tune-layers: layers:N's N and gamma
+    tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's and lookahead's
+
+A parallel drafter's settings trade acceptance against the nodes each step computes: Jacobi's m
+guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens all ride in
+every forward. On a CPU each node costs a share of the step; on a GPU a node costs little until the
+step fills the device. So the best setting belongs to the machine, as the best tree does
+(bench.py --tune-tree), and is measured on it:
+
+    expected tokens/s of a setting = new tokens / the sum of the step times of its forwards
+    new tokens and forwards: greedy decoding of the prompts with that setting (generate.generate),
+        recording each forward's node count; the prefill counts as a one-node step, for every
+        setting and for plain decoding alike
+    step time of n nodes: one forward of n tokens after a cached prefix, timed here (median)
+
+The search: from generate.py's defaults (cli.DRAFT_DEFAULTS), coordinate ascent on a grid: move one
+setting one grid step up or down, to the neighbour with the highest expected tokens/s, while that
+beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to the
+heads and layers.json), which generate.py --draft jacobi | lookahead and bench.py's jacobi and
+lookahead methods read for this model (cli.tuned_parallel).
+
+    tuned_drafter(kind, folder, model)                    bench.py's jacobi and lookahead methods
+    Counted(drafter)                                      a drafter that records its drafts' sizes
+
+Test: `python -m pytest -q tests/test_bench_cli.py -k parallel`.
+"""
+import heapq
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import cli
+import drafters
+import generate
+import heads as heads_lib
+import kernels as kernels_lib
+import model as model_lib
+import tree as tree_lib
+
+# --- the machine ----------------------------------------------------------------------------------
+# Printed next to every table and saved in the JSON: numbers mean nothing without it.
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def hardware(device):
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown CPU"
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def machine(device, dtype, **extra):
+    return {"hardware": hardware(device), "device": str(device), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), **extra}
+
+
+def memory_bandwidth(device, mbytes=512):
+    """GB/s reading a buffer much larger than any cache (the median of 7 sums, after one to touch
+    every page): what a decode step, which reads every weight once, can at most stream."""
+    x = torch.rand(mbytes * 2 ** 20 // 4, device=device)
+    x.sum()
+    return x.numel() * 4 / statistics.median(timed(lambda: x.sum(), device) for _ in range(7)) / 1e9
+
+
+@torch.inference_mode()
+def step_time(model, device, tokens=1, prefix=200, repeats=20):
+    """Median seconds of one forward of `tokens` new tokens (causal) after a cached prefix."""
+    cache = model.new_cache(prefix + tokens)
+    model(torch.zeros(1, prefix, dtype=torch.long, device=device), torch.arange(prefix, device=device), None, cache)
+    cache.keep(range(prefix))
+    ids, pos = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(prefix, prefix + tokens, device=device)
+    return statistics.median(timed(lambda: model(ids, pos, None, cache), device) for _ in range(repeats))
+
+
+def distance_to_floor(model, device):
+    """How far the batch-1 decode step is from its memory-bandwidth floor: every weight is read
+    once a step (the embedding table only a row of, unless the LM head shares it)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_embeddings:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    bandwidth, step = memory_bandwidth(device), step_time(model, device)
+    floor = weights / (bandwidth * 1e9)
+    return {"batch_1_step_ms": round(step * 1e3, 1), "weights_read_MB": round(weights / 1e6), "memory_GB_per_s": round(bandwidth, 1),
+            "bandwidth_floor_ms": round(floor * 1e3, 1), "step_over_floor": f"{step / floor:.1f}x"}
+
+
+def machine_line(m):
+    return "_" + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in m.items()) + "_"
+
+
+def plotting(quiet=False):
+    """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        if not quiet:
+            print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+
+
+# --- sparse trees --------------------------------------------------------------------------------
+# Medusa's greedy search. acc[k][r] = P(rank r of head k+1 holds the base model's token), measured
+# on calibration data (train.py writes it to eval.json). Assuming heads err independently, a node
+# is accepted with the product of acc along its path, and the expected tokens per step is
+# 1 (the base model's bonus token) + the sum of those products over all nodes. Growing the tree one node
+# at a time, always taking the likeliest node that can hang on it, maximises that sum for every
+# budget when each acc[k] falls with the rank (then a child or a later sibling is never likelier).
+
+
+def _check_acc(acc) -> None:
+    if not (isinstance(acc, (list, tuple)) and acc and all(isinstance(a, (list, tuple)) and a for a in acc)
+            and all(isinstance(x, (int, float)) and 0 <= x <= 1 for a in acc for x in a)):
+        raise ValueError(f"acc must be a non-empty list (one per head) of non-empty lists of "
+                         f"probabilities in [0, 1], got {acc!r}")
+
+
+def path_prob(acc, path) -> float:
+    """Acceptance probability of a node under independence: the product of acc along its path."""
+    return math.prod(acc[d][r] for d, r in enumerate(path))
+
+
+def expected_tau(acc, paths) -> float:
+    """Estimated tokens per step of a tree: 1 (the bonus token) + the sum of its nodes' path_prob."""
+    _check_acc(acc)
+    return 1.0 + sum(path_prob(acc, p) for p in tree_lib.build(paths).paths)
+
+
+def sparse(acc, budget: int) -> list:
+    """The greedy tree of `budget` non-root nodes. Candidates are the first child (rank 0, one depth
+    further, up to len(acc) heads) and the next sibling (next rank, up to len(acc[d])) of every
+    node taken so far, starting from the root's first child (0,). Ties go to the smaller path."""
+    _check_acc(acc)
+    room = sum(itertools.accumulate((len(a) for a in acc), lambda x, y: x * y))
+    if not isinstance(budget, int) or not 0 <= budget <= min(room, tree_lib.MAX_NODES - 1):
+        raise ValueError(f"budget must be an int in [0, {min(room, tree_lib.MAX_NODES - 1)}] for these {len(acc)} heads "
+                         f"and {[len(a) for a in acc]} ranks, got {budget!r}")
+    taken, frontier = [], [(-acc[0][0], (0,))]  # a heap of (-path_prob, path)
+    while len(taken) < budget:
+        p = heapq.heappop(frontier)[1]
+        taken.append(p)
+        d, r = len(p) - 1, p[-1]  # the node's head (0-based) and rank
+        sibling = [p[:-1] + (r + 1,)] if r + 1 < len(acc[d]) else []
+        child = [p + (0,)] if d + 1 < len(acc) else []
+        for q in sibling + child:
+            heapq.heappush(frontier, (-path_prob(acc, q), q))
+    return tree_lib.build(taken).paths
+
+
+# --- tree tuning ----------------------------------------------------------------------------------
+# Expected tokens/s of a tree = expected tau / (verify step + draft), both measured here.
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def kernel_table(model, device):
+    """--kernels: each fast twin of kernels.py at this model's shapes, the readable path against the
+    kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
+    results/kernels-cpu.md holds this table."""
+    c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
+    fast_attend = kernels_lib.attend if fast.attention == "cpu-bf16" else model_lib.attend
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
+    ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
+    rows = []
+    for what, B, T, S in (("attention, 1 query (decode)", 1, 1, 201), ("attention, 16 queries (tree)", 1, 16, 216),
+                          ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
+        q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
+        mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
+        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask)), ms(lambda: fast_attend(q, k, v, mask))))
+    # one row through every layer's down projection in turn, as a decode step reads them: from
+    # memory, not from a cache that one weight timed alone would sit in
+    w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
+    for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
+                          [layer.mlp.down_proj for layer in model.layers]),
+                         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
+        x = rand(1, layers[0].in_features)
+        pairs = [(m.weight, getattr(m, "packed", None)) for m in layers]   # packed: kernels.PackedLinear's copy
+        rows.append((what, ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
+                     ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
+                                 for weight, packed in pairs])))
+    steps = {}
+    for name, kernels in (("readable", readable), ("fast", fast)):
+        kernels_lib.use(model, kernels)
+        steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
+    kernels_lib.use(model, fast)
+    rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
+    rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
+    print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))
+    print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
+    for what, a, b in rows:
+        print(f"| {what} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+    return 0
+
+
+# Tree sizes expected within 1% of the fastest count as a tie, and the smallest of them is kept: the
+# held-out calibration overrates deep, low-ranked nodes on new prompts more than shallow ones
+# (hydra++ on the 5M-token data, eval prompts, bf16: tau 1.71 against 1.86 expected at 3 nodes,
+# 1.92 against 2.16 at 8), and a node costs a little beyond the step timed here (the heads' accept,
+# the tree's bookkeeping). Measured, interleaved, 3 runs: 3 nodes 106.5 tokens/s, 8 nodes 102.8.
+TREE_TIE = 0.01
+
+
+def smallest_within(rows, tie):
+    """The first row (the smallest tree) whose expected tokens/s is within `tie` of the best."""
+    top = max(r["tokens_per_s"] for r in rows)
+    return next(r for r in rows if r["tokens_per_s"] >= (1 - tie) * top)
+
+
+@torch.inference_mode()
+def tune_tree(args, model, prompts, device):
+    folder = cli.heads_folder(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
+    if folder is None:
+        raise cli.UsageError(f"--heads {args.heads}: no {args.heads} heads in --heads-dir {args.heads_dir}; give a heads folder")
+    heads, _ = cli.load_heads(folder, model)
+    try:
+        with open(os.path.join(folder, "eval.json")) as f:
+            acc = json.load(f)["rank_acceptance"][:heads.cfg.num_heads]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise cli.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
+    # a realistic cached prefix: eval prompts, encoded one after another
+    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    n_max = args.max_budget + 1
+    cache, head_cache = model.new_cache(len(prefix) + n_max), heads.new_cache(len(prefix) + n_max)
+    positions = torch.arange(len(prefix), device=device)
+    logits, hidden = model(torch.tensor([prefix], device=device), positions, None, cache, last_only=True)
+    cache.keep(range(len(prefix)))
+    h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
+    root = int(logits[0, -1].argmax())
+    rows = []
+    for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
+        paths = sparse(acc, budget)
+        t = tree_lib.build(paths)
+        plan = drafters.draft_plan(t)
+        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
+        tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
+        mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
+        step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
+        step(), step(), draft()  # warm-up
+        rows.append({"budget": budget, "depth": t.max_depth, "expected_tau": expected_tau(acc, paths),
+                     "paths": paths, "step": step, "draft": draft if budget else None, "step_s": [], "draft_s": []})
+    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+        for r in rows:
+            r["step_s"].append(timed(r["step"], device))
+            r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
+    for r in rows:
+        r["step_ms"], r["draft_ms"] = statistics.median(r["step_s"]) * 1e3, statistics.median(r["draft_s"]) * 1e3
+        r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
+    best = smallest_within(rows[1:], TREE_TIE)
+    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats, **distance_to_floor(model, device))
+    print(machine_line(mach) + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
+        print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
+    saved = cli.tuned_tree_file(folder, device, model.dtype)
+    tree_lib.save(best["paths"], saved)
+    print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
+          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")
+    if args.json:
+        with open(args.json, "w") as f:
+            keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
+            json.dump({"machine": mach, "trees": [{k: r[k] for k in keys} for r in rows],
+                       "chosen": best["budget"]}, f, indent=1)
+    if args.plots and (plt := plotting()) is not None:
+        os.makedirs(args.plots, exist_ok=True)
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        nodes = [r["budget"] + 1 for r in rows]
+        a.plot(nodes, [r["expected_tau"] for r in rows], marker=".")
+        b.plot(nodes, [r["tokens_per_s"] for r in rows], marker=".")
+        b.axvline(best["budget"] + 1, color="gray", linestyle="--", label="chosen")
+        a.set(xlabel="tree nodes (root included)", ylabel="expected tau")
+        b.set(xlabel="tree nodes (root included)", ylabel="expected tokens/s")
+        b.legend()
+        fig.suptitle(f"{os.path.basename(os.path.normpath(folder))}: {mach['hardware']}, {mach['dtype']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
+        print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
+
+
+# --- layers tuning --------------------------------------------------------------------------------
+# Self-speculative drafting with the first N layers: expected tokens/s of (N, gamma) = expected tau /
+# (gamma one-token forwards of N layers + one (gamma+1)-token forward of the model). A chain of gamma
+# drafts accepts min(a, gamma) where a chain of max_gamma accepts a (greedy), so one decoding run per
+# N with the longest chain gives the expected tau of every shorter one: 1 + P(a >= 1) + ... + P(a >= gamma).
+
+@torch.inference_mode()
+def tune_layers(args, model, prompts, device, eos):
+    if args.max_gamma < 1:
+        raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
+    L, G = model.cfg.n_layers, args.max_gamma
+    candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
+    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    P = len(prefix)
+    cache = model.new_cache(P + G + 1)
+    model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, cache, last_only=True)
+    cache.keep(range(P))
+    chain = torch.full((1, G + 1), prefix[-1], device=device)                     # (1, G+1) any tokens do
+    at_end = torch.tensor([P], device=device)                                      # (1,) the position after the prefix
+    verify = {g: lambda g=g: model(chain[:, :g + 1], P + torch.arange(g + 1, device=device), None, cache)
+              for g in range(1, G + 1)}
+    rows = []
+    for n in candidates:
+        drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, n, f"layers:{n}")
+        accepted = [a for _, _, ids in prompts for a in generate.generate(model, ids, args.max_new_tokens, drafter, eos_ids=eos).accepted]
+        dcache = model.new_cache(P + 1, num_layers=n)
+        model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, dcache, last_only=True, num_layers=n)
+        dcache.keep(range(P))
+        rows.append({"layers": n, "reach": generate.acceptance_by_depth(accepted, G), "draft_s": [],
+                     "draft": lambda n=n, dcache=dcache: model(chain[:, :1], at_end, None, dcache, num_layers=n)})
+    verify_s = {g: [] for g in verify}
+    plain = lambda: model(chain[:, :1], at_end, None, cache)
+    plain_s = []
+    for fn in [plain, *verify.values(), *(r["draft"] for r in rows)]:
+        fn()  # warm-up
+    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+        plain_s.append(timed(plain, device))
+        for g, fn in verify.items():
+            verify_s[g].append(timed(fn, device))
+        for r in rows:
+            r["draft_s"].append(timed(r["draft"], device))
+    plain_ms = statistics.median(plain_s) * 1e3
+    verify_ms = {g: statistics.median(v) * 1e3 for g, v in verify_s.items()}
+    table = []
+    for r in rows:
+        draft_ms = statistics.median(r["draft_s"]) * 1e3
+        for g in verify:
+            tau = 1 + sum(r["reach"][:g])
+            table.append({"layers": r["layers"], "gamma": g, "expected_tau": tau, "draft_ms": draft_ms, "verify_ms": verify_ms[g],
+                          "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3})
+    best = max(table, key=lambda t: t["tokens_per_s"])
+    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats, **distance_to_floor(model, device))
+    print(machine_line(mach) + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
+          "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    for n in candidates:
+        t = max((t for t in table if t["layers"] == n), key=lambda t: t["tokens_per_s"])
+        mark = " **<- chosen**" if t is best else ""
+        print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
+    speedup = best["tokens_per_s"] * plain_ms / 1e3
+    out = os.path.join(args.heads_dir, "layers.json")
+    with open(out, "w") as f:
+        json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
+                   "expected_speedup": speedup}, f, indent=1)
+    print(f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau {best['expected_tau']:.2f}, "
+          f"{speedup:.2f}x plain decoding{'' if speedup > 1 else ' (no setting beats plain decoding on this machine)'}; saved {out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": mach, "plain_ms": plain_ms, "rows": table, "chosen": {k: best[k] for k in ("layers", "gamma")}}, f, indent=1)
+
+
+# --- Jacobi's and lookahead's settings ------------------------------------------------------------
+
+# the values each setting may take; a GPU's best window may be past these: widen them there
+GRIDS = {"jacobi": {"gamma": (1, 2, 3, 4, 6, 8, 12, 16)},
+         "lookahead": {"window": (1, 2, 3, 4, 6, 8, 12, 16), "ngram": (2, 3, 4, 5, 6), "guesses": (1, 2, 3, 4, 6, 8, 12, 16)}}
+
+
+class Counted:
+    """`drafter`, recording the number of nodes (the forward's size) of every draft it makes."""
+
+    def __init__(self, drafter):
+        self.drafter, self.sizes = drafter, []
+        self.name, self.legend, self.max_nodes, self.max_depth = drafter.name, drafter.legend, drafter.max_nodes, drafter.max_depth
+
+    def start(self, prompt, hidden, max_len):
+        self.drafter.start(prompt, hidden, max_len)
+
+    def draft(self, root):
+        d = self.drafter.draft(root)
+        self.sizes.append(len(d.tokens))
+        return d
+
+    def accept(self, tokens, hidden, positions, logits):
+        self.drafter.accept(tokens, hidden, positions, logits)
+
+
+def make(kind, setting, model):
+    """A drafter of `kind` (jacobi, lookahead) at `setting`, for greedy decoding."""
+    return cli.make_drafter(kind, None, setting, model, None, None, None, 0.0, 1.0, None)
+
+
+def tuned_drafter(kind, folder, model):
+    """bench.py's jacobi or lookahead method: at the setting --tune-parallel saved in `folder` for
+    this model and machine, else at generate.py's defaults; and a note that says which."""
+    tuned = cli.tuned_parallel(folder, model, kind)
+    d = make(kind, cli.DRAFT_DEFAULTS[kind] | tuned, model)
+    return d, d.name + (" (tuned for this machine)" if tuned else " (untuned: run bench.py --tune-parallel)")
+
+
+def ascend(start: dict, grid: dict, score) -> dict:
+    """Coordinate ascent: from `start`, step to the neighbour (one setting one grid value up or
+    down) with the highest score while it beats the current setting; score(setting) is memoised."""
+    here = dict(start)
+    while True:
+        near = [here | {k: values[j]} for k, values in grid.items()
+                for j in (values.index(here[k]) - 1, values.index(here[k]) + 1) if 0 <= j < len(values)]
+        best = max(near, key=score)
+        if score(best) <= score(here):
+            return here
+        here = best
+
+
+def label(setting: dict) -> str:
+    return " ".join(f"{k} {v}" for k, v in setting.items())
+
+
+@torch.inference_mode()
+def tune_parallel(args, model, prompts, eos, machine):
+    """Search each kind's setting on this machine, print the table, save the choice; `machine` is
+    bench.machine()'s description of it (hardware, dtype, threads, step over the bandwidth floor)."""
+    dev = model.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    cache = model.new_cache(len(prefix) + tree_lib.MAX_NODES)
+    model(torch.tensor([prefix], device=dev), torch.arange(len(prefix), device=dev), None, cache, last_only=True)
+    cache.keep(range(len(prefix)))
+    times = {}
+
+    def step_ms(n):  # median ms of one forward of n nodes (causal among them) after the cached prefix
+        if n not in times:
+            ids = torch.full((1, n), prefix[-1], device=dev)                                       # (1, n)
+            at = len(prefix) + torch.arange(n, device=dev)                                         # (n,)
+            mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None        # (n, n)
+            samples = []
+            for _ in range(args.tune_repeats + 1):  # the first is a warm-up
+                sync()
+                t0 = time.perf_counter()
+                model(ids, at, mask, cache)
+                sync()
+                samples.append(time.perf_counter() - t0)
+            times[n] = statistics.median(samples[1:]) * 1e3
+        return times[n]
+
+    rows = {}
+
+    def score(kind, setting):  # expected tokens/s of decoding the prompts with `setting`
+        key = (kind, label(setting))
+        if key not in rows:
+            d = Counted(make(kind, setting, model))
+            tokens = steps = 0
+            for _, _, ids in prompts:
+                r = generate.generate(model, ids, args.max_new_tokens, d, eos_ids=eos)
+                tokens, steps = tokens + len(r.tokens), steps + r.steps
+            ms = (steps - len(d.sizes)) * step_ms(1) + sum(step_ms(n) for n in d.sizes)
+            rows[key] = {"kind": kind, **setting, "tau": tokens / steps, "mean_nodes": (steps - len(d.sizes) + sum(d.sizes)) / steps,
+                         "step_ms": ms / steps, "tokens_per_s": tokens / ms * 1e3}
+            print(f"[tune] {kind} {label(setting)}: tau {rows[key]['tau']:.2f}, {rows[key]['mean_nodes']:.1f} nodes a step, "
+                  f"expected {rows[key]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+        return rows[key]["tokens_per_s"]
+
+    chosen = {kind: ascend(cli.DRAFT_DEFAULTS[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in GRIDS.items()}
+    plain = 1e3 / step_ms(1)
+    mach = machine | {"prefix_tokens": len(prefix), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.tune_repeats}
+    print(machine_line(mach) + f"\n\nplain decoding: {step_ms(1):.1f} ms a step, {plain:.1f} tokens/s\n\n"
+          "| method | setting | tau | nodes a step | step ms | expected tokens/s | over plain |\n|---|---|---:|---:|---:|---:|---:|")
+    for (kind, name), r in rows.items():
+        mark = " **<- chosen**" if name == label(chosen[kind]) else ""
+        print(f"| {kind} | {name} | {r['tau']:.2f} | {r['mean_nodes']:.1f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
+              f"{r['tokens_per_s'] / plain:.2f}x{mark} |")
+    out = cli.tuned_tree_file(args.heads_dir, dev, model.dtype, "parallel")
+    expected = {kind: rows[kind, label(s)]["tokens_per_s"] / plain for kind, s in chosen.items()}
+    with open(out, "w") as f:
+        json.dump({"model": model.cfg.name, **chosen, "expected_speedup": expected, "machine": mach}, f, indent=1)
+    print("\nchosen: " + "; ".join(f"{kind} {label(s)} ({expected[kind]:.2f}x plain decoding)" for kind, s in chosen.items())
+          + f"; saved {out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": mach, "plain_tokens_per_s": plain, "rows": list(rows.values()), "chosen": chosen}, f, indent=1)
