@@ -55,7 +55,8 @@ import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead")
+           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead", "plain-int8", "hydra++-int8")
+OPT_IN = ("plain-int8", "hydra++-int8")  # run only when named: on an int8 copy of the model (--quantize's)
 
 
 def build_parser():
@@ -106,7 +107,7 @@ class Method:
     run: Callable
     greedy: bool    # its output must equal plain decoding's (an adapted model's: how far it moved)
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
-    adapted: bool = False  # decodes a copy of the model changed by its heads' LoRA delta (joint.py)
+    adapted: bool = False  # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 weights
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -178,7 +179,7 @@ def load_heads(args, name, folder, model, asked):
 
 def build_methods(args, model, tokenizer, eos, device, dtype):
     """The methods asked for, and a note for each one skipped."""
-    wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    wanted = [m for m in METHODS if m not in OPT_IN] if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in wanted if m not in METHODS]:
         raise cli.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     asked = set() if args.methods == "all" else set(wanted)  # named: a missing one is an error, not a skip
@@ -188,6 +189,16 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
+        elif name in OPT_IN:  # the same method on an int8 copy: how many replies keep the model's, and tau
+            if "int8" not in loaded:
+                loaded["int8"] = kernels_lib.quantize_int8(checkpoint.load(args.model, device, dtype)[0])
+            q, kind = loaded["int8"], name.removesuffix("-int8")
+            folder = cli.heads_folder(args.heads_dir, kind) if kind != "plain" else None
+            if kind != "plain" and folder is None:
+                raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}")
+            heads = checkpoint.load_heads(folder, q) if folder else None
+            d = drafters.HeadsDrafter(heads, cli.load_tree("auto", heads, folder)) if heads else None
+            methods[name] = Method(name, ours(q, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth if d else 0, adapted=True)
         elif name == "lookup":
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
@@ -495,8 +506,8 @@ def main(args):
     print(tables(res, mach))
     for name, r in res.items():
         if methods[name].adapted:
-            print(f"[bench] {name} decodes its adapted model: {len(prompts) - len(r['differs_on'] or [])} of {len(prompts)} "
-                  "replies keep the original model's greedy reply", file=sys.stderr)
+            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta or int8): {len(prompts) - len(r['differs_on'] or [])} "
+                  f"of {len(prompts)} replies keep the original model's greedy reply", file=sys.stderr)
         elif r["identical"] is False:
             why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "
                                                      "from a 1-token one, so near-ties can flip; fp32 is exact)")
