@@ -43,17 +43,16 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import checkpoint
-import kernels
 import dataset
-from kernels import bucket
+import kernels
 from cli import MAX_SEED, Parser, UsageError, notice, pick_device, pick_dtype, run, writable_file, writable_folder
+from kernels import bucket
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# Sane ranges of the numeric flags (inclusive), checked before anything loads and shown in --help.
-# Once the model is loaded, --teacher-k and --kept-tokens must also fit its vocabulary and
-# --max-answer-tokens its context.
+# Sane ranges of the numeric flags (inclusive), checked before anything loads and shown in --help;
+# once the model is loaded, --teacher-k, --kept-tokens and the lengths must also fit it.
 RANGES = {
     "--num-prompts": (2, 10_000_000),     # one conversation is held out, at least one trains
     "--max-answer-tokens": (1, 32768),
@@ -417,11 +416,9 @@ class StopFlag:
 
     def __enter__(self):
         self.signum = 0
-        self.previous = {s: signal.signal(s, self.catch) for s in (signal.SIGINT, signal.SIGTERM)}
+        catch = lambda signum, frame: setattr(self, "signum", signum)
+        self.previous = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
-
-    def catch(self, signum, frame):
-        self.signum = signum
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -472,9 +469,8 @@ def curve_point(step, tokens, report):
     return dict(step=step, tokens=tokens, chain_tau=round(report["chain_tau"], 4), top1=[round(a, 4) for a in report["top1"]])
 
 
-def eval_line(step, report):
-    return (f"[eval step {step}] top1 " + " ".join(f"{a:.2f}" for a in report["top1"]) + " | top5 " +
-            " ".join(f"{a:.2f}" for a in report["top5"]) + f" | chain tau {report['chain_tau']:.2f}")
+def eval_line(step, r):
+    return f"[eval step {step}] top1 {' '.join(f'{a:.2f}' for a in r['top1'])} | top5 {' '.join(f'{a:.2f}' for a in r['top5'])} | chain tau {r['chain_tau']:.2f}"
 
 
 def train(model, data, out, args):
@@ -608,8 +604,7 @@ def init_distributed(device):
 
 
 def data_model(model, dtype):
-    """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16,
-    where bf16 is fast (the data stage runs 3-4x faster in bf16 on a CPU with native bf16)."""
+    """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16."""
     import copy
     dtype = pick_dtype(dtype, model.device.type)
     if dtype == model.dtype:
@@ -621,13 +616,10 @@ def data_model(model, dtype):
     return writer
 
 
-# Bad input is caught where it enters, each check as early as what it needs allows: the flags and
-# paths before anything loads, what depends on the model right after it loads, a --resume
-# checkpoint's flags before any data is built (which can take hours).
+# Bad input is caught as early as what it needs allows: flags and paths before anything loads.
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler, a session that ends, `kill`) while the data is built: stops it as
-    Ctrl-C does, so the finished shards are kept and the [data] summary is printed."""
+    """SIGTERM while the data is built: stops it as Ctrl-C does (the finished shards are kept)."""
 
 
 def raise_terminated(signum, frame):
