@@ -199,3 +199,12 @@ def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
         return -(s["a"] - 4) ** 2 - (s["b"] - 1) ** 2
     assert tuning.ascend({"a": 1, "b": 3}, grid, score) == {"a": 4, "b": 1}
     assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping
+
+
+def test_int8_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys, tmp_path, tiny_model_dir):
+    """plain-int8 runs only when named, on an int8 copy of the model, in the same run as plain."""
+    code, out, err = run_bench(capsys, "--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2,
+                               "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", "plain,plain-int8")
+    assert code == 0 and "| plain-int8 |" in out, err
+    assert "plain-int8 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
+    assert "int8" not in " ".join(B.build_parser().parse_args([]).methods) and "plain-int8" not in B.METHODS[:-2]
