@@ -207,4 +207,3 @@ def test_int8_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys
                                "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", "plain,plain-int8")
     assert code == 0 and "| plain-int8 |" in out, err
     assert "plain-int8 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
-    assert "int8" not in " ".join(B.build_parser().parse_args([]).methods) and "plain-int8" not in B.METHODS[:-2]
