@@ -217,6 +217,9 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
         raise LoadError(f"{path}: {e}; fix it or pass another model") from None
     if name_or_path != DEFAULT and cfg.name in ("", None):
         cfg.name = name_or_path
+    if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise LoadError(f"{folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); copy the model's "
+                        "tokenizer files next to its config.json")
     with torch.device("meta"):
         model = Transformer(cfg)
     state = read_weights(folder)
@@ -233,7 +236,11 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = Rope(cfg)  # built on the meta device above: make the real frequencies
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        raise LoadError(f"{folder}: its tokenizer cannot be read ({' '.join(str(e).split())[:160]}); "
+                        "copy the model's tokenizer files next to its config.json") from None
     return kernels.use(model), tokenizer
 
 

@@ -510,6 +510,8 @@ def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
 
 def encode_prompts(prompts, tokenizer, args, context):
     """[(id, token ids)] of the prompts, each with room for --max-new-tokens in the model's context."""
+    if not args.raw and not tokenizer.chat_template:
+        notice("the model's tokenizer has no chat template: the prompt is given as plain text (as with --raw)")
     encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text, _ in prompts]
     for pid, ids in encoded:
         which = "the prompt" if args.prompts is None else f"prompt {pid}"

@@ -118,7 +118,7 @@ def build_parser():
     p.add_argument("--overwrite", action="store_true", help="start afresh in an --out folder that holds a previous run's files "
                    "(its heads, checkpoint, eval.json and tuned trees are replaced; other files are left alone); without it such a folder is refused")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out, exactly where it stopped; "
-                   "flags that shape the training must be the checkpoint's (refused otherwise), --eval-every and --save-every may change")
+                   "flags that shape the training must be the checkpoint's (refused otherwise); --eval-every, --save-every and --epochs may change")
     p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)" + span("--seed"))
     return p
 
@@ -328,7 +328,7 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
 # or another recipe; only flags that never touch the weights may change, and a notice says so.
 
 STATE = "state.pt"
-RESUME_MAY_CHANGE = ("eval_every", "save_every")                # the new value is used
+RESUME_MAY_CHANGE = ("eval_every", "save_every", "epochs")      # the new value is used (epochs: the schedule stretches)
 NOT_RECORDED = ("resume", "overwrite", "skip_bad", "out", "work", "device", "model", "data", "export_conversations", "continue_from")  # places; model and data: by identity
 SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "max_prompt_tokens", "gen_batch", "answer_temperature", "seeds")
 

@@ -211,3 +211,14 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
     out, err = capsys.readouterr()
     assert out == "" and "[model] converting model.gguf" in err
     assert checkpoint.cache_is_valid(str(tmp_path / "converted"))
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path, tiny_model_dir):
+    import shutil
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, folder)
+    for f in folder.iterdir():
+        if f.name.startswith("tokenizer"):
+            f.unlink()
+    with pytest.raises(checkpoint.LoadError, match=r"no-tokenizer has no tokenizer \(tokenizer.json"):
+        checkpoint.load(str(folder))

@@ -8,6 +8,7 @@ Most cases call train.cli_main(argv) in-process, with model.load replaced by a t
 fail before the model loads) or on a tiny random Llama saved to a folder (conftest.tiny_model_dir);
 two run `python train.py` in a subprocess, as a user meets it.
 """
+import io
 import json
 import os
 import signal
@@ -169,7 +170,6 @@ def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_
         check_one_line_error(*run_train(capsys, *common, "--resume", "--lr", 0.01, "--seed", 3)[::2],
                              "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
                              "start afresh with another --out")
-        check_one_line_error(*run_train(capsys, *common, "--resume", "--epochs", 2)[::2], "--epochs 2 (checkpoint: 1)")
     assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
 
     code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)  # harmless: the new value is used
@@ -179,6 +179,10 @@ def test_resume_with_other_flags_is_refused_or_noticed(capsys, monkeypatch, tmp_
     code, _, err = run_train(capsys, *common[:2], "--data", other, *common[4:], "--resume")
     check_one_line_error(code, err.strip().splitlines()[-1], "written for other heads or data (data: 30 conversations")
     assert (out / T.STATE).read_bytes() == state
+
+    code, _, err = run_train(capsys, *common, "--resume", "--epochs", 2)      # a finished run trains on
+    assert code == 0 and "notice: --epochs 2 (checkpoint: 1): the new value is used" in err, err
+    assert T.read_checkpoint(str(out))["step"] > torch.load(io.BytesIO(state), weights_only=True)["step"]
 
 
 def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(capsys, monkeypatch, tmp_path, tiny_model_dir):
