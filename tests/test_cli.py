@@ -573,3 +573,15 @@ def test_colour_codes_only_on_a_terminal(capsys, monkeypatch, tmp_path, tiny_mod
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     code, out, err = run_cli(capsys, *argv)
     assert code == 0 and "\033[" in out and "notice: --show" not in err  # the tiny model repeats: drafts are accepted
+
+
+def test_a_model_without_a_chat_template_is_said_so(capsys, tmp_path, tiny_model_dir):
+    import shutil
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "--model", folder, "--heads", "none", "--prompt", "Hi", "--max-new-tokens", 2, "--dtype", "fp32")
+    assert code == 0 and "notice: the model's tokenizer has no chat template" in err, err
