@@ -596,7 +596,10 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     batch, size, n = [], 0, 0
-    for i, (ids, loss) in enumerate(tqdm(convs, desc="features", disable=None)):
+    bar, t0 = tqdm(convs, desc="features", disable=None), time.time()
+    for i, (ids, loss) in enumerate(bar):
+        if bar.disable and i and i % max(1, len(convs) // 10) == 0:  # no bar (a log file): a line every tenth
+            print(f"[features] {i}/{len(convs)} conversations, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         ids = ids[:model.cfg.max_seq_len]
         logits, hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device))
         top = logits[0, :-1].float().softmax(-1).topk(top_k, dim=-1)         # (T-1, k)

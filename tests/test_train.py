@@ -777,3 +777,12 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()
     assert torch.allclose(got, want, atol=0.05, rtol=0.05)
     assert T.data_model(base, "fp32") is base
+
+
+def test_the_features_pass_reports_progress_without_a_terminal(capsys, tmp_path):
+    """Under a log file (no progress bar) the features pass prints a line every tenth of the way."""
+    base = tiny_base()
+    convs = [([1, 2, 3, 4, 5, 6], [False, False, True, True, True, True]) for _ in range(20)]
+    D.features_of(base, convs, str(tmp_path / "f"), top_k=4)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[features]")]
+    assert len(lines) == 9 and lines[0].startswith("[features] 2/20 conversations")
