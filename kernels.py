@@ -52,7 +52,7 @@ import model
 
 @dataclass(frozen=True)
 class Kernels:
-    attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() below
+    attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
     int8: bool = False       # linear layers run through int8 copies of their weights (quantize_int8)
 
@@ -60,6 +60,8 @@ class Kernels:
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
         """The fast kernels for weights of `weight_bytes` on `device` in `dtype`; Kernels() (the
         readable path) off the CPU, and where nothing here is faster."""
+        if torch.device(device).type == "cuda":
+            return Kernels(attention="expanded-kv")
         if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return Kernels()
         bf16_kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -143,6 +145,16 @@ def attend(q, k, v, mask):
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
 
 
+def attend_expanded(q, k, v, mask):
+    """model.attend's twin on a GPU: an explicit mask together with enable_gqa leaves SDPA only its
+    slowest (math) backend; with the key and value heads repeated to the query heads, the
+    memory-efficient one takes the mask (a tree, padding, a causal prefill)."""
+    if mask is None or k.shape[1] == q.shape[1]:
+        return model.attend(q, k, v, mask)
+    G = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
+
+
 class FastAttention(model.Attention):
     """model.Attention's twin: q, k and v out of one prepacked product (one call, not three), and
     attend() above where the kernels say "cpu-bf16"."""
@@ -163,6 +175,8 @@ class FastAttention(model.Attention):
         return linear(x, self.packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
 
     def attend(self, q, k, v, mask):
+        if self.kernels.attention == "expanded-kv":
+            return attend_expanded(q, k, v, mask)                              # (B, H, T, Dh)
         if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
             return super().attend(q, k, v, mask)
         return attend(q, k, v, mask)                                           # (B, H, T, Dh)

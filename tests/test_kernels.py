@@ -47,14 +47,18 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     for name in ("prepack", "linear", "attend"):
         monkeypatch.setattr(kernels, name, unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
+    cuda = Kernels(attention="expanded-kv")                  # the one GPU twin: attention that keeps SDPA's fused kernels
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert Kernels.choose("cuda", dtype) == Kernels.choose(torch.device("cuda", 1), dtype, 10 ** 9) == Kernels()
+        assert Kernels.choose("cuda", dtype) == Kernels.choose(torch.device("cuda", 1), dtype, 10 ** 9) == cuda
         assert Kernels.choose("meta", dtype) == Kernels()
     with torch.device("meta"):
         meta = model_lib.Transformer(tiny_config())
     for m in (meta, meta.to(torch.bfloat16)):
         kernels.use(m)
         assert kernels.in_use(m) == Kernels() and not any(type(x) in kernels.READABLE for x in m.modules())
+        kernels.use(m, cuda)                                 # as on a GPU: only the attention layers swap
+        assert {type(x) for x in m.modules() if type(x) in kernels.READABLE} == {kernels.FastAttention}
+        kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
 
 
@@ -401,3 +405,16 @@ def test_an_int8_model_decodes_speculatively_as_it_decodes_plainly():
     assert spec.tokens == plain.tokens
     kernels.use(base, kernels.Kernels())
     assert type(base.lm_head) is nn.Linear
+
+
+def test_expanded_kv_attention_equals_the_readable_one_with_every_kind_of_mask(tiny):
+    """The GPU twin, checked on the CPU: a tree mask, padding in a batch, a causal prefill."""
+    torch.manual_seed(0)
+    B, H, Hkv, T, S, Dh = 2, 4, 2, 5, 9, 8
+    q, k, v = torch.randn(B, H, T, Dh), torch.randn(B, Hkv, S, Dh), torch.randn(B, Hkv, S, Dh)
+    tree = torch.ones(T, T, dtype=torch.bool).tril()
+    tree[3, 1] = False
+    key_mask = torch.ones(B, S, dtype=torch.bool)
+    key_mask[1, :2] = False
+    for mask in (None, model_lib.attention_mask(T, S - T, tree, None, "cpu"), model_lib.attention_mask(T, S - T, None, key_mask, "cpu")):
+        torch.testing.assert_close(kernels.attend_expanded(q, k, v, mask), model_lib.attend(q, k, v, mask))
