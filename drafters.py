@@ -148,12 +148,14 @@ class DepthPlan:                 # what drafting needs at one depth d, computed 
     k: int                       # top-k needed at this depth
 
 
-def draft_plan(tree):
+def draft_plan(tree, device="cpu"):
+    """The plan of every depth, its index tensors on `device` once (not copied there every step)."""
     plan = []
     for d, nodes in enumerate(tree.by_depth, start=1):
         parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
         paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)  # ancestors, in depth order
-        plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
+        on = lambda t: t.to(device)
+        plan.append(DepthPlan(on(nodes), on(tree.rank[nodes]), on(row), on(paths), int(tree.rank[nodes].max()) + 1))
     return plan
 
 
@@ -175,7 +177,7 @@ class HeadsDrafter:
     def __init__(self, heads, tree):
         assert tree.max_depth <= heads.cfg.num_heads, "tree deeper than the heads"
         dev = heads.lm_head.weight.device
-        self.heads, self.tree, self.plan = heads, tree, draft_plan(tree)
+        self.heads, self.tree, self.plan = heads, tree, draft_plan(tree, dev)
         self.mask, self.depth = tree.mask.to(dev) if tree.num_nodes > 1 else None, tree.depth.to(dev)
         self.source = tree.depth.tolist()  # node i is head depth[i]'s guess; the root (0) the base model's
         self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"

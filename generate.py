@@ -129,11 +129,11 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
         logits, hidden = model(d.tokens[None], positions, d.mask, cache)            # (1, N, V), (1, N, D)
         n = d.candidates                                          # the tree; nodes after it are computed only
         nodes, bonus = verifier(logits[0, :n].float(), d.tokens[:n], d)             # (n, V), (n,)
-        cache.keep(nodes)  # slots [0, length): the prompt and every emitted token but the bonus
+        kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()  # the root and accepted drafts, their nodes
+        cache.keep(path)  # slots [0, length): the prompt and every emitted token but the bonus
         out.steps += 1
-        kept = d.tokens[nodes].tolist()                                             # the root, accepted drafts
         before = len(out.tokens)
-        done = emit(kept[1:] + [bonus], [d.source[i] for i in nodes[1:].tolist()] + [0])
+        done = emit(kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0])
         out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))          # drafts emitted (EOS, length)
         if not done:
             drafter.accept(kept, hidden[:, nodes], positions[nodes], logits[0])

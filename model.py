@@ -120,9 +120,12 @@ class KVCache:
         """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix: accepted
         nodes only, never a node that was computed but not verified."""
         n, start = len(idx), self.length
-        idx = torch.as_tensor(idx, device=self.k.device)
-        if not torch.equal(idx, torch.arange(n, device=idx.device)):  # a plain step keeps 0..n-1 in place
-            src = start + idx
+        if isinstance(idx, torch.Tensor):
+            in_place = torch.equal(idx, torch.arange(n, device=idx.device))
+        else:
+            in_place = list(idx) == list(range(n))  # known on the host: no wait for the device
+        if not in_place:  # a plain step keeps 0..n-1 where they are
+            src = start + torch.as_tensor(idx, device=self.k.device)
             self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
             self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
         self.length += n

@@ -81,14 +81,6 @@ def _accepted_prefixes(ok: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torc
     return length, last
 
 
-def _path_to(node: int, tree: Tree, device: torch.device) -> torch.Tensor:
-    """Node indices from the root down to `node`, as a 1-D long tensor."""
-    nodes = [node]
-    while nodes[-1] != 0:
-        nodes.append(int(tree.parent[nodes[-1]]))
-    return torch.tensor(nodes[::-1], dtype=torch.long, device=device)
-
-
 # --- greedy -------------------------------------------------------------------------------------
 # A node is accepted iff its token is the argmax at its parent and its parent is accepted. The
 # output is token-identical to plain greedy decoding with the base model.
@@ -102,9 +94,9 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
     ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
     ok[1:] = tokens[1:] == best[tree.parent[1:].to(tokens.device)]             # (N-1,)
     length, last = _accepted_prefixes(ok, tree)                                # (L,), (L,)
-    score = length * n - last                           # (L,) longest first, then lowest end index
-    end = int(last[score.argmax()])
-    return _path_to(end, tree, tokens.device), int(best[end])
+    leaf = (length * n - last).argmax()                 # () longest first, then lowest end index
+    accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
+    return tree.retrieve.to(tokens.device)[leaf, :accepted], bonus             # (accepted,) root..end
 
 
 # --- typical acceptance -------------------------------------------------------------------------
@@ -139,9 +131,10 @@ def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature:
     kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]   # (L, D)
     total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)     # (L,)
     total = total.masked_fill(length < length.max(), -torch.inf)               # only the longest compete
-    end = int(last[total.argmax()])
-    bonus = sample(logits_to_probs(logits[end], temperature, top_p), generator)
-    return _path_to(end, tree, tokens.device), int(bonus)
+    leaf = total.argmax()                                                      # ()
+    bonus = sample(logits_to_probs(logits[last[leaf]], temperature, top_p), generator)
+    accepted, bonus = torch.stack([length[leaf], bonus]).tolist()              # the one transfer
+    return rows[leaf, :accepted], bonus                                        # (accepted,) root..end
 
 
 # --- speculative sampling -----------------------------------------------------------------------
@@ -162,27 +155,41 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
     """
     _check_shapes(logits, tokens, tree)
     probs = logits_to_probs(logits, temperature, top_p)                        # (N, V) one batched call
-    token = tokens.tolist()
-    nodes, residual = [0], probs[0].clone()                                    # (V,)
+    n = tree.num_nodes
+    parent = tree.parent[1:].to(tokens.device)                                 # (N-1,)
+    u = torch.rand(n - 1, device=probs.device, generator=generator)           # (N-1,) a draw for each child
+    # the walk needs only q(child's token) at its parent, and the draws: one transfer
+    token, q, u = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist() if n > 1 else ([], [], [])
+    nodes, rejected = [0], []                                                  # path; tokens zeroed at its end
     while True:
-        accepted = None
+        accepted, mass = None, 1.0                                             # mass: what q' still holds
         for c in tree.children[nodes[-1]]:
-            u = torch.rand((), device=probs.device, generator=generator)
-            if u < residual[token[c]]:  # a token already zeroed (a duplicate sibling) is rejected here
+            t = token[c - 1]
+            held = 0.0 if t in rejected else q[c - 1]                          # a duplicate sibling was zeroed
+            if u[c - 1] * mass < held:                                         # u < q'(c) = held / mass
                 accepted = c
                 break
-            residual[token[c]] = 0.0
-            mass = residual.sum()
+            rejected.append(t)
+            mass -= held
             if mass <= 0:  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
-                residual = probs[nodes[-1]].clone()
+                rejected = []
                 break
-            residual /= mass
         if accepted is None:
             break
         nodes.append(accepted)
-        residual = probs[accepted].clone()
-    bonus = sample(residual, generator)
-    return torch.tensor(nodes, dtype=torch.long, device=tokens.device), int(bonus)
+        rejected = []
+    # the bonus ~ q' at the path's end: q without the children tried there (on the device, no copy
+    # of the host's lists): a child is tried iff it is among the first len(rejected) of its parent's
+    end, tried = nodes[-1], len(rejected)
+    rank = tree.rank[1:].to(probs.device)                                      # (N-1,)
+    before = ((parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])).sum(-1)  # (N-1,) siblings tried first
+    drop = ((parent == end) & (before < tried)).float()                        # (N-1,)
+    zero = torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax") if n > 1 else 0.0  # (V,)
+    residual = probs[end] * (1 - zero)                                         # (V,)
+    bonus = int(sample(residual / residual.sum(), generator))
+    rows = tree.retrieve.to(tokens.device)                                     # (L, D) the path from a leaf below end
+    leaf = (rows[:, len(nodes) - 1] == end).int().argmax()                     # ()
+    return rows[leaf, :len(nodes)], bonus
 
 
 # --- speculative sampling of sampled drafts -----------------------------------------------------

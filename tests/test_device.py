@@ -131,3 +131,36 @@ def test_a_generator_on_another_device_is_named_before_decoding():
     on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")   # a device that is not the generator's
     with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
         G.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
+
+
+# --- host-device synchronisations ----------------------------------------------------------------
+# On CUDA these calls wait for the device (a value comes back) or copy from the host: counted on
+# the CPU by name. The decode loop should make few of them a step, whatever the drafter.
+
+SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal", "nonzero", "tensor", "as_tensor"}
+
+
+class SyncCounter(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += getattr(func, "__name__", "") in SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", [None, *heads_lib.KINDS])
+@pytest.mark.parametrize("verify", ["greedy", "typical", "sample"])
+def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
+    """Plain decoding and each head kind under each verifier: the verifier brings back what the step
+    needs in one transfer, the loop takes the kept tokens and their nodes in one more, and the KV
+    cache learns from the host whether they are already in place."""
+    heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), small).eval() if kind else None
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    drafter = drafters.HeadsDrafter(heads, tree) if heads else None
+    temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
+    G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)      # warm-up: trees built once
+    with SyncCounter() as count:
+        r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
+    assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
