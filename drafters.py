@@ -6,29 +6,22 @@ one forward and verify.py keeps an acceptable path. Eight drafters, one interfac
 
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
-    Lookup(gamma, ngram, matches)    prompt lookup (LLMA): copy what followed the last n tokens
-                                     earlier in the prompt or the reply; no model, no training
-    ModelDrafter(model, gamma, ...)  a smaller model sharing the tokenizer drafts a chain token by
-                                     token; with num_layers=N, the base model's own first N layers
-                                     (self-speculative, no extra weights)
-    HeadsPlusLookup(heads, lookup)   both trees in one, shared prefixes drafted once
-    heads_and_lookup(heads, ...)     the same, with the rules that make the pair pay
-    Jacobi(gamma)                    Jacobi decoding: the model's own outputs of last step, as guesses
-    Lookahead(window, ngram, guesses)   lookahead decoding: n-grams from a window of Jacobi
-                                     trajectories computed in the same forward; no training either
+    Lookup(gamma, ngram, matches)    prompt lookup: copy what followed the last n tokens earlier
+    ModelDrafter(model, gamma, ...)  a smaller model (or the base's first N layers) drafts a chain
+    HeadsPlusLookup(heads, lookup)   both trees in one (heads_and_lookup: with the rules that pay)
+    Jacobi(gamma)                    the model's own outputs of last step, as guesses
+    Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same forward
 
-    d.start(prompt, hidden, max_len)      a new sequence: the prompt ids and the base model's hidden
+    d.start(prompt, hidden, max_len)      a new sequence: the prompt ids, the base model's hidden
                                           states over them (1, T, D), room for max_len positions
     d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
-    d.accept(tokens, hidden, positions, logits)   what the base model committed: the root and the
-                                          accepted drafts, their hidden states (1, n, D) and positions
-                                          (n,); and its logits (N, V) at every node of the step, kept
-                                          or not (Jacobi and lookahead draft from those)
+    d.accept(tokens, hidden, positions, logits)   what the base model committed (the root and the
+                                          accepted drafts, their hidden states and positions) and its
+                                          logits (N, V) at every node of the step, kept or not
     d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
 
-Test: `python -m pytest -q tests/test_drafters.py`.
-Shapes: N tree nodes (root included), G drafted tokens of a chain (gamma), V vocabulary, D hidden,
-T new tokens of one forward, P parent nodes at one depth, M computed-only nodes (a window).
+Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
+tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
 """
 import itertools
 from collections import Counter

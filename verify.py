@@ -155,8 +155,7 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
     """
     _check_shapes(logits, tokens, tree)
     probs = logits_to_probs(logits, temperature, top_p)                        # (N, V) one batched call
-    n = tree.num_nodes
-    parent = tree.parent[1:].to(tokens.device)                                 # (N-1,)
+    n, parent = tree.num_nodes, tree.parent[1:].to(tokens.device)              # (N-1,)
     u = torch.rand(n - 1, device=probs.device, generator=generator)           # (N-1,) a draw for each child
     # the walk needs only q(child's token) at its parent, and the draws: one transfer
     token, q, u = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist() if n > 1 else ([], [], [])
@@ -178,18 +177,14 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
             break
         nodes.append(accepted)
         rejected = []
-    # the bonus ~ q' at the path's end: q without the children tried there (on the device, no copy
-    # of the host's lists): a child is tried iff it is among the first len(rejected) of its parent's
-    end, tried = nodes[-1], len(rejected)
-    rank = tree.rank[1:].to(probs.device)                                      # (N-1,)
+    # bonus ~ q' at the end: q without the first len(rejected) children tried there, on the device
+    end, rank = nodes[-1], tree.rank[1:].to(probs.device)                      # (N-1,)
     before = ((parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])).sum(-1)  # (N-1,) siblings tried first
-    drop = ((parent == end) & (before < tried)).float()                        # (N-1,)
+    drop = ((parent == end) & (before < len(rejected))).float()                # (N-1,)
     zero = torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax") if n > 1 else 0.0  # (V,)
-    residual = probs[end] * (1 - zero)                                         # (V,)
-    bonus = int(sample(residual / residual.sum(), generator))
+    bonus = int(sample(probs[end] * (1 - zero) / (probs[end] * (1 - zero)).sum(), generator))
     rows = tree.retrieve.to(tokens.device)                                     # (L, D) the path from a leaf below end
-    leaf = (rows[:, len(nodes) - 1] == end).int().argmax()                     # ()
-    return rows[leaf, :len(nodes)], bonus
+    return rows[(rows[:, len(nodes) - 1] == end).int().argmax(), :len(nodes)], bonus
 
 
 # --- speculative sampling of sampled drafts -----------------------------------------------------
