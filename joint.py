@@ -64,13 +64,6 @@ class LoRA(nn.Module):
     def forward(self, x):
         return self.linear(x) + (x @ self.A.T @ self.B.T) * self.scale
 
-    def delta(self):
-        return self.scale * self.B @ self.A                                                           # (out, in)
-
-    @property
-    def weight(self):  # for code that reads a projection's weight instead of calling it: W + delta
-        return self.linear.weight + self.delta()
-
 
 def submodule(module, path):
     for name in path.split("."):
