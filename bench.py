@@ -47,7 +47,6 @@ import cli
 import drafters
 import generate
 import heads as heads_lib
-import joint
 import kernels as kernels_lib
 import tuning
 from tuning import distance_to_floor, kernel_table, machine, machine_line, plotting, sync, tune_layers, tune_tree
@@ -165,9 +164,9 @@ def load_heads(args, name, folder, model, asked):
     base model when --methods is all. Joint heads draft for a copy of the model with their LoRA
     delta merged in."""
     try:
-        if joint.has_delta(folder):
+        if checkpoint.has_delta(folder):
             model, _ = checkpoint.load(args.model, model.device, model.dtype)
-            print(f"[bench] {name}: {joint.merge_delta(model, folder)}", file=sys.stderr)
+            print(f"[bench] {name}: {checkpoint.merge_delta(model, folder)}", file=sys.stderr)
             if args.quantize == "int8":
                 kernels_lib.quantize_int8(model)
         return checkpoint.load_heads(folder, model), model

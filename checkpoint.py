@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import kernels
 from heads import HeadsConfig, HeadsError, build
-from model import Config, Rope, Transformer
+from model import Config, Rope, Transformer, lm_head_fingerprint
 
 SUPPORTED = ("llama", "mistral")  # architectures model.py computes exactly (model_type in config.json)
 DEFAULT = "default"               # name of the embedded default model
@@ -305,6 +305,36 @@ def load_heads(folder, base):
 
 
 # --- as a script: load a model, print a short greedy reply ---------------------------------------
+
+# --- a LoRA delta beside joint heads (joint.py) -------------------------------------------------
+# Heads trained with the base model's last layers (Medusa-2) come with those layers' change:
+# merged into the weights at load, so decoding costs nothing more.
+
+DELTA, DELTA_CONFIG = "lora.safetensors", "lora.json"
+
+
+def has_delta(folder):
+    return os.path.isfile(os.path.join(folder, DELTA_CONFIG))
+
+
+@torch.no_grad()
+def merge_delta(model, folder):
+    """W += (alpha / r) B A for every adapted projection of `model`, in place (the heads in `folder`
+    were trained with the base model changed so). Returns a one-line description."""
+    with open(os.path.join(folder, DELTA_CONFIG)) as f:
+        cfg = json.load(f)
+    if cfg.get("base_fingerprint") != lm_head_fingerprint(model):
+        raise HeadsError(f"{folder}/{DELTA}: its LoRA delta was trained for another base model; use that model")
+    tensors = load_file(os.path.join(folder, DELTA))
+    scale = cfg["alpha"] / cfg["rank"]
+    for key in sorted({k.rsplit(".", 1)[0] for k in tensors}):
+        layer, path = key.split(".", 1)
+        weight = model.layers[int(layer)].get_submodule(path).weight
+        delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()     # (out, in)
+        weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+    kernels.use(model)  # the fast kernels' copies of the weights are made again from the merged ones
+    return f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the heads' LoRA delta (rank {cfg['rank']})"
+
 
 def main(argv=None) -> int:
     """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.

@@ -293,12 +293,11 @@ def heads_folder(heads_dir, kind):
     """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
     train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name) sub-folder;
     or None. A joint kind (medusa-2) is heads of its frozen kind (medusa) with a LoRA delta."""
-    import joint  # heads trained with the base model's last layers
     frozen = kind.removesuffix("-2")
     for folder in (heads_dir, os.path.join(heads_dir, kind), os.path.join(heads_dir, "heads-" + kind)):
         try:
             with open(os.path.join(folder, checkpoint.HEADS_CONFIG)) as f:
-                if json.load(f).get("kind") == frozen and joint.has_delta(folder) == (kind != frozen):
+                if json.load(f).get("kind") == frozen and checkpoint.has_delta(folder) == (kind != frozen):
                     return folder
         except (OSError, ValueError, AttributeError):
             continue
@@ -309,14 +308,13 @@ def load_heads(name, model):
     """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder).
     Heads trained jointly with the base model (joint.py) bring a LoRA delta: it is merged into the
     model's weights here, so the model is changed from then on (a notice says how)."""
-    import joint  # heads trained with the base model's last layers
     folder = find_heads(name)
     if folder is None:
         return None, None
     try:
         heads = checkpoint.load_heads(folder, model)
-        if joint.has_delta(folder):
-            notice(joint.merge_delta(model, folder) + "; --heads none decodes with the original model")
+        if checkpoint.has_delta(folder):
+            notice(checkpoint.merge_delta(model, folder) + "; --heads none decodes with the original model")
         return heads, folder
     except heads_lib.HeadsError as e:
         if name == "auto":

@@ -38,7 +38,6 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import cli
 import dataset
-import heads as heads_lib
 import kernels
 import model as model_lib
 import train
@@ -46,7 +45,6 @@ import train
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-DELTA, DELTA_CONFIG = "lora.safetensors", "lora.json"
 
 
 # --- LoRA ------------------------------------------------------------------------------------------
@@ -65,12 +63,6 @@ class LoRA(nn.Module):
         return self.linear(x) + (x @ self.A.T @ self.B.T) * self.scale
 
 
-def submodule(module, path):
-    for name in path.split("."):
-        module = getattr(module, name)
-    return module
-
-
 class Adapted(nn.Module):
     """The base model's last `num_layers` decoder layers with LoRA on every projection, and its final
     norm: the residual stream entering them (B, T, D) -> the final hidden state (B, T, D)."""
@@ -86,7 +78,7 @@ class Adapted(nn.Module):
             block.requires_grad_(False)
             for path in PROJECTIONS:
                 parent, _, name = path.rpartition(".")
-                setattr(submodule(block, parent), name, LoRA(submodule(block, path), rank, alpha))
+                setattr(block.get_submodule(parent), name, LoRA(block.get_submodule(path), rank, alpha))
             self.layers.append(block)
         self.norm = model_lib.RMSNorm(cfg.dim, cfg.norm_eps).requires_grad_(False)
         self.norm.weight.data.copy_(base.norm.weight.float())
@@ -104,42 +96,19 @@ class Adapted(nn.Module):
 
     def deltas(self):
         """{f"{layer}.{projection}": (A, B)} with the base model's layer numbers."""
-        return {f"{self.first + i}.{path}": submodule(block, path) for i, block in enumerate(self.layers) for path in PROJECTIONS}
+        return {f"{self.first + i}.{path}": block.get_submodule(path) for i, block in enumerate(self.layers) for path in PROJECTIONS}
 
 
-# --- the delta on disk, merged into a base model at load -------------------------------------------
+# --- the delta on disk (checkpoint.merge_delta merges it into a base model at load) -----------------
 
 def save_delta(adapted, folder, base):
     tensors = {}
     for key, lora in adapted.deltas().items():
         tensors[key + ".A"], tensors[key + ".B"] = lora.A.detach().half().contiguous(), lora.B.detach().half().contiguous()
-    save_file(tensors, os.path.join(folder, DELTA))
-    with open(os.path.join(folder, DELTA_CONFIG), "w") as f:
+    save_file(tensors, os.path.join(folder, checkpoint.DELTA))
+    with open(os.path.join(folder, checkpoint.DELTA_CONFIG), "w") as f:
         json.dump({"first_layer": adapted.first, "rank": adapted.rank, "alpha": adapted.alpha,
                    "base_fingerprint": model_lib.lm_head_fingerprint(base)}, f, indent=1)
-
-
-def has_delta(folder):
-    return os.path.isfile(os.path.join(folder, DELTA_CONFIG))
-
-
-@torch.no_grad()
-def merge_delta(model, folder):
-    """W += (alpha / r) B A for every adapted projection of `model`, in place (the heads in `folder`
-    were trained with the base model changed so). Returns a one-line description."""
-    with open(os.path.join(folder, DELTA_CONFIG)) as f:
-        cfg = json.load(f)
-    if cfg.get("base_fingerprint") != model_lib.lm_head_fingerprint(model):
-        raise heads_lib.HeadsError(f"{folder}/{DELTA}: its LoRA delta was trained for another base model; use that model")
-    tensors = load_file(os.path.join(folder, DELTA))
-    scale = cfg["alpha"] / cfg["rank"]
-    for key in sorted({k.rsplit(".", 1)[0] for k in tensors}):
-        layer, path = key.split(".", 1)
-        weight = submodule(model.layers[int(layer)], path).weight
-        delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()     # (out, in)
-        weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
-    kernels.use(model)  # the fast kernels' copies of the weights are made again from the merged ones
-    return f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the heads' LoRA delta (rank {cfg['rank']})"
 
 
 # --- data: the residual stream entering the adapted layers, and the teacher -------------------------

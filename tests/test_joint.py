@@ -56,7 +56,7 @@ def test_the_adapter_starts_as_the_base_model_and_its_merged_delta_computes_the_
     joint.save_delta(adapted, str(tmp_path), base)
     for lora in adapted.deltas().values():                                  # as saved: in half precision
         lora.A.data, lora.B.data = lora.A.data.half().float(), lora.B.data.half().float()
-    assert "layers 1-2" in joint.merge_delta(merged, str(tmp_path))
+    assert "layers 1-2" in checkpoint.merge_delta(merged, str(tmp_path))
     caught = {}
     hook = base.layers[0].register_forward_hook(lambda m, a, out: caught.update(x=out))
     base(torch.tensor([convs[0][0]]), torch.arange(12))
@@ -71,7 +71,7 @@ def test_a_delta_refuses_another_base_model(tmp_path):
     joint.save_delta(trained_adapter(base), str(tmp_path), base)
     other, _ = two_models(seed=5)
     with pytest.raises(heads_lib.HeadsError, match="another base model"):
-        joint.merge_delta(other, str(tmp_path))
+        checkpoint.merge_delta(other, str(tmp_path))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra++"])
