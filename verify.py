@@ -72,9 +72,8 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
     assert tokens.shape == (n,), f"tokens must be (N={n},), got {tuple(tokens.shape)}"
 
 
-def _accepted_prefixes(ok: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each leaf row: how many leading nodes (root included) are accepted, and the last one."""
-    rows = tree.retrieve.to(ok.device)                                         # (L, D) padded with -1
+def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of tree.retrieve (L, D): how many leading nodes (root included) are accepted, and the last."""
     ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)                              # (L, D)
     length = ok_rows.long().cumprod(-1).sum(-1)                                # (L,) >= 1: root is ok
     last = rows.gather(1, (length - 1)[:, None]).squeeze(1)                    # (L,)
@@ -93,10 +92,11 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
     best = logits.argmax(-1)                                                   # (N,)
     ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
     ok[1:] = tokens[1:] == best[tree.parent[1:].to(tokens.device)]             # (N-1,)
-    length, last = _accepted_prefixes(ok, tree)                                # (L,), (L,)
+    rows = tree.retrieve.to(tokens.device)                                     # (L, D)
+    length, last = _accepted_prefixes(ok, rows)                                # (L,), (L,)
     leaf = (length * n - last).argmax()                 # () longest first, then lowest end index
     accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
-    return tree.retrieve.to(tokens.device)[leaf, :accepted], bonus             # (accepted,) root..end
+    return rows[leaf, :accepted], bonus                                        # (accepted,) root..end
 
 
 # --- typical acceptance -------------------------------------------------------------------------
@@ -126,8 +126,8 @@ def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature:
     token_logp[1:] = logp[parent, tokens[1:]]
     ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
     ok[1:] = token_logp[1:].exp() > threshold[parent]
-    length, last = _accepted_prefixes(ok, tree)                                # (L,), (L,)
     rows = tree.retrieve.to(tokens.device)                                     # (L, D)
+    length, last = _accepted_prefixes(ok, rows)                                # (L,), (L,)
     kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]   # (L, D)
     total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)     # (L,)
     total = total.masked_fill(length < length.max(), -torch.inf)               # only the longest compete
@@ -181,9 +181,9 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
     end, rank = nodes[-1], tree.rank[1:].to(probs.device)                      # (N-1,)
     before = ((parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])).sum(-1)  # (N-1,) siblings tried first
     drop = ((parent == end) & (before < len(rejected))).float()                # (N-1,)
-    zero = torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax") if n > 1 else 0.0  # (V,)
-    bonus = int(sample(probs[end] * (1 - zero) / (probs[end] * (1 - zero)).sum(), generator))
-    rows = tree.retrieve.to(tokens.device)                                     # (L, D) the path from a leaf below end
+    residual = probs[end] * (1 - torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax"))  # (V,)
+    bonus = int(sample(residual / residual.sum(), generator))
+    rows = tree.retrieve.to(tokens.device)                                     # (L, D): the path from a leaf below end
     return rows[(rows[:, len(nodes) - 1] == end).int().argmax(), :len(nodes)], bonus
 
 
