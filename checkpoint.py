@@ -262,7 +262,7 @@ def save_heads(heads, folder, dtype=torch.float16) -> None:
     os.replace(config + ".tmp", config)
 
 
-def _read_config(path) -> HeadsConfig:
+def read_config(path) -> HeadsConfig:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -290,7 +290,7 @@ def load_heads(folder, base):
     for path in (config, weights):
         if not os.path.isfile(path):
             raise HeadsError(f"{folder} has no {os.path.basename(path)}; pass a folder written by checkpoint.save_heads()")
-    cfg = _read_config(config)
+    cfg = read_config(config)
     try:
         state = load_file(weights)
     except Exception as e:  # safetensors raises its own SafetensorError on a truncated or garbled file

@@ -1,10 +1,11 @@
 """What a user typed, checked where it enters and reported in one line: shared by every script.
 
 The teaching files (tree, verify, generate.generate, heads, drafters, model) raise plain errors
-and never print. The scripts (generate.py, bench.py, train.py, checkpoint.py, tree.py) parse their
-flags with Parser, check them with the functions here, and run through run(), which turns every
-mistake of the user's into one line on stderr, "error: <what> ...; <fix>", and exit code 2 (no
-traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
+and never print. The scripts (generate.py, bench.py, train.py, checkpoint.py, tree.py,
+export.py) parse their flags with Parser, check them with the functions here, and run through
+run(), which turns every mistake of the user's into one line on stderr, "error: <what> ...;
+<fix>", and exit code 2 (no traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet
+exit.
 
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
