@@ -70,7 +70,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.7, help=f"temperature of hydra++-typical and hydra++-sample (below {verify_lib.GREEDY_BELOW}: greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
     # the model and the heads
-    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--heads-dir", default=cli.SHIPPED, help="where the heads methods find their heads: a heads folder as train.py "
                    "writes it (its kind names the method), or a folder holding KIND/ or heads-KIND/ folders (medusa, hydra, hydra++)")
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
@@ -438,7 +438,7 @@ def wants_assisted(args):
 
 
 def draft_folder(name):
-    """--draft-model: the folder of a Llama-family model (config.json read; nothing loaded)."""
+    """--draft-model: the folder of a model of a SUPPORTED family (config.json read; nothing loaded)."""
     folder = checkpoint.resolve(name)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -447,8 +447,8 @@ def draft_folder(name):
     except (OSError, ValueError, RecursionError) as e:
         raise cli.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
     if arch not in checkpoint.SUPPORTED:
-        raise cli.UsageError(f"--draft-model {name}: architecture '{arch}' is not Llama-family "
-                                  f"({', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family")
+        raise cli.UsageError(f"--draft-model {name}: architecture '{arch}' is not supported (supported: "
+                                  f"{', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family")
     return folder
 
 

@@ -4,13 +4,15 @@ default GGUF, and draft heads from the folder train.py writes. Every file is par
 checked field by field, and a problem is an exception whose message names it and the fix.
 
     model, tok = load("default")               # SmolLM2-135M-Instruct, shipped as a GGUF file
-    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # any HF Llama-family folder / hub id
+    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # a HF folder / hub id of a SUPPORTED family
     save_heads(heads, folder); heads = load_heads(folder, model)   # heads.safetensors + heads.json
     cfg = config_from_hf(json.load(f), name)   # a config.json as a model.Config
 
-Both loads end with kernels.use(), so what they return runs the fast kernels for its device and
-dtype. Run `python checkpoint.py [--model M] [--prompt P]` to load a model and print a greedy reply.
-Test: `python -m pytest -q tests/test_model.py tests/test_heads.py`.
+Families other than Llama load as the Llama model.py computes, with their differences folded
+into the weights where that is exact (fold_family). Both loads end with kernels.use(), so what
+they return runs the fast kernels for its device and dtype. Run `python checkpoint.py [--model M]
+[--prompt P]` to load a model and print a greedy reply.
+Test: `python -m pytest -q tests/test_model.py tests/test_heads.py tests/test_families.py`.
 """
 import hashlib
 import json
@@ -27,8 +29,12 @@ import kernels
 from heads import HeadsConfig, HeadsError, build
 from model import Config, Rope, Transformer, lm_head_fingerprint
 
-SUPPORTED = ("llama", "mistral")  # architectures model.py computes exactly (model_type in config.json)
+# architectures model.py computes exactly (model_type in config.json): Llama and Mistral as they are,
+# Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma's GeGLU in model.py, the rest folded at load
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma")
 DEFAULT = "default"               # name of the embedded default model
+MODEL_HELP = ("'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id of model_type "
+              + ", ".join(SUPPORTED))
 HEADS_WEIGHTS, HEADS_CONFIG = "heads.safetensors", "heads.json"
 
 
@@ -60,10 +66,13 @@ def config_from_hf(hf: dict, name: str) -> Config:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise LoadError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
-    rope = dict(rope)
+    rope, arch = dict(rope), hf.get("model_type", "llama")
     theta = _positive(hf, "rope_theta", 10000.0, number=True)      # transformers 4.x: top level
     theta = _positive(rope, "rope_theta", theta, number=True)      # 5.x: inside rope_parameters
     rope.pop("rope_theta", None)
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1:
+        raise LoadError(f"partial_rotary_factor {partial!r} is not supported (rope over part of each head); only 1")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
         raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
@@ -83,16 +92,75 @@ def config_from_hf(hf: dict, name: str) -> Config:
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
         raise LoadError(f"field 'eos_token_id' must be a token id, a list of them or null, got {hf.get('eos_token_id')!r}")
-    tie = hf.get("tie_word_embeddings", False)
+    tie = hf.get("tie_word_embeddings", arch == "gemma")  # absent: the family's default (transformers omits it so)
     if not isinstance(tie, bool):
         raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
+    for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
+        if hf.get(key):
+            raise LoadError(f"field '{key}' is true, which model.py does not compute (its only biases are qwen2's on q, k, v)")
+    act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma" else "silu")
+    act = "gelu_pytorch_tanh" if arch == "gemma" and act == "gelu" else act  # as transformers reads Gemma's "gelu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise LoadError(f"activation (hidden_act) {act!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+    context = _positive(hf, "max_position_embeddings", 2048)
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False:  # Mistral, Phi-3; Qwen if on
+        context = min(context, _positive(hf, "sliding_window"))  # exact: no token reaches past its window
+    granite_multipliers(hf)                                        # checked before any weight is read
     return Config(
         vocab_size=_positive(hf, "vocab_size"), dim=dim, n_layers=_positive(hf, "num_hidden_layers"), n_heads=heads,
         n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=_positive(hf, "intermediate_size"),
         norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True), rope_theta=theta,
-        rope_scaling={} if rope_type == "default" else rope,
-        max_seq_len=_positive(hf, "max_position_embeddings", 2048),
-        tie_embeddings=tie, eos_ids=tuple(eos), name=name)
+        rope_scaling={} if rope_type == "default" else rope, max_seq_len=context,
+        tie_embeddings=tie, eos_ids=tuple(eos), name=name,
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", activation=act)
+
+
+# --- other families: their differences folded into the weights ----------------------------------
+# Phi-3, Granite and Gemma compute a Llama with other weights: fused projections split, constant
+# factors multiplied into the matrix before them, Gemma's RMSNorm (1 + w) stored as one weight.
+# Exact up to the rounding of the folded products; tests/test_families.py checks every family's
+# logits against transformers'.
+
+def granite_multipliers(hf: dict) -> dict:
+    """Granite's four scalars (1 for the other families), each checked: a positive number."""
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    granite = hf.get("model_type") == "granite"
+    return {k: _positive(hf, k, 1.0, number=True) if granite else 1.0 for k in keys}
+
+
+@torch.no_grad()
+def fold_family(arch, hf, cfg: Config, state: dict, dtype) -> dict:
+    """`state` (read_weights) of an `arch` checkpoint -> the weights of model.Transformer(cfg) that
+    compute its logits. A folded factor is multiplied in `dtype`: one rounding, as transformers'
+    own product in that dtype. Granite and Gemma untie the embeddings (cfg.tie_embeddings = False)."""
+    times = lambda key, factor: state[key].to(dtype) * factor
+    layers = [(f"layers.{i}.self_attn.", f"layers.{i}.mlp.") for i in range(cfg.n_layers)]
+    if arch == "phi3":  # q, k, v in one matrix; gate and up in another
+        sizes = [cfg.n_heads * cfg.head_dim] + 2 * [cfg.n_kv_heads * cfg.head_dim]
+        for a, m in layers:
+            q, k, v = state.pop(a + "qkv_proj.weight").split(sizes)
+            gate, up = state.pop(m + "gate_up_proj.weight").chunk(2)
+            state |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+                      m + "gate_proj.weight": gate, m + "up_proj.weight": up}
+    if arch not in ("granite", "gemma"):
+        return state
+    embed, divide_logits = 1.0, 1.0
+    if arch == "granite":
+        g = granite_multipliers(hf)
+        for a, m in layers:
+            # scores q.k * attention_multiplier, where SDPA divides by sqrt(Dh): q takes both (rope is linear)
+            state[a + "q_proj.weight"] = times(a + "q_proj.weight", g["attention_multiplier"] * cfg.head_dim ** 0.5)
+            for key in (a + "o_proj.weight", m + "down_proj.weight"):  # x + residual_multiplier * f(x)
+                state[key] = times(key, g["residual_multiplier"])
+        embed, divide_logits = g["embedding_multiplier"], g["logits_scaling"]
+    if arch == "gemma":  # RMSNorm x / rms(x) * (1 + w); embeddings times sqrt(D), rounded to the dtype as in transformers
+        state |= {k: v.float() + 1 for k, v in state.items() if k.endswith("norm.weight")}
+        embed = torch.tensor(cfg.dim ** 0.5, dtype=dtype).item()
+    head = state["embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    state["lm_head.weight"] = head.to(dtype) / divide_logits          # the LM head keeps the unscaled rows
+    state["embed_tokens.weight"] = times("embed_tokens.weight", embed)
+    cfg.tie_embeddings = False
+    return state
 
 
 # --- the default model: a GGUF file, converted once -----------------------------------------------
@@ -196,8 +264,8 @@ def read_weights(folder):
 
 
 def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
-    """Load a Llama-family model and its tokenizer. Returns (model.Transformer in eval mode, running
-    the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
+    """Load a model of a SUPPORTED family and its tokenizer. Returns (model.Transformer in eval
+    mode, running the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
     from transformers import AutoTokenizer
     folder = resolve(name_or_path)
     path = os.path.join(folder, "config.json")
@@ -220,11 +288,15 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise LoadError(f"{folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); copy the model's "
                         "tokenizer files next to its config.json")
-    with torch.device("meta"):
-        model = Transformer(cfg)
     state = read_weights(folder)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
+    try:
+        state = fold_family(arch, hf, cfg, state, dtype)
+    except (KeyError, RuntimeError) as e:  # a fused or scaled matrix missing, or of another size
+        raise LoadError(f"weights in {folder} do not fit a {arch} model: {type(e).__name__} {str(e)[:120]}") from None
+    with torch.device("meta"):
+        model = Transformer(cfg)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shapes that config.json does not describe
@@ -350,7 +422,7 @@ def main(argv=None) -> int:
         top = logits[0, -1].float().softmax(-1).topk(5)
         print("next token: " + ", ".join(f"{tok.decode([i])!r} {p:.2f}" for p, i in zip(top.values.tolist(), top.indices.tolist())))
     p = cli.Parser(description="Load a model and print its five likeliest first tokens of a reply.")
-    p.add_argument("--model", default=DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=DEFAULT, help=MODEL_HELP)
     p.add_argument("--prompt", default="What is 2+2?", help="the user message")
     return cli.run(smoke, p, argv)
 

@@ -1,5 +1,4 @@
-"""
-Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
+"""Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
 a draft model, the model's own first layers or its own Jacobi iterations propose tokens, one
 forward verifies them.
 
@@ -148,7 +147,6 @@ def acceptance_by_depth(accepted, max_depth):
     return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
 
 
-
 # --- printing ------------------------------------------------------------------------------------
 # stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 
@@ -194,7 +192,7 @@ def build_parser():
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # the model and the drafter
-    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
                    "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
                    "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) | jacobi (the model's own outputs "

@@ -280,7 +280,7 @@ def run(args):
 
 def build_parser():
     p = cli.Parser(description="Train draft heads together with the base model's last layers (Medusa-2, LoRA).")
-    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default', a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--init", default="medusa", help="the trained heads to start from (stage 1 of LP-FT): a shipped kind or a heads folder")
     p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
                    help="a conversations file written by train.py --export-conversations (the one --init was trained on)")

@@ -9,15 +9,18 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
 
     readable                                        fast twin (here)
     nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight
-    model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v
+    model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
     model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
     train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
 
 use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
-prepacks its weights as they are then; use(..., Kernels()) swaps back. checkpoint.load and
-checkpoint.load_heads end with use(), so whatever loads a model or heads runs the twins.
+prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin replaces products
+(project, gate_up) and attend(); the rest of the readable forward runs as it is (Qwen3's q/k
+norms, rope, the MLP's SiLU or GELU), so every family model.py computes runs the same twins.
+checkpoint.load and checkpoint.load_heads end with use(), so whatever loads a model or heads runs
+the twins.
 Why each twin is faster, and by how much on which CPU: results/kernels-cpu.md, whose table
 `python bench.py --kernels` measures on this machine. Off the CPU (CUDA) the readable layers
 already run the fast kernels and use() keeps them. Under autograd every twin runs its readable
@@ -165,14 +168,15 @@ class FastAttention(model.Attention):
         return kernels.packed or kernels.attention != "sdpa"
 
     def prepare(self, kernels):
-        self.kernels = kernels
-        self.packed = prepack(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight) if kernels.packed else None
+        self.kernels, qkv = kernels, (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
+        self.packed = (prepack(*(p.weight for p in qkv)), bias) if kernels.packed else None
 
     def project(self, x):
         if self.packed is None or torch.is_grad_enabled():
             return super().project(x)
         c = self.cfg
-        return linear(x, self.packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
+        return linear(x, *self.packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
 
     def attend(self, q, k, v, mask):
         if self.kernels.attention == "expanded-kv":

@@ -1,5 +1,4 @@
-"""
-The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
+"""The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
     model = Transformer(Config(...))                          # checkpoint.load() fills one from a folder
@@ -8,13 +7,13 @@ forward pass that takes an explicit tree attention mask.
     cache.keep(idx)                                          # commit the accepted new entries
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
-scaling), grouped-query attention, SwiGLU MLP, tied or untied LM head. Reading weights and config
-files is checkpoint.py's job; faster CPU forms of some layers, each tested equal to the one here,
-are kernels.py's. Test: `python -m pytest -q tests/test_model.py` (parity with transformers).
+scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
+tied or untied LM head. checkpoint.py reads weights, folding other families' constants into them;
+kernels.py has faster CPU forms of some layers, each tested equal to the one here. Test:
+`python -m pytest -q tests/test_model.py tests/test_families.py` (parity with transformers).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
-Dh head size, V vocabulary.
-"""
+Dh head size, V vocabulary."""
 import hashlib
 import itertools
 import math
@@ -42,6 +41,9 @@ class Config:
     rope_scaling: dict = field(default_factory=dict)  # {} | {"rope_type": "linear"|"llama3", ...}
     max_seq_len: int = 2048         # context length
     tie_embeddings: bool = False    # LM head shares the input embedding matrix
+    qkv_bias: bool = False          # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False           # each head's q and k are RMS-normalised over Dh before rope (Qwen3)
+    activation: str = "silu"        # the MLP's gate: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU: Gemma)
     eos_ids: tuple = ()             # token ids that end a reply
     name: str = "random"            # identity of the weights (heads check it)
 
@@ -113,8 +115,7 @@ class KVCache:
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-        self.max_len = max_len
+        self.length, self.max_len = 0, max_len
 
     def keep(self, idx):
         """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix: accepted
@@ -159,10 +160,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        head_norm = lambda: RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.q_norm, self.k_norm = head_norm(), head_norm()          # Qwen3's; the identity elsewhere
 
     # project() and attend() are methods so that a faster form of this layer can replace just them
     def project(self, x):
@@ -180,7 +183,7 @@ class Attention(nn.Module):
         q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)       # (B, H, T, Dh)
         k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         if kv is not None:  # write the new entries after the prefix, then attend over all of it
             k_cache, v_cache, start = kv
             k_cache[:, :, start:start + T] = k
@@ -196,13 +199,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.act = nn.SiLU() if cfg.activation == "silu" else nn.GELU(approximate="tanh")
 
     def gate_up(self, x):  # a method so that a faster form can compute both in one product
         return self.gate_proj(x), self.up_proj(x)                    # (B, T, hidden_dim) each
 
     def forward(self, x):
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)                      # SwiGLU, (B, T, D)
+        return self.down_proj(self.act(gate) * up)                    # SwiGLU or GeGLU, (B, T, D)
 
 
 class Block(nn.Module):

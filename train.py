@@ -82,7 +82,7 @@ def build_parser():
     p = Parser(description="Train draft heads on a frozen base model.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # base model
-    p.add_argument("--model", default=checkpoint.DEFAULT, help="'default', a local HF folder or a hub id")
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     # data
     p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")

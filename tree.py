@@ -99,11 +99,9 @@ def build(paths) -> Tree:
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     n = len(index)
     parent = [-1] + [index[p[:-1]] for p in paths]
-    children = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parent[i]].append(i)  # paths are sorted, so siblings arrive in rank order
-    mask = torch.eye(n, dtype=torch.bool)  # (N, N)
-    for i in range(1, n):
+    children, mask = [[] for _ in range(n)], torch.eye(n, dtype=torch.bool)  # mask (N, N)
+    for i in range(1, n):  # paths are sorted: a parent comes before its children, siblings in rank order
+        children[parent[i]].append(i)
         mask[i] |= mask[parent[i]]  # a node sees what its parent sees, and itself
     max_depth = max((len(p) for p in paths), default=0)
     rows = []

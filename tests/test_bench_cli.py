@@ -80,10 +80,10 @@ def test_flags_without_effect_get_a_notice(capsys):
     assert "the sampling methods decode greedily" in capsys.readouterr().err
 
 
-def test_draft_model_not_llama_family(no_model, capsys, tmp_path):
+def test_draft_model_not_of_a_supported_family(no_model, capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
     check_one_line_error(*run_bench(capsys, "--draft-model", tmp_path, "--methods", "plain,assisted")[::2],
-                         "architecture 'gpt2' is not Llama-family (llama, mistral)")
+                         "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, phi3")
 
 
 def test_draft_model_with_another_tokenizer(capsys, monkeypatch, tmp_path, tiny_model_dir):

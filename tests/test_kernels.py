@@ -2,9 +2,10 @@
 random models, seeded).
 
 One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (a decode step, a
-tree, a batch with a key mask, a prefill), FastMLP and model.MLP, FastLMHead and heads.LMHead, the
-whole model fast and readable (fp32 to rounding, bf16 as close to fp32 as the readable path is),
-fused_batch_loss and train.batch_loss (value and both gradients). Also: use() swaps layers in place
+tree, a batch with a key mask, a prefill; Llama-, Qwen2- and Qwen3-like), FastMLP and model.MLP
+(SwiGLU, GeGLU), FastLMHead and heads.LMHead, the whole model fast and readable (fp32 to rounding,
+bf16 as close to fp32 as the readable path is), fused_batch_loss and train.batch_loss (value and
+both gradients). Also: use() swaps layers in place
 and back (same parameters, same state_dict); the loaders apply it; a kernel this build lacks falls
 back with one notice; off the CPU none of the fast paths is reached. Cases this CPU lacks (no
 oneDNN prepacking, no native bf16) are skipped with the reason.
@@ -145,17 +146,29 @@ def test_attend_equals_model_attend(B, T, S):
 
 CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with key mask": (3, 1, 8, True),
          "prefill": (1, 12, 0, False)}  # B, T, cached keys, key mask
+# what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H (Qwen3)
+FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16}}
 
 
+def spread_norms(module):
+    """Norm weights away from 1, where a twin that skipped them would show."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.3)
+    return module
+
+
+@pytest.mark.parametrize("family", FAMILY)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
-def test_fast_attention_equals_attention(case, dtype):
-    """One attention layer over a KV cache: FastAttention (fused q/k/v, o_proj prepacked, attend()
-    above) gives model.Attention's output."""
+def test_fast_attention_equals_attention(case, dtype, family):
+    """One attention layer over a KV cache: FastAttention (fused q/k/v and their biases, o_proj
+    prepacked, attend() above) gives model.Attention's output, q/k norms and wide heads included."""
     B, T, start, padded = CASES[case]
-    cfg = tiny_config()
+    cfg = tiny_config(**FAMILY[family])
     torch.manual_seed(0)
-    layer = model_lib.Attention(cfg)
+    layer = spread_norms(model_lib.Attention(cfg))
     x = torch.randn(B, T, cfg.dim)                                                     # (B, T, D)
     cos, sin = model_lib.Rope(cfg)(torch.arange(start, start + T))
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None   # (5, 5)
@@ -177,11 +190,13 @@ def test_fast_attention_equals_attention(case, dtype):
         close_as_readable(run(dtype, FAST), run(dtype), exact)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @needs_packing
-def test_fast_mlp_equals_mlp(dtype):
+def test_fast_mlp_equals_mlp(dtype, activation):
+    """SwiGLU and Gemma's GeGLU: the twin fuses the products, the activation is the readable one's."""
     torch.manual_seed(0)
-    mlp = model_lib.MLP(tiny_config()).to(dtype)
+    mlp = model_lib.MLP(tiny_config(activation=activation)).to(dtype)
     x = torch.randn(2, 3, 32, dtype=dtype)                                                 # (B, T, D)
     with torch.inference_mode():
         want = mlp(x)
@@ -249,9 +264,12 @@ def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
 # --- the whole model -----------------------------------------------------------------------------
 
 @needs_packing
-def test_prepacked_fp32_linears_match_the_readable_path(tiny):
+@pytest.mark.parametrize("family", FAMILY)
+def test_prepacked_fp32_linears_match_the_readable_path(family):
     """fp32 on a CPU: the prepacked linear layers (Kernels.choose's pick where oneDNN is there) give
     the readable path's logits to fp32 rounding, for a prefix, a tree and a padded batch."""
+    torch.manual_seed(0)
+    tiny = spread_norms(model_lib.Transformer(tiny_config(**FAMILY[family]))).eval().requires_grad_(False)
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
     tokens = torch.randint(0, 64, (2, 12))
     key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
