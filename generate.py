@@ -148,7 +148,6 @@ def acceptance_by_depth(accepted, max_depth):
     return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
 
 
-
 # --- printing ------------------------------------------------------------------------------------
 # stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 

@@ -257,7 +257,7 @@ def tune_tree(args, model, prompts, device):
     for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
         paths = sparse(acc, budget)
         t = tree_lib.build(paths)
-        plan = drafters.draft_plan(t, device)
+        plan = drafters.draft_plan(t.to(device))
         draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
         tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)

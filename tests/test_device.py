@@ -164,3 +164,37 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
     with SyncCounter() as count:
         r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
     assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
+
+
+# --- index tensors: on the device once per tree --------------------------------------------------
+# A tree's parents, paths and ranks are host data until moved; moved every step, each is a copy
+# from the host and a wait on CUDA. The drafters move each tree once, when they first build it.
+
+class HostToDevice(SimulatedDevice):
+    """SimulatedDevice that counts host tensors copied to the device (.to / .cuda, copy_ into it)."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        host = bool(args) and isinstance(args[0], torch.Tensor) and not on_device(args[0])
+        if name == "copy_":
+            self.n += on_device(args[0]) and not on_device(args[1])
+        out = super().__torch_function__(func, types, args, kwargs)
+        self.n += name in ("to", "cuda") and host and on_device(out)
+        return out
+
+
+@pytest.mark.parametrize("verify", ["greedy", "typical", "sample"])
+def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
+    heads = placed(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), small).eval())
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
+    with HostToDevice() as copies:
+        for drafter in (drafters.HeadsDrafter(heads, tree), drafters.Plain("cpu")):
+            G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)    # Plain builds its tree here
+            before = copies.n
+            r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
+            assert copies.n == before, f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
+
