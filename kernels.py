@@ -138,6 +138,8 @@ def attend(q, k, v, mask):
     # k and v are views into the cache with gaps between rows, on which a bf16 matmul is much
     # slower than a copy to contiguous memory followed by the product.
     G = H // Hkv
+    if mask is None and T > 1:  # causal, as model.attend's is_causal: nothing cached, S = T
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]   # (1, 1, T, S)
     k, v = k.contiguous(), v.contiguous()
     scores = (q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)).float() * Dh ** -0.5  # (B, Hkv, G*T, S)
     if mask is not None:
@@ -148,7 +150,8 @@ def attend(q, k, v, mask):
 def attend_expanded(q, k, v, mask):
     """model.attend's twin on a GPU: an explicit mask together with enable_gqa leaves SDPA only its
     slowest (math) backend; with the key and value heads repeated to the query heads, the
-    memory-efficient one takes the mask (a tree, padding, a causal prefill)."""
+    memory-efficient one takes the mask (a tree, padding). A causal prefill has no mask
+    (is_causal): model.attend's SDPA call runs its flash kernel as it is."""
     if mask is None or k.shape[1] == q.shape[1]:
         return model.attend(q, k, v, mask)
     G = q.shape[1] // k.shape[1]

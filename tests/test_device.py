@@ -198,3 +198,35 @@ def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
             r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
             assert copies.n == before, f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
 
+
+# --- attention: SDPA's fast kernels --------------------------------------------------------------
+
+def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
+    """An explicit mask rules out SDPA's flash kernels on CUDA: a plain prefill passes is_causal and
+    no mask (readable attention and its GPU twin), and gives what the masked form gives; a step
+    after a cached prefix (a tree) passes its mask."""
+    import model as model_lib
+    import kernels
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    m = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+    tokens, T, tree = torch.tensor([[5, 6, 7, 8, 9, 10]]), 6, tree_lib.build(tree_lib.cartesian([2]))
+    for fast in (kernels.Kernels(), kernels.Kernels(attention="expanded-kv")):
+        kernels.use(m, fast)
+        with torch.inference_mode():
+            calls.clear()
+            cache = m.new_cache(16)
+            causal, _ = m(tokens, torch.arange(T), None, cache)
+            assert calls == [(True, True)] * m.cfg.n_layers
+            masked, _ = m(tokens, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril(), m.new_cache(16))
+            torch.testing.assert_close(causal, masked)
+            cache.keep(range(T))
+            calls.clear()
+            m(tokens[:, :3], T + tree.depth, tree.mask, cache)
+            assert calls == [(False, False)] * m.cfg.n_layers
+
