@@ -305,7 +305,7 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
     # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
     g = torch.Generator().manual_seed(0)
     M, D, V, k = 600, 24, 300, 5
-    assert M > 2 * kernels.FusedHeadLoss.ROWS and M % kernels.FusedHeadLoss.ROWS
+    assert M > 2 * kernels.sizes("cpu").loss_rows and M % kernels.sizes("cpu").loss_rows
     z = torch.randn(M, D, generator=g)
     weight = torch.randn(V, D, generator=g) * 0.6
     z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
