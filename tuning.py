@@ -21,9 +21,9 @@ step fills the device. So the best setting belongs to the machine, as the best t
 
 The search: from generate.py's defaults (cli.DRAFT_DEFAULTS), coordinate ascent on a grid: move one
 setting one grid step up or down, to the neighbour with the highest expected tokens/s, while that
-beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to the
-heads and layers.json), which generate.py --draft jacobi | lookahead and bench.py's jacobi and
-lookahead methods read for this model (cli.tuned_parallel).
+beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to
+the heads and layers-DEVICE-DTYPE.json), which generate.py --draft jacobi | lookahead and bench.py's
+jacobi and lookahead methods read for this model (cli.tuned_parallel).
 
     tuned_drafter(kind, folder, model)                    bench.py's jacobi and lookahead methods
     Counted(drafter)                                      a drafter that records its drafts' sizes
@@ -362,7 +362,7 @@ def tune_layers(args, model, prompts, device, eos):
         mark = " **<- chosen**" if t is best else ""
         print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
     speedup = best["tokens_per_s"] * plain_ms / 1e3
-    out = os.path.join(args.heads_dir, "layers.json")
+    out = cli.tuned_tree_file(args.heads_dir, device, model.dtype, "layers")
     with open(out, "w") as f:
         json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
                    "expected_speedup": speedup}, f, indent=1)

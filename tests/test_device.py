@@ -8,6 +8,10 @@ refuses an op that mixes a device tensor with a host tensor of one or more dimen
 tensor is a scalar, which CUDA accepts), an in-place op that writes device values into host memory,
 and indexing host memory with device indices. The same code run with device="cpu" cannot tell
 the two apart; this mode can.
+
+Also what would make a first GPU run slow, counted on the CPU: host syncs a decode step, tree
+tensors copied to the device a step, an attention mask where SDPA's flash kernels need none; and
+the settings tuned per device (the 'layers' file, with a notice when a GPU falls back to a CPU's).
 """
 import pytest
 import torch
@@ -230,3 +234,25 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
             m(tokens[:, :3], T + tree.depth, tree.mask, cache)
             assert calls == [(False, False)] * m.cfg.n_layers
 
+
+# --- settings tuned per device and dtype ---------------------------------------------------------
+
+def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_of_a_cpu_one(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+    import bench
+
+    def tuned(file, layers):
+        (tmp_path / file).write_text(json.dumps({"model": "m", "layers": layers, "gamma": 2, "machine": {"hardware": "h", "dtype": "d"}}))
+    model = lambda device, dtype: SimpleNamespace(cfg=SimpleNamespace(name="m", n_layers=8), device=torch.device(device), dtype=dtype)
+    args = SimpleNamespace(heads_dir=str(tmp_path))
+    tuned("layers-cpu-bfloat16.json", 3)
+    tuned("layers-cpu-float32.json", 5)
+    assert bench.layers_setting(args, model("cpu", torch.float32))[0] == 5
+    assert bench.layers_setting(args, model("cpu", torch.bfloat16))[0] == 3
+    assert capsys.readouterr().err == ""
+    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 3
+    assert "notice: no 'layers' setting tuned for cuda" in capsys.readouterr().err
+    tuned("layers-cuda-bfloat16.json", 6)
+    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 6
+    assert capsys.readouterr().err == ""
