@@ -8,15 +8,16 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-cpu-float32.json
-    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers.json
+    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers-cpu-float32.json
     python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
 lookup, hydra++-lookup, layers, draft-model) or transformers' generate() (hf, pld, assisted);
 nothing here is a decode loop. Drafting settings are generate.py's defaults (DRAFT_DEFAULTS);
-'layers' uses the N and gamma that --tune-layers saved in --heads-dir/layers.json for this model,
-else half the layers (reported as untuned).
+'layers' uses the N and gamma that --tune-layers saved in --heads-dir for this model, device and
+dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a notice off the CPU), else
+half the layers (reported as untuned).
 Honest timing: one warm-up generation per method; the device is synchronised around every timed
 region; repeats are interleaved (each repeat runs every prompt, and every method on it in an order
 rotated per prompt) so machine noise hits all methods alike; the median over repeats per prompt.
@@ -148,14 +149,22 @@ def theirs(hf, counter, eos, **kw):
 
 
 def layers_setting(args, model):
-    """(N, gamma, how chosen) of the 'layers' method: --tune-layers' layers.json for this model, else half the layers."""
-    try:
-        with open(os.path.join(args.heads_dir, "layers.json")) as f:
-            tuned = json.load(f)
-        if tuned["model"] == model.cfg.name and 1 <= tuned["layers"] < model.cfg.n_layers and tuned["gamma"] >= 1:
-            return tuned["layers"], tuned["gamma"], f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model, device
+    and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU; else
+    half the layers."""
+    on = lambda device, dtype: cli.tuned_tree_file(args.heads_dir, device, dtype, "layers")
+    cpu = [on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)]    # the same dtype first
+    for file in [on(model.device, model.dtype)] + cpu:
+        try:
+            with open(file) as f:
+                tuned = json.load(f)
+            if tuned["model"] == model.cfg.name and 1 <= tuned["layers"] < model.cfg.n_layers and tuned["gamma"] >= 1:
+                if model.device.type != "cpu" and file in cpu:
+                    cli.notice(f"no 'layers' setting tuned for {model.device.type} in {args.heads_dir}: using {os.path.basename(file)}, "
+                               "tuned on a CPU; bench.py --tune-layers picks one for this machine")
+                return tuned["layers"], tuned["gamma"], f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     return model.cfg.n_layers // 2, cli.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
 
 

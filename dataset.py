@@ -33,6 +33,7 @@ import time
 import torch
 from tqdm import tqdm
 
+import kernels
 import model as model_lib
 from cli import UsageError, check_text, encode, eos_ids, notice
 from verify import logits_to_probs, sample
@@ -265,9 +266,9 @@ DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write pr
 def self_distill(model, tokenizer, folder, args):
     """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
     (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
-    recorded as it goes. One shard per args.gen_batch finished conversations, each written whole
-    or not at all: a run that stops loses at most the conversations in flight, and the next run
-    continues from the shards on disk (its random draws seeded by how many there are)."""
+    recorded as it goes. One shard per batch (args.gen_batch rows; 0: kernels.sizes's for the device),
+    each written whole or not at all: a run that stops loses at most the conversations in flight,
+    and the next run continues from the shards on disk (its random draws seeded by how many there are)."""
     import random
     os.makedirs(folder, exist_ok=True)
     shards = shards_in(folder)
@@ -282,6 +283,7 @@ def self_distill(model, tokenizer, folder, args):
     stop = eos_ids(model, tokenizer)
     rng = random.Random(args.seed * 1_000_003 + have)
     gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
+    batch = args.gen_batch or kernels.sizes(model.device).gen_batch
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
     pending, dry = [], 0   # dry: prompts written since the last one kept
@@ -300,10 +302,10 @@ def self_distill(model, tokenizer, folder, args):
             # 1. prompts for a round of 8 batches: the model writes twice that, and every candidate runs
             # to its end (stopping at the first `want` done would keep the quickest, i.e. the shortest
             # prompts); then the filter keeps new ones, in the order they were drawn
-            want = min(8 * args.gen_batch, args.num_prompts - have)
+            want = min(8 * batch, args.num_prompts - have)
             seeded = [seeded_prefix(tokenizer, rng, tasks, topics, counts_by_task) for _ in range(2 * want)]
             ended = {}
-            for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, args.gen_batch, 1.0, 0.95, gen):
+            for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, batch, 1.0, 0.95, gen):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 if written[-1] in stop:
                     ended[i] = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
@@ -319,16 +321,16 @@ def self_distill(model, tokenizer, folder, args):
                                  f"one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} tokens and be new); use a chat model "
                                  "whose end-of-turn token is among its EOS ids, or give your own data with --data")
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
-            # a shard whenever gen_batch of them are done
+            # a shard whenever a batch of them are done
             encoded = [encode(tokenizer, p) for p in prompts]
-            for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, args.gen_batch,
+            for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, batch,
                                                    args.answer_temperature, 1.0, gen, top_k=args.teacher_k):
                 ids = encoded[i]
                 pending.append(dict(prompt=prompts[i], ids=ids + answer, loss=[False] * len(ids) + [True] * len(answer),
                                     teacher_from=len(ids) - 1, **{k: v.cpu() for k, v in feats.items()}))
                 counts["new"] += len(answer)
                 counts["answer"] += len(answer)
-                if len(pending) == args.gen_batch:
+                if len(pending) == batch:
                     flush()
             if pending:
                 flush()

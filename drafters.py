@@ -34,7 +34,7 @@ import verify as verify_lib
 
 # --- the draft: a tree and its tokens -----------------------------------------------------------
 # Trees here change from step to step (a lookup finds a match or not, of some length), but only
-# among a few shapes: each is built once, with its device copies, and looked up by its paths.
+# among a few shapes: each is built and moved to the device once, and looked up by its paths.
 # A drafter fills {path: (token, source)}; paths are tree.py's, ranks in insertion order.
 # A forward may also carry nodes that are computed but never verified (lookahead's window): they
 # follow the tree, the mask says what they see, and only the drafter reads what the model made of them.
@@ -43,7 +43,7 @@ import verify as verify_lib
 @dataclass
 class Draft:
     tokens: torch.Tensor        # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
-    tree: tree_lib.Tree         # the candidates, nodes [0, tree.num_nodes), on the CPU (the verifiers walk it)
+    tree: tree_lib.Tree         # the candidates, nodes [0, tree.num_nodes), its tensors on the device
     mask: torch.Tensor | None   # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
     depth: torch.Tensor         # (N,) on the device: node i sits at position prefix + depth[i]
     source: list                # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
@@ -74,7 +74,7 @@ class Window:
 
 
 class Shapes:
-    """tree.build(paths) with the device copies of its mask and depths, once per distinct tree;
+    """tree.build(paths), moved to the device with its mask and depths, once per distinct tree;
     with a Window, the window's nodes follow every tree."""
 
     def __init__(self, device, window: Window | None = None):
@@ -85,7 +85,7 @@ class Shapes:
         if key not in self.built:
             t = tree_lib.build(list(paths))
             mask, depth = self.window.after(t) if self.window else (t.mask, t.depth)   # (N, N), (N,)
-            self.built[key] = t, mask.to(self.device) if len(mask) > 1 else None, depth.to(self.device)
+            self.built[key] = t.to(self.device), mask.to(self.device) if len(mask) > 1 else None, depth.to(self.device)
         return self.built[key]
 
     def draft(self, root: int, nodes: dict, probs=None, computed=()) -> Draft:
@@ -141,14 +141,13 @@ class DepthPlan:                 # what drafting needs at one depth d, computed 
     k: int                       # top-k needed at this depth
 
 
-def draft_plan(tree, device="cpu"):
-    """The plan of every depth, its index tensors on `device` once (not copied there every step)."""
+def draft_plan(tree):
+    """The plan of every depth, its index tensors made once, on the tree's device (tree.to)."""
     plan = []
     for d, nodes in enumerate(tree.by_depth, start=1):
         parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
         paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)  # ancestors, in depth order
-        on = lambda t: t.to(device)
-        plan.append(DepthPlan(on(nodes), on(tree.rank[nodes]), on(row), on(paths), int(tree.rank[nodes].max()) + 1))
+        plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
     return plan
 
 
@@ -169,9 +168,9 @@ class HeadsDrafter:
 
     def __init__(self, heads, tree):
         assert tree.max_depth <= heads.cfg.num_heads, "tree deeper than the heads"
-        dev = heads.lm_head.weight.device
-        self.heads, self.tree, self.plan = heads, tree, draft_plan(tree, dev)
-        self.mask, self.depth = tree.mask.to(dev) if tree.num_nodes > 1 else None, tree.depth.to(dev)
+        self.heads, self.tree = heads, tree.to(heads.lm_head.weight.device)  # index tensors there once
+        self.plan, self.depth = draft_plan(self.tree), self.tree.depth
+        self.mask = self.tree.mask if tree.num_nodes > 1 else None
         self.source = tree.depth.tolist()  # node i is head depth[i]'s guess; the root (0) the base model's
         self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
         self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]

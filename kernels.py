@@ -6,6 +6,7 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     kernels.use(model, Kernels())        # back to the readable layers
     kernels.in_use(model)                # -> the Kernels in use
     loss = fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype)   # training's loss
+    kernels.sizes(device)                # batch and block sizes for the device (CPU: measured; GPU: guessed)
 
     readable                                        fast twin (here)
     nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight
@@ -76,6 +77,25 @@ class Kernels:
         return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed)
 
 
+# --- sizes of work, per device -------------------------------------------------------------------
+# Chosen in this one place. The CPU's were measured there (the data stage's batch: commit 06d743e;
+# the loss's blocks: results/train-speed-zen5-bf16.md). A GPU runs a kernel over more rows in about
+# the time of fewer, so its sizes are larger: guesses, not measured (no GPU has run this code yet);
+# bench on one and set them here.
+
+@dataclass(frozen=True)
+class Sizes:
+    gen_batch: int   # rows train.py's data stage decodes together (--gen-batch 0)
+    loss_rows: int   # rows in a block of FusedHeadLoss; a CPU's block of logits stays in its caches
+
+
+def sizes(device) -> Sizes:
+    """The Sizes for `device`: the CPU's measured ones, or a GPU's untested guesses."""
+    if torch.device(device).type == "cuda":
+        return Sizes(gen_batch=256, loss_rows=2048)
+    return Sizes(gen_batch=128, loss_rows=256)
+
+
 # --- linear layers: prepacked weights ------------------------------------------------------------
 
 @torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
@@ -141,6 +161,8 @@ def attend(q, k, v, mask):
     # k and v are views into the cache with gaps between rows, on which a bf16 matmul is much
     # slower than a copy to contiguous memory followed by the product.
     G = H // Hkv
+    if mask is None and T > 1:  # causal, as model.attend's is_causal: nothing cached, S = T
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]   # (1, 1, T, S)
     k, v = k.contiguous(), v.contiguous()
     scores = (q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)).float() * Dh ** -0.5  # (B, Hkv, G*T, S)
     if mask is not None:
@@ -151,7 +173,8 @@ def attend(q, k, v, mask):
 def attend_expanded(q, k, v, mask):
     """model.attend's twin on a GPU: an explicit mask together with enable_gqa leaves SDPA only its
     slowest (math) backend; with the key and value heads repeated to the query heads, the
-    memory-efficient one takes the mask (a tree, padding, a causal prefill)."""
+    memory-efficient one takes the mask (a tree, padding). A causal prefill has no mask
+    (is_causal): model.attend's SDPA call runs its flash kernel as it is."""
     if mask is None or k.shape[1] == q.shape[1]:
         return model.attend(q, k, v, mask)
     G = q.shape[1] // k.shape[1]
@@ -284,12 +307,12 @@ class FusedHeadLoss(torch.autograd.Function):
     pass, the same numbers as autograd through the readable pair, with the gradient written out.
 
     Through autograd the (M, V') logits and their gradient are whole tensors, each written and read
-    several times, and allocated anew every step. Here ROWS rows at a time go through the LM head,
-    their loss and its gradient while the block's logits sit in cache, and the gradients of z (and
-    of W, if it trains) are formed there and then; backward only scales them by the one number it
-    receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i over the teacher's
-    top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s), differentiating the formula of
-    teacher_loss gives
+    several times, and allocated anew every step. Here R rows at a time (R = sizes(device).loss_rows)
+    go through the LM head, their loss and its gradient while the block's logits sit in cache, and
+    the gradients of z (and of W, if it trains) are formed there and then; backward only scales them
+    by the one number it receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i
+    over the teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s),
+    differentiating the formula of teacher_loss gives
 
         dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
                                                                               dL/dW = (dL/dlogits)^T z
@@ -298,22 +321,21 @@ class FusedHeadLoss(torch.autograd.Function):
     autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
     the loss and its gradient in fp32. How much faster: results/train-speed-zen5-bf16.md."""
 
-    ROWS = 256
-
     @staticmethod
     def forward(ctx, z, weight, top_ids, top_p, scale, dtype):
         # z (M, D) head states; weight (V', D) the LM head; top_ids, top_p (M, k); scale (M,)
         want_z, want_w = ctx.needs_input_grad[:2]
         with torch.autocast(z.device.type, enabled=False):
-            M, extra = len(z), bucket(len(z), FusedHeadLoss.ROWS) - len(z)   # whole blocks: one product shape
+            R = sizes(z.device).loss_rows
+            M, extra = len(z), bucket(len(z), R) - len(z)                     # whole blocks: one product shape
             pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
             z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
             grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
             total = torch.zeros((), device=z.device)
             w_ = weight.detach().to(dtype)
-            for a in range(0, len(z), FusedHeadLoss.ROWS):
-                rows = slice(a, a + FusedHeadLoss.ROWS)
+            for a in range(0, len(z), R):
+                rows = slice(a, a + R)
                 zb = z[rows].detach().to(dtype)                               # (R, D)
                 logits = (zb @ w_.T).float()                                  # (R, V')
                 lse = logits.logsumexp(-1)                                    # (R,)

@@ -152,8 +152,10 @@ class RMSNorm(nn.Module):
 
 def attend(q, k, v, mask):
     """Grouped-query attention. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask (B|1, 1, T, S) bool or
-    None (see all) -> (B, H, T, Dh). Query head h reads key/value head h // (H / Hkv)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    None: causal, with S = T or T = 1 (SDPA's is_causal, which its flash kernels run; a mask rules
+    them out) -> (B, H, T, Dh). Query head h reads key/value head h // (H / Hkv)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -227,9 +229,9 @@ class Block(nn.Module):
 def attention_mask(T, start, mask, key_mask, device):
     """The (B|1, 1, T, start+T) bool mask: every new token sees the whole cached prefix, and among
     the new tokens what `mask` allows (T, T) or (B, T, T); None means causal. key_mask (B, start+T)
-    hides padding slots. Returns None when everything may be seen (one new token, no padding)."""
+    hides padding slots. None when that is plain causal (nothing cached or one new token; no padding)."""
     if mask is None:
-        if T == 1 and key_mask is None:
+        if (T == 1 or start == 0) and key_mask is None:
             return None
         mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     assert mask.shape[-2:] == (T, T), f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"

@@ -57,7 +57,7 @@ RANGES = {
     "--num-prompts": (2, 10_000_000),     # one conversation is held out, at least one trains
     "--max-answer-tokens": (1, 32768),
     "--max-prompt-tokens": (1, 32768),
-    "--gen-batch": (1, 1024),
+    "--gen-batch": (0, 1024),
     "--answer-temperature": (0.0, 10.0),
     "--teacher-k": (1, 256),              # stored for every token: 6 bytes each
     "--num-heads": (1, 16),
@@ -94,7 +94,7 @@ def build_parser():
     p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
     p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="self-distillation: length limit of the user prompts the model writes (one that has not ended by then is dropped)" + span("--max-prompt-tokens") + ", at most the model's context")
-    p.add_argument("--gen-batch", type=int, default=128, help="self-distillation: generation batch size (rows decoded together)" + span("--gen-batch"))
+    p.add_argument("--gen-batch", type=int, default=0, help="self-distillation: generation batch size (rows decoded together), 0 = the size kernels.sizes sets for the device" + span("--gen-batch"))
     p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: JSON of tasks and topics that seed the prompts the model writes")
     p.add_argument("--dtype", default="auto", help="the base model's dtype while it writes data or computes features, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
     p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)" + span("--answer-temperature"))

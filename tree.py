@@ -19,7 +19,7 @@ Node i+1 is paths[i] after sorting by (depth, path), so parents come before chil
 mask is lower-triangular. A node sits at position prefix_len + depth. Pure data, no model:
 build() runs once per generation, with plain Python loops on small lists.
 
-    build(paths) -> Tree           chain(n), cartesian(topk) -> paths
+    build(paths) -> Tree           chain(n), cartesian(topk) -> paths    tree.to(device) -> Tree
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
 
 Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to test.
@@ -29,7 +29,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +64,9 @@ class Tree:
     def by_depth(self) -> list[torch.Tensor]:
         # node indices at depth 1..max_depth: drafting runs depth by depth
         return [torch.nonzero(self.depth == d).flatten() for d in range(1, self.max_depth + 1)]
+
+    def to(self, device) -> "Tree":  # its tensors copied to `device`, once: drafters hold the copy there
+        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
 
 
 def _validate(paths) -> list[Path]:

@@ -21,9 +21,9 @@ step fills the device. So the best setting belongs to the machine, as the best t
 
 The search: from generate.py's defaults (cli.DRAFT_DEFAULTS), coordinate ascent on a grid: move one
 setting one grid step up or down, to the neighbour with the highest expected tokens/s, while that
-beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to the
-heads and layers.json), which generate.py --draft jacobi | lookahead and bench.py's jacobi and
-lookahead methods read for this model (cli.tuned_parallel).
+beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to
+the heads and layers-DEVICE-DTYPE.json), which generate.py --draft jacobi | lookahead and bench.py's
+jacobi and lookahead methods read for this model (cli.tuned_parallel).
 
     tuned_drafter(kind, folder, model)                    bench.py's jacobi and lookahead methods
     Counted(drafter)                                      a drafter that records its drafts' sizes
@@ -257,7 +257,7 @@ def tune_tree(args, model, prompts, device):
     for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
         paths = sparse(acc, budget)
         t = tree_lib.build(paths)
-        plan = drafters.draft_plan(t, device)
+        plan = drafters.draft_plan(t.to(device))
         draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
         tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
@@ -362,7 +362,7 @@ def tune_layers(args, model, prompts, device, eos):
         mark = " **<- chosen**" if t is best else ""
         print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
     speedup = best["tokens_per_s"] * plain_ms / 1e3
-    out = os.path.join(args.heads_dir, "layers.json")
+    out = cli.tuned_tree_file(args.heads_dir, device, model.dtype, "layers")
     with open(out, "w") as f:
         json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
                    "expected_speedup": speedup}, f, indent=1)

@@ -70,6 +70,7 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
     n = tree.num_nodes
     assert logits.dim() == 2 and logits.shape[0] == n, f"logits must be (N={n}, V), not {tuple(logits.shape)}"
     assert tokens.shape == (n,), f"tokens must be (N={n},), got {tuple(tokens.shape)}"
+    assert tree.parent.device == tokens.device, f"tree on {tree.parent.device}, tokens on {tokens.device}: tree.to(device) once"
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +92,11 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
     n = tree.num_nodes
     best = logits.argmax(-1)                                                   # (N,)
     ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
-    ok[1:] = tokens[1:] == best[tree.parent[1:].to(tokens.device)]             # (N-1,)
-    rows = tree.retrieve.to(tokens.device)                                     # (L, D)
-    length, last = _accepted_prefixes(ok, rows)                                # (L,), (L,)
+    ok[1:] = tokens[1:] == best[tree.parent[1:]]                               # (N-1,)
+    length, last = _accepted_prefixes(ok, tree.retrieve)                       # (L,), (L,)
     leaf = (length * n - last).argmax()                 # () longest first, then lowest end index
     accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
-    return rows[leaf, :accepted], bonus                                        # (accepted,) root..end
+    return tree.retrieve[leaf, :accepted], bonus                               # (accepted,) root..end
 
 
 # --- typical acceptance -------------------------------------------------------------------------
@@ -117,16 +117,14 @@ def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature:
         raise ValueError(f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
                          f"got {temperature}; use greedy below it")
     _check_shapes(logits, tokens, tree)
-    n = tree.num_nodes
+    n, parent, rows = tree.num_nodes, tree.parent[1:], tree.retrieve           # N, (N-1,), (L, D)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)             # (N, V)
     entropy = torch.special.entr(logp.exp()).sum(-1)                           # (N,) -sum p log p
     threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)                   # (N,)
-    parent = tree.parent[1:].to(tokens.device)                                 # (N-1,)
     token_logp = torch.zeros(n, device=tokens.device)                          # (N,) log p at the parent
     token_logp[1:] = logp[parent, tokens[1:]]
     ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
     ok[1:] = token_logp[1:].exp() > threshold[parent]
-    rows = tree.retrieve.to(tokens.device)                                     # (L, D)
     length, last = _accepted_prefixes(ok, rows)                                # (L,), (L,)
     kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]   # (L, D)
     total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)     # (L,)
@@ -155,7 +153,7 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
     """
     _check_shapes(logits, tokens, tree)
     probs = logits_to_probs(logits, temperature, top_p)                        # (N, V) one batched call
-    n, parent = tree.num_nodes, tree.parent[1:].to(tokens.device)              # (N-1,)
+    n, parent = tree.num_nodes, tree.parent[1:]                                # (N-1,)
     u = torch.rand(n - 1, device=probs.device, generator=generator)           # (N-1,) a draw for each child
     # the walk needs only q(child's token) at its parent, and the draws: one transfer
     token, q, u = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist() if n > 1 else ([], [], [])
@@ -178,13 +176,12 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
         nodes.append(accepted)
         rejected = []
     # bonus ~ q' at the end: q without the first len(rejected) children tried there, on the device
-    end, rank = nodes[-1], tree.rank[1:].to(probs.device)                      # (N-1,)
+    end, rank, rows = nodes[-1], tree.rank[1:], tree.retrieve                  # (N-1,), (L, D)
     before = ((parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])).sum(-1)  # (N-1,) siblings tried first
     drop = ((parent == end) & (before < len(rejected))).float()                # (N-1,)
     residual = probs[end] * (1 - torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax"))  # (V,)
     bonus = int(sample(residual / residual.sum(), generator))
-    rows = tree.retrieve.to(tokens.device)                                     # (L, D): the path from a leaf below end
-    return rows[(rows[:, len(nodes) - 1] == end).int().argmax(), :len(nodes)], bonus
+    return rows[(rows[:, len(nodes) - 1] == end).int().argmax(), :len(nodes)], bonus  # a leaf below end: its path
 
 
 # --- speculative sampling of sampled drafts -----------------------------------------------------

@@ -8,6 +8,10 @@ refuses an op that mixes a device tensor with a host tensor of one or more dimen
 tensor is a scalar, which CUDA accepts), an in-place op that writes device values into host memory,
 and indexing host memory with device indices. The same code run with device="cpu" cannot tell
 the two apart; this mode can.
+
+Also what would make a first GPU run slow, counted on the CPU: host syncs a decode step, tree
+tensors copied to the device a step, an attention mask where SDPA's flash kernels need none; and
+the settings tuned per device (the 'layers' file, with a notice when a GPU falls back to a CPU's).
 """
 import pytest
 import torch
@@ -164,3 +168,91 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
     with SyncCounter() as count:
         r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
     assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
+
+
+# --- index tensors: on the device once per tree --------------------------------------------------
+# A tree's parents, paths and ranks are host data until moved; moved every step, each is a copy
+# from the host and a wait on CUDA. The drafters move each tree once, when they first build it.
+
+class HostToDevice(SimulatedDevice):
+    """SimulatedDevice that counts host tensors copied to the device (.to / .cuda, copy_ into it)."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        host = bool(args) and isinstance(args[0], torch.Tensor) and not on_device(args[0])
+        if name == "copy_":
+            self.n += on_device(args[0]) and not on_device(args[1])
+        out = super().__torch_function__(func, types, args, kwargs)
+        self.n += name in ("to", "cuda") and host and on_device(out)
+        return out
+
+
+@pytest.mark.parametrize("verify", ["greedy", "typical", "sample"])
+def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
+    heads = placed(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), small).eval())
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
+    with HostToDevice() as copies:
+        for drafter in (drafters.HeadsDrafter(heads, tree), drafters.Plain("cpu")):
+            G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)    # Plain builds its tree here
+            before = copies.n
+            r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
+            assert copies.n == before, f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
+
+
+# --- attention: SDPA's fast kernels --------------------------------------------------------------
+
+def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
+    """An explicit mask rules out SDPA's flash kernels on CUDA: a plain prefill passes is_causal and
+    no mask (readable attention and its GPU twin), and gives what the masked form gives; a step
+    after a cached prefix (a tree) passes its mask."""
+    import model as model_lib
+    import kernels
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    m = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+    tokens, T, tree = torch.tensor([[5, 6, 7, 8, 9, 10]]), 6, tree_lib.build(tree_lib.cartesian([2]))
+    for fast in (kernels.Kernels(), kernels.Kernels(attention="expanded-kv")):
+        kernels.use(m, fast)
+        with torch.inference_mode():
+            calls.clear()
+            cache = m.new_cache(16)
+            causal, _ = m(tokens, torch.arange(T), None, cache)
+            assert calls == [(True, True)] * m.cfg.n_layers
+            masked, _ = m(tokens, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril(), m.new_cache(16))
+            torch.testing.assert_close(causal, masked)
+            cache.keep(range(T))
+            calls.clear()
+            m(tokens[:, :3], T + tree.depth, tree.mask, cache)
+            assert calls == [(False, False)] * m.cfg.n_layers
+
+
+# --- settings tuned per device and dtype ---------------------------------------------------------
+
+def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_of_a_cpu_one(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+    import bench
+
+    def tuned(file, layers):
+        (tmp_path / file).write_text(json.dumps({"model": "m", "layers": layers, "gamma": 2, "machine": {"hardware": "h", "dtype": "d"}}))
+    model = lambda device, dtype: SimpleNamespace(cfg=SimpleNamespace(name="m", n_layers=8), device=torch.device(device), dtype=dtype)
+    args = SimpleNamespace(heads_dir=str(tmp_path))
+    tuned("layers-cpu-bfloat16.json", 3)
+    tuned("layers-cpu-float32.json", 5)
+    assert bench.layers_setting(args, model("cpu", torch.float32))[0] == 5
+    assert bench.layers_setting(args, model("cpu", torch.bfloat16))[0] == 3
+    assert capsys.readouterr().err == ""
+    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 3
+    assert "notice: no 'layers' setting tuned for cuda" in capsys.readouterr().err
+    tuned("layers-cuda-bfloat16.json", 6)
+    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 6
+    assert capsys.readouterr().err == ""

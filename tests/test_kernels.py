@@ -42,11 +42,13 @@ def close_as_readable(fast, readable, exact):
 
 def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     """CUDA (and any device but the CPU) keeps the readable path: Kernels.choose answers Kernels()
-    without asking oneDNN anything, and use() on a model there swaps nothing and prepacks nothing."""
+    without asking oneDNN anything, and use() on a model there swaps nothing and prepacks nothing;
+    a forward there with CUDA's kernels (expanded-kv attention, int8 weights) reaches no CPU kernel."""
     def unreachable(*a, **k):
         raise AssertionError("a CPU-only fast path was reached")
     for name in ("prepack", "linear", "attend"):
         monkeypatch.setattr(kernels, name, unreachable)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
     cuda = Kernels(attention="expanded-kv")                  # the one GPU twin: attention that keeps SDPA's fused kernels
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -59,8 +61,21 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
         assert kernels.in_use(m) == Kernels() and not any(type(x) in kernels.READABLE for x in m.modules())
         kernels.use(m, cuda)                                 # as on a GPU: only the attention layers swap
         assert {type(x) for x in m.modules() if type(x) in kernels.READABLE} == {kernels.FastAttention}
+        forward_as_on_a_gpu(m)
+        kernels.quantize_int8(m)                             # int8 weights off the CPU: widened, no CPU kernel
+        forward_as_on_a_gpu(m)
         kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
+
+
+def forward_as_on_a_gpu(m):
+    """A prefill and a tree step through m (on the meta device, so nothing is computed)."""
+    with torch.inference_mode():
+        cache, dev = m.new_cache(16), m.device
+        m(torch.ones(1, 5, dtype=torch.long, device=dev), torch.arange(5, device=dev), None, cache)
+        cache.keep(range(5))
+        tree = tree_lib.build(tree_lib.cartesian([2])).to(dev)
+        m(torch.ones(1, 3, dtype=torch.long, device=dev), 5 + tree.depth, tree.mask, cache)
 
 
 def test_use_swaps_in_place_and_kernels_restores_the_readable_classes(tiny):
@@ -323,7 +338,7 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
     # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
     g = torch.Generator().manual_seed(0)
     M, D, V, k = 600, 24, 300, 5
-    assert M > 2 * kernels.FusedHeadLoss.ROWS and M % kernels.FusedHeadLoss.ROWS
+    assert M > 2 * kernels.sizes("cpu").loss_rows and M % kernels.sizes("cpu").loss_rows
     z = torch.randn(M, D, generator=g)
     weight = torch.randn(V, D, generator=g) * 0.6
     z[:, 0] = 0                                                     # dimension 0 is row 7's alone:

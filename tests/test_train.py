@@ -596,9 +596,11 @@ def test_tasks_behind_are_drawn_more():
     assert 960 < openers.count("Solve") < 1000   # 1 / 1.02 = 98% expected; uniform draws would give a third
 
 
-def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gen_batch", [2, 0])
+def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeypatch, gen_batch):
     """The batched decoder returns the shortest prompts first; the prompts kept must not depend on
-    that order (a round that took the first ones done would keep only short prompts)."""
+    that order (a round that took the first ones done would keep only short prompts). --gen-batch 0
+    decodes in batches of the size kernels.sizes gives the model's device."""
     from types import SimpleNamespace
 
     class Tokenizer:  # a token t is the word f"w{t}"; 2 ends a turn
@@ -613,6 +615,7 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
     length = lambda i: 40 if i % 2 == 0 else 3   # candidate i writes this many words
 
     def decode_batched(model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0):
+        assert batch == 2
         if not top_k:   # prompts: the short ones are done first
             for i in sorted(range(len(prompts)), key=length):
                 yield i, [1000 * i + j for j in range(length(i))] + [2], None
@@ -621,9 +624,10 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
                 yield i, [5, 2], dict(hidden=torch.zeros(4, 8), top_ids=torch.zeros(2, top_k, dtype=torch.long),
                                       top_p=torch.zeros(2, top_k))
     monkeypatch.setattr(D, "decode_batched", decode_batched)
+    monkeypatch.setattr(D.kernels, "sizes", lambda device: D.kernels.Sizes(2 if torch.device(device).type == "cpu" else 64, 1))
     seeds = tmp_path / "seeds.json"
     seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
-    args = SimpleNamespace(num_prompts=6, gen_batch=2, seed=0, seeds=str(seeds), max_prompt_tokens=64,
+    args = SimpleNamespace(num_prompts=6, gen_batch=gen_batch, seed=0, seeds=str(seeds), max_prompt_tokens=64,
                            max_answer_tokens=8, answer_temperature=0.0, teacher_k=4)
     D.self_distill(SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu"), Tokenizer(), str(tmp_path / "d"), args)
     kept = D.folder_prompts(str(tmp_path / "d"))
