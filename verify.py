@@ -15,8 +15,7 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
-Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
-"""
+Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
