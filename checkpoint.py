@@ -178,11 +178,13 @@ def default_gguf_as(kind):
     if kind == "q4_1":
         return src
     import ctypes
+    import logging
     import llama_cpp
     path = os.path.join(cache_root(), f"smollm2-135m-instruct-{kind}.gguf")
     if not os.path.isfile(path):
         print(f"[model] writing {path} from {os.path.basename(src)} (once)", file=sys.stderr, flush=True)
         os.makedirs(cache_root(), exist_ok=True)
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
         params.allow_requantize = True  # the source is quantised: dequantise it first
