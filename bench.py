@@ -7,17 +7,18 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
-    python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-cpu-float32.json
-    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers-cpu-float32.json
+    python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-DEVICE-DTYPE.json
+    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers-DEVICE-DTYPE.json
     python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
-lookup, hydra++-lookup, layers, draft-model) or transformers' generate() (hf, pld, assisted);
-nothing here is a decode loop. Drafting settings are generate.py's defaults (DRAFT_DEFAULTS);
-'layers' uses the N and gamma that --tune-layers saved in --heads-dir for this model, device and
-dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a notice off the CPU), else
-half the layers (reported as untuned).
+lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, pld, assisted) or
+llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: opt-in, GGUF files of the default model's weights, with
+pip install llama-cpp-python); nothing here is a decode loop. Drafting settings are generate.py's
+defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
+for this model, device and dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a
+notice off the CPU), else half the layers (reported as untuned).
 Honest timing: one warm-up generation per method; the device is synchronised around every timed
 region; repeats are interleaved (each repeat runs every prompt, and every method on it in an order
 rotated per prompt) so machine noise hits all methods alike; the median over repeats per prompt.
@@ -54,9 +55,11 @@ from tuning import distance_to_floor, kernel_table, machine, machine_line, plott
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+INT8 = ("plain-int8", "hydra++-int8")  # on an int8 copy of the model (--quantize's)
+LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)  # llama.cpp on the default model's GGUF files
+OPT_IN = INT8 + LLAMA_CPP  # run only when named
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead", "plain-int8", "hydra++-int8")
-OPT_IN = ("plain-int8", "hydra++-int8")  # run only when named: on an int8 copy of the model (--quantize's)
+           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead") + OPT_IN
 
 
 def build_parser():
@@ -148,6 +151,38 @@ def theirs(hf, counter, eos, **kw):
     return run
 
 
+def llama_cpp_module():
+    """llama-cpp-python's module, or None when it is not installed (it is optional)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+def load_llama_cpp(name, device, context):
+    """(llama.cpp's Llama on the default model's GGUF file that `name` names, the file): torch's
+    threads, the model's context, on the GPU too when the device is CUDA and llama.cpp was built for it."""
+    path = checkpoint.default_gguf_as(name.removeprefix("llama.cpp-"))
+    threads = torch.get_num_threads()
+    return llama_cpp_module().Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                    n_gpu_layers=-1 if torch.device(device).type == "cuda" else 0, verbose=False), path
+
+
+def in_llama_cpp(llm, eos):
+    """llama.cpp's greedy decoding of the same prompt ids (the chat template applied by cli.encode,
+    no BOS added). Its cache is reset first: it would otherwise skip the prefill of a prompt it has
+    seen, and ours pays it every run."""
+    def run(ids, max_new, seed):
+        llm.reset()
+        new = []
+        for t in llm.generate(ids, temp=0.0, repeat_penalty=1.0):  # temperature 0: greedy
+            new.append(t)
+            if t in eos or len(new) == max_new:
+                return new, len(new), None  # one forward per token, the prefill's included
+    return run
+
+
 def layers_setting(args, model):
     """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model, device
     and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU; else
@@ -193,11 +228,17 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
     asked = set() if args.methods == "all" else set(wanted)  # named: a missing one is an error, not a skip
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
+    if args.methods == "all" and args.model == checkpoint.DEFAULT and llama_cpp_module() is None:
+        notes.append(f"{', '.join(LLAMA_CPP)}: not run (opt-in: name them in --methods, after pip install llama-cpp-python)")
     look = cli.DRAFT_DEFAULTS["lookup"]
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
-        elif name in OPT_IN:  # the same method on an int8 copy: how many replies keep the model's, and tau
+        elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
+            llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
+            methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
+            notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
+        elif name in INT8:  # the same method on an int8 copy: how many replies keep the model's, and tau
             if "int8" not in loaded:
                 loaded["int8"] = kernels_lib.quantize_int8(checkpoint.load(args.model, device, dtype)[0])
             q, kind = loaded["int8"], name.removesuffix("-int8")
@@ -438,8 +479,18 @@ def check_args(args):
         cli.notice("--draft-model has no effect unless --methods includes assisted")
     if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
         cli.notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling methods decode greedily")
+    check_llama_cpp(args)
     if args.plots and plotting(quiet=True) is None:
         cli.notice("--plots: matplotlib is not installed, so no plots will be drawn (pip install matplotlib)")
+
+
+def check_llama_cpp(args):
+    """The llama.cpp methods, opt-in: named, they need llama-cpp-python and the default model (its GGUF files)."""
+    named = [m for m in LLAMA_CPP if args.methods != "all" and m in {n.strip() for n in args.methods.split(",")}]
+    if named and args.model != checkpoint.DEFAULT:
+        raise cli.UsageError(f"--methods {named[0]}: llama.cpp runs the default model's GGUF files only; drop --model or the llama.cpp methods")
+    if named and llama_cpp_module() is None:
+        raise cli.UsageError(f"--methods {named[0]}: needs llama-cpp-python, which is not installed: pip install llama-cpp-python")
 
 
 def wants_assisted(args):
@@ -514,7 +565,7 @@ def main(args):
     print(tables(res, mach))
     for name, r in res.items():
         if methods[name].adapted:
-            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta or int8): {len(prompts) - len(r['differs_on'] or [])} "
+            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta, int8, GGUF in llama.cpp): {len(prompts) - len(r['differs_on'] or [])} "
                   f"of {len(prompts)} replies keep the original model's greedy reply", file=sys.stderr)
         elif r["identical"] is False:
             why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "

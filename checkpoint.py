@@ -7,6 +7,7 @@ checked field by field, and a problem is an exception whose message names it and
     model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # a HF folder / hub id of a SUPPORTED family
     save_heads(heads, folder); heads = load_heads(folder, model)   # heads.safetensors + heads.json
     cfg = config_from_hf(json.load(f), name)   # a config.json as a model.Config
+    path = default_gguf_as("f16")              # the default model as a GGUF file for llama.cpp
 
 Families other than Llama load as the Llama model.py computes, with their differences folded
 into the weights where that is exact (fold_family). Both loads end with kernels.use(), so what
@@ -226,6 +227,39 @@ def convert_gguf(gguf_path, folder):
         json.dump(manifest, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: the folder appears whole or not at all
+
+
+# --- the default model for llama.cpp (bench.py's llama.cpp methods) -------------------------------
+# llama.cpp reads GGUF files: the shipped Q4_1 file as it is (its embedding is Q8_0), and F16 and
+# Q8_0 files of the same weights that llama.cpp's own quantiser (llama-cpp-python's
+# llama_model_quantize) writes once into the cache from it: each weight dequantised to fp32 (the
+# values our conversion above gives), then rounded to f16 or quantised to Q8_0 (a Q8_0 weight is
+# copied as it is); the norms stay fp32.
+
+GGUF_KINDS = ("f16", "q8_0", "q4_1")
+
+
+def default_gguf_as(kind):
+    """The path of the default model as a GGUF file of `kind` (one of GGUF_KINDS), written once if
+    need be (with llama-cpp-python, which the caller has checked is installed)."""
+    src = default_gguf()
+    if kind == "q4_1":
+        return src
+    import ctypes
+    import logging
+    import llama_cpp
+    path = os.path.join(cache_root(), f"smollm2-135m-instruct-{kind}.gguf")
+    if not os.path.isfile(path):
+        print(f"[model] writing {path} from {os.path.basename(src)} (once)", file=sys.stderr, flush=True)
+        os.makedirs(cache_root(), exist_ok=True)
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+        params.allow_requantize = True  # the source is quantised: dequantise it first
+        if llama_cpp.llama_model_quantize(src.encode(), (path + ".tmp").encode(), ctypes.byref(params)) != 0:
+            raise LoadError(f"llama.cpp could not write {path}; check the free space in {cache_root()}")
+        os.replace(path + ".tmp", path)  # atomic: the file appears whole or not at all
+    return path
 
 
 # --- loading a base model ------------------------------------------------------------------------

@@ -6,11 +6,15 @@ exits 130.
 Most cases call bench.cli_main(argv) in-process, with model.load replaced by a tripwire or on a tiny
 random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python bench.py`.
 """
+import ctypes
 import json
 import os
 import shutil
+import sys
+import types
 
 import pytest
+import torch
 
 import checkpoint
 import cli
@@ -207,3 +211,83 @@ def test_int8_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys
                                "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", "plain,plain-int8")
     assert code == 0 and "| plain-int8 |" in out, err
     assert "plain-int8 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
+
+
+def test_llama_cpp_named_without_the_package_or_the_default_model_is_refused(no_model, capsys, monkeypatch, tmp_path):
+    """The llama.cpp methods are opt-in: named without llama-cpp-python, or with another model than
+    the default one (which alone ships a GGUF file), a one-line error before the model loads."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    check_one_line_error(*run_bench(capsys, "--methods", "plain,llama.cpp-f16")[::2],
+                         "--methods llama.cpp-f16: needs llama-cpp-python", "pip install llama-cpp-python")
+    check_one_line_error(*run_bench(capsys, "--model", tmp_path, "--methods", "llama.cpp-q4_1")[::2],
+                         "--methods llama.cpp-q4_1: llama.cpp runs the default model's GGUF files only")
+
+
+@pytest.fixture
+def default_is_tiny(monkeypatch, tmp_path, tiny_model_dir):
+    """--model default loads the tiny model; its GGUF file is tmp_path/shipped.Q4_1.gguf, the cache tmp_path/cache."""
+    real = checkpoint.resolve
+    monkeypatch.setattr(checkpoint, "resolve", lambda name: tiny_model_dir if name == checkpoint.DEFAULT else real(name))
+    monkeypatch.setattr(checkpoint, "default_gguf", lambda: str(tmp_path / "shipped.Q4_1.gguf"))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+
+
+def test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp(default_is_tiny, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    code, out, err = run_bench(capsys, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1, "--max-new-tokens", 2,
+                               "--dtype", "fp32", "--heads-dir", tmp_path)
+    assert code == 0 and "| lookup |" in out and "llama.cpp" not in out, err
+    assert "llama.cpp-f16, llama.cpp-q8_0, llama.cpp-q4_1: not run (opt-in: name them in --methods, after pip install llama-cpp-python)" in err
+
+
+def fake_llama_cpp(reply):
+    """A stand-in for llama-cpp-python: Llama records how it was made and the prompts it was given,
+    and its greedy generate() yields `reply` then 0s; llama_model_quantize records its call and writes
+    the file."""
+    made, prompts, quantized = [], [], []
+
+    class Llama:
+        def __init__(self, **kw):
+            made.append(kw)
+            self.cached = False
+
+        def reset(self):
+            self.cached = False
+
+        def generate(self, tokens, temp, repeat_penalty):
+            assert not self.cached and temp == 0.0 and repeat_penalty == 1.0, "prefill skipped, or not greedy"
+            self.cached = True
+            prompts.append(list(tokens))
+            yield from reply + [0] * 100
+
+    class Params(ctypes.Structure):
+        _fields_ = [("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool)]
+
+    def quantize(src, dst, params):
+        quantized.append((src.decode(), dst.decode(), params._obj.ftype, params._obj.allow_requantize))
+        open(dst, "wb").close()
+        return 0
+    return types.SimpleNamespace(Llama=Llama, llama_model_quantize=quantize, llama_model_quantize_default_params=Params,
+                                 LLAMA_FTYPE_MOSTLY_F16=1, LLAMA_FTYPE_MOSTLY_Q8_0=7), made, prompts, quantized
+
+
+def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(default_is_tiny, capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """llama.cpp-f16 decodes a GGUF file llama.cpp's quantiser wrote once into the cache, llama.cpp-q4_1
+    the shipped file; both get the prompts' ids in the chat template (cli.encode), greedy, torch's
+    threads, stop at EOS, and bench says how many replies keep plain decoding's."""
+    fake, made, prompts, quantized = fake_llama_cpp([7, 2])  # 2: the model's EOS
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    shipped = tmp_path / "shipped.Q4_1.gguf"
+    code, out, err = run_bench(capsys, "--prompts", prompts_file(tmp_path), "--limit", 2, "--repeats", 1, "--max-new-tokens", 4,
+                               "--dtype", "fp32", "--methods", "plain,llama.cpp-f16,llama.cpp-q4_1", "--heads-dir", tmp_path,
+                               "--json", tmp_path / "bench.json")
+    assert code == 0 and "| llama.cpp-f16 |" in out and "| llama.cpp-q4_1 |" in out, err
+    f16 = str(tmp_path / "cache" / "smollm2-135m-instruct-f16.gguf")
+    assert quantized == [(str(shipped), f16 + ".tmp", 1, True)] and os.path.isfile(f16)
+    assert [m["model_path"] for m in made] == [f16, str(shipped)]
+    assert all(m["n_threads"] == m["n_threads_batch"] == torch.get_num_threads() for m in made)
+    _, tokenizer = checkpoint.load(tiny_model_dir)
+    assert set(map(tuple, prompts)) == {tuple(cli.encode(tokenizer, f"Count to {i + 3}.")) for i in range(2)}
+    res = json.loads((tmp_path / "bench.json").read_text())["methods"]
+    assert [p["new_tokens"] for p in res["llama.cpp-f16"]["per_prompt"]] == [2, 2]  # 7, then EOS
+    assert "llama.cpp-f16 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
