@@ -13,13 +13,18 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
     model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
+    model.RMSNorm: eight small ops                  FastRMSNorm: one layer norm (of [x, -x]), rms_norm()
+    model.apply_rope: on q, then on k               FastAttention.forward: q and k rotated at once, rope()
+    model.Block: x + o_proj(..), x + down_proj(..)  FastBlock: each residual add inside its product
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
     train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
 
 use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
 prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin replaces products
-(project, gate_up) and attend(); the rest of the readable forward runs as it is (Qwen3's q/k
-norms, rope, the MLP's SiLU or GELU), so every family model.py computes runs the same twins.
+(project, gate_up) and attend(); with Kernels.glue, also the small ops between the products
+(norms, rope, the q/k/v views, the residual adds), each a trip through PyTorch's dispatcher: most
+of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
+Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
 checkpoint.load and checkpoint.load_heads end with use(), so whatever loads a model or heads runs
 the twins.
 Why each twin is faster, and by how much on which CPU: results/kernels-cpu.md, whose table
@@ -59,6 +64,7 @@ class Kernels:
     attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
     int8: bool = False       # linear layers run through int8 copies of their weights (quantize_int8)
+    glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
 
     @staticmethod
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
@@ -74,7 +80,7 @@ class Kernels:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
         packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                   and 2 * weight_bytes < free)
-        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed)
+        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed, glue=True)
 
 
 # --- sizes of work, per device -------------------------------------------------------------------
@@ -104,8 +110,11 @@ def prepack(*weights):
     return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).contiguous())
 
 
-def linear(x, packed, bias=None):
-    """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd)."""
+def linear(x, packed, bias=None, add=None):
+    """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd); with `add`, a
+    tensor of the output's shape, add + F.linear(x, weight, bias) in the same call (a oneDNN post-op)."""
+    if add is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, add, packed, bias, "add")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -143,6 +152,40 @@ class PackedLinear(nn.Linear):
         if self.kernels.int8:
             return int8_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
+
+
+# --- norms and rotary: the small ops between the products ----------------------------------------
+# On a CPU F.rms_norm is no single kernel: it runs model.RMSNorm's eight ops. F.layer_norm is one:
+# the layer norm of [x, -x] (mean 0, variance mean(x^2)) is RMSNorm's x * rsqrt(mean(x^2) + eps).
+# apply_rope's rotate-half is a roll by Dh/2 with the first half negated: the sign moves onto sin.
+
+def rms_norm(x, weight2, eps):
+    """model.RMSNorm's twin: x (..., D), weight2 the norm's weight twice (2D,), or None for no
+    weight -> (..., D). One rounding in bf16 where the readable rounds twice: within 1 ulp of it."""
+    D = x.shape[-1]
+    return F.layer_norm(torch.cat([x, -x], -1), (2 * D,), weight2, None, eps)[..., :D]
+
+
+def rope(x, cos, sin, sign):
+    """model.apply_rope's twin, for q and k at once: x (B, H+Hkv, T, Dh); cos, sin (B|1, 1, T, Dh);
+    sign (Dh,) -1 then +1. The same products and sum, so the same bits in any dtype."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * (sin * sign)               # (B, H+Hkv, T, Dh)
+
+
+class FastRMSNorm(model.RMSNorm):
+    """model.RMSNorm's twin: rms_norm(), one layer norm."""
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.glue
+
+    def prepare(self, kernels):
+        self.kernels, self.packed = kernels, torch.cat([self.weight, self.weight]).detach()
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        return rms_norm(x, self.packed, self.eps)
 
 
 # --- attention -----------------------------------------------------------------------------------
@@ -183,7 +226,9 @@ def attend_expanded(q, k, v, mask):
 
 class FastAttention(model.Attention):
     """model.Attention's twin: q, k and v out of one prepacked product (one call, not three), and
-    attend() above where the kernels say "cpu-bf16"."""
+    attend() above where the kernels say "cpu-bf16". With Kernels.glue, its forward also views
+    q, k and v out of that product at once, rotates q and k together, and can add the residual
+    inside o_proj's product (FastBlock)."""
     FUSED = ("q_proj", "k_proj", "v_proj")  # packed here together, not each on its own
 
     @staticmethod
@@ -191,9 +236,34 @@ class FastAttention(model.Attention):
         return kernels.packed or kernels.attention != "sdpa"
 
     def prepare(self, kernels):
-        self.kernels, qkv = kernels, (self.q_proj, self.k_proj, self.v_proj)
+        self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
         bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
         self.packed = (prepack(*(p.weight for p in qkv)), bias) if kernels.packed else None
+        self.rotary = None  # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
+        if kernels.glue and kernels.packed:
+            sign = torch.tensor([-1, 1]).repeat_interleave(c.head_dim // 2).to(self.q_proj.weight)
+            norms = (self.q_norm.weight.expand(c.n_heads, -1), self.k_norm.weight.expand(c.n_kv_heads, -1)) if c.qk_norm else ()
+            self.rotary = sign, torch.cat(norms).detach()[:, None] if norms else None
+
+    def forward(self, x, cos, sin, attn_mask, kv, residual=None):
+        """model.Attention.forward's twin; with `residual` (B, T, D), residual + the output."""
+        if self.rotary is None or torch.is_grad_enabled():
+            y = super().forward(x, cos, sin, attn_mask, kv)
+            return y if residual is None else residual + y
+        B, T, _ = x.shape
+        (sign, qk_weight), c = self.rotary, self.cfg
+        H, Hkv = c.n_heads, c.n_kv_heads
+        qkv = linear(x, *self.packed).view(B, T, H + 2 * Hkv, c.head_dim).transpose(1, 2)  # (B, H+2Hkv, T, Dh)
+        qk, v = qkv.split([H + Hkv, Hkv], 1)                          # (B, H+Hkv, T, Dh), (B, Hkv, T, Dh)
+        if qk_weight is not None:
+            qk = rms_norm(qk, None, c.norm_eps) * qk_weight           # q_norm(q), k_norm(k)
+        q, k = rope(qk, cos, sin, sign).split([H, Hkv], 1)            # (B, H, T, Dh), (B, Hkv, T, Dh)
+        if kv is not None:  # as model.Attention: the new entries after the prefix, then all of it
+            k_cache, v_cache, start = kv
+            k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
+            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]     # (B, Hkv, S, Dh)
+        y = self.attend(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, H * c.head_dim)
+        return linear(y, self.o_proj.packed, None, residual)                  # (B, T, D)
 
     def project(self, x):
         if self.packed is None or torch.is_grad_enabled():
@@ -209,10 +279,11 @@ class FastAttention(model.Attention):
         return attend(q, k, v, mask)                                           # (B, H, T, Dh)
 
 
-# --- the MLP and the heads' LM head --------------------------------------------------------------
+# --- the MLP, the decoder layer and the heads' LM head -------------------------------------------
 
 class FastMLP(model.MLP):
-    """model.MLP's twin: gate and up out of one prepacked product."""
+    """model.MLP's twin: gate and up out of one prepacked product; the residual added inside the
+    down product (FastBlock)."""
     FUSED = ("gate_proj", "up_proj")
 
     @staticmethod
@@ -226,6 +297,31 @@ class FastMLP(model.MLP):
         if torch.is_grad_enabled():
             return super().gate_up(x)
         return linear(x, self.packed).chunk(2, dim=-1)                       # (B, T, hidden_dim) each
+
+    def forward(self, x, residual=None):
+        """model.MLP.forward's twin; with `residual` (B, T, D), residual + the output."""
+        if residual is None or torch.is_grad_enabled():
+            return super().forward(x) if residual is None else residual + super().forward(x)
+        gate, up = self.gate_up(x)
+        return linear(self.act(gate) * up, self.down_proj.packed, None, residual)   # (B, T, D)
+
+
+class FastBlock(model.Block):
+    """model.Block's twin: each residual add inside the product before it (o_proj's, down_proj's),
+    through FastAttention's and FastMLP's `residual`."""
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.glue and kernels.packed
+
+    def prepare(self, kernels):
+        self.kernels = kernels
+
+    def forward(self, x, cos, sin, attn_mask, kv=None):
+        if torch.is_grad_enabled():
+            return super().forward(x, cos, sin, attn_mask, kv)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)                  # (B, T, D)
 
 
 class FastLMHead(heads.LMHead):
@@ -246,7 +342,8 @@ class FastLMHead(heads.LMHead):
 
 # --- switching a module's layers -----------------------------------------------------------------
 
-TWINS = {nn.Linear: PackedLinear, model.Attention: FastAttention, model.MLP: FastMLP, heads.LMHead: FastLMHead}
+TWINS = {nn.Linear: PackedLinear, model.Attention: FastAttention, model.MLP: FastMLP, heads.LMHead: FastLMHead,
+         model.RMSNorm: FastRMSNorm, model.Block: FastBlock}
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 
 
@@ -256,10 +353,10 @@ def in_use(module: nn.Module) -> Kernels:
 
 
 def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
-    """Swap every layer inside `module` that has a twin (the base model: attention, MLPs, linear
-    layers, LM head; heads: their linear layers, LM head and Hydra++'s decoder layer) to `kernels`,
-    prepacked from the weights as they are now; None: Kernels.choose for the module's device and
-    dtype. Kernels(): the readable classes. A kernel this build or machine lacks falls back to
+    """Swap every layer inside `module` that has a twin (the base model: decoder layers, attention,
+    MLPs, norms, linear layers, LM head; heads: their linear layers, norms, LM head and Hydra++'s
+    decoder layer) to `kernels`, prepacked from the weights as they are now; None: Kernels.choose
+    for the module's device and dtype. Kernels(): the readable classes. A kernel this build or machine lacks falls back to
     the readable path with one notice on stderr, never a crash. Returns the module."""
     tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
     if kernels is None and tensors:
@@ -270,7 +367,8 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
         for m in module.modules():  # parents before their children
             if type(m) in READABLE:  # back to the readable class, without the prepacked copy
                 m.__class__ = READABLE[type(m)]
-                m.__dict__.pop("kernels", None), m.__dict__.pop("packed", None)
+                for name in ("kernels", "packed", "rotary"):
+                    m.__dict__.pop(name, None)
             twin = TWINS.get(type(m))
             if twin is not None and id(m) not in fused and twin.wanted(m, kernels):
                 m.__class__ = twin

@@ -30,6 +30,7 @@ jacobi and lookahead methods read for this model (cli.tuned_parallel).
 
 Test: `python -m pytest -q tests/test_bench_cli.py -k parallel`.
 """
+import dataclasses
 import heapq
 import itertools
 import json
@@ -206,13 +207,16 @@ def kernel_table(model, device):
                      ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
                                  for weight, packed in pairs])))
     steps = {}
-    for name, kernels in (("readable", readable), ("fast", fast)):
+    for name, kernels in (("readable", readable), ("fast", fast), ("no glue", dataclasses.replace(fast, glue=False))):
         kernels_lib.use(model, kernels)
         steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
     kernels_lib.use(model, fast)
     rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
     rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
-    print(machine_line(machine(device, model.dtype, kernels=f"{fast.attention}, packed linears: {fast.packed}", **distance_to_floor(model, device))))
+    if fast.glue:  # the glue twins alone: the fast path without them (left) against with them
+        rows.append(("whole decode step, fast path without Kernels.glue (left), with it", steps["no glue"][0], steps["fast"][0]))
+    kernels = f"{fast.attention}, packed linears: {fast.packed}, glue: {fast.glue}"
+    print(machine_line(machine(device, model.dtype, kernels=kernels, **distance_to_floor(model, device))))
     print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
     for what, a, b in rows:
         print(f"| {what} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")

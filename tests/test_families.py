@@ -121,7 +121,7 @@ def test_qwen3_heads_trained_by_train_py_draft_and_keep_greedy_output(family_dir
     assert code == 0, err
     model, tokenizer = checkpoint.load(folder)
     heads = checkpoint.load_heads(out, model)
-    assert heads.cfg.kind == "hydra++" and type(heads.prefix.block.self_attn.q_norm).__name__ == "RMSNorm"
+    assert heads.cfg.kind == "hydra++" and type(heads.prefix.block.self_attn.q_norm).__name__ in ("RMSNorm", "FastRMSNorm")
     prompt = cli.encode(tokenizer, "the cat sat on a mat")
     plain = G.generate(model, prompt, 24)
     spec = G.generate(model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2]))))

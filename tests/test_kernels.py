@@ -29,7 +29,7 @@ PACKED = Kernels.choose("cpu", torch.float32, 0).packed          # oneDNN prepac
 BF16 = Kernels.choose("cpu", torch.bfloat16, 0)                   # Kernels() where bf16 is emulated here
 needs_packing = pytest.mark.skipif(not PACKED, reason="this torch build has no oneDNN prepacking")
 needs_bf16 = pytest.mark.skipif(BF16 == Kernels(), reason="this CPU has no native bf16 kernels")
-FAST = Kernels(attention="cpu-bf16", packed=PACKED)             # every twin this build can run
+FAST = Kernels(attention="cpu-bf16", packed=PACKED, glue=True)  # every twin this build can run
 
 
 def close_as_readable(fast, readable, exact):
@@ -46,7 +46,7 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     a forward there with CUDA's kernels (expanded-kv attention, int8 weights) reaches no CPU kernel."""
     def unreachable(*a, **k):
         raise AssertionError("a CPU-only fast path was reached")
-    for name in ("prepack", "linear", "attend"):
+    for name in ("prepack", "linear", "attend", "rms_norm", "rope"):
         monkeypatch.setattr(kernels, name, unreachable)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
@@ -91,7 +91,7 @@ def test_use_swaps_in_place_and_kernels_restores_the_readable_classes(tiny):
         assert any(type(m) in kernels.READABLE for m in module.modules())
         kernels.use(module, Kernels())
         assert [type(m) for m in module.modules()] == classes and kernels.in_use(module) == Kernels()
-        assert not any("packed" in vars(m) or "kernels" in vars(m) for m in module.modules())
+        assert not any({"packed", "kernels", "rotary"} & set(vars(m)) for m in module.modules())
         assert {k: v.data_ptr() for k, v in module.state_dict().items()} == storage
 
 
@@ -159,8 +159,37 @@ def test_attend_equals_model_attend(B, T, S):
         torch.testing.assert_close(kernels.attend(q, k, v, mask), model_lib.attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
+    """FastRMSNorm (one layer norm of [x, -x]): model.RMSNorm's values, to fp32 rounding, and in
+    bf16 within one ulp (it rounds once where the readable rounds twice), for a hidden state and
+    for heads; under autograd the readable forward. rope() on q and k at once: apply_rope's bits."""
+    torch.manual_seed(0)
+    for shape in ((3, 5, 48), (2, 6, 4, 16)):                                        # (B, T, D), (B, H, T, Dh)
+        norm = model_lib.RMSNorm(shape[-1], 1e-5).to(dtype)
+        nn.init.normal_(norm.weight, 1, 0.3)
+        x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(dtype)   # rows of every scale
+        want = norm(x)
+        kernels.use(norm, Kernels(glue=True))
+        assert type(norm) is kernels.FastRMSNorm
+        with torch.inference_mode():
+            got = norm(x)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        else:  # each value the readable one or one of its two bf16 neighbours
+            inf = torch.full_like(want, float("inf"))
+            assert ((got == want) | (got == torch.nextafter(want, inf)) | (got == torch.nextafter(want, -inf))).all()
+        torch.testing.assert_close(norm(x.requires_grad_()), want, atol=0, rtol=0)     # autograd: the readable one
+    cfg = tiny_config(head_dim=16)
+    cos, sin = model_lib.Rope(cfg)(torch.tensor([3, 700, 2000]), dtype)              # (1, 1, T, Dh)
+    q, k = torch.randn(2, 4, 3, 16, dtype=dtype), torch.randn(2, 2, 3, 16, dtype=dtype)
+    sign = torch.tensor([-1, 1]).repeat_interleave(8).to(dtype)
+    q2, k2 = kernels.rope(torch.cat([q, k], 1), cos, sin, sign).split([4, 2], 1)
+    assert torch.equal(q2, model_lib.apply_rope(q, cos, sin)) and torch.equal(k2, model_lib.apply_rope(k, cos, sin))
+
+
 CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with key mask": (3, 1, 8, True),
-         "prefill": (1, 12, 0, False)}  # B, T, cached keys, key mask
+         "prefill": (1, 12, 0, False), "no cache": (2, 6, None, False)}  # B, T, cached keys (None: no cache), key mask
 # what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H (Qwen3)
 FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16}}
 
@@ -177,27 +206,32 @@ def spread_norms(module):
 @pytest.mark.parametrize("family", FAMILY)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
-def test_fast_attention_equals_attention(case, dtype, family):
+@pytest.mark.parametrize("readable", [model_lib.Attention, model_lib.Block])
+def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype, family):
     """One attention layer over a KV cache: FastAttention (fused q/k/v and their biases, o_proj
-    prepacked, attend() above) gives model.Attention's output, q/k norms and wide heads included."""
+    prepacked, attend() above, q and k normed and rotated at once) gives model.Attention's output,
+    q/k norms and wide heads included; one decoder layer: FastBlock (its norms and residual adds
+    too) gives model.Block's. With the cache written as the readable layer writes it."""
     B, T, start, padded = CASES[case]
     cfg = tiny_config(**FAMILY[family])
     torch.manual_seed(0)
-    layer = spread_norms(model_lib.Attention(cfg))
+    layer = spread_norms(readable(cfg))
     x = torch.randn(B, T, cfg.dim)                                                     # (B, T, D)
-    cos, sin = model_lib.Rope(cfg)(torch.arange(start, start + T))
+    cos, sin = model_lib.Rope(cfg)(torch.arange(start or 0, (start or 0) + T))
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None   # (5, 5)
     key_mask = torch.rand(B, start + T) > 0.3 if padded else None
-    mask = model_lib.attention_mask(T, start, tree, key_mask, x.device)
-    cache = torch.randn(2, B, cfg.n_kv_heads, start + T, cfg.head_dim)                 # k, v: prefix, then slots
+    mask = model_lib.attention_mask(T, start or 0, tree, key_mask, x.device)
+    cache = torch.randn(2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim)          # k, v: prefix, then slots
 
     def run(to, kernels_=Kernels()):
-        m = model_lib.Attention(cfg).to(to)
+        m = readable(cfg).to(to)
         m.load_state_dict(layer.state_dict())
         kernels.use(m, kernels_)
+        assert kernels_ == Kernels() or not PACKED or type(m) in kernels.READABLE
         k, v = cache.to(to).clone()
         with torch.inference_mode():
-            return m(x.to(to), cos.to(to), sin.to(to), mask, (k, v, start)).float()   # (B, T, D)
+            y = m(x.to(to), cos.to(to), sin.to(to), mask, None if start is None else (k, v, start))
+        return torch.cat([y.float().flatten(), k.float().flatten(), v.float().flatten()])   # the output, the cache
     exact = run(torch.float32)
     if dtype == torch.float32:
         torch.testing.assert_close(run(torch.float32, FAST), exact, atol=1e-5, rtol=1e-5)
@@ -278,11 +312,39 @@ def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
 
 # --- the whole model -----------------------------------------------------------------------------
 
+def operations(fn):
+    """How many operations fn() sends through PyTorch's dispatcher (not those they call inside)."""
+    ops = ("aten::", "mkldnn::")
+    with torch.profiler.profile() as p:
+        fn()
+    return sum(e.name.startswith(ops) and not (e.cpu_parent and e.cpu_parent.name.startswith(ops)) for e in p.events())
+
+
+@needs_packing
+def test_a_decode_step_runs_a_third_fewer_operations_a_layer_through_the_twins(tiny):
+    """What Kernels.glue is for: beyond its products, a decode step's time goes to the small
+    operations between them, each a trip through the dispatcher. Counted for one layer (a step
+    through both layers less a step through the first): the twins Kernels.choose picks for fp32
+    run at most two thirds of the readable layer's."""
+    tokens, positions = torch.ones(1, 1, dtype=torch.long), torch.tensor([8])
+    per_layer = {}
+    for name, k in (("readable", Kernels()), ("fast", Kernels.choose("cpu", torch.float32, 0))):
+        kernels.use(tiny, k)
+        cache = tiny.new_cache(16)
+        with torch.inference_mode():
+            tiny(torch.ones(1, 8, dtype=torch.long), torch.arange(8), None, cache)
+            cache.keep(range(8))
+            per_layer[name] = (operations(lambda: tiny(tokens, positions, None, cache))
+                               - operations(lambda: tiny(tokens, positions, None, cache, num_layers=1)))
+    assert per_layer["fast"] <= 2 / 3 * per_layer["readable"], per_layer
+
+
 @needs_packing
 @pytest.mark.parametrize("family", FAMILY)
 def test_prepacked_fp32_linears_match_the_readable_path(family):
-    """fp32 on a CPU: the prepacked linear layers (Kernels.choose's pick where oneDNN is there) give
-    the readable path's logits to fp32 rounding, for a prefix, a tree and a padded batch."""
+    """fp32 on a CPU: the prepacked linear layers and the glue twins (Kernels.choose's pick where
+    oneDNN is there) give the readable path's logits to fp32 rounding, for a prefix, a tree and a
+    padded batch."""
     torch.manual_seed(0)
     tiny = spread_norms(model_lib.Transformer(tiny_config(**FAMILY[family]))).eval().requires_grad_(False)
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
@@ -291,7 +353,7 @@ def test_prepacked_fp32_linears_match_the_readable_path(family):
     key_mask[1, :3] = False
     out = {}
     with torch.inference_mode():
-        for name, k in (("readable", Kernels()), ("packed", Kernels(packed=True))):
+        for name, k in (("readable", Kernels()), ("packed", Kernels(packed=True, glue=True))):
             kernels.use(tiny, k)
             assert (type(tiny.lm_head) is kernels.PackedLinear) == k.packed
             cache = tiny.new_cache(32, batch=2)
@@ -313,7 +375,7 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
     tokens = torch.randint(0, 64, (2, 12))
     with torch.inference_mode():
         errors = {}
-        for name, k in (("readable", Kernels()), ("fast", Kernels(attention="cpu-bf16", packed=BF16.packed))):
+        for name, k in (("readable", Kernels()), ("fast", Kernels(attention="cpu-bf16", packed=BF16.packed, glue=True))):
             kernels.use(tiny16, k)
             out = []
             for m in (tiny32, tiny16):
