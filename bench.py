@@ -211,8 +211,8 @@ def load_heads(args, name, folder, model, asked):
         if checkpoint.has_delta(folder):
             model, _ = checkpoint.load(args.model, model.device, model.dtype)
             print(f"[bench] {name}: {checkpoint.merge_delta(model, folder)}", file=sys.stderr)
-            if args.quantize == "int8":
-                kernels_lib.quantize_int8(model)
+            if args.quantize != "none":
+                kernels_lib.quantize(model, args.quantize)
         return checkpoint.load_heads(folder, model), model
     except heads_lib.HeadsError as e:
         if name in asked or args.heads_dir != cli.SHIPPED:
@@ -240,7 +240,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
         elif name in INT8:  # the same method on an int8 copy: how many replies keep the model's, and tau
             if "int8" not in loaded:
-                loaded["int8"] = kernels_lib.quantize_int8(checkpoint.load(args.model, device, dtype)[0])
+                loaded["int8"] = kernels_lib.quantize(checkpoint.load(args.model, device, dtype)[0], "int8")
             q, kind = loaded["int8"], name.removesuffix("-int8")
             folder = cli.heads_folder(args.heads_dir, kind) if kind != "plain" else None
             if kind != "plain" and folder is None:
@@ -533,8 +533,8 @@ def main(args):
     dtype = cli.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize == "int8":
-        kernels_lib.quantize_int8(model)
+    if args.quantize != "none":
+        kernels_lib.quantize(model, args.quantize)
     eos = cli.eos_ids(model, tokenizer)
     prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:

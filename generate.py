@@ -238,8 +238,8 @@ def main(args):
     show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize == "int8":
-        kernels.quantize_int8(model)
+    if args.quantize != "none":
+        kernels.quantize(model, args.quantize)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     drafter = cli.generate_drafter(args, kind, layers, settings, model, tokenizer, generator)
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)
