@@ -55,9 +55,9 @@ from tuning import distance_to_floor, kernel_table, machine, machine_line, plott
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-INT8 = ("plain-int8", "hydra++-int8")  # on an int8 copy of the model (--quantize's)
+QUANTIZED = tuple(f"{kind}-{q}" for q in ("int8", "int4") for kind in ("plain", "hydra++"))  # on a quantized copy of the model (--quantize's)
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)  # llama.cpp on the default model's GGUF files
-OPT_IN = INT8 + LLAMA_CPP  # run only when named
+OPT_IN = QUANTIZED + LLAMA_CPP  # run only when named
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
            "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead") + OPT_IN
 
@@ -81,7 +81,7 @@ def build_parser():
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
-    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="int8: every method's base model on weight-only int8 linear layers (generate.py --quantize)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="every method's base model on weight-only int8 or int4 linear layers (generate.py --quantize)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
     p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")
@@ -110,7 +110,7 @@ class Method:
     run: Callable
     greedy: bool    # its output must equal plain decoding's (an adapted model's: how far it moved)
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
-    adapted: bool = False  # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 weights
+    adapted: bool = False  # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 or int4 weights
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -211,8 +211,8 @@ def load_heads(args, name, folder, model, asked):
         if checkpoint.has_delta(folder):
             model, _ = checkpoint.load(args.model, model.device, model.dtype)
             print(f"[bench] {name}: {checkpoint.merge_delta(model, folder)}", file=sys.stderr)
-            if args.quantize == "int8":
-                kernels_lib.quantize_int8(model)
+            if args.quantize != "none":
+                kernels_lib.quantize(model, args.quantize)
         return checkpoint.load_heads(folder, model), model
     except heads_lib.HeadsError as e:
         if name in asked or args.heads_dir != cli.SHIPPED:
@@ -238,10 +238,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
             notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
-        elif name in INT8:  # the same method on an int8 copy: how many replies keep the model's, and tau
-            if "int8" not in loaded:
-                loaded["int8"] = kernels_lib.quantize_int8(checkpoint.load(args.model, device, dtype)[0])
-            q, kind = loaded["int8"], name.removesuffix("-int8")
+        elif name in QUANTIZED:  # the same method on an int8 or int4 copy: how many replies keep the model's, and tau
+            kind, quant = name.rsplit("-", 1)
+            if quant not in loaded:
+                loaded[quant] = kernels_lib.quantize(checkpoint.load(args.model, device, dtype)[0], quant)
+            q = loaded[quant]
             folder = cli.heads_folder(args.heads_dir, kind) if kind != "plain" else None
             if kind != "plain" and folder is None:
                 raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}")
@@ -533,8 +534,8 @@ def main(args):
     dtype = cli.pick_dtype(args.dtype, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize == "int8":
-        kernels_lib.quantize_int8(model)
+    if args.quantize != "none":
+        kernels_lib.quantize(model, args.quantize)
     eos = cli.eos_ids(model, tokenizer)
     prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:
@@ -565,7 +566,7 @@ def main(args):
     print(tables(res, mach))
     for name, r in res.items():
         if methods[name].adapted:
-            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta, int8, GGUF in llama.cpp): {len(prompts) - len(r['differs_on'] or [])} "
+            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta, int8, int4, GGUF in llama.cpp): {len(prompts) - len(r['differs_on'] or [])} "
                   f"of {len(prompts)} replies keep the original model's greedy reply", file=sys.stderr)
         elif r["identical"] is False:
             why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "

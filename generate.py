@@ -221,8 +221,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="int8: the base model's linear layers on weight-only int8 "
-                   "(one scale per output channel; fewer bytes to read a step), heads and KV cache as they are")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="the base model's linear layers on weight-only int8 "
+                   "(one scale per output channel) or int4 (a scale and a zero per 32 inputs): fewer bytes to read a step; heads and KV cache as they are")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
     p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, or the base model itself); only on a terminal")
@@ -238,8 +238,8 @@ def main(args):
     show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize == "int8":
-        kernels.quantize_int8(model)
+    if args.quantize != "none":
+        kernels.quantize(model, args.quantize)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     drafter = cli.generate_drafter(args, kind, layers, settings, model, tokenizer, generator)
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)

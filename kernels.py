@@ -9,7 +9,8 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     kernels.sizes(device)                # batch and block sizes for the device (CPU: measured; GPU: guessed)
 
     readable                                        fast twin (here)
-    nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight
+    nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight,
+                                                    or an int8 or int4 one (quantize(): fewer bytes, other numbers)
     model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
     model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
@@ -63,7 +64,7 @@ import model
 class Kernels:
     attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
-    int8: bool = False       # linear layers run through int8 copies of their weights (quantize_int8)
+    quant: str = "none"      # "int8" | "int4": linear layers run through such copies of their weights (quantize)
     glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
 
     @staticmethod
@@ -125,32 +126,70 @@ def int8_weight(weight):
     return (weight.float() / scale[:, None]).round().to(torch.int8), scale.to(weight.dtype)
 
 
-def int8_linear(x, q, scale, bias=None):
-    """F.linear(x, scale[:, None] * q, bias): on a CPU one kernel that reads the int8 weight, half
-    the bytes of bf16; elsewhere the weight is widened first (correct, not faster)."""
-    if x.device.type == "cpu":
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q, scale).view(*x.shape[:-1], -1)
+@torch.no_grad()
+def int4_weight(weight, group=32):
+    """Weight-only int4 (gpt-fast's), a scale and a zero per `group` inputs of an output channel:
+    weight ~ (q - 8) * scale + zero, q in [0, 15] -> q (out, in), scale_zero (in/group, out, 2)."""
+    N, K = weight.shape
+    w = weight.float().view(N, K // group, group)                               # (out, in/group, group)
+    low, scale = w.amin(-1), (w.amax(-1) - w.amin(-1)).clamp(min=1e-6) / 15      # (out, in/group) each
+    q = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view(N, K)
+    return q, torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(weight.dtype)
+
+
+def int4_pack(q):
+    """int4_weight's q (out, in) in the CPU kernel's layout: two per byte, tiled (out, in/2)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8)
+
+
+def int4_fits(weight, group=32):
+    """Whether the CPU's int4 kernel takes this (out, in) weight: out a multiple of 16, in of group."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % group == 0
+
+
+def widen(q, scale):
+    """The weight that int8_weight's (q, scale) or int4_weight's (q, scale_zero) stands for (out, in)."""
+    if scale.dim() == 1:                                                        # int8: (out,)
+        return q.to(scale.dtype) * scale[:, None]
+    s, zero = scale.float().transpose(0, 1).unbind(-1)                          # (out, in/group) each
+    return ((q.float().view(*s.shape, -1) - 8) * s[..., None] + zero[..., None]).view(q.shape).to(scale.dtype)
+
+
+def quantized_linear(x, q, scale, bias=None):
+    """F.linear(x, widen(q, scale), bias): on a CPU one kernel that reads the quantized weight (int8:
+    half the bytes of bf16; int4: a quarter, q as int4_pack() left it); elsewhere it is widened first
+    (correct, not faster)."""
+    if x.device.type != "cpu":
+        return F.linear(x, widen(q, scale).to(x.dtype), bias)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()                                  # (rows, in)
+    if scale.dim() == 1:
+        y = torch._weight_int8pack_mm(x2, q, scale)
     else:
-        y = F.linear(x, q.to(x.dtype)) * scale
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q, x.shape[-1] // len(scale), scale)
+    y = y.view(*x.shape[:-1], -1)                                                 # (..., out)
     return y if bias is None else y + bias
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear's twin: the product through a prepacked copy of the weight, or an int8 one."""
+    """nn.Linear's twin: the product through a prepacked copy of the weight, or an int8 or int4 one."""
 
     @staticmethod
     def wanted(layer, kernels):
-        return kernels.packed or kernels.int8
+        return kernels.packed or kernels.quant == "int8" or (kernels.quant == "int4" and int4_fits(layer.weight))
 
     def prepare(self, kernels):
         self.kernels = kernels
-        self.packed = int8_weight(self.weight) if kernels.int8 else prepack(self.weight)
+        if kernels.quant == "int4":
+            q, scale_zero = int4_weight(self.weight)
+            self.packed = (int4_pack(q) if q.device.type == "cpu" else q), scale_zero
+        else:
+            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight)
 
     def forward(self, x):
         if torch.is_grad_enabled():
             return super().forward(x)
-        if self.kernels.int8:
-            return int8_linear(x, *self.packed, self.bias)
+        if self.kernels.quant != "none":
+            return quantized_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
 
 
@@ -383,11 +422,12 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
         return use(module, Kernels())
 
 
-def quantize_int8(module: nn.Module) -> nn.Module:
-    """Weight-only int8 for every linear layer of `module` (a base model: its projections and LM
-    head), the attention as chosen before; the embedding, the KV cache and the activations keep
-    their dtype. Returns the module."""
-    return use(module, replace(in_use(module), packed=False, int8=True))
+def quantize(module: nn.Module, quant: str) -> nn.Module:
+    """Weight-only `quant` ("int8" or "int4") for every linear layer of `module` (a base model: its
+    projections and LM head; a tied LM head quantizes a copy, the embedding reads the table as it
+    is), the attention as chosen before; the KV cache and the activations keep their dtype. A layer
+    the int4 kernel does not take (int4_fits) stays readable. Returns the module."""
+    return use(module, replace(in_use(module), packed=False, quant=quant))
 
 
 # --- the training loss ---------------------------------------------------------------------------

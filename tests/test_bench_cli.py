@@ -206,12 +206,13 @@ def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
     assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping
 
 
-def test_int8_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys, tmp_path, tiny_model_dir):
-    """plain-int8 runs only when named, on an int8 copy of the model, in the same run as plain."""
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys, tmp_path, tiny_model_dir, quant):
+    """plain-int8 (plain-int4) runs only when named, on an int8 (int4) copy of the model, in the same run as plain."""
     code, out, err = run_bench(capsys, "--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2,
-                               "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", "plain,plain-int8")
-    assert code == 0 and "| plain-int8 |" in out, err
-    assert "plain-int8 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
+                               "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", f"plain,plain-{quant}")
+    assert code == 0 and f"| plain-{quant} |" in out, err
+    assert f"plain-{quant} decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
 
 
 def test_llama_cpp_named_without_the_package_or_the_default_model_is_refused(no_model, capsys, monkeypatch, tmp_path):

@@ -94,6 +94,7 @@ FLAGS = [
     (["--prompt", "hi", "--top-p", "1.5"], "(0, 1]"),
     (["--prompt", "hi", "--verify", "greedy", "--temperature", "0.7"], "--verify sample"),
     (["--prompt", "hi", "--verify", "beam"], "invalid choice"),
+    (["--prompt", "hi", "--quantize", "int3"], "invalid choice"),
     (["--prompt", "hi", "--seed", "-1"], "--seed"),
     (["--prompt", "hi", "--dtype", "fp8"], "unknown dtype; use auto, fp32, bf16, fp16"),
     (["--prompt", "hi", "--device", "tpu"], "unknown device"),

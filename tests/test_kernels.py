@@ -43,12 +43,14 @@ def close_as_readable(fast, readable, exact):
 def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     """CUDA (and any device but the CPU) keeps the readable path: Kernels.choose answers Kernels()
     without asking oneDNN anything, and use() on a model there swaps nothing and prepacks nothing;
-    a forward there with CUDA's kernels (expanded-kv attention, int8 weights) reaches no CPU kernel."""
+    a forward there with CUDA's kernels (expanded-kv attention, int8 or int4 weights) reaches no CPU kernel."""
     def unreachable(*a, **k):
         raise AssertionError("a CPU-only fast path was reached")
     for name in ("prepack", "linear", "attend", "rms_norm", "rope"):
         monkeypatch.setattr(kernels, name, unreachable)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", unreachable)
+    monkeypatch.setattr(kernels, "int4_pack", unreachable)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
     cuda = Kernels(attention="expanded-kv")                  # the one GPU twin: attention that keeps SDPA's fused kernels
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -62,8 +64,9 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
         kernels.use(m, cuda)                                 # as on a GPU: only the attention layers swap
         assert {type(x) for x in m.modules() if type(x) in kernels.READABLE} == {kernels.FastAttention}
         forward_as_on_a_gpu(m)
-        kernels.quantize_int8(m)                             # int8 weights off the CPU: widened, no CPU kernel
-        forward_as_on_a_gpu(m)
+        for quant in ("int8", "int4"):                       # quantized weights off the CPU: widened, no CPU kernel
+            kernels.quantize(m, quant)
+            forward_as_on_a_gpu(m)
         kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
 
@@ -468,21 +471,32 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
         torch.testing.assert_close(fused, readable, atol=1e-6, rtol=1e-4)
 
 
-# --- weight-only int8 ----------------------------------------------------------------------------
+# --- weight-only int8 and int4 -------------------------------------------------------------------
 
-def test_int8_linear_is_the_product_with_its_dequantized_weight():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_is_the_product_with_its_dequantized_weight(dtype):
+    """int8 and int4: each weight within half a step of the layer's, the CPU kernel's product that
+    of x with widen()'s weight (to fp32 rounding, or bf16's)."""
     torch.manual_seed(0)
-    layer = nn.Linear(64, 48)
-    x = torch.randn(2, 3, 64)
-    q, scale = kernels.int8_weight(layer.weight)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127
-    torch.testing.assert_close((q.float() * scale[:, None]), layer.weight, atol=float(scale.max()) / 2 + 1e-7, rtol=0)
-    with torch.no_grad():
-        got = kernels.int8_linear(x, q, scale, layer.bias)
-    torch.testing.assert_close(got, x @ (q.float() * scale[:, None]).T + layer.bias, atol=1e-4, rtol=1e-4)
+    layer = nn.Linear(64, 48).to(dtype)
+    x = torch.randn(2, 3, 64, dtype=dtype)                                    # (B, T, in)
+    q8, scale = kernels.int8_weight(layer.weight)
+    q4, scale_zero = kernels.int4_weight(layer.weight)
+    assert q8.dtype == torch.int8 and q8.abs().max() <= 127
+    assert q4.shape == (48, 64) and q4.max() <= 15 and scale_zero.shape == (64 // 32, 48, 2)
+    step4 = scale_zero[..., 0].T.repeat_interleave(32, 1)                      # (48, 64) each weight's scale
+    for q, s, packed, step in ((q8, scale, q8, scale[:, None]), (q4, scale_zero, kernels.int4_pack(q4), step4)):
+        w = kernels.widen(q, s).float()                                        # (48, 64)
+        rounding = 2 * torch.finfo(dtype).eps * layer.weight.abs().max().float()   # of scale, zero and w in dtype
+        assert ((w - layer.weight.float()).abs() <= 0.51 * step.float() + rounding).all()
+        with torch.no_grad():
+            got = kernels.quantized_linear(x, packed, s, layer.bias).float()   # (B, T, 48)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got, x.float() @ w.T + layer.bias.float(), atol=tol, rtol=tol)
 
 
-def test_an_int8_model_decodes_speculatively_as_it_decodes_plainly():
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     """Quantised weights change the model a little; the lossless contract holds against that model."""
     import drafters
     import generate
@@ -492,14 +506,24 @@ def test_an_int8_model_decodes_speculatively_as_it_decodes_plainly():
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
     before = base.lm_head.weight.clone()
-    kernels.quantize_int8(base)
-    assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).int8
+    readable = generate.generate(base, [3, 4, 5], 20)
+    kernels.quantize(base, quant)
+    assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).quant == quant
     assert torch.equal(base.lm_head.weight, before)                          # the weights themselves stay
     plain = generate.generate(base, [3, 4, 5], 20)
     spec = generate.generate(base, [3, 4, 5], 20, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
-    assert spec.tokens == plain.tokens
+    assert spec.tokens == plain.tokens and plain.tokens[:3] == readable.tokens[:3]
     kernels.use(base, kernels.Kernels())
     assert type(base.lm_head) is nn.Linear
+
+
+def test_a_layer_the_int4_kernel_does_not_take_stays_readable():
+    """The CPU's int4 kernel wants out a multiple of 16 and in of the group (32): a 72-token vocabulary's LM head stays nn.Linear."""
+    m = model_lib.Transformer(tiny_config(vocab_size=72, tie_embeddings=True)).eval()
+    kernels.quantize(m, "int4")
+    assert type(m.lm_head) is nn.Linear and type(m.layers[0].self_attn.q_proj) is kernels.PackedLinear
+    with torch.no_grad():
+        m(torch.ones(1, 3, dtype=torch.long), torch.arange(3), None, m.new_cache(8))
 
 
 def test_expanded_kv_attention_equals_the_readable_one_with_every_kind_of_mask(tiny):
