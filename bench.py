@@ -189,7 +189,7 @@ def layers_setting(args, model):
     half the layers."""
     on = lambda device, dtype: cli.tuned_tree_file(args.heads_dir, device, dtype, "layers")
     cpu = [on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)]    # the same dtype first
-    for file in [on(model.device, model.dtype)] + cpu:
+    for file in dict.fromkeys([on(model.device, model.dtype)] + cpu):  # each file once (on a CPU the first is cpu's too)
         try:
             with open(file) as f:
                 tuned = json.load(f)
