@@ -9,7 +9,7 @@ lookup in one tree, a draft model), side by side on the same prompts, in the sam
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-DEVICE-DTYPE.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers-DEVICE-DTYPE.json
-    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G (tuning.py)
+    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G, pass's K (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
@@ -59,7 +59,7 @@ QUANTIZED = tuple(f"{kind}-{q}" for q in ("int8", "int4") for kind in ("plain", 
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)  # llama.cpp on the default model's GGUF files
 OPT_IN = QUANTIZED + LLAMA_CPP  # run only when named
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead") + OPT_IN
+           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead", "pass") + OPT_IN
 
 
 def build_parser():
@@ -96,7 +96,7 @@ def build_parser():
     p.add_argument("--kernels", action="store_true", help="time each kernel choice of kernels.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
     p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
     p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
-    p.add_argument("--tune-parallel", action="store_true", help="choose jacobi's m and lookahead's W, N, G for this machine instead of benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, --tune-repeats; saved in --heads-dir)")
+    p.add_argument("--tune-parallel", action="store_true", help="choose jacobi's m, lookahead's W, N, G and pass's K for this machine instead of benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, --tune-repeats; saved in --heads-dir)")
     return p
 
 
@@ -267,7 +267,12 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                                       gamma, 0.0, 1.0, None)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
-        elif name in cli.PARALLEL:  # jacobi, lookahead: as --tune-parallel chose for this machine
+        elif name in cli.PARALLEL:  # jacobi, lookahead, pass: as --tune-parallel chose for this machine
+            if name == "pass" and not tuning.trained_tokens(args.heads_dir):
+                if name in asked:
+                    raise cli.UsageError(f"--methods pass: no [LA] tokens in --heads-dir {args.heads_dir}/pass; train them with pass_tokens.py")
+                notes.append(f"pass: skipped (no [LA] tokens in {args.heads_dir}/pass)")
+                continue
             d, note = tuning.tuned_drafter(name, args.heads_dir, model)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
             notes.append(note)
@@ -373,7 +378,7 @@ def results(methods, prompts, secs, outs):
     for name, m in methods.items():
         row = summary(every, secs[name], outs[name], plain)
         accepted = [a for out in outs[name] if out[2] is not None for a in out[2]]
-        row["accept_by_depth"] = generate.acceptance_by_depth(accepted, m.depth) if m.depth else None
+        row["accept_by_depth"] = cli.acceptance_by_depth(accepted, m.depth) if m.depth else None
         differ = [prompts[i][0] for i in every if outs[name][i][0] != outs["plain"][i][0]]
         row["identical"] = not differ if m.greedy else None
         row["differs_on"] = differ if m.greedy else None

@@ -410,8 +410,6 @@ def load_heads(folder, base):
     return kernels.use(heads)  # prepacked from these weights, not build()'s
 
 
-# --- as a script: load a model, print a short greedy reply ---------------------------------------
-
 # --- a LoRA delta beside joint heads (joint.py) -------------------------------------------------
 # Heads trained with the base model's last layers (Medusa-2) come with those layers' change:
 # merged into the weights at load, so decoding costs nothing more.
@@ -440,6 +438,33 @@ def merge_delta(model, folder):
         weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
     kernels.use(model)  # the fast kernels' copies of the weights are made again from the merged ones
     return f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the heads' LoRA delta (rank {cfg['rank']})"
+
+
+# --- PaSS's [LA] tokens (pass_tokens.py) ------------------------------------------------------------
+
+TOKENS, TOKENS_CONFIG = "tokens.safetensors", "tokens.json"
+
+
+def save_tokens(folder, embeddings, model, report):
+    """The [LA] embeddings (K, D) and what they were trained for (and how well: `report`)."""
+    save_file({"embeddings": embeddings.detach().float().cpu().contiguous()}, os.path.join(folder, TOKENS))
+    with open(os.path.join(folder, TOKENS_CONFIG), "w") as f:
+        json.dump({"tokens": len(embeddings), "dim": embeddings.shape[1], "model": model.cfg.name,
+                   "base_fingerprint": lm_head_fingerprint(model)} | report, f, indent=1)
+
+
+def load_tokens(folder, model):
+    """The [LA] embeddings (K, D) saved in `folder`, after checking they were trained for `model`."""
+    try:
+        with open(os.path.join(folder, TOKENS_CONFIG)) as f:
+            cfg = json.load(f)
+        embeddings = load_file(os.path.join(folder, TOKENS))["embeddings"]
+    except Exception as e:  # missing, unreadable, not JSON, no "embeddings": all the same to the user
+        raise HeadsError(f"{folder}: no [LA] tokens of pass_tokens.py there ({type(e).__name__}); train them with pass_tokens.py --out {folder}") from None
+    if not isinstance(cfg, dict) or cfg.get("base_fingerprint") != lm_head_fingerprint(model) or embeddings.shape[1:] != (model.cfg.dim,):
+        raise HeadsError(f"{folder}: its [LA] tokens were trained for another base model ({cfg.get('model') if isinstance(cfg, dict) else '?'}); "
+                         f"train them for {model.cfg.name} with pass_tokens.py")
+    return embeddings
 
 
 def main(argv=None) -> int:

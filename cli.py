@@ -1,8 +1,8 @@
 """What a user typed, checked where it enters and reported in one line: shared by every script.
 
 The teaching files (tree, verify, generate.generate, heads, drafters, model) raise plain errors
-and never print. The scripts (generate.py, bench.py, train.py, checkpoint.py, tree.py,
-export.py) parse their flags with Parser, check them with the functions here, and run through
+and never print. The scripts (generate.py, bench.py, train.py, joint.py, pass_tokens.py,
+checkpoint.py, tree.py, export.py) parse their flags with Parser, check them with the functions here, and run through
 run(), which turns every mistake of the user's into one line on stderr, "error: <what> ...;
 <fix>", and exit code 2 (no traceback), Ctrl-C into exit code 130, and a closed pipe into a quiet
 exit.
@@ -13,7 +13,8 @@ exit.
     writable_file, writable_folder, check_text       paths and text, checked before the work
     read_prompts(path), encode(tokenizer, text)      prompt files; the one chat-template encoder
     eos_ids(model, tokenizer)                        the one set of tokens that end a reply
-    find_heads, load_heads, load_tree, parse_draft, draft_settings, make_drafter
+    generate_parser, Printer, stats_line             generate.py's flags and what it prints
+    find_heads, load_heads, load_tree, parse_draft, draft_settings, make_drafter, pass_drafter
                                                      generate.py's --heads, --tree and --draft
     tuned_tree_file, tuned_parallel                  what bench.py tuned for this machine
 
@@ -209,25 +210,78 @@ def eos_ids(model, tokenizer) -> set:
     return set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
+def acceptance_by_depth(accepted, max_depth):
+    """Fraction of speculative steps whose accepted path reached depth d, for d = 1..max_depth."""
+    steps = max(len(accepted), 1)
+    return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
+
+
+# --- generate.py's printing -------------------------------------------------------------------------
+# stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
+
+COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, then drafter.legend[1:]
+
+
+def legend_line(drafter):
+    return "[--show: plain = the base model's own token, " + ", ".join(
+        f"{COLOURS[min(s, len(COLOURS) - 1)]}{who}{COLOURS[0]}" for s, who in enumerate(drafter.legend) if s) + " = proposed by it]"
+
+
+class Printer:
+    """Streams decoded text to stdout; holds back an incomplete UTF-8 character. show: colour codes."""
+
+    def __init__(self, tokenizer, show):
+        self.tok, self.show, self.ids, self.printed = tokenizer, show, [], ""
+
+    def __call__(self, new, sources):
+        for t, s in zip(new, sources):
+            self.ids.append(t)
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            piece, self.printed = text[len(self.printed):], text
+            if piece:
+                sys.stdout.write(COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0] if self.show and s else piece)
+        sys.stdout.flush()
+
+
+def stats_line(r, max_depth):
+    """generate.py's statistics of a Result."""
+    n = len(r.tokens)
+    line = f"[{n} new tokens, {r.steps} steps, tau {n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
+    if max_depth:
+        line += ", accepted by depth " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth))
+    return line + "]"
+
+
+VERIFIERS = ("auto", "greedy", "typical", "sample")  # generate.py --verify
+
+
 # --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
 # what --gamma, --ngram, --matches, --window and --guesses are for each drafter that takes them,
-# when not given (jacobi and lookahead: unless bench.py --tune-parallel chose for this machine)
+# when not given (jacobi, lookahead and pass: unless bench.py --tune-parallel chose for this machine)
 DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
-                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}}
-PARALLEL = ("jacobi", "lookahead")  # training-free drafters that read the model's own outputs
+                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}, "pass": {"gamma": 2}}
+PARALLEL = ("jacobi", "lookahead", "pass")  # the model drafts for itself at nodes it computes but never verifies
 
 
 def parse_draft(spec):
-    """--draft -> (kind, N): kind is heads, lookup, heads+lookup, layers, model, jacobi or lookahead; N for layers:N."""
+    """--draft -> (kind, arg): kind is heads, lookup, heads+lookup, layers, model, jacobi, lookahead or pass;
+    arg is N for layers:N, the [LA] tokens' folder for pass[:FOLDER] (the shipped ones without)."""
+    if spec == "pass" or spec.startswith("pass:"):
+        folder = spec[5:] or os.path.join(SHIPPED, "pass")
+        if not os.path.isfile(os.path.join(folder, checkpoint.TOKENS_CONFIG)):
+            raise UsageError(f"--draft {spec}: no [LA] tokens in {folder}; train them with pass_tokens.py --out FOLDER, then --draft pass:FOLDER")
+        return "pass", folder
     if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
         if int(m[1]) < 1:
             raise UsageError(f"--draft {spec}: N is how many of the model's first layers draft, at least 1; use layers:1 or more")
         return "layers", int(m[1])
     if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
         return spec, None
-    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model, jacobi or lookahead")
+    raise UsageError(f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a number), model, jacobi, lookahead or pass[:FOLDER]")
 
 
 def check_sizes(kind, settings, where):
@@ -237,6 +291,9 @@ def check_sizes(kind, settings, where):
                          f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
     if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
         raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
+    if kind == "pass" and (settings["gamma"] + 1) ** 2 > tree_lib.MAX_NODES:  # drafters.PaSS.max_nodes
+        raise UsageError(f"{where}gamma {settings['gamma']}: a step would compute {(settings['gamma'] + 1) ** 2} nodes, over "
+                         f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
     if kind == "lookahead":
         w, n, g = settings["window"], settings["ngram"], settings["guesses"]
         if n < 2:
@@ -345,7 +402,7 @@ def tuned_parallel(folder, model, kind):
     try:
         with open(file, encoding="utf-8") as f:
             saved = json.load(f)
-        if saved.get("model") != model.cfg.name:
+        if saved.get("model") != model.cfg.name or kind not in saved:
             return {}
         settings = {k: saved[kind][k] for k in DRAFT_DEFAULTS[kind]}
     except OSError:
@@ -403,7 +460,19 @@ def load_draft_model(name, model, tokenizer, device, dtype):
     return draft_model
 
 
-def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temperature, top_p, generator):
+def pass_drafter(folder, gamma, model):
+    """--draft pass: the [LA] tokens in `folder`, trained for this model, drafting gamma tokens a step."""
+    try:
+        embeddings = checkpoint.load_tokens(folder, model)
+    except heads_lib.HeadsError as e:
+        raise UsageError(f"--draft pass: {e}") from None
+    if gamma > len(embeddings):
+        raise UsageError(f"--gamma {gamma}: {folder} holds {len(embeddings)} [LA] tokens, so pass drafts at most {len(embeddings)} a step; "
+                         f"use --gamma {len(embeddings)} or fewer")
+    return drafters_lib.PaSS(model, embeddings, gamma)
+
+
+def make_drafter(kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator):
     """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
     greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
     dev = model.device
@@ -415,11 +484,13 @@ def make_drafter(kind, layers, settings, model, heads, tree, draft_model, temper
         return drafters_lib.heads_and_lookup(drafters_lib.HeadsDrafter(heads, tree), settings["gamma"], settings["ngram"],
                                              settings["matches"], dev)
     if kind == "layers":
-        return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, layers, f"layers:{layers}")
+        return drafters_lib.ModelDrafter(model, settings["gamma"], temperature, top_p, generator, arg, f"layers:{arg}")
     if kind == "jacobi":
         return drafters_lib.Jacobi(settings["gamma"], dev)
     if kind == "lookahead":
         return drafters_lib.Lookahead(settings["window"], settings["ngram"], settings["guesses"], dev)
+    if kind == "pass":
+        return pass_drafter(arg, settings["gamma"], model)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 
@@ -441,6 +512,55 @@ def flags_without_effect(args, parser):
     elif args.show and not sys.stdout.isatty():
         ignored.append("--show colours only a terminal; stdout is not one, so the text is written plain")
     return ignored
+
+
+def generate_parser(description):
+    """generate.py's flags."""
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # what to say
+    p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
+    p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ..., \"id\": ...} per line, instead of --prompt")
+    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    # the model and the drafter
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
+    p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
+                   "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
+                   "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) | jacobi (the model's own outputs "
+                   "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | pass or "
+                   "pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); jacobi, lookahead and pass take the settings "
+                   "bench.py --tune-parallel saved for this machine where no flag sets them")
+    p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ | medusa-2 | hydra++-2 (shipped for the default model; the -2 kinds were trained with the model's last layers, which they adapt) | a heads folder; auto = hydra++ if shipped for this model, else none")
+    p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
+    p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
+    p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N, model, jacobi (its m guesses) and pass (its K [LA] tokens); unless given: " +
+                   ", ".join(f"{k} {v['gamma']}" for k, v in DRAFT_DEFAULTS.items() if "gamma" in v))
+    p.add_argument("--ngram", type=int, default=None, help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' length N, "
+                   "first token included, = the window's levels + 1; unless given: " + ", ".join(f"{k} {v['ngram']}" for k, v in DRAFT_DEFAULTS.items() if "ngram" in v))
+    p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {DRAFT_DEFAULTS['lookup']['matches']}")
+    p.add_argument("--window", type=int, default=None, help=f"lookahead: W, the Jacobi trajectories computed a step; unless given: {DRAFT_DEFAULTS['lookahead']['window']}")
+    p.add_argument("--guesses", type=int, default=None, help=f"lookahead: G, the most n-grams from its pool verified a step; unless given: {DRAFT_DEFAULTS['lookahead']['guesses']}")
+    # decoding
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is greedy too "
+                        "(the probabilities are one-hot there, and overflow far below it)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--verify", default="auto", choices=VERIFIERS,
+                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: the tree rule, or Leviathan's "
+                        "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
+                        "At --temperature 0, sample and typical reduce to greedy and give exactly its output")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
+    # machine
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="the base model's linear layers on weight-only int8 "
+                   "(one scale per output channel) or int4 (a scale and a zero per 32 inputs): fewer bytes to read a step; heads and KV cache as they are")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    # output
+    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal")
+    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
+    return p
 
 
 def check_generate_args(args, parser):
@@ -469,7 +589,7 @@ def check_generate_args(args, parser):
     check_seed(args.seed)
     if args.heads == "none" and args.tree != "auto":
         raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    kind, layers = parse_draft(args.draft)
+    kind, arg = parse_draft(args.draft)
     settings = draft_settings(args, kind)
     if args.out:
         writable_file("--out", args.out, "replies.jsonl")
@@ -481,17 +601,17 @@ def check_generate_args(args, parser):
     find_heads(args.heads)
     for message in flags_without_effect(args, parser):
         notice(message)
-    return kind, layers, settings
+    return kind, arg, settings
 
 
-def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
+def generate_drafter(args, kind, arg, settings, model, tokenizer, generator):
     """generate.py's drafter, once the model is loaded: heads, their tree, a draft model, checked."""
     heads, heads_folder = load_heads(args.heads, model) if kind in ("heads", "heads+lookup") else (None, None)
     tree = load_tree(args.tree, heads, heads_folder)
     if kind == "heads+lookup" and heads is None:
         raise UsageError(f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with train.py and "
                          "pass --heads FOLDER, or use --draft lookup")
-    if kind == "layers" and layers >= model.cfg.n_layers:
+    if kind == "layers" and arg >= model.cfg.n_layers:
         raise UsageError(f"--draft {args.draft}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
                          f"{model.cfg.n_layers - 1} (all of them would be the model itself)")
     draft_model = load_draft_model(args.draft_model, model, tokenizer, model.device, model.dtype) if kind == "model" else None
@@ -499,7 +619,7 @@ def generate_drafter(args, kind, layers, settings, model, tokenizer, generator):
         settings = settings | tuned_parallel(SHIPPED, model, kind) | {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
         check_sizes(kind, settings, "--")
     sampled = args.temperature > 0 and args.verify in ("auto", "sample")  # drafts for Leviathan's rule, else greedy ones
-    drafter = make_drafter(kind, layers, settings, model, heads, tree, draft_model,
+    drafter = make_drafter(kind, arg, settings, model, heads, tree, draft_model,
                            args.temperature if sampled else 0.0, args.top_p, generator)
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise UsageError(f"--draft {args.draft}: trees of up to {drafter.max_nodes} nodes, over MAX_NODES={tree_lib.MAX_NODES}; "

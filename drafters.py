@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 import tree as tree_lib
 import verify as verify_lib
@@ -508,3 +509,69 @@ class Lookahead:
             grams.remove(gram)
         grams.append(gram)
         del grams[:-self.G]   # keep the G latest
+
+
+# --- PaSS: learned lookahead tokens ----------------------------------------------------------------
+# Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen (pass_tokens.py),
+# are new tokens; appended after the sequence, the model's outputs at them guess the K tokens after
+# its next one. Which node will be the last accepted is known only after the step, so a group of K
+# [LA]s (computed only) follows every node of the chain: the group after the last accepted node
+# drafts the next chain. K = 2, depths:   root d1 d2 | a1 a2 | b1 b2 | c1 c2   (groups after root, d1, d2)
+#                                          0    1  2 |  1  2 |  2  3 |  3  4
+# The chain is causal after the root; the group after node g sees nodes 0..g and its [LA]s up to itself.
+
+
+class AddedTokens(nn.Module):
+    """The model's token embedding with rows after its vocabulary: ids V, V+1, ... read `extra`."""
+
+    def __init__(self, embed: nn.Embedding, extra: torch.Tensor):
+        super().__init__()
+        self.embed, self.extra = embed, extra                       # extra (K, D): a Parameter while it trains
+
+    @property
+    def weight(self):  # what model.device and model.dtype read
+        return self.embed.weight
+
+    def forward(self, ids):
+        V = self.embed.num_embeddings
+        added = self.extra[(ids - V).clamp(0, len(self.extra) - 1)]                     # (..., D)
+        return torch.where((ids >= V)[..., None], added.to(self.weight.dtype), self.embed(ids.clamp(max=V - 1)))
+
+
+def add_tokens(model, extra) -> list:
+    """Give the model new tokens embedded as `extra` (K, D), replacing any added before; their ids."""
+    embed = getattr(model.embed_tokens, "embed", model.embed_tokens)
+    model.embed_tokens = AddedTokens(embed, extra)
+    return list(range(embed.num_embeddings, embed.num_embeddings + len(extra)))
+
+
+class PaSS:
+    """A chain of K tokens a step: the outputs at the [LA] group after last step's last accepted node
+    (the first step, without one, guesses the root K times)."""
+
+    def __init__(self, model, embeddings, gamma: int):
+        assert 1 <= gamma <= len(embeddings), f"need 1 <= gamma <= {len(embeddings)} [LA] tokens, got {gamma}"
+        K, n, dev = gamma, gamma + 1, model.device
+        self.la = add_tokens(model, embeddings[:K].to(dev, model.dtype)) * n
+        mask = torch.zeros(n * n, n * n, dtype=torch.bool)
+        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        depth = list(range(n))
+        for g in range(n):
+            rows = slice(n + g * K, n + g * K + K)
+            mask[rows, :g + 1], mask[rows, rows] = True, torch.ones(K, K, dtype=torch.bool).tril()
+            depth += range(g + 1, g + K + 1)
+        self.tree = tree_lib.build(tree_lib.chain(K)).to(dev)
+        self.mask, self.depth, self.K, self.dev = mask.to(dev), torch.tensor(depth, device=dev), K, dev
+        self.name = f"pass: {K} [LA] tokens"
+        self.legend, self.max_nodes, self.max_depth = ["base model", "[LA] tokens"], n * n, K
+
+    def start(self, prompt, hidden, max_len):
+        self.guesses = None
+
+    def draft(self, root):
+        tokens = [root] + (self.guesses or [root] * self.K) + self.la
+        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * self.K)
+
+    def accept(self, tokens, hidden, positions, logits):
+        first = self.K + 1 + (len(tokens) - 1) * self.K        # the group after the last accepted node
+        self.guesses = logits[first:first + self.K].argmax(-1).tolist()

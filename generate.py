@@ -1,6 +1,6 @@
 """Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
-a draft model, the model's own first layers or its own Jacobi iterations propose tokens, one
-forward verifies them.
+a draft model, the model's own first layers, its own Jacobi iterations or learned [LA] tokens
+propose tokens, one forward verifies them.
 
     python generate.py --prompt "Write a haiku about the sea."            # shipped heads, greedy
     python generate.py --prompt "..." --heads none                        # plain decoding
@@ -10,6 +10,7 @@ forward verifies them.
     python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
     python generate.py --model big/llama --draft model --draft-model small/llama
     python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
+    python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
 
 One decode loop, generate(), serves every method. Each step:
@@ -28,7 +29,6 @@ one-token step round differently, so near-ties can flip); speculative sampling s
 base model's own distribution. The command line's checks live in cli.py (tests/test_cli.py).
 Shapes: N tree nodes, D hidden, V vocabulary.
 """
-import argparse
 import json
 import sys
 import time
@@ -55,14 +55,11 @@ class Result:
     stopped: str = ""                              # "eos" | "length"
 
 
-VERIFIERS = ("auto", "greedy", "typical", "sample")
-
-
 def choose_verifier(verify, temperature, top_p, generator):
     """verifier(logits (n, V), tokens (n,), draft) -> (accepted node indices, bonus token), over the
     draft's n candidates."""
-    if verify not in VERIFIERS:
-        raise ValueError(f"verify={verify!r}: use one of {', '.join(VERIFIERS)}")
+    if verify not in cli.VERIFIERS:
+        raise ValueError(f"verify={verify!r}: use one of {', '.join(cli.VERIFIERS)}")
     if verify == "greedy" and temperature >= verify_lib.GREEDY_BELOW:
         raise ValueError(f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}")
     if temperature < verify_lib.GREEDY_BELOW:  # what "greedy" (checked above) and auto at temperature 0 mean
@@ -141,97 +138,16 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
     return out
 
 
-def acceptance_by_depth(accepted, max_depth):
-    """Fraction of speculative steps whose accepted path reached depth d, for d = 1..max_depth."""
-    steps = max(len(accepted), 1)
-    return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
-
-
-# --- printing ------------------------------------------------------------------------------------
-# stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
-
-COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]  # base, then drafter.legend[1:]
-
-
-class Printer:
-    """Streams decoded text to stdout; holds back an incomplete UTF-8 character. show: colour codes."""
-
-    def __init__(self, tokenizer, show):
-        self.tok, self.show, self.ids, self.printed = tokenizer, show, [], ""
-
-    def __call__(self, new, sources):
-        for t, s in zip(new, sources):
-            self.ids.append(t)
-            text = self.tok.decode(self.ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue
-            piece, self.printed = text[len(self.printed):], text
-            if piece:
-                sys.stdout.write(COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0] if self.show and s else piece)
-        sys.stdout.flush()
-
-
-def stats_line(r: Result, max_depth):
-    n = len(r.tokens)
-    line = f"[{n} new tokens, {r.steps} steps, tau {n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
-    if max_depth:
-        line += ", accepted by depth " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth))
-    return line + "]"
-
-
 # --- the command line ----------------------------------------------------------------------------
-# cli.py checks what was typed (everything that needs no model before one loads); main() runs it.
+# cli.py defines the flags (generate_parser) and checks what was typed (everything that needs no
+# model before one loads); main() runs it.
 
 def build_parser():
-    p = cli.Parser(description=__doc__.split("\n\n")[0].strip(),
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # what to say
-    p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
-    p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ..., \"id\": ...} per line, instead of --prompt")
-    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
-    p.add_argument("--system", default=None, help="system message (default: the template's own)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    # the model and the drafter
-    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
-    p.add_argument("--draft", default="heads", help="who proposes the tokens the model verifies: heads (the --heads below; none = plain decoding) | "
-                   "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the reply) | heads+lookup (both, in one tree) | "
-                   "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) | jacobi (the model's own outputs "
-                   "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi iterations, lookahead decoding); jacobi and "
-                   "lookahead take the settings bench.py --tune-parallel saved for this machine where no flag sets them")
-    p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ | medusa-2 | hydra++-2 (shipped for the default model; the -2 kinds were trained with the model's last layers, which they adapt) | a heads folder; auto = hydra++ if shipped for this model, else none")
-    p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
-    p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
-    p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N, model and jacobi (its m guesses); unless given: " +
-                   ", ".join(f"{k} {v['gamma']}" for k, v in cli.DRAFT_DEFAULTS.items() if "gamma" in v))
-    p.add_argument("--ngram", type=int, default=None, help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' length N, "
-                   "first token included, = the window's levels + 1; unless given: " + ", ".join(f"{k} {v['ngram']}" for k, v in cli.DRAFT_DEFAULTS.items() if "ngram" in v))
-    p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {cli.DRAFT_DEFAULTS['lookup']['matches']}")
-    p.add_argument("--window", type=int, default=None, help=f"lookahead: W, the Jacobi trajectories computed a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['window']}")
-    p.add_argument("--guesses", type=int, default=None, help=f"lookahead: G, the most n-grams from its pool verified a step; unless given: {cli.DRAFT_DEFAULTS['lookahead']['guesses']}")
-    # decoding
-    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is greedy too "
-                        "(the probabilities are one-hot there, and overflow far below it)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--verify", default="auto", choices=VERIFIERS,
-                   help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: the tree rule, or Leviathan's "
-                        "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
-                        "At --temperature 0, sample and typical reduce to greedy and give exactly its output")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
-    # machine
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="the base model's linear layers on weight-only int8 "
-                   "(one scale per output channel) or int4 (a scale and a zero per 32 inputs): fewer bytes to read a step; heads and KV cache as they are")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
-    # output
-    p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, or the base model itself); only on a terminal")
-    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
-    return p
+    return cli.generate_parser(__doc__.split("\n\n")[0].strip())
 
 
 def main(args):
-    kind, layers, settings = cli.check_generate_args(args, build_parser())
+    kind, arg, settings = cli.check_generate_args(args, build_parser())
     device = cli.pick_device(args.device)
     dtype = cli.pick_dtype(args.dtype, device)
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
@@ -241,23 +157,22 @@ def main(args):
     if args.quantize != "none":
         kernels.quantize(model, args.quantize)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    drafter = cli.generate_drafter(args, kind, layers, settings, model, tokenizer, generator)
+    drafter = cli.generate_drafter(args, kind, arg, settings, model, tokenizer, generator)
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)
     eos = cli.eos_ids(model, tokenizer)
     writer = cli.open_output(args.out)
     print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, {drafter.name}]", file=sys.stderr)
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
-        print("[--show: plain = the base model's own token, " + ", ".join(
-            f"{COLOURS[min(s, len(COLOURS) - 1)]}{who}{COLOURS[0]}" for s, who in enumerate(drafter.legend) if s) + " = proposed by it]", file=sys.stderr)
+        print(cli.legend_line(drafter), file=sys.stderr)
     total = Result()
     try:
         for pid, ids in encoded:
-            printer = None if args.quiet else Printer(tokenizer, show)
+            printer = None if args.quiet else cli.Printer(tokenizer, show)
             r = generate(model, ids, args.max_new_tokens, drafter, args.verify, args.temperature,
                          args.top_p, generator, eos, printer)
             if printer:
                 print()
-            print(stats_line(r, drafter.max_depth), file=sys.stderr)
+            print(cli.stats_line(r, drafter.max_depth), file=sys.stderr)
             total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
             total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
             if writer:
@@ -269,7 +184,7 @@ def main(args):
         if writer:
             writer.close()
     if len(encoded) > 1:
-        print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
+        print("[all prompts: " + cli.stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
 
 
 def cli_main(argv=None) -> int:

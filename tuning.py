@@ -5,11 +5,11 @@
     sparse(acc, budget), expected_tau(acc, paths)          trees grown to measured acceptance
     tune_tree(args, model, prompts, device)                --tune-tree: the heads' tree
     tune_layers(args, model, prompts, device, eos)         --tune-layers: layers:N's N and gamma
-    tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's and lookahead's
+    tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's, lookahead's, PaSS's
 
 A parallel drafter's settings trade acceptance against the nodes each step computes: Jacobi's m
-guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens all ride in
-every forward. On a CPU each node costs a share of the step; on a GPU a node costs little until the
+guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens, PaSS's chain
+of K and the K [LA] tokens after each of its nodes all ride in every forward. On a CPU each node costs a share of the step; on a GPU a node costs little until the
 step fills the device. So the best setting belongs to the machine, as the best tree does
 (bench.py --tune-tree), and is measured on it:
 
@@ -22,10 +22,11 @@ step fills the device. So the best setting belongs to the machine, as the best t
 The search: from generate.py's defaults (cli.DRAFT_DEFAULTS), coordinate ascent on a grid: move one
 setting one grid step up or down, to the neighbour with the highest expected tokens/s, while that
 beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to
-the heads and layers-DEVICE-DTYPE.json), which generate.py --draft jacobi | lookahead and bench.py's
-jacobi and lookahead methods read for this model (cli.tuned_parallel).
+the heads and layers-DEVICE-DTYPE.json), which generate.py --draft jacobi | lookahead | pass and
+bench.py's methods of those names read for this model (cli.tuned_parallel). PaSS is tuned when
+--heads-dir holds [LA] tokens (pass/, pass_tokens.py's), its K up to as many as were trained.
 
-    tuned_drafter(kind, folder, model)                    bench.py's jacobi and lookahead methods
+    tuned_drafter(kind, folder, model)                    bench.py's jacobi, lookahead and pass methods
     Counted(drafter)                                      a drafter that records its drafts' sizes
 
 Test: `python -m pytest -q tests/test_bench_cli.py -k parallel`.
@@ -42,6 +43,7 @@ import time
 
 import torch
 
+import checkpoint
 import cli
 import drafters
 import generate
@@ -335,7 +337,7 @@ def tune_layers(args, model, prompts, device, eos):
         dcache = model.new_cache(P + 1, num_layers=n)
         model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, dcache, last_only=True, num_layers=n)
         dcache.keep(range(P))
-        rows.append({"layers": n, "reach": generate.acceptance_by_depth(accepted, G), "draft_s": [],
+        rows.append({"layers": n, "reach": cli.acceptance_by_depth(accepted, G), "draft_s": [],
                      "draft": lambda n=n, dcache=dcache: model(chain[:, :1], at_end, None, dcache, num_layers=n)})
     verify_s = {g: [] for g in verify}
     plain = lambda: model(chain[:, :1], at_end, None, cache)
@@ -377,11 +379,12 @@ def tune_layers(args, model, prompts, device, eos):
             json.dump({"machine": mach, "plain_ms": plain_ms, "rows": table, "chosen": {k: best[k] for k in ("layers", "gamma")}}, f, indent=1)
 
 
-# --- Jacobi's and lookahead's settings ------------------------------------------------------------
+# --- Jacobi's, lookahead's and PaSS's settings ----------------------------------------------------
 
 # the values each setting may take; a GPU's best window may be past these: widen them there
 GRIDS = {"jacobi": {"gamma": (1, 2, 3, 4, 6, 8, 12, 16)},
-         "lookahead": {"window": (1, 2, 3, 4, 6, 8, 12, 16), "ngram": (2, 3, 4, 5, 6), "guesses": (1, 2, 3, 4, 6, 8, 12, 16)}}
+         "lookahead": {"window": (1, 2, 3, 4, 6, 8, 12, 16), "ngram": (2, 3, 4, 5, 6), "guesses": (1, 2, 3, 4, 6, 8, 12, 16)},
+         "pass": {"gamma": tuple(range(1, 17))}}  # up to the [LA] tokens trained (cli.pass_drafter)
 
 
 class Counted:
@@ -403,16 +406,25 @@ class Counted:
         self.drafter.accept(tokens, hidden, positions, logits)
 
 
-def make(kind, setting, model):
-    """A drafter of `kind` (jacobi, lookahead) at `setting`, for greedy decoding."""
-    return cli.make_drafter(kind, None, setting, model, None, None, None, 0.0, 1.0, None)
+def make(kind, setting, model, folder):
+    """A drafter of `kind` (jacobi, lookahead, pass: the [LA] tokens in folder/pass) at `setting`, for greedy decoding."""
+    return cli.make_drafter(kind, os.path.join(folder, "pass"), setting, model, None, None, None, 0.0, 1.0, None)
+
+
+def trained_tokens(folder) -> int:
+    """How many [LA] tokens folder/pass holds (0: none; pass is then not tuned)."""
+    try:
+        with open(os.path.join(folder, "pass", checkpoint.TOKENS_CONFIG)) as f:
+            return int(json.load(f)["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def tuned_drafter(kind, folder, model):
-    """bench.py's jacobi or lookahead method: at the setting --tune-parallel saved in `folder` for
+    """bench.py's jacobi, lookahead or pass method: at the setting --tune-parallel saved in `folder` for
     this model and machine, else at generate.py's defaults; and a note that says which."""
     tuned = cli.tuned_parallel(folder, model, kind)
-    d = make(kind, cli.DRAFT_DEFAULTS[kind] | tuned, model)
+    d = make(kind, cli.DRAFT_DEFAULTS[kind] | tuned, model, folder)
     return d, d.name + (" (tuned for this machine)" if tuned else " (untuned: run bench.py --tune-parallel)")
 
 
@@ -465,7 +477,7 @@ def tune_parallel(args, model, prompts, eos, machine):
     def score(kind, setting):  # expected tokens/s of decoding the prompts with `setting`
         key = (kind, label(setting))
         if key not in rows:
-            d = Counted(make(kind, setting, model))
+            d = Counted(make(kind, setting, model, args.heads_dir))
             tokens = steps = 0
             for _, _, ids in prompts:
                 r = generate.generate(model, ids, args.max_new_tokens, d, eos_ids=eos)
@@ -477,7 +489,11 @@ def tune_parallel(args, model, prompts, eos, machine):
                   f"expected {rows[key]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
         return rows[key]["tokens_per_s"]
 
-    chosen = {kind: ascend(cli.DRAFT_DEFAULTS[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in GRIDS.items()}
+    grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir)
+    grids["pass"], starts["pass"] = {"gamma": GRIDS["pass"]["gamma"][:trained]}, {"gamma": min(starts["pass"]["gamma"], trained)}
+    if not trained:  # no [LA] tokens in --heads-dir: nothing to tune
+        del grids["pass"]
+    chosen = {kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in grids.items()}
     plain = 1e3 / step_ms(1)
     mach = machine | {"prefix_tokens": len(prefix), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.tune_repeats}
     print(machine_line(mach) + f"\n\nplain decoding: {step_ms(1):.1f} ms a step, {plain:.1f} tokens/s\n\n"

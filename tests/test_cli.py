@@ -319,7 +319,7 @@ PARALLEL_FLAGS = [
     ("lookahead --guesses 600 --ngram 3", "verify up to 1200, over MAX_NODES=1024; use smaller values"),
     ("jacobi --window 3", "--window does not apply to --draft jacobi (only to lookahead); drop it"),
     ("jacobi --ngram 3", "--ngram does not apply to --draft jacobi (only to lookup, heads+lookup and lookahead)"),
-    ("lookahead --gamma 3", "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model and jacobi)"),
+    ("lookahead --gamma 3", "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, model, jacobi and pass)"),
     ("lookup --guesses 2", "--guesses does not apply to --draft lookup"),
     ("lookahead --matches 2", "--matches does not apply to --draft lookahead"),
     ("jacobi --tree chain:2", "--draft jacobi has none"),
@@ -430,8 +430,8 @@ def test_show_marks_the_lookup_tokens(loaded, capsys, monkeypatch):
     code, out, err = run_cli(capsys, "--prompt", "Repeat exactly: the cat sat on the mat, the dog sat on the log.",
                              "--draft", "lookup", "--show", "--max-new-tokens", 20)
     assert code == 0, err
-    assert f"{G.COLOURS[1]}lookup{G.COLOURS[0]} = proposed by it" in err
-    assert G.COLOURS[1] in out  # some of the reply was copied by lookup
+    assert f"{cli.COLOURS[1]}lookup{cli.COLOURS[0]} = proposed by it" in err
+    assert cli.COLOURS[1] in out  # some of the reply was copied by lookup
 
 
 # --- the real entry point, in a subprocess -------------------------------------------------------

@@ -1,0 +1,149 @@
+"""PaSS's [LA] tokens: every node of a step sees what its definition says (the chain its prefix, an
+[LA] group the chain up to its node and its own [LA]s), and computes what a plain forward of that
+sequence computes; greedy decoding with them is token-identical to plain greedy decoding; added
+tokens leave the vocabulary's embeddings alone; pass_tokens.py trains them (the held-out chain tau
+rises) and writes what `generate.py --draft pass:FOLDER` decodes with; bad input is one line."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import checkpoint
+import cli
+import drafters as D
+import generate as G
+import model as model_lib
+import pass_tokens
+from conftest import save_tiny_model, tiny_config
+from test_cli import check_one_line_error, run_cli
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    return model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+
+
+def test_added_tokens_embed_the_vocabulary_as_before():
+    model = tiny()
+    ids = torch.arange(model.cfg.vocab_size)[None]
+    before = model.embed_tokens(ids)
+    extra = torch.randn(3, model.cfg.dim)
+    la = D.add_tokens(model, extra)
+    assert la == [model.cfg.vocab_size + j for j in range(3)]
+    assert torch.equal(model.embed_tokens(ids), before)
+    assert torch.equal(model.embed_tokens(torch.tensor([la]))[0], extra)
+    assert D.add_tokens(model, extra[:1]) == la[:1]                     # replaced, not stacked
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_every_node_sees_its_definition_and_computes_a_plain_forward(K):
+    model = tiny(vocab_size=32)
+    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K)
+    n = K + 1
+    cell = lambda i: (i, 0) if i < n else ((i - n) // K, (i - n) % K + 1)   # (g, 0): chain node g; (g, j): the j-th [LA] after it
+    for i in range(n * n):   # brute force, from the definitions
+        g, j = cell(i)
+        for k in range(n * n):
+            h, m = cell(k)
+            assert d.mask[i, k] == ((m == 0 and h <= g) or (j > 0 and h == g and 0 < m <= j)), (i, k)
+        assert d.depth[i] == g + j
+    prompt, root = [3, 1, 4, 1, 5], 9
+    cache = model.new_cache(64)
+    model(torch.tensor([prompt]), torch.arange(5), None, cache)
+    cache.keep(range(5))
+    d.start(prompt, None, 64)
+    d.guesses = [7, 2, 6][:K]
+    draft = d.draft(root)
+    logits, _ = model(draft.tokens[None], cache.length + draft.depth, draft.mask, cache)
+    chain = [root] + d.guesses
+    for g in range(n):
+        for j in range(1, K + 1):
+            seq = prompt + chain[:g + 1] + d.la[:j]
+            fresh, _ = model(torch.tensor([seq]), torch.arange(len(seq)))
+            assert torch.allclose(logits[0, n + g * K + j - 1], fresh[0, -1], atol=1e-5), (g, j)
+        fresh, _ = model(torch.tensor([prompt + chain[:g + 1]]), torch.arange(5 + g + 1))
+        assert torch.allclose(logits[0, g], fresh[0, -1], atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_greedy_equals_plain(K):
+    """Random [LA] tokens: steps that accept nothing, some that accept (the tiny model repeats itself)."""
+    model = tiny(vocab_size=12)
+    prompts = [[s, 3, 5, 7, 1][:3 + s] for s in range(4)]
+    plain = [G.generate(model, p, 40).tokens for p in prompts]
+    torch.manual_seed(1)
+    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K)
+    for p, want in zip(prompts, plain):
+        r = G.generate(model, p, 40, d)
+        assert r.tokens == want and r.steps <= len(want)
+
+
+def self_distilled(model, n, seed=0):
+    """n conversations: 3 random tokens and 5, then the model's own greedy answer of 20 (a tiny random
+    model with tied embeddings repeats its last token: 5 5 5 ..., what [LA] tokens can learn alone)."""
+    g = torch.Generator().manual_seed(seed)
+    convs = []
+    for _ in range(n):
+        prompt = torch.randint(6, model.cfg.vocab_size, (3,), generator=g).tolist() + [5]
+        convs.append((prompt + G.generate(model, prompt, 20).tokens, [False] * 4 + [True] * 20))
+    return convs
+
+
+def save_convs(convs, path):
+    save_file({"ids": torch.cat([torch.tensor(c) for c, _ in convs]).int(), "loss": torch.cat([torch.tensor(m) for _, m in convs]),
+               "offsets": torch.tensor([0] + [len(c) for c, _ in convs]).cumsum(0)}, str(path))
+    return str(path)
+
+
+def test_training_raises_the_held_out_tau_and_the_tokens_get_accepted(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=64)
+    base, _ = checkpoint.load(folder)
+    convs = self_distilled(base, 40)
+    out = tmp_path / "pass"
+    code = pass_tokens.cli_main(["--model", folder, "--data", save_convs(convs, tmp_path / "convs.safetensors"), "--conversations", "30",
+                                 "--eval-conversations", "2", "--tokens", "2", "--batch", "2", "--epochs", "2", "--lr", "0.05",
+                                 "--dtype", "fp32", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "tokens.json").read_text())
+    assert report["tokens"] == 2 and report["curve"][-1]["chain_tau"] > report["curve"][0]["chain_tau"] + 0.5, report["curve"]
+    prompt = convs[0][0][:4]
+    plain = G.generate(base, prompt, 30)
+    r = G.generate(base, prompt, 30, cli.pass_drafter(str(out), 2, base))
+    assert r.tokens == plain.tokens and r.steps < plain.steps / 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tokens", "0"], "--tokens 0: must be at least 1"),
+    (["--stride", "-1"], "--stride -1: must be at least 1"),
+    (["--lr", "nan"], "--lr nan: must be a number > 0"),
+    (["--data", "chats.jsonl"], "give a conversations file"),
+    (["--seed", "-3"], "--seed -3: out of range"),
+])
+def test_bad_training_flags_are_one_line(no_model, capsys, tmp_path, argv, words):
+    check_one_line_error(pass_tokens.cli_main(["--out", str(tmp_path / "out"), *argv]), capsys.readouterr().err, words)
+
+
+def test_an_out_folder_with_files_is_refused_and_kept(no_model, capsys, tmp_path):
+    (tmp_path / "tokens.json").write_text("{}")
+    check_one_line_error(pass_tokens.cli_main(["--out", str(tmp_path)]), capsys.readouterr().err, "is not empty")
+    assert (tmp_path / "tokens.json").read_text() == "{}"
+
+
+def test_bad_draft_pass_input_is_one_line(capsys, tmp_path, tiny_model_dir):
+    base = ["--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", "4"]
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{tmp_path / 'none'}")[::2], "no [LA] tokens in")
+    other = tmp_path / "other"
+    other.mkdir()
+    model = tiny(vocab_size=64)   # another base model: its fingerprint is not the tiny checkpoint's
+    checkpoint.save_tokens(str(other), torch.randn(3, model.cfg.dim), model, {})
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{other}")[::2], "trained for another base model")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    loaded, _ = checkpoint.load(tiny_model_dir)
+    checkpoint.save_tokens(str(mine), torch.randn(3, loaded.cfg.dim), loaded, {})
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--gamma", "4")[::2], "holds 3 [LA] tokens")
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--gamma", "40")[::2], "over MAX_NODES")
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--window", "2")[::2], "--window does not apply to --draft pass")
+    (mine / "tokens.safetensors").write_bytes(b"garbage")
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}")[::2], "no [LA] tokens of pass_tokens.py there")
