@@ -62,6 +62,8 @@ def drafter(name, base, gamma=3):
         return D.Jacobi(gamma, "cpu")
     if name.startswith("lookahead"):  # lookahead:W,N,G
         return D.Lookahead(*map(int, name.partition(":")[2].split(",")), "cpu")
+    if name == "pass":  # random [LA] tokens, added to `base` (tests/test_pass.py has trained ones)
+        return D.PaSS(base, torch.randn(gamma, base.cfg.dim, generator=torch.Generator().manual_seed(0)), gamma)
     raise ValueError(name)
 
 
@@ -378,9 +380,9 @@ def test_broken_residual_rule_is_caught(monkeypatch):
     assert chi_square(base, lambda g: D.ModelDrafter(small_one, 2, 1.0, 1.0, g), 2000) > 2 * LIMIT
 
 
-@pytest.mark.parametrize("name", ["jacobi", "lookahead:3,2,2"])
+@pytest.mark.parametrize("name", ["jacobi", "lookahead:3,2,2", "pass"])
 def test_parallel_sampling_matches_base_distribution(name):
-    """Jacobi's guesses and lookahead's n-grams are fixed before the step: the tree rule is exact."""
+    """Jacobi's guesses, lookahead's n-grams and PaSS's chain are fixed before the step: the tree rule is exact."""
     base = peaky(0, n_layers=1)
     assert chi_square(base, lambda g: drafter(name, base, gamma=2), 2000) < LIMIT
 
