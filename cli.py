@@ -154,6 +154,37 @@ def writable_folder(flag, path):
         raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder") from None
 
 
+def conversation_flags(p, data_help, eval_conversations):
+    """--model, --data, --conversations, --eval-conversations of the scripts that train on the
+    conversations train.py exported and on its split of them (joint.py, pass_tokens.py)."""
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
+    p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
+                   help=f"a conversations file written by train.py --export-conversations ({data_help})")
+    p.add_argument("--conversations", type=int, default=2000, help="train on the first this many of train.py's training split")
+    p.add_argument("--eval-conversations", type=int, default=eval_conversations, help="evaluate on the first this many of its held-out split")
+
+
+def check_conversations_file(path, flag="--data"):
+    import dataset  # it imports this module
+    if not path.endswith(".safetensors"):
+        raise UsageError(f"{flag} {path}: give a conversations file (.safetensors) written by train.py --export-conversations")
+    dataset.conversation_tensors(path, flag)
+
+
+def empty_folder(flag, path):
+    """writable_folder, with nothing in it yet: a run never writes over another's files."""
+    writable_folder(flag, path)
+    if os.listdir(path):
+        raise UsageError(f"{flag} {path}: the folder is not empty; give a new one")
+
+
+def check_counts(args, *names):
+    """Each of these whole-number flags is at least 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+
+
 def check_text(text, what):
     """Text must be valid Unicode to be tokenized and printed. A lone surrogate is not: Python makes
     one of each command-line byte that is not UTF-8, and JSON of an unpaired escape like \\ud800."""

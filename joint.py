@@ -42,7 +42,6 @@ import kernels
 import model as model_lib
 import train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -280,12 +279,8 @@ def run(args):
 
 def build_parser():
     p = cli.Parser(description="Train draft heads together with the base model's last layers (Medusa-2, LoRA).")
-    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
+    cli.conversation_flags(p, "the one --init was trained on", 300)
     p.add_argument("--init", default="medusa", help="the trained heads to start from (stage 1 of LP-FT): a shipped kind or a heads folder")
-    p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
-                   help="a conversations file written by train.py --export-conversations (the one --init was trained on)")
-    p.add_argument("--conversations", type=int, default=2000, help="train on the first this many of train.py's training split")
-    p.add_argument("--eval-conversations", type=int, default=300, help="evaluate on the first this many of its held-out split")
     p.add_argument("--layers", type=int, default=2, help="adapt the base model's last this many decoder layers")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=32.0, help="LoRA scale alpha (the delta is alpha / r * B A)")
@@ -307,9 +302,7 @@ def build_parser():
 
 
 def check_args(args):
-    for flag in ("conversations", "eval_conversations", "layers", "rank", "ramp", "epochs", "eval_every", "teacher_k"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    cli.check_counts(args, "conversations", "eval_conversations", "layers", "rank", "ramp", "epochs", "eval_every", "teacher_k")
     for flag in ("alpha", "lr_lora", "lr_heads", "heads_weight", "decay"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
             raise cli.UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a number > 0")
@@ -317,12 +310,8 @@ def check_args(args):
         raise cli.UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 16")
     cli.check_seed(args.seed)
     cli.find_heads(args.init, "--init")
-    if not args.data.endswith(".safetensors"):
-        raise cli.UsageError(f"--data {args.data}: give a conversations file (.safetensors) written by train.py --export-conversations")
-    dataset.conversation_tensors(args.data, "--data")
-    cli.writable_folder("--out", args.out)
-    if os.listdir(args.out):
-        raise cli.UsageError(f"--out {args.out}: the folder is not empty; give a new one")
+    cli.check_conversations_file(args.data)
+    cli.empty_folder("--out", args.out)
 
 
 def main(args):

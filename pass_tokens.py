@@ -19,7 +19,6 @@ so a conversation costs one forward over its tokens, and a forward and backward 
 Test: `python -m pytest -q tests/test_pass.py`. Shapes: T tokens, M cuts, K [LA] tokens, D hidden, V vocabulary.
 """
 import math
-import os
 import sys
 import time
 
@@ -32,8 +31,6 @@ import dataset
 import drafters
 import kernels
 import train
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def cuts_of(ids, loss, K, stride, offset):
@@ -78,7 +75,8 @@ def evaluate(model, convs, la, stride):
 
 
 def run(args):
-    """Train as the flags say; writes --out (tokens.safetensors, tokens.json) and returns the exit code."""
+    """Check the flags, train as they say; writes --out (tokens.safetensors, tokens.json) and returns the exit code."""
+    check_args(args)
     device = torch.device(cli.pick_device(args.device))
     model, _ = checkpoint.load(args.model, device, cli.pick_dtype(args.dtype, device.type))
     kernels.use(model.requires_grad_(False), kernels.Kernels())  # the readable path: it has a backward
@@ -125,11 +123,7 @@ def run(args):
 
 def build_parser():
     p = cli.Parser(description="Train PaSS's [LA] tokens: K embeddings with which the frozen base model drafts K tokens a step.")
-    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
-    p.add_argument("--data", default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
-                   help="a conversations file written by train.py --export-conversations (the model's own answers)")
-    p.add_argument("--conversations", type=int, default=2000, help="train on the first this many of train.py's training split")
-    p.add_argument("--eval-conversations", type=int, default=100, help="evaluate on the first this many of its held-out split")
+    cli.conversation_flags(p, "the model's own answers", 100)
     p.add_argument("--tokens", type=int, default=4, help="K, the [LA] tokens (generate.py --draft pass --gamma may use fewer)")
     p.add_argument("--stride", type=int, default=4, help="a cut every this many answer positions (shifted every step)")
     p.add_argument("--batch", type=int, default=8, help="conversations a step")
@@ -144,30 +138,19 @@ def build_parser():
 
 
 def check_args(args):
-    for flag in ("conversations", "eval_conversations", "tokens", "stride", "batch", "epochs", "eval_every"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    cli.check_counts(args, "conversations", "eval_conversations", "tokens", "stride", "batch", "epochs", "eval_every")
     if args.tokens > 16:
         raise cli.UsageError(f"--tokens {args.tokens}: a chain of more than 16 guesses is almost never accepted whole; use 1 to 16")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise cli.UsageError(f"--lr {args.lr}: must be a number > 0")
     cli.check_seed(args.seed)
     cli.pick_dtype(args.dtype, cli.pick_device(args.device))
-    if not args.data.endswith(".safetensors"):
-        raise cli.UsageError(f"--data {args.data}: give a conversations file (.safetensors) written by train.py --export-conversations")
-    dataset.conversation_tensors(args.data, "--data")
-    cli.writable_folder("--out", args.out)
-    if os.listdir(args.out):
-        raise cli.UsageError(f"--out {args.out}: the folder is not empty; give a new one")
-
-
-def main(args):
-    check_args(args)
-    return run(args)
+    cli.check_conversations_file(args.data)
+    cli.empty_folder("--out", args.out)
 
 
 def cli_main(argv=None) -> int:
-    return cli.run(main, build_parser(), argv, "[pass] interrupted by Ctrl-C")
+    return cli.run(run, build_parser(), argv, "[pass] interrupted by Ctrl-C")
 
 
 if __name__ == "__main__":
