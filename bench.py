@@ -268,10 +268,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
         elif name in cli.PARALLEL:  # jacobi, lookahead, pass: as --tune-parallel chose for this machine
-            if name == "pass" and not tuning.trained_tokens(args.heads_dir):
+            if name == "pass" and not tuning.trained_tokens(args.heads_dir, model):
                 if name in asked:
-                    raise cli.UsageError(f"--methods pass: no [LA] tokens in --heads-dir {args.heads_dir}/pass; train them with pass_tokens.py")
-                notes.append(f"pass: skipped (no [LA] tokens in {args.heads_dir}/pass)")
+                    raise cli.UsageError(f"--methods pass: no [LA] tokens for this model in --heads-dir {args.heads_dir}/pass; "
+                                         "train them with pass_tokens.py")
+                notes.append(f"pass: skipped (no [LA] tokens for this model in {args.heads_dir}/pass)")
                 continue
             d, note = tuning.tuned_drafter(name, args.heads_dir, model)
             methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)

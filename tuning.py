@@ -411,12 +411,11 @@ def make(kind, setting, model, folder):
     return cli.make_drafter(kind, os.path.join(folder, "pass"), setting, model, None, None, None, 0.0, 1.0, None)
 
 
-def trained_tokens(folder) -> int:
-    """How many [LA] tokens folder/pass holds (0: none; pass is then not tuned)."""
+def trained_tokens(folder, model) -> int:
+    """How many [LA] tokens folder/pass holds for this model (0: none; pass is then not tuned)."""
     try:
-        with open(os.path.join(folder, "pass", checkpoint.TOKENS_CONFIG)) as f:
-            return int(json.load(f)["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return len(checkpoint.load_tokens(os.path.join(folder, "pass"), model))
+    except heads_lib.HeadsError:
         return 0
 
 
@@ -489,9 +488,9 @@ def tune_parallel(args, model, prompts, eos, machine):
                   f"expected {rows[key]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
         return rows[key]["tokens_per_s"]
 
-    grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir)
+    grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir, model)
     grids["pass"], starts["pass"] = {"gamma": GRIDS["pass"]["gamma"][:trained]}, {"gamma": min(starts["pass"]["gamma"], trained)}
-    if not trained:  # no [LA] tokens in --heads-dir: nothing to tune
+    if not trained:  # no [LA] tokens for this model in --heads-dir: nothing to tune
         del grids["pass"]
     chosen = {kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in grids.items()}
     plain = 1e3 / step_ms(1)

@@ -11,6 +11,7 @@ Run: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes, V vocab
 """
 import collections
 import itertools
+import os
 
 import pytest
 import torch
@@ -134,10 +135,18 @@ def copy_plain(default_model):
     return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
 
 
-@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model", "jacobi", "lookahead:4,3,4"])
+@pytest.mark.parametrize("name", ["lookup", "heads+lookup", "layers:27", "model", "jacobi", "lookahead:4,3,4", "pass"])
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
+    if name == "pass":  # the shipped [LA] tokens, added to the shared model for this test only
+        d = cli.pass_drafter(os.path.join(cli.SHIPPED, "pass"), 2, model)
+        try:
+            r = G.generate(model, prompt, 24, d, eos_ids=eos)
+        finally:
+            model.embed_tokens = model.embed_tokens.embed
+        assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
+        return
     if name == "heads+lookup":  # as --draft heads+lookup builds it
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
         d = D.heads_and_lookup(D.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), 10, 3, 1, "cpu")

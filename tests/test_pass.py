@@ -16,6 +16,7 @@ import generate as G
 import model as model_lib
 import pass_tokens
 from conftest import save_tiny_model, tiny_config
+from test_bench_cli import prompts_file, run_bench
 from test_cli import check_one_line_error, run_cli
 
 
@@ -147,3 +148,18 @@ def test_bad_draft_pass_input_is_one_line(capsys, tmp_path, tiny_model_dir):
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--window", "2")[::2], "--window does not apply to --draft pass")
     (mine / "tokens.safetensors").write_bytes(b"garbage")
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}")[::2], "no [LA] tokens of pass_tokens.py there")
+
+
+def test_bench_tunes_pass_where_it_finds_tokens_for_the_model_and_then_uses_them(capsys, tmp_path, tiny_model_dir):
+    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2, "--max-new-tokens", 6,
+              "--dtype", "fp32", "--heads-dir", tmp_path]
+    check_one_line_error(*run_bench(capsys, *common, "--methods", "pass")[::2], "no [LA] tokens for this model")
+    loaded, _ = checkpoint.load(tiny_model_dir)
+    (tmp_path / "pass").mkdir()
+    checkpoint.save_tokens(str(tmp_path / "pass"), torch.randn(2, loaded.cfg.dim), loaded, {})
+    code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
+    assert code == 0 and "| pass | gamma 2 |" in out and "| pass | gamma 3 |" not in out, err   # at most the 2 trained
+    saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
+    code, out, err = run_bench(capsys, *common, "--methods", "pass", "--repeats", 1)
+    assert code == 0 and f"[bench] pass: {saved['pass']['gamma']} [LA] tokens (tuned for this machine)" in err, err
+    assert any(line.startswith("| pass |") and line.endswith("| yes |") for line in out.splitlines()), out
