@@ -294,7 +294,7 @@ VERIFIERS = ("auto", "greedy", "typical", "sample")  # generate.py --verify
 # what --gamma, --ngram, --matches, --window and --guesses are for each drafter that takes them,
 # when not given (jacobi, lookahead and pass: unless bench.py --tune-parallel chose for this machine)
 DRAFT_DEFAULTS = {"lookup": {"gamma": 10, "ngram": 3, "matches": 1}, "layers": {"gamma": 4}, "model": {"gamma": 4},
-                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}, "pass": {"gamma": 2}}
+                  "jacobi": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4}, "pass": {"gamma": 2, "guesses": 2}}
 PARALLEL = ("jacobi", "lookahead", "pass")  # the model drafts for itself at nodes it computes but never verifies
 
 
@@ -322,9 +322,10 @@ def check_sizes(kind, settings, where):
                          f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
     if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
         raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
-    if kind == "pass" and (settings["gamma"] + 1) ** 2 > tree_lib.MAX_NODES:  # drafters.PaSS.max_nodes
-        raise UsageError(f"{where}gamma {settings['gamma']}: a step would compute {(settings['gamma'] + 1) ** 2} nodes, over "
-                         f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
+    if kind == "pass" and (settings["gamma"] + settings["guesses"]) * (settings["gamma"] + 1) > tree_lib.MAX_NODES:  # PaSS.max_nodes
+        raise UsageError(f"{where}gamma {settings['gamma']}, {where}guesses {settings['guesses']}: a step would compute "
+                         f"{(settings['gamma'] + settings['guesses']) * (settings['gamma'] + 1)} nodes, over MAX_NODES={tree_lib.MAX_NODES}; "
+                         "use smaller values")
     if kind == "lookahead":
         w, n, g = settings["window"], settings["ngram"], settings["guesses"]
         if n < 2:
@@ -491,8 +492,8 @@ def load_draft_model(name, model, tokenizer, device, dtype):
     return draft_model
 
 
-def pass_drafter(folder, gamma, model):
-    """--draft pass: the [LA] tokens in `folder`, trained for this model, drafting gamma tokens a step."""
+def pass_drafter(folder, gamma, guesses, model):
+    """--draft pass: the [LA] tokens in `folder`, trained for this model: `guesses` first tokens, a chain of gamma."""
     try:
         embeddings = checkpoint.load_tokens(folder, model)
     except heads_lib.HeadsError as e:
@@ -500,7 +501,7 @@ def pass_drafter(folder, gamma, model):
     if gamma > len(embeddings):
         raise UsageError(f"--gamma {gamma}: {folder} holds {len(embeddings)} [LA] tokens, so pass drafts at most {len(embeddings)} a step; "
                          f"use --gamma {len(embeddings)} or fewer")
-    return drafters_lib.PaSS(model, embeddings, gamma)
+    return drafters_lib.PaSS(model, embeddings, gamma, guesses)
 
 
 def make_drafter(kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator):
@@ -521,7 +522,7 @@ def make_drafter(kind, arg, settings, model, heads, tree, draft_model, temperatu
     if kind == "lookahead":
         return drafters_lib.Lookahead(settings["window"], settings["ngram"], settings["guesses"], dev)
     if kind == "pass":
-        return pass_drafter(arg, settings["gamma"], model)
+        return pass_drafter(arg, settings["gamma"], settings["guesses"], model)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 
@@ -571,7 +572,8 @@ def generate_parser(description):
                    "first token included, = the window's levels + 1; unless given: " + ", ".join(f"{k} {v['ngram']}" for k, v in DRAFT_DEFAULTS.items() if "ngram" in v))
     p.add_argument("--matches", type=int, default=None, help=f"lookup: propose this many distinct continuations, a tree when > 1; unless given: {DRAFT_DEFAULTS['lookup']['matches']}")
     p.add_argument("--window", type=int, default=None, help=f"lookahead: W, the Jacobi trajectories computed a step; unless given: {DRAFT_DEFAULTS['lookahead']['window']}")
-    p.add_argument("--guesses", type=int, default=None, help=f"lookahead: G, the most n-grams from its pool verified a step; unless given: {DRAFT_DEFAULTS['lookahead']['guesses']}")
+    p.add_argument("--guesses", type=int, default=None, help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] token's "
+                   f"G likeliest tokens, verified side by side; unless given: lookahead {DRAFT_DEFAULTS['lookahead']['guesses']}, pass {DRAFT_DEFAULTS['pass']['guesses']}")
     # decoding
     p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -2,7 +2,7 @@
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. Eight drafters, one interface:
+one forward and verify.py keeps an acceptable path. Nine drafters, one interface:
 
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
@@ -11,6 +11,7 @@ one forward and verify.py keeps an acceptable path. Eight drafters, one interfac
     HeadsPlusLookup(heads, lookup)   both trees in one (heads_and_lookup: with the rules that pay)
     Jacobi(gamma)                    the model's own outputs of last step, as guesses
     Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same forward
+    PaSS(model, embeddings, gamma, guesses)   learned [LA] tokens after the tree: the model drafts for itself
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids, the base model's hidden
                                           states over them (1, T, D), room for max_len positions
@@ -514,11 +515,13 @@ class Lookahead:
 # --- PaSS: learned lookahead tokens ----------------------------------------------------------------
 # Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen (pass_tokens.py),
 # are new tokens; appended after the sequence, the model's outputs at them guess the K tokens after
-# its next one. Which node will be the last accepted is known only after the step, so a group of K
-# [LA]s (computed only) follows every node of the chain: the group after the last accepted node
-# drafts the next chain. K = 2, depths:   root d1 d2 | a1 a2 | b1 b2 | c1 c2   (groups after root, d1, d2)
-#                                          0    1  2 |  1  2 |  2  3 |  3  4
-# The chain is causal after the root; the group after node g sees nodes 0..g and its [LA]s up to itself.
+# its next one. Here the first [LA]'s G likeliest tokens are siblings and the first of them leads a
+# chain of the other [LA]s' choices. Which node will be the last accepted is known only after the
+# step, so a group of K [LA]s (computed only) follows every node of the tree: the group after the
+# last accepted node drafts the next tree. K = 2, G = 2, depths:
+#     node    root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2    (groups after root, d1, d1', d2)
+#     depth    0    1   1   2   |  1  2   |  2  3   |  2   3    |  3  4
+# The tree's mask is tree.py's; the group after node g sees what g sees, g, and its [LA]s up to itself.
 
 
 class AddedTokens(nn.Module):
@@ -546,32 +549,37 @@ def add_tokens(model, extra) -> list:
 
 
 class PaSS:
-    """A chain of K tokens a step: the outputs at the [LA] group after last step's last accepted node
-    (the first step, without one, guesses the root K times)."""
+    """K [LA] tokens drafting G first tokens and a chain of K-1 after the likeliest (the first step,
+    without [LA] outputs yet, guesses the root)."""
 
-    def __init__(self, model, embeddings, gamma: int):
-        assert 1 <= gamma <= len(embeddings), f"need 1 <= gamma <= {len(embeddings)} [LA] tokens, got {gamma}"
-        K, n, dev = gamma, gamma + 1, model.device
+    def __init__(self, model, embeddings, gamma: int, guesses: int = 1):
+        assert 1 <= gamma <= len(embeddings) and guesses >= 1, f"need 1 <= gamma <= {len(embeddings)}, guesses >= 1"
+        K, G, dev = gamma, guesses, model.device
+        t = tree_lib.build([(r,) for r in range(G)] + [(0,) * d for d in range(2, K + 1)])
+        n = t.num_nodes
         self.la = add_tokens(model, embeddings[:K].to(dev, model.dtype)) * n
-        mask = torch.zeros(n * n, n * n, dtype=torch.bool)
-        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        depth = list(range(n))
+        mask, depth = torch.zeros(n * (K + 1), n * (K + 1), dtype=torch.bool), t.depth.tolist()
+        mask[:n, :n] = t.mask
         for g in range(n):
             rows = slice(n + g * K, n + g * K + K)
-            mask[rows, :g + 1], mask[rows, rows] = True, torch.ones(K, K, dtype=torch.bool).tril()
-            depth += range(g + 1, g + K + 1)
-        self.tree = tree_lib.build(tree_lib.chain(K)).to(dev)
-        self.mask, self.depth, self.K, self.dev = mask.to(dev), torch.tensor(depth, device=dev), K, dev
-        self.name = f"pass: {K} [LA] tokens"
-        self.legend, self.max_nodes, self.max_depth = ["base model", "[LA] tokens"], n * n, K
+            mask[rows, :n], mask[rows, rows] = t.mask[g], torch.ones(K, K, dtype=torch.bool).tril()
+            depth += range(depth[g] + 1, depth[g] + K + 1)
+        self.tree, self.node = t.to(dev), {p: i + 1 for i, p in enumerate(t.paths)}
+        self.mask, self.depth, self.K, self.G, self.dev = mask.to(dev), torch.tensor(depth, device=dev), K, G, dev
+        self.name = f"pass: {K} [LA] tokens" + (f", {G} first guesses" if G > 1 else "")
+        self.legend, self.max_nodes, self.max_depth = ["base model", "[LA] tokens"], n * (K + 1), K
 
     def start(self, prompt, hidden, max_len):
-        self.guesses = None
+        self.first = self.rest = None
 
     def draft(self, root):
-        tokens = [root] + (self.guesses or [root] * self.K) + self.la
-        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * self.K)
+        self.drafted = self.first or [root] * self.G                                     # (G,)
+        rest = self.rest or [root] * (self.K - 1)                                          # (K-1,)
+        tokens = [root] + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths] + self.la
+        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * len(self.node))
 
     def accept(self, tokens, hidden, positions, logits):
-        first = self.K + 1 + (len(tokens) - 1) * self.K        # the group after the last accepted node
-        self.guesses = logits[first:first + self.K].argmax(-1).tolist()
+        kept = tokens[1:]   # the last accepted node: the root, a first guess, or in the chain under the first
+        node = self.node[(self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)] if kept else 0
+        group = logits[len(self.node) + 1 + node * self.K:][:self.K]                       # (K, V)
+        self.first, self.rest = group[0].topk(self.G).indices.tolist(), group[1:].argmax(-1).tolist()

@@ -384,7 +384,7 @@ def tune_layers(args, model, prompts, device, eos):
 # the values each setting may take; a GPU's best window may be past these: widen them there
 GRIDS = {"jacobi": {"gamma": (1, 2, 3, 4, 6, 8, 12, 16)},
          "lookahead": {"window": (1, 2, 3, 4, 6, 8, 12, 16), "ngram": (2, 3, 4, 5, 6), "guesses": (1, 2, 3, 4, 6, 8, 12, 16)},
-         "pass": {"gamma": tuple(range(1, 17))}}  # up to the [LA] tokens trained (cli.pass_drafter)
+         "pass": {"gamma": tuple(range(1, 17)), "guesses": (1, 2, 3, 4, 6, 8)}}  # gamma: up to the [LA] tokens trained
 
 
 class Counted:
@@ -489,7 +489,8 @@ def tune_parallel(args, model, prompts, eos, machine):
         return rows[key]["tokens_per_s"]
 
     grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir, model)
-    grids["pass"], starts["pass"] = {"gamma": GRIDS["pass"]["gamma"][:trained]}, {"gamma": min(starts["pass"]["gamma"], trained)}
+    grids["pass"] = GRIDS["pass"] | {"gamma": GRIDS["pass"]["gamma"][:trained]}
+    starts["pass"] = starts["pass"] | {"gamma": min(starts["pass"]["gamma"], trained)}
     if not trained:  # no [LA] tokens for this model in --heads-dir: nothing to tune
         del grids["pass"]
     chosen = {kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in grids.items()}

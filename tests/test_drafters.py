@@ -64,7 +64,7 @@ def drafter(name, base, gamma=3):
     if name.startswith("lookahead"):  # lookahead:W,N,G
         return D.Lookahead(*map(int, name.partition(":")[2].split(",")), "cpu")
     if name == "pass":  # random [LA] tokens, added to `base` (tests/test_pass.py has trained ones)
-        return D.PaSS(base, torch.randn(gamma, base.cfg.dim, generator=torch.Generator().manual_seed(0)), gamma)
+        return D.PaSS(base, torch.randn(gamma, base.cfg.dim, generator=torch.Generator().manual_seed(0)), gamma, 2)
     raise ValueError(name)
 
 
@@ -140,7 +140,7 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
     if name == "pass":  # the shipped [LA] tokens, added to the shared model for this test only
-        d = cli.pass_drafter(os.path.join(cli.SHIPPED, "pass"), 2, model)
+        d = cli.pass_drafter(os.path.join(cli.SHIPPED, "pass"), 2, 2, model)
         try:
             r = G.generate(model, prompt, 24, d, eos_ids=eos)
         finally:

@@ -37,44 +37,63 @@ def test_added_tokens_embed_the_vocabulary_as_before():
     assert D.add_tokens(model, extra[:1]) == la[:1]                     # replaced, not stacked
 
 
-@pytest.mark.parametrize("K", [1, 2, 3])
-def test_every_node_sees_its_definition_and_computes_a_plain_forward(K):
+@pytest.mark.parametrize("K, G", [(1, 1), (2, 1), (3, 1), (1, 3), (3, 2)])
+def test_every_node_sees_its_definition_and_computes_a_plain_forward(K, G):
     model = tiny(vocab_size=32)
-    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K)
-    n = K + 1
-    cell = lambda i: (i, 0) if i < n else ((i - n) // K, (i - n) % K + 1)   # (g, 0): chain node g; (g, j): the j-th [LA] after it
-    for i in range(n * n):   # brute force, from the definitions
+    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, G)
+    t, n = d.tree, d.tree.num_nodes
+    assert t.paths == [(r,) for r in range(G)] + [(0,) * k for k in range(2, K + 1)]
+    cell = lambda i: (i, 0) if i < n else ((i - n) // K, (i - n) % K + 1)   # (g, 0): tree node g; (g, j): the j-th [LA] after it
+    for i in range(n * (K + 1)):   # brute force, from the definitions
         g, j = cell(i)
-        for k in range(n * n):
+        for k in range(n * (K + 1)):
             h, m = cell(k)
-            assert d.mask[i, k] == ((m == 0 and h <= g) or (j > 0 and h == g and 0 < m <= j)), (i, k)
-        assert d.depth[i] == g + j
+            assert d.mask[i, k] == ((m == 0 and bool(t.mask[g, h])) or (j > 0 and h == g and 0 < m <= j)), (i, k)
+        assert d.depth[i] == t.depth[g] + j
     prompt, root = [3, 1, 4, 1, 5], 9
     cache = model.new_cache(64)
     model(torch.tensor([prompt]), torch.arange(5), None, cache)
     cache.keep(range(5))
     d.start(prompt, None, 64)
-    d.guesses = [7, 2, 6][:K]
+    d.first, d.rest = [7, 2, 6][:G], [11, 12][:K - 1]
     draft = d.draft(root)
     logits, _ = model(draft.tokens[None], cache.length + draft.depth, draft.mask, cache)
-    chain = [root] + d.guesses
     for g in range(n):
-        for j in range(1, K + 1):
-            seq = prompt + chain[:g + 1] + d.la[:j]
-            fresh, _ = model(torch.tensor([seq]), torch.arange(len(seq)))
-            assert torch.allclose(logits[0, n + g * K + j - 1], fresh[0, -1], atol=1e-5), (g, j)
-        fresh, _ = model(torch.tensor([prompt + chain[:g + 1]]), torch.arange(5 + g + 1))
+        seq = prompt + draft.tokens[t.mask[g].nonzero()[:, 0]].tolist()          # the root .. node g
+        fresh, _ = model(torch.tensor([seq]), torch.arange(len(seq)))
         assert torch.allclose(logits[0, g], fresh[0, -1], atol=1e-5)
+        for j in range(1, K + 1):
+            fresh, _ = model(torch.tensor([seq + d.la[:j]]), torch.arange(len(seq) + j))
+            assert torch.allclose(logits[0, n + g * K + j - 1], fresh[0, -1], atol=1e-5), (g, j)
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_greedy_equals_plain(K):
+@pytest.mark.parametrize("K, G", [(3, 1), (1, 3), (2, 2)])
+def test_accept_reads_the_group_after_the_last_kept_node(K, G):
+    model = tiny(vocab_size=32)
+    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, G)
+    d.start([1], None, 64)
+    d.first, d.rest = [7, 2, 6][:G], [11, 12][:K - 1]
+    draft = d.draft(9)
+    n = d.tree.num_nodes
+    for path in [()] + d.tree.paths:
+        node = d.node.get(path, 0)
+        logits = torch.zeros(len(draft.tokens), 32)
+        logits[n + node * K:n + node * K + K, 20:20 + K] = torch.eye(K) * 5     # its group says 20, 21, ...
+        logits[n + node * K, 25:25 + G] = torch.arange(G, 0, -1).float()          # and 25, 26, ... next for the first
+        d.accept([9] + draft.tokens[d.tree.mask[node].nonzero()[1:, 0]].tolist(), None, None, logits)
+        assert d.first == ([20] + list(range(25, 25 + G)))[:G] and d.rest == list(range(21, 20 + K)), (path, d.first, d.rest)
+        d.first, d.rest = [7, 2, 6][:G], [11, 12][:K - 1]
+        d.draft(9)
+
+
+@pytest.mark.parametrize("K, guesses", [(1, 1), (2, 1), (4, 1), (1, 3), (2, 4)])
+def test_greedy_equals_plain(K, guesses):
     """Random [LA] tokens: steps that accept nothing, some that accept (the tiny model repeats itself)."""
     model = tiny(vocab_size=12)
     prompts = [[s, 3, 5, 7, 1][:3 + s] for s in range(4)]
     plain = [G.generate(model, p, 40).tokens for p in prompts]
     torch.manual_seed(1)
-    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K)
+    d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, guesses)
     for p, want in zip(prompts, plain):
         r = G.generate(model, p, 40, d)
         assert r.tokens == want and r.steps <= len(want)
@@ -110,7 +129,7 @@ def test_training_raises_the_held_out_tau_and_the_tokens_get_accepted(tmp_path):
     assert report["tokens"] == 2 and report["curve"][-1]["chain_tau"] > report["curve"][0]["chain_tau"] + 0.5, report["curve"]
     prompt = convs[0][0][:4]
     plain = G.generate(base, prompt, 30)
-    r = G.generate(base, prompt, 30, cli.pass_drafter(str(out), 2, base))
+    r = G.generate(base, prompt, 30, cli.pass_drafter(str(out), 2, 1, base))
     assert r.tokens == plain.tokens and r.steps < plain.steps / 2
 
 
@@ -145,6 +164,8 @@ def test_bad_draft_pass_input_is_one_line(capsys, tmp_path, tiny_model_dir):
     checkpoint.save_tokens(str(mine), torch.randn(3, loaded.cfg.dim), loaded, {})
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--gamma", "4")[::2], "holds 3 [LA] tokens")
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--gamma", "40")[::2], "over MAX_NODES")
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--guesses", "0")[::2], "--guesses 0: must be at least 1")
+    check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--guesses", "600")[::2], "over MAX_NODES")
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}", "--window", "2")[::2], "--window does not apply to --draft pass")
     (mine / "tokens.safetensors").write_bytes(b"garbage")
     check_one_line_error(*run_cli(capsys, *base, "--draft", f"pass:{mine}")[::2], "no [LA] tokens of pass_tokens.py there")
@@ -158,8 +179,8 @@ def test_bench_tunes_pass_where_it_finds_tokens_for_the_model_and_then_uses_them
     (tmp_path / "pass").mkdir()
     checkpoint.save_tokens(str(tmp_path / "pass"), torch.randn(2, loaded.cfg.dim), loaded, {})
     code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
-    assert code == 0 and "| pass | gamma 2 |" in out and "| pass | gamma 3 |" not in out, err   # at most the 2 trained
+    assert code == 0 and "| pass | gamma 2 guesses 2 |" in out and "| pass | gamma 3" not in out, err   # at most the 2 trained
     saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
     code, out, err = run_bench(capsys, *common, "--methods", "pass", "--repeats", 1)
-    assert code == 0 and f"[bench] pass: {saved['pass']['gamma']} [LA] tokens (tuned for this machine)" in err, err
+    assert code == 0 and f"[bench] pass: {saved['pass']['gamma']} [LA] tokens" in err and "(tuned for this machine)" in err, err
     assert any(line.startswith("| pass |") and line.endswith("| yes |") for line in out.splitlines()), out
