@@ -564,7 +564,7 @@ class PaSS:
             rows = slice(n + g * K, n + g * K + K)
             mask[rows, :n], mask[rows, rows] = t.mask[g], torch.ones(K, K, dtype=torch.bool).tril()
             depth += range(depth[g] + 1, depth[g] + K + 1)
-        self.tree, self.node = t.to(dev), {p: i + 1 for i, p in enumerate(t.paths)}
+        self.tree, self.node = t.to(dev), {p: i for i, p in enumerate([()] + t.paths)}    # path -> node index
         self.mask, self.depth, self.K, self.G, self.dev = mask.to(dev), torch.tensor(depth, device=dev), K, G, dev
         self.name = f"pass: {K} [LA] tokens" + (f", {G} first guesses" if G > 1 else "")
         self.legend, self.max_nodes, self.max_depth = ["base model", "[LA] tokens"], n * (K + 1), K
@@ -576,10 +576,11 @@ class PaSS:
         self.drafted = self.first or [root] * self.G                                     # (G,)
         rest = self.rest or [root] * (self.K - 1)                                          # (K-1,)
         tokens = [root] + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths] + self.la
-        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * len(self.node))
+        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * len(self.tree.paths))
 
     def accept(self, tokens, hidden, positions, logits):
-        kept = tokens[1:]   # the last accepted node: the root, a first guess, or in the chain under the first
-        node = self.node[(self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)] if kept else 0
-        group = logits[len(self.node) + 1 + node * self.K:][:self.K]                       # (K, V)
+        kept = tokens[1:]   # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
+        path = (self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)
+        first = self.tree.num_nodes + self.node[path] * self.K                              # its [LA] group
+        group = logits[first:first + self.K]                                                 # (K, V)
         self.first, self.rest = group[0].topk(self.G).indices.tolist(), group[1:].argmax(-1).tolist()

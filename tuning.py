@@ -8,10 +8,11 @@
     tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's, lookahead's, PaSS's
 
 A parallel drafter's settings trade acceptance against the nodes each step computes: Jacobi's m
-guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens, PaSS's chain
-of K and the K [LA] tokens after each of its nodes all ride in every forward. On a CPU each node costs a share of the step; on a GPU a node costs little until the
-step fills the device. So the best setting belongs to the machine, as the best tree does
-(bench.py --tune-tree), and is measured on it:
+guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens, PaSS's tree
+of G + K - 1 guesses and the K [LA] tokens after each of its nodes all ride in every forward. On a
+CPU each node costs a share of the step; on a GPU a node costs little until the step fills the
+device. So the best setting belongs to the machine, as the best tree does (bench.py --tune-tree),
+and is measured on it:
 
     expected tokens/s of a setting = new tokens / the sum of the step times of its forwards
     new tokens and forwards: greedy decoding of the prompts with that setting (generate.generate),
@@ -489,9 +490,10 @@ def tune_parallel(args, model, prompts, eos, machine):
         return rows[key]["tokens_per_s"]
 
     grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir, model)
-    grids["pass"] = GRIDS["pass"] | {"gamma": GRIDS["pass"]["gamma"][:trained]}
-    starts["pass"] = starts["pass"] | {"gamma": min(starts["pass"]["gamma"], trained)}
-    if not trained:  # no [LA] tokens for this model in --heads-dir: nothing to tune
+    if trained:  # K up to the [LA] tokens trained
+        grids["pass"] = GRIDS["pass"] | {"gamma": GRIDS["pass"]["gamma"][:trained]}
+        starts["pass"] = starts["pass"] | {"gamma": min(starts["pass"]["gamma"], trained)}
+    else:        # no [LA] tokens for this model in --heads-dir: nothing to tune
         del grids["pass"]
     chosen = {kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in grids.items()}
     plain = 1e3 / step_ms(1)
