@@ -55,7 +55,7 @@ from tuning import distance_to_floor, kernel_table, machine, machine_line, plott
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-QUANTIZED = tuple(f"{kind}-{q}" for q in ("int8", "int4") for kind in ("plain", "hydra++"))  # on a quantized copy of the model (--quantize's)
+QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++"))  # on a quantized copy of the model (--quantize's)
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)  # llama.cpp on the default model's GGUF files
 OPT_IN = QUANTIZED + LLAMA_CPP  # run only when named
 METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
@@ -81,7 +81,7 @@ def build_parser():
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="every method's base model on weight-only int8 or int4 linear layers (generate.py --quantize)")
+    p.add_argument("--quantize", default="none", choices=cli.QUANTIZE, help="every method's base model on fp16, int8 or int4 linear layers (generate.py --quantize)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
     p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")
@@ -238,8 +238,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
             notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
-        elif name in QUANTIZED:  # the same method on an int8 or int4 copy: how many replies keep the model's, and tau
+        elif name in QUANTIZED:  # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and tau
             kind, quant = name.rsplit("-", 1)
+            cli.check_quantize(quant, device)
             if quant not in loaded:
                 loaded[quant] = kernels_lib.quantize(checkpoint.load(args.model, device, dtype)[0], quant)
             q = loaded[quant]
@@ -538,6 +539,7 @@ def main(args):
         torch.set_num_threads(args.threads)
     device = cli.pick_device(args.device)
     dtype = cli.pick_dtype(args.dtype, device)
+    cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":

@@ -109,6 +109,15 @@ def pick_device(name):
     return name
 
 
+QUANTIZE = ("none", "fp16", "int8", "int4")  # --quantize: kernels.quantize's
+
+
+def check_quantize(quantize, device):
+    """--quantize fp16 runs a CPU kernel (fbgemm's): refused on another device."""
+    if quantize == "fp16" and torch.device(device).type != "cpu":
+        raise UsageError(f"--quantize fp16: a CPU kernel; on {device} use --dtype fp16 instead (or --device cpu)")
+
+
 def pick_dtype(name, device):
     if name == "auto":  # bf16 where it is native (results/README.md), else fp32 on a CPU
         if torch.device(device).type == "cpu":
@@ -587,8 +596,9 @@ def generate_parser(description):
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling: same seed, same flags, same machine -> same output")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="the base model's linear layers on weight-only int8 "
-                   "(one scale per output channel) or int4 (a scale and a zero per 32 inputs): fewer bytes to read a step; heads and KV cache as they are")
+    p.add_argument("--quantize", default="none", choices=QUANTIZE, help="the base model's linear layers on fp16 weights multiplied in fp32 "
+                   "(a CPU's fbgemm kernel: faster for one row), weight-only int8 (one scale per output channel) or int4 (a scale and a zero per "
+                   "32 inputs): fewer bytes to read a step; heads and KV cache as they are")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
     # output
     p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal")

@@ -10,7 +10,7 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
 
     readable                                        fast twin (here)
     nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight,
-                                                    or an int8 or int4 one (quantize(): fewer bytes, other numbers)
+                                                    or an fp16, int8 or int4 one (quantize(): other numbers)
     model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
     model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
@@ -64,7 +64,7 @@ import model
 class Kernels:
     attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
-    quant: str = "none"      # "int8" | "int4": linear layers run through such copies of their weights (quantize)
+    quant: str = "none"      # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
     glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
 
     @staticmethod
@@ -105,15 +105,28 @@ def sizes(device) -> Sizes:
 
 # --- linear layers: prepacked weights ------------------------------------------------------------
 
+# fbgemm's fp16 product (quantize(.., "fp16")) keeps the weights in fp16 and multiplies in fp32:
+# for one row it streams them faster than oneDNN's bf16 product, for a tree's rows no faster, for a
+# prefill's slower (results/kernels-cpu.md). A bf16 weight is an fp16 one but for values below
+# fp16's normal range (6e-5), and a row's result is the same bits whatever rows share its call.
+
 @torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
-def prepack(*weights):
-    """One oneDNN-prepacked weight for the concatenated (out, in) weights."""
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).contiguous())
+def prepack(*weights, fp16=False):
+    """One prepacked weight for the concatenated (out, in) weights: oneDNN's, in their dtype, or
+    with fp16 fbgemm's fp16 one."""
+    weight = torch.cat(weights).contiguous()
+    if fp16:
+        return torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x, packed, bias=None, add=None):
     """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd); with `add`, a
     tensor of the output's shape, add + F.linear(x, weight, bias) in the same call (a oneDNN post-op)."""
+    if not isinstance(packed, torch.Tensor):                            # fbgemm's fp16: fp32 in and out
+        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)
+        y = (y if bias is None else y + bias).to(x.dtype)
+        return y if add is None else add + y
     if add is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, add, packed, bias, "add")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -171,7 +184,7 @@ def quantized_linear(x, q, scale, bias=None):
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear's twin: the product through a prepacked copy of the weight, or an int8 or int4 one."""
+    """nn.Linear's twin: the product through a prepacked copy of the weight, or an fp16, int8 or int4 one."""
 
     @staticmethod
     def wanted(layer, kernels):
@@ -183,12 +196,12 @@ class PackedLinear(nn.Linear):
             q, scale_zero = int4_weight(self.weight)
             self.packed = (int4_pack(q) if q.device.type == "cpu" else q), scale_zero
         else:
-            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight)
+            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, fp16=kernels.quant == "fp16")
 
     def forward(self, x):
         if torch.is_grad_enabled():
             return super().forward(x)
-        if self.kernels.quant != "none":
+        if self.kernels.quant in ("int8", "int4"):
             return quantized_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
 
@@ -277,7 +290,7 @@ class FastAttention(model.Attention):
     def prepare(self, kernels):
         self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
         bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
-        self.packed = (prepack(*(p.weight for p in qkv)), bias) if kernels.packed else None
+        self.packed = (prepack(*(p.weight for p in qkv), fp16=kernels.quant == "fp16"), bias) if kernels.packed else None
         self.rotary = None  # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
         if kernels.glue and kernels.packed:
             sign = torch.tensor([-1, 1]).repeat_interleave(c.head_dim // 2).to(self.q_proj.weight)
@@ -330,7 +343,7 @@ class FastMLP(model.MLP):
         return kernels.packed
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight)
+        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, fp16=kernels.quant == "fp16")
 
     def gate_up(self, x):
         if torch.is_grad_enabled():
@@ -371,7 +384,7 @@ class FastLMHead(heads.LMHead):
         return kernels.packed and layer.weight.dim() == 2
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.weight)
+        self.kernels, self.packed = kernels, prepack(self.weight, fp16=kernels.quant == "fp16")
 
     def forward(self, z, d=None):
         if torch.is_grad_enabled():
@@ -423,11 +436,15 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
 
 
 def quantize(module: nn.Module, quant: str) -> nn.Module:
-    """Weight-only `quant` ("int8" or "int4") for every linear layer of `module` (a base model: its
-    projections and LM head; a tied LM head quantizes a copy, the embedding reads the table as it
-    is), the attention as chosen before; the KV cache and the activations keep their dtype. A layer
-    the int4 kernel does not take (int4_fits) stays readable. Returns the module."""
-    return use(module, replace(in_use(module), packed=False, quant=quant))
+    """Weight-only `quant` ("fp16", "int8" or "int4") for every linear layer of `module` (a base
+    model: its projections and LM head; a tied LM head quantizes a copy, the embedding reads the
+    table as it is), the attention as chosen before; the KV cache and the activations keep their
+    dtype. fp16 keeps the fused products and the glue; a layer the int4 kernel does not take
+    (int4_fits) stays readable. A CPU's kernels: off the CPU, int8 and int4 are widened first
+    (correct, not faster) and fp16 is refused. Returns the module."""
+    if quant == "fp16" and any(p.device.type != "cpu" for p in module.parameters()):
+        raise ValueError("fp16 weights run through fbgemm, a CPU kernel; on a GPU, use fp16 as the dtype")
+    return use(module, replace(in_use(module), packed=quant == "fp16", quant=quant))
 
 
 # --- the training loss ---------------------------------------------------------------------------

@@ -97,8 +97,10 @@ def step_time(model, device, tokens=1, prefix=200, repeats=20):
 
 def distance_to_floor(model, device):
     """How far the batch-1 decode step is from its memory-bandwidth floor: every weight is read
-    once a step (the embedding table only a row of, unless the LM head shares it)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    once a step (the embedding table only a row of, unless the LM head shares it), a quantized
+    model's matrices at their quantized size."""
+    per_weight = {"fp16": 2, "int8": 1, "int4": 0.5}.get(kernels_lib.in_use(model).quant)
+    weights = sum(p.numel() * (per_weight if per_weight and p.dim() == 2 else p.element_size()) for p in model.parameters())
     if not model.cfg.tie_embeddings:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     bandwidth, step = memory_bandwidth(device), step_time(model, device)

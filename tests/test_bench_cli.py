@@ -206,7 +206,7 @@ def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
     assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 def test_quantized_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys, tmp_path, tiny_model_dir, quant):
     """plain-int8 (plain-int4) runs only when named, on an int8 (int4) copy of the model, in the same run as plain."""
     code, out, err = run_bench(capsys, "--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2,

@@ -120,6 +120,15 @@ def test_cuda_missing(no_model, capsys):
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--device", "cuda")[::2], "CUDA is not available", "--device cpu")
 
 
+def test_fp16_weights_are_a_cpu_kernel():
+    """--quantize fp16 is fbgemm's CPU kernel: on a GPU the check points to --dtype fp16 (run before
+    the model loads; the CUDA device itself cannot be picked on this machine, so it is called here)."""
+    cli.check_quantize("fp16", "cpu")
+    cli.check_quantize("int8", "cuda")
+    with pytest.raises(cli.UsageError, match="--quantize fp16: a CPU kernel; on cuda:1 use --dtype fp16"):
+        cli.check_quantize("fp16", "cuda:1")
+
+
 def test_shipped_heads_missing(no_model, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "SHIPPED", str(tmp_path))  # as in a checkout without weights/
     check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--heads", "medusa")[::2], "train.py --heads medusa")

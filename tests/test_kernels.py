@@ -67,6 +67,8 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
         for quant in ("int8", "int4"):                       # quantized weights off the CPU: widened, no CPU kernel
             kernels.quantize(m, quant)
             forward_as_on_a_gpu(m)
+        with pytest.raises(ValueError, match="a CPU kernel"):  # fbgemm's fp16 product: refused off the CPU
+            kernels.quantize(m, "fp16")
         kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
 
@@ -117,7 +119,7 @@ def test_loaders_run_the_kernels_chosen_for_the_device_and_dtype(tiny_model_dir,
 
 def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
     """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
-    def missing(*weights):
+    def missing(*weights, fp16=False):
         raise RuntimeError("no oneDNN here")
     monkeypatch.setattr(kernels, "prepack", missing)
     tokens = torch.randint(0, 64, (1, 6))
@@ -495,7 +497,25 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(dtype):
         torch.testing.assert_close(got, x.float() @ w.T + layer.bias.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_fp16_weights_multiply_in_fp32_and_each_row_alone():
+    """fbgemm's fp16 product: x times the weight rounded to fp16, summed in fp32, in every dtype;
+    a row's result the same bits whatever rows share the call (so a tree step and a plain step
+    agree); bias and `add` as linear() takes them."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 64) * 0.1, torch.randn(96)
+    packed = kernels.prepack(w[:40], w[40:], fp16=True)
+    x = torch.randn(1, 70, 64)                                                # (B, T, in)
+    with torch.no_grad():
+        y = kernels.linear(x, packed, bias, add=torch.ones(1, 70, 96))        # (B, T, out)
+        torch.testing.assert_close(y, 1 + x @ w.half().float().T + bias, atol=1e-5, rtol=1e-5)
+        for a, b in ((0, 1), (3, 8), (9, 25), (0, 70)):
+            assert torch.equal(kernels.linear(x[:, a:b], packed), kernels.linear(x, packed)[:, a:b])
+        got = kernels.linear(x.bfloat16(), packed)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), x.bfloat16().float() @ w.half().float().T, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     """Quantised weights change the model a little; the lossless contract holds against that model."""
     import drafters
@@ -509,6 +529,7 @@ def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     readable = generate.generate(base, [3, 4, 5], 20)
     kernels.quantize(base, quant)
     assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).quant == quant
+    assert (type(base.layers[0].mlp) is kernels.FastMLP) == (quant == "fp16")  # fp16 keeps the fused products
     assert torch.equal(base.lm_head.weight, before)                          # the weights themselves stay
     plain = generate.generate(base, [3, 4, 5], 20)
     spec = generate.generate(base, [3, 4, 5], 20, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
