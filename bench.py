@@ -248,7 +248,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             if kind != "plain" and folder is None:
                 raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}")
             heads = checkpoint.load_heads(folder, q) if folder else None
-            d = drafters.HeadsDrafter(heads, cli.load_tree("auto", heads, folder)) if heads else None
+            d = drafters.HeadsDrafter(heads, cli.load_tree("auto", heads, folder, quant)) if heads else None
             methods[name] = Method(name, ours(q, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth if d else 0, adapted=True)
         elif name == "lookup":
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
@@ -302,7 +302,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                                              "folder that train.py wrote (or a folder holding KIND/ or heads-KIND/ folders)")
                     notes.append(f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})")
                     continue
-                loaded[kind] = heads, cli.load_tree("auto", heads, folder), base
+                loaded[kind] = heads, cli.load_tree("auto", heads, folder, args.quantize), base
             heads, tree, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily

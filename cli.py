@@ -429,11 +429,13 @@ def parse_tree(spec):
         raise UsageError(f"--tree: {e}") from None
 
 
-def tuned_tree_file(folder, device, dtype, stem="tree"):
+def tuned_tree_file(folder, device, dtype, stem="tree", quant="none"):
     """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
-    tree-cpu-float32.json: the best tree depends on what a step of N tokens costs there (stem
-    "parallel": where --tune-parallel saves jacobi's and lookahead's settings)."""
-    return os.path.join(folder, f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}.json")
+    tree-cpu-float32.json (tree-cpu-float32-fp16.json with --quantize fp16): the best tree depends
+    on what a step of N tokens costs there (stem "parallel": where --tune-parallel saves jacobi's
+    and lookahead's settings)."""
+    name = f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}" + ("" if quant == "none" else f"-{quant}")
+    return os.path.join(folder, name + ".json")
 
 
 def tuned_parallel(folder, model, kind):
@@ -456,15 +458,18 @@ def tuned_parallel(folder, model, kind):
     return settings
 
 
-def load_tree(spec, heads, heads_folder):
-    """--tree: a spec, or auto = the tree saved next to the heads (the one tuned for this device and
-    dtype if there is one, else tree.json), else a chain as deep as the heads."""
+def load_tree(spec, heads, heads_folder, quant="none"):
+    """--tree: a spec, or auto = the tree saved next to the heads (the one tuned for this device,
+    dtype and the base model's --quantize if there is one, else for the device and dtype, else
+    tree.json), else a chain as deep as the heads."""
     if heads is None:
         return None
     weight = next(heads.parameters())
     saved = None
     if heads_folder:
-        tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype)
+        tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype, quant=quant)
+        if not os.path.exists(tuned):
+            tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype)
         saved = tuned if os.path.exists(tuned) else os.path.join(heads_folder, "tree.json")
     if spec != "auto":
         paths = parse_tree(spec)
@@ -650,7 +655,7 @@ def check_generate_args(args, parser):
 def generate_drafter(args, kind, arg, settings, model, tokenizer, generator):
     """generate.py's drafter, once the model is loaded: heads, their tree, a draft model, checked."""
     heads, heads_folder = load_heads(args.heads, model) if kind in ("heads", "heads+lookup") else (None, None)
-    tree = load_tree(args.tree, heads, heads_folder)
+    tree = load_tree(args.tree, heads, heads_folder, args.quantize)
     if kind == "heads+lookup" and heads is None:
         raise UsageError(f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with train.py and "
                          "pass --heads FOLDER, or use --draft lookup")

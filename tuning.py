@@ -287,7 +287,7 @@ def tune_tree(args, model, prompts, device):
     for r in rows:
         mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
         print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
-    saved = cli.tuned_tree_file(folder, device, model.dtype)
+    saved = cli.tuned_tree_file(folder, device, model.dtype, quant=kernels_lib.in_use(model).quant)
     tree_lib.save(best["paths"], saved)
     print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
           f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")

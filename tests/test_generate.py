@@ -215,5 +215,11 @@ def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_pa
     tree_lib.save([[0], [0, 0]], cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
     assert cli.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
     assert cli.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
+    heads.float()                                  # --quantize fp16: its own tuned tree first, then the dtype's
+    assert cli.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16") == str(tmp_path / "tree-cpu-float32-fp16.json")
+    assert cli.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (0, 0)]
+    tree_lib.save([[0], [1], [2]], cli.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16"))
+    assert cli.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (1,), (2,)]
+    assert cli.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
     os.remove(cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
     assert cli.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]
