@@ -82,7 +82,7 @@ def joint_svg(runs, w=640, h=400, pad=60):
         colour = colours[n % len(colours)]
         out.append(f'<polyline points="{" ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in c)}" fill="none" stroke="{colour}" stroke-width="2"/>')
         out.append(f'<circle cx="{X(c[-1][0]):.1f}" cy="{Y(c[-1][1]):.1f}" r="4" fill="{colour}"/>')
-        out.append(f'<text x="{pad + 10}" y="{pad + 16 * n}" fill="{colour}">{label}</text>')
+        out.append(f'<text x="{pad + 10}" y="{h - pad - 10 - 16 * (len(pts) - 1 - n)}" fill="{colour}">{label}</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
