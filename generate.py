@@ -162,7 +162,8 @@ def main(args):
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)
     eos = cli.eos_ids(model, tokenizer)
     writer = cli.open_output(args.out)
-    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}, {drafter.name}]", file=sys.stderr)
+    weights = "" if args.quantize == "none" else f", {args.quantize} weights"
+    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, {drafter.name}]", file=sys.stderr)
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(cli.legend_line(drafter), file=sys.stderr)
     total = Result()

@@ -391,6 +391,14 @@ def reply_ids(capsys, tmp_path, *argv):
     return json.loads(out.read_text())["token_ids"], err
 
 
+def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(loaded, capsys, tmp_path, heads_dir):
+    """--dtype fp32 --quantize fp16: the banner says so, and the heads' output is the fp16 model's
+    own plain greedy output."""
+    plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--dtype", "fp32", "--quantize", "fp16")
+    assert "on cpu, float32, fp16 weights, heads: none" in err.splitlines()[0]
+    assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
+
+
 def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys, tmp_path, heads_dir):
     folder = tiny_llama_folder(capsys, tmp_path / "same", loaded[1])  # random weights, the model's tokenizer
     plain, _ = reply_ids(capsys, tmp_path, "--heads", "none")
