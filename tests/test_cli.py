@@ -20,6 +20,7 @@ import cli
 import drafters
 import generate as G
 import heads as heads_lib
+import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -393,10 +394,15 @@ def reply_ids(capsys, tmp_path, *argv):
 
 def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(loaded, capsys, tmp_path, heads_dir):
     """--dtype fp32 --quantize fp16: the banner says so, and the heads' output is the fp16 model's
-    own plain greedy output."""
-    plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--dtype", "fp32", "--quantize", "fp16")
-    assert "on cpu, float32, fp16 weights, heads: none" in err.splitlines()[0]
-    assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
+    own plain greedy output. (The session's model: its kernels are put back after.)"""
+    chosen = kernels.in_use(loaded[0])
+    try:
+        plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--dtype", "fp32", "--quantize", "fp16")
+        assert "on cpu, float32, fp16 weights, heads: none" in err.splitlines()[0]
+        assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
+    finally:
+        kernels.use(loaded[0], chosen)
+    assert kernels.in_use(loaded[0]) == chosen
 
 
 def test_every_drafter_through_the_cli_gives_plain_greedy_output(loaded, capsys, tmp_path, heads_dir):
