@@ -35,18 +35,23 @@ def table(curves):
     return "\n".join(lines) + "\n"
 
 
+def frame(w, h, pad, xlabel, ylabel):
+    """An SVG's opening lines: white background, the two axes and their labels."""
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+            f'<rect width="{w}" height="{h}" fill="white"/>',
+            f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+            f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">{xlabel}</text>',
+            f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">{ylabel}</text>']
+
+
 def svg(curves, w=640, h=400, pad=60):
     xs = [p["tokens"] for c in curves.values() for p in c]
     ys = [p["chain_tau"] for c in curves.values() for p in c]
     x1, y0, y1 = max(xs), 1.0, max(ys) * 1.05
     X = lambda x: pad + (w - 2 * pad) * x / x1
     Y = lambda y: h - pad - (h - 2 * pad) * (y - y0) / (y1 - y0)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
-           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
-           f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">assistant tokens trained on (millions)</text>',
-           f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">held-out chain tau</text>']
+    out = frame(w, h, pad, "assistant tokens trained on (millions)", "held-out chain tau")
     for i in range(5):
         x, y = x1 * i / 4, y0 + (y1 - y0) * i / 4
         out.append(f'<text x="{X(x)}" y="{h - pad + 16}" text-anchor="middle">{x / 1e6:.2f}</text>')
@@ -65,14 +70,9 @@ def joint_svg(runs, w=640, h=400, pad=60):
     x0, x1, y0, y1 = min(xs) - 0.005, max(xs) + 0.002, min(ys) - 0.01, max(max(ys), 0.0) + 0.01
     X = lambda x: pad + (w - 2 * pad) * (x - x0) / (x1 - x0)
     Y = lambda y: h - pad - (h - 2 * pad) * (y - y0) / (y1 - y0)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
-           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
-           f'<line x1="{pad}" y1="{Y(0):.1f}" x2="{w - pad}" y2="{Y(0):.1f}" stroke="grey"/>',
-           f'<line x1="{X(0.97):.1f}" y1="{pad}" x2="{X(0.97):.1f}" y2="{h - pad}" stroke="grey" stroke-dasharray="4 4"/>',
-           f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">greedy agreement with the original model (held out)</text>',
-           f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">held-out chain tau gained since the start</text>']
+    out = frame(w, h, pad, "greedy agreement with the original model (held out)", "held-out chain tau gained since the start")
+    out += [f'<line x1="{pad}" y1="{Y(0):.1f}" x2="{w - pad}" y2="{Y(0):.1f}" stroke="grey"/>',
+            f'<line x1="{X(0.97):.1f}" y1="{pad}" x2="{X(0.97):.1f}" y2="{h - pad}" stroke="grey" stroke-dasharray="4 4"/>']
     for i in range(5):
         x, y = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
         out.append(f'<text x="{X(x):.1f}" y="{h - pad + 16}" text-anchor="middle">{x:.3f}</text>')
