@@ -80,7 +80,7 @@ def build_parser():
     p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (generate.py --dtype's: fp32 under --quantize fp16) | fp32 | bf16 | fp16")
     p.add_argument("--quantize", default="none", choices=cli.QUANTIZE, help="every method's base model on fp16, int8 or int4 linear layers (generate.py --quantize)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
     # output
@@ -538,7 +538,7 @@ def main(args):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = cli.pick_device(args.device)
-    dtype = cli.pick_dtype(args.dtype, device)
+    dtype = cli.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)

@@ -118,10 +118,11 @@ def check_quantize(quantize, device):
         raise UsageError(f"--quantize fp16: a CPU kernel; on {device} use --dtype fp16 instead (or --device cpu)")
 
 
-def pick_dtype(name, device):
+def pick_dtype(name, device, quantize="none"):
     if name == "auto":  # bf16 where it is native (results/README.md), else fp32 on a CPU
-        if torch.device(device).type == "cpu":
-            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        if torch.device(device).type == "cpu":  # fp16 weights: fp32 activations, no casts (results/kernels-cpu.md)
+            native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and quantize != "fp16"
+            return torch.bfloat16 if native else torch.float32
         # a GPU before Ampere (compute capability < 8) emulates bf16 slowly; fp16 is native there
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if name not in DTYPES:
@@ -604,7 +605,8 @@ def generate_parser(description):
     p.add_argument("--quantize", default="none", choices=QUANTIZE, help="the base model's linear layers on fp16 weights multiplied in fp32 "
                    "(a CPU's fbgemm kernel: faster for one row), weight-only int8 (one scale per output channel) or int4 (a scale and a zero per "
                    "32 inputs): fewer bytes to read a step; heads and KV cache as they are")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer; else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer, "
+                   "but fp32 under --quantize fp16; else fp32) | fp32 | bf16 | fp16")
     # output
     p.add_argument("--show", action="store_true", help="colour each token by who proposed it (draft head k, lookup, the draft model or layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal")
     p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
@@ -643,7 +645,7 @@ def check_generate_args(args, parser):
         writable_file("--out", args.out, "replies.jsonl")
         if args.prompts and os.path.isfile(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
             raise UsageError(f"--out {args.out} is the --prompts file: the replies would overwrite the prompts; give another --out")
-    pick_dtype(args.dtype, pick_device(args.device))
+    pick_dtype(args.dtype, pick_device(args.device), args.quantize)
     if args.tree != "auto":
         parse_tree(args.tree)  # checked now, built once the heads are loaded
     find_heads(args.heads)

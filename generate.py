@@ -149,7 +149,7 @@ def build_parser():
 def main(args):
     kind, arg, settings = cli.check_generate_args(args, build_parser())
     device = cli.pick_device(args.device)
-    dtype = cli.pick_dtype(args.dtype, device)
+    dtype = cli.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
     show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe

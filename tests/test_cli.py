@@ -126,6 +126,8 @@ def test_fp16_weights_are_a_cpu_kernel():
     the model loads; the CUDA device itself cannot be picked on this machine, so it is called here)."""
     cli.check_quantize("fp16", "cpu")
     cli.check_quantize("int8", "cuda")
+    assert cli.pick_dtype("auto", "cpu", "fp16") == torch.float32        # fp16 weights: fp32 activations
+    assert cli.pick_dtype("bf16", "cpu", "fp16") == torch.bfloat16       # unless asked otherwise
     with pytest.raises(cli.UsageError, match="--quantize fp16: a CPU kernel; on cuda:1 use --dtype fp16"):
         cli.check_quantize("fp16", "cuda:1")
 
@@ -393,11 +395,11 @@ def reply_ids(capsys, tmp_path, *argv):
 
 
 def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(loaded, capsys, tmp_path, heads_dir):
-    """--dtype fp32 --quantize fp16: the banner says so, and the heads' output is the fp16 model's
-    own plain greedy output. (The session's model: its kernels are put back after.)"""
+    """--quantize fp16 (fp32 activations by default): the banner says so, and the heads' output is
+    the fp16 model's own plain greedy output. (The session's model: its kernels are put back after.)"""
     chosen = kernels.in_use(loaded[0])
     try:
-        plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--dtype", "fp32", "--quantize", "fp16")
+        plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--quantize", "fp16")   # auto dtype: fp32
         assert "on cpu, float32, fp16 weights, heads: none" in err.splitlines()[0]
         assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
     finally:
