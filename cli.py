@@ -603,8 +603,8 @@ def generate_parser(description):
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--quantize", default="none", choices=QUANTIZE, help="the base model's linear layers on fp16 weights multiplied in fp32 "
-                   "(a CPU's fbgemm kernel: faster for one row), weight-only int8 (one scale per output channel) or int4 (a scale and a zero per "
-                   "32 inputs): fewer bytes to read a step; heads and KV cache as they are")
+                   "(a CPU's fbgemm kernel, faster for one row), or on weight-only int8 (one scale per output channel) or int4 (a scale and a zero "
+                   "per 32 inputs: fewer bytes to read a step); heads and KV cache as they are")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 kernels, AVX-512 and newer, "
                    "but fp32 under --quantize fp16; else fp32) | fp32 | bf16 | fp16")
     # output
