@@ -332,10 +332,10 @@ def check_sizes(kind, settings, where):
                          f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
     if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
         raise UsageError(f"{where}gamma {settings['gamma']}: the chain would be over MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma")
-    if kind == "pass" and (settings["gamma"] + settings["guesses"]) * (settings["gamma"] + 1) > tree_lib.MAX_NODES:  # PaSS.max_nodes
+    nodes = (settings["gamma"] + settings["guesses"]) * (settings["gamma"] + 1) if kind == "pass" else 0  # PaSS.max_nodes
+    if nodes > tree_lib.MAX_NODES:
         raise UsageError(f"{where}gamma {settings['gamma']}, {where}guesses {settings['guesses']}: a step would compute "
-                         f"{(settings['gamma'] + settings['guesses']) * (settings['gamma'] + 1)} nodes, over MAX_NODES={tree_lib.MAX_NODES}; "
-                         "use smaller values")
+                         f"{nodes} nodes, over MAX_NODES={tree_lib.MAX_NODES}; use smaller values")
     if kind == "lookahead":
         w, n, g = settings["window"], settings["ngram"], settings["guesses"]
         if n < 2:

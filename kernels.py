@@ -67,6 +67,10 @@ class Kernels:
     quant: str = "none"      # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
     glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
 
+    @property
+    def fp16(self) -> bool:  # prepacked products through fbgemm's fp16 weights, not oneDNN's
+        return self.quant == "fp16"
+
     @staticmethod
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
         """The fast kernels for weights of `weight_bytes` on `device` in `dtype`; Kernels() (the
@@ -196,7 +200,7 @@ class PackedLinear(nn.Linear):
             q, scale_zero = int4_weight(self.weight)
             self.packed = (int4_pack(q) if q.device.type == "cpu" else q), scale_zero
         else:
-            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, fp16=kernels.quant == "fp16")
+            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, fp16=kernels.fp16)
 
     def forward(self, x):
         if torch.is_grad_enabled():
@@ -290,7 +294,7 @@ class FastAttention(model.Attention):
     def prepare(self, kernels):
         self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
         bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
-        self.packed = (prepack(*(p.weight for p in qkv), fp16=kernels.quant == "fp16"), bias) if kernels.packed else None
+        self.packed = (prepack(*(p.weight for p in qkv), fp16=kernels.fp16), bias) if kernels.packed else None
         self.rotary = None  # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
         if kernels.glue and kernels.packed:
             sign = torch.tensor([-1, 1]).repeat_interleave(c.head_dim // 2).to(self.q_proj.weight)
@@ -343,7 +347,7 @@ class FastMLP(model.MLP):
         return kernels.packed
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, fp16=kernels.quant == "fp16")
+        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, fp16=kernels.fp16)
 
     def gate_up(self, x):
         if torch.is_grad_enabled():
@@ -384,7 +388,7 @@ class FastLMHead(heads.LMHead):
         return kernels.packed and layer.weight.dim() == 2
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.weight, fp16=kernels.quant == "fp16")
+        self.kernels, self.packed = kernels, prepack(self.weight, fp16=kernels.fp16)
 
     def forward(self, z, d=None):
         if torch.is_grad_enabled():
