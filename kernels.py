@@ -10,9 +10,11 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
 
     readable                                        fast twin (here)
     nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight,
-                                                    or an fp16, int8 or int4 one (quantize(): other numbers)
+                                                    kernels.c's for bf16 (NativeWeight), or an fp16, int8 or
+                                                    int4 one (quantize(): other numbers)
     model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
-    model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch
+    model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch;
+                                                    attend_native: kernels.c, a step or a tree in bf16
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
     model.RMSNorm: eight small ops                  FastRMSNorm: one layer norm (of [x, -x]), rms_norm()
     model.apply_rope: on q, then on k               FastAttention.forward: q and k rotated at once, rope()
@@ -25,6 +27,10 @@ prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin re
 (project, gate_up) and attend(); with Kernels.glue, also the small ops between the products
 (norms, rope, the q/k/v views, the residual adds), each a trip through PyTorch's dispatcher: most
 of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
+kernels.c (beside this file, compiled once per machine where the CPU has AVX512-BF16) holds two
+of them in C: the bf16 product of a few rows, reading the weight once, and the attention of a few
+queries. Both compute every row alone, so in bf16 a tree's nodes get exactly what plain decoding
+gets: greedy speculative decoding is token-identical to plain greedy in bf16 too.
 Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
 checkpoint.load and checkpoint.load_heads end with use(), so whatever loads a model or heads runs
 the twins.
@@ -38,9 +44,13 @@ Test: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens
 H query heads, Hkv key/value heads, Dh head size, D hidden, M predictions, V' head vocabulary,
 k teacher top-k, R rows of a block.
 """
+import ctypes
+import functools
+import hashlib
 import itertools
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 
@@ -66,10 +76,11 @@ class Kernels:
     packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
     quant: str = "none"      # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
     glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
+    native: bool = False     # bf16 products through kernels.c (NativeWeight), not oneDNN
 
     @property
-    def fp16(self) -> bool:  # prepacked products through fbgemm's fp16 weights, not oneDNN's
-        return self.quant == "fp16"
+    def product(self) -> str:  # whose product the prepacked linears run: "fp16" (fbgemm), "c" (kernels.c) or "onednn"
+        return "fp16" if self.quant == "fp16" else "c" if self.native else "onednn"
 
     @staticmethod
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
@@ -85,7 +96,8 @@ class Kernels:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
         packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                   and 2 * weight_bytes < free)
-        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed, glue=True)
+        native = packed and dtype == torch.bfloat16 and native_library() is not None
+        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed, glue=True, native=native)
 
 
 # --- sizes of work, per device -------------------------------------------------------------------
@@ -107,6 +119,87 @@ def sizes(device) -> Sizes:
     return Sizes(gen_batch=128, loss_rows=256)
 
 
+# --- linear layers: kernels.c's product, for bf16 ------------------------------------------------
+# kernels.c multiplies a few bf16 rows by a weight it reads once, with AVX512-BF16's dot product:
+# from 1 to 64 rows faster than oneDNN's prepacked product, and a row's result the same bits
+# whatever rows share the call (results/kernels-cpu.md). It is compiled here once per machine into
+# the cache folder (about a second), and skipped where it cannot be: another CPU, no C compiler.
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:  # not Linux
+        return False
+
+
+@functools.cache
+def native_library():
+    """kernels.c compiled for this machine and loaded (ctypes), or None where this CPU lacks
+    AVX512-BF16 or no C compiler builds it (then the products stay oneDNN's, with one notice)."""
+    if not cpu_has("avx512_bf16") or os.environ.get("SPECDEC_NO_C") == "1":
+        return None
+    import checkpoint  # its cache folder (checkpoint imports this module: imported when called)
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, torch.__version__]).encode()).hexdigest()[:16]
+    path = os.path.join(checkpoint.cache_root(), f"kernels-{key}.so")
+    try:
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            partial = f"{path}.{os.getpid()}.partial"
+            subprocess.run([compiler, *CFLAGS, SOURCE, "-o", partial], check=True, capture_output=True, timeout=120)
+            os.replace(partial, path)  # whole, or not there: a concurrent build writes its own
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or str(e).encode()
+        print(f"notice: kernels.c not built here ({detail.decode(errors='replace').strip()[:120]}); "
+              "products through oneDNN", file=sys.stderr)
+        return None
+    lib.linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.linear_bf16.restype = None
+    lib.attend_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    lib.attend_bf16.restype = ctypes.c_int
+    return lib
+
+
+class NativeWeight:
+    """A bf16 (out, in) weight packed for kernels.c: (ceil(out/32)*2, in/2, 16, 2), zero rows
+    padding out. Calling it is F.linear(x, weight, bias) (+ add) for bf16 x (..., in)."""
+
+    def __init__(self, weight):
+        N, K = weight.shape
+        assert weight.dtype == torch.bfloat16 and K % 2 == 0, "kernels.c takes bf16 weights with an even number of inputs"
+        padded = torch.zeros(bucket(N, 32), K, dtype=torch.bfloat16)
+        padded[:N] = weight
+        self.packed, self.out = padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous(), N  # (N'/16, K/2, 16, 2)
+
+    @staticmethod
+    def fits(weight):
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 2 == 0
+
+    def __call__(self, x, bias=None, add=None):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K).contiguous()                                          # (rows, in)
+        y = torch.empty(*x.shape[:-1], self.out, dtype=torch.bfloat16)             # (..., out)
+        if add is not None:
+            add = add.to(torch.bfloat16).contiguous()
+            assert add.shape == y.shape, f"add {tuple(add.shape)} is not the output's {tuple(y.shape)}"
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        native_library().linear_bf16(x2.data_ptr(), len(x2), K, self.packed.data_ptr(), self.out,
+                                     None if bias is None else bias.data_ptr(), None if add is None else add.data_ptr(),
+                                     y.data_ptr())
+        return y
+
+
 # --- linear layers: prepacked weights ------------------------------------------------------------
 
 # fbgemm's fp16 product (quantize(.., "fp16")) keeps the weights in fp16 and multiplies in fp32:
@@ -115,18 +208,22 @@ def sizes(device) -> Sizes:
 # fp16's normal range (6e-5), and a row's result is the same bits whatever rows share its call.
 
 @torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
-def prepack(*weights, fp16=False):
-    """One prepacked weight for the concatenated (out, in) weights: oneDNN's, in their dtype, or
-    with fp16 fbgemm's fp16 one."""
+def prepack(*weights, product="onednn"):
+    """One prepacked weight for the concatenated (out, in) weights, for Kernels.product's product:
+    oneDNN's in their dtype, kernels.c's (bf16, where the weight fits it) or fbgemm's fp16."""
     weight = torch.cat(weights).contiguous()
-    if fp16:
+    if product == "fp16":
         return torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+    if product == "c" and NativeWeight.fits(weight):
+        return NativeWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x, packed, bias=None, add=None):
     """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd); with `add`, a
     tensor of the output's shape, add + F.linear(x, weight, bias) in the same call (a oneDNN post-op)."""
+    if isinstance(packed, NativeWeight):                                # kernels.c: bf16 in and out
+        return packed(x, bias, add)
     if not isinstance(packed, torch.Tensor):                            # fbgemm's fp16: fp32 in and out
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)
         y = (y if bias is None else y + bias).to(x.dtype)
@@ -200,7 +297,7 @@ class PackedLinear(nn.Linear):
             q, scale_zero = int4_weight(self.weight)
             self.packed = (int4_pack(q) if q.device.type == "cpu" else q), scale_zero
         else:
-            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, fp16=kernels.fp16)
+            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, product=kernels.product)
 
     def forward(self, x):
         if torch.is_grad_enabled():
@@ -269,6 +366,29 @@ def attend(q, k, v, mask):
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
 
 
+def attend_native(q, k, v, mask):
+    """model.attend's twin through kernels.c for one batch row of bf16: q (1, H, T, Dh); k, v
+    (1, Hkv, S, Dh), rows contiguous (the cache's views); mask (1, 1, T, S) bool or None (causal)
+    -> (1, H, T, Dh). Each query alone: a tree's node gets plain decoding's bits."""
+    _, H, T, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    assert k.stride() == v.stride() and k.stride()[2:] == (Dh, 1), "k and v: rows of Dh side by side, as the cache holds them"
+    q = q.contiguous()
+    visible = None if mask is None else mask.reshape(T, S).contiguous()                 # (T, S) bool: one byte each
+    y = torch.empty(1, T, H, Dh, dtype=q.dtype)                                         # (1, T, H, Dh)
+    failed = native_library().attend_bf16(q.data_ptr(), H, T, Dh, k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1),
+                                          None if visible is None else visible.data_ptr(), Dh ** -0.5, y.data_ptr())
+    if failed:
+        raise MemoryError(f"attention over {S} keys: no scratch memory")
+    return y.transpose(1, 2)                                                            # (1, H, T, Dh)
+
+
+def native_attends(q, k, v, mask):
+    """Whether attend_native takes these: one batch row, a decode step or a tree (not a prefill),
+    Dh <= 256, k and v with the cache's layout."""
+    return (q.shape[0] == 1 and q.shape[2] <= 64 and q.dtype == torch.bfloat16 and q.shape[-1] <= 256 and k.stride() == v.stride() and k.stride()[2:] == (q.shape[-1], 1) and (mask is None or mask.shape[0] == 1))
+
+
 def attend_expanded(q, k, v, mask):
     """model.attend's twin on a GPU: an explicit mask together with enable_gqa leaves SDPA only its
     slowest (math) backend; with the key and value heads repeated to the query heads, the
@@ -294,7 +414,7 @@ class FastAttention(model.Attention):
     def prepare(self, kernels):
         self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
         bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
-        self.packed = (prepack(*(p.weight for p in qkv), fp16=kernels.fp16), bias) if kernels.packed else None
+        self.packed = (prepack(*(p.weight for p in qkv), product=kernels.product), bias) if kernels.packed else None
         self.rotary = None  # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
         if kernels.glue and kernels.packed:
             sign = torch.tensor([-1, 1]).repeat_interleave(c.head_dim // 2).to(self.q_proj.weight)
@@ -332,6 +452,8 @@ class FastAttention(model.Attention):
             return attend_expanded(q, k, v, mask)                              # (B, H, T, Dh)
         if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
             return super().attend(q, k, v, mask)
+        if self.kernels.native and native_attends(q, k, v, mask):
+            return attend_native(q, k, v, mask)                                # (1, H, T, Dh)
         return attend(q, k, v, mask)                                           # (B, H, T, Dh)
 
 
@@ -347,7 +469,7 @@ class FastMLP(model.MLP):
         return kernels.packed
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, fp16=kernels.fp16)
+        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, product=kernels.product)
 
     def gate_up(self, x):
         if torch.is_grad_enabled():
@@ -388,7 +510,7 @@ class FastLMHead(heads.LMHead):
         return kernels.packed and layer.weight.dim() == 2
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.weight, fp16=kernels.fp16)
+        self.kernels, self.packed = kernels, prepack(self.weight, product=kernels.product)
 
     def forward(self, z, d=None):
         if torch.is_grad_enabled():

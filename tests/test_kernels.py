@@ -30,6 +30,8 @@ BF16 = Kernels.choose("cpu", torch.bfloat16, 0)                   # Kernels() wh
 needs_packing = pytest.mark.skipif(not PACKED, reason="this torch build has no oneDNN prepacking")
 needs_bf16 = pytest.mark.skipif(BF16 == Kernels(), reason="this CPU has no native bf16 kernels")
 FAST = Kernels(attention="cpu-bf16", packed=PACKED, glue=True)  # every twin this build can run
+NATIVE = kernels.native_library() is not None                     # kernels.c built: AVX512-BF16 and a C compiler
+needs_c = pytest.mark.skipif(not NATIVE, reason="kernels.c is not built here (no AVX512-BF16 or no C compiler)")
 
 
 def close_as_readable(fast, readable, exact):
@@ -119,7 +121,7 @@ def test_loaders_run_the_kernels_chosen_for_the_device_and_dtype(tiny_model_dir,
 
 def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
     """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
-    def missing(*weights, fp16=False):
+    def missing(*weights, product="onednn"):
         raise RuntimeError("no oneDNN here")
     monkeypatch.setattr(kernels, "prepack", missing)
     tokens = torch.randint(0, 64, (1, 6))
@@ -162,6 +164,30 @@ def test_attend_equals_model_attend(B, T, S):
     masks[1][..., -1] = True                                  # every query sees at least one key
     for mask in masks:
         torch.testing.assert_close(kernels.attend(q, k, v, mask), model_lib.attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("T,S,tree", [(1, 9, False), (1, 40, False), (6, 6, False), (7, 30, True), (20, 50, True)])
+def test_kernels_c_attention_is_model_attend_and_each_query_alone(T, S, tree):
+    """kernels.attend_native: model.attend in bf16 (a decode step, a causal block, a tree after a
+    cached prefix) on the cache's views (rows spaced by the cache's length), and each query the
+    same bits alone as with the others: the nodes a plain step would see, in the same order."""
+    torch.manual_seed(0)
+    H, Hkv, Dh, slots = 6, 2, 24, 64                                              # Dh: a chunk and a half
+    q = torch.randn(1, H, T, Dh).bfloat16()                                       # (1, H, T, Dh)
+    k_cache, v_cache = torch.randn(2, 1, Hkv, slots, Dh).bfloat16()               # (1, Hkv, slots, Dh) each
+    k, v = k_cache[:, :, :S], v_cache[:, :, :S]                                   # (1, Hkv, S, Dh) views
+    mask = None
+    if tree:  # the prefix, then each node sees itself and some earlier nodes
+        nodes = (torch.rand(T, T) > 0.5).tril() | torch.eye(T, dtype=torch.bool)
+        mask = torch.cat([torch.ones(T, S - T, dtype=torch.bool), nodes], 1)[None, None]   # (1, 1, T, S)
+    got = kernels.attend_native(q, k, v, mask)                                    # (1, H, T, Dh)
+    want = model_lib.attend(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -7)
+    for t in range(T):  # query t alone, as a plain step sees it: the keys it sees side by side, no mask
+        seen = torch.arange(S) <= S - T + t if mask is None else mask[0, 0, t]          # (S,) bool
+        alone = kernels.attend_native(q[:, :, t:t + 1], k[:, :, seen], v[:, :, seen], None)
+        assert torch.equal(alone, got[:, :, t:t + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -503,7 +529,7 @@ def test_fp16_weights_multiply_in_fp32_and_each_row_alone():
     agree); bias and `add` as linear() takes them."""
     torch.manual_seed(0)
     w, bias = torch.randn(96, 64) * 0.1, torch.randn(96)
-    packed = kernels.prepack(w[:40], w[40:], fp16=True)
+    packed = kernels.prepack(w[:40], w[40:], product="fp16")
     x = torch.randn(1, 70, 64)                                                # (B, T, in)
     with torch.no_grad():
         y = kernels.linear(x, packed, bias, add=torch.ones(1, 70, 96))        # (B, T, out)
@@ -513,6 +539,70 @@ def test_fp16_weights_multiply_in_fp32_and_each_row_alone():
         got = kernels.linear(x.bfloat16(), packed)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), x.bfloat16().float() @ w.half().float().T, atol=1e-2, rtol=1e-2)
+
+
+@needs_c
+def test_kernels_c_product_is_the_bf16_product_and_each_row_alone():
+    """kernels.c: bf16 rows times a bf16 weight, exact products summed in fp32, bias and `add`
+    inside the one rounding to bf16; outputs not a multiple of its blocks (100); a row's result the
+    same bits whatever rows share the call, from 1 row to more than its 8-row tiles."""
+    torch.manual_seed(0)
+    w, bias = (torch.randn(100, 64) * 0.1).bfloat16(), torch.randn(100).bfloat16()
+    packed = kernels.prepack(w[:40], w[40:], product="c")
+    assert isinstance(packed, kernels.NativeWeight)
+    x, add = torch.randn(1, 70, 64).bfloat16(), torch.randn(1, 70, 100).bfloat16()      # (B, T, in), (B, T, out)
+    with torch.no_grad():
+        y = kernels.linear(x, packed, bias, add)                                         # (B, T, out)
+        assert y.dtype == torch.bfloat16 and y.shape == (1, 70, 100)
+        want = x.float() @ w.float().T + bias.float() + add.float()
+        torch.testing.assert_close(y.float(), want, atol=1e-3, rtol=2 ** -8)             # one bf16 rounding
+        assert (y.float() - want).abs().max() > 0                                        # it is bf16, not fp32
+        for a, b in ((0, 1), (3, 8), (9, 25), (60, 70)):
+            assert torch.equal(kernels.linear(x[:, a:b], packed, bias, add[:, a:b]), y[:, a:b])
+        assert torch.equal(kernels.linear(x, packed), kernels.linear(x[0], packed)[None])  # any leading shape
+
+
+def test_kernels_c_is_chosen_for_bf16_only_where_it_builds(monkeypatch, tmp_path, capsys):
+    """Kernels.choose runs kernels.c's product for bf16 where it built, never for fp32; a compiler
+    that fails gives one notice and oneDNN's products, never a crash."""
+    assert Kernels.choose("cpu", torch.bfloat16, 0).native == (NATIVE and BF16 != Kernels())
+    assert not Kernels.choose("cpu", torch.float32, 0).native
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(kernels, "cpu_has", lambda flag: True)
+    kernels.native_library.cache_clear()
+    try:
+        assert kernels.native_library() is None
+        assert capsys.readouterr().err.count("notice: kernels.c not built here") == 1
+        assert not Kernels.choose("cpu", torch.bfloat16, 0).native
+    finally:
+        kernels.native_library.cache_clear()
+    assert list(tmp_path.iterdir()) == []                          # no partial library left behind
+
+
+@needs_c
+@needs_bf16
+def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plainly():
+    """kernels.c's rows and queries do not depend on each other: in bf16, a tree step's products
+    and attention give each node what a plain step gives it, and greedy speculative decoding keeps
+    plain greedy's tokens."""
+    import drafters
+    import generate
+    steps = {"plain": 0, "spec": 0}
+    for seed in range(10):  # (through oneDNN and SDPA, 1 of these 10 differs)
+        torch.manual_seed(seed)
+        base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+        heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), base)
+        for p in heads.parameters():
+            p.data.normal_(0, 0.2)
+        base.to(torch.bfloat16), heads.to(torch.bfloat16)
+        kernels.use(base), kernels.use(heads)
+        assert kernels.in_use(base).native and isinstance(base.layers[0].mlp.packed, kernels.NativeWeight)
+        plain = generate.generate(base, [3, 4, 5], 40)
+        spec = generate.generate(base, [3, 4, 5], 40, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
+        assert spec.tokens == plain.tokens
+        steps["plain"], steps["spec"] = steps["plain"] + plain.steps, steps["spec"] + spec.steps
+    assert steps["spec"] < steps["plain"]                  # the heads' guesses were taken
 
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])

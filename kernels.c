@@ -1,0 +1,169 @@
+/* One matrix product in C: a few bf16 rows times a bf16 weight, reading the weight once.
+
+   kernels.py compiles this file once per machine (cc -O3 -mavx512bf16 -fopenmp, into the cache
+   folder) and calls it through ctypes as the twin of F.linear for bf16 rows: kernels.NativeLinear.
+
+   Why: a decode step multiplies one row (plain decoding) or a tree's few rows by every weight of
+   the model, so its time is the time to read the weights. PyTorch's CPU products (oneDNN, fbgemm)
+   stream them well below the memory's speed for one row, and re-read them, or run out of
+   arithmetic, for a few (results/kernels-cpu.md). Here every weight is read once per call and
+   multiplied into up to 8 rows with AVX512-BF16's dot product (two bf16 products and a sum into
+   fp32 per lane, 32 a instruction): for 1 to 8 rows the call costs about what reading the weight
+   costs.
+
+   y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
+   product with an add post-op). Every row is computed alone, in the same order whatever M is: a
+   row's result is the same bits whether it comes alone or with others, so a tree's rows get
+   exactly what plain decoding gets.
+
+   The weight is packed (pack() in kernels.py) as (N/16, K/2, 16, 2): for each block of 16
+   outputs, for each pair of inputs, the 16 outputs' two weights side by side, which is the
+   operand order of _mm512_dpbf16_ps; a block of 16 outputs is one contiguous stream. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16;
+enum { ROWS = 8, BLOCKS = 2 };   /* rows and 16-output blocks a tile keeps in 16 registers */
+
+static inline __m512 widen(__mmask16 keep, const bf16 *p) {   /* the kept of 16 bf16 -> fp32 (others 0) */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+
+/* rows x[0..m) times the two blocks starting at output n0, written to y (row stride N). */
+static inline __attribute__((always_inline)) void tile(
+    const bf16 *x, const int m, int K, const bf16 *w, int n0, int N, const bf16 *bias,
+    const bf16 *add, bf16 *y) {
+  __m512 acc[ROWS][BLOCKS];
+  for (int r = 0; r < m; r++)
+    for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();
+  const bf16 *wb = w + (long)n0 * K;                       /* block b's pair k: wb + (b K + k) 16 */
+  for (int k = 0; k < K; k += 2) {
+    __m512bh wk[BLOCKS];
+    for (int b = 0; b < BLOCKS; b++) {
+      const bf16 *p = wb + ((long)b * K + k) * 16;
+      _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);  /* 2 KB ahead in the stream */
+      wk[b] = (__m512bh)_mm512_loadu_si512(p);
+    }
+    for (int r = 0; r < m; r++) {
+      __m512bh xk = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (long)r * K + k));  /* x[r, k:k+2] */
+      for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xk, wk[b]);
+    }
+  }
+  for (int r = 0; r < m; r++)
+    for (int b = 0; b < BLOCKS; b++) {
+      int n = n0 + 16 * b;
+      if (n >= N) break;
+      __mmask16 keep = N - n >= 16 ? 0xffff : (__mmask16)((1u << (N - n)) - 1);   /* the last block's outputs */
+      __m512 v = acc[r][b];
+      if (bias) v = _mm512_add_ps(v, widen(keep, bias + n));
+      if (add) v = _mm512_add_ps(v, widen(keep, add + (long)r * N + n));
+      _mm256_mask_storeu_epi16(y + (long)r * N + n, keep, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros); K
+   even; bias (N,) and add (M, N) may be NULL. The outputs are shared out
+   among the threads, each block of 32 read once. */
+void linear_bf16(const bf16 *x, int M, int K, const bf16 *w, int N, const bf16 *bias, const bf16 *add, bf16 *y) {
+  #pragma omp parallel for schedule(static)
+  for (int n0 = 0; n0 < N; n0 += 16 * BLOCKS)
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+      const bf16 *xr = x + (long)r0 * K, *ar = add ? add + (long)r0 * N : 0;
+      bf16 *yr = y + (long)r0 * N;
+      switch (M - r0 < ROWS ? M - r0 : ROWS) {   /* m known when compiled: its accumulators in registers */
+        case 1: tile(xr, 1, K, w, n0, N, bias, ar, yr); break;
+        case 2: tile(xr, 2, K, w, n0, N, bias, ar, yr); break;
+        case 3: tile(xr, 3, K, w, n0, N, bias, ar, yr); break;
+        case 4: tile(xr, 4, K, w, n0, N, bias, ar, yr); break;
+        case 5: tile(xr, 5, K, w, n0, N, bias, ar, yr); break;
+        case 6: tile(xr, 6, K, w, n0, N, bias, ar, yr); break;
+        case 7: tile(xr, 7, K, w, n0, N, bias, ar, yr); break;
+        default: tile(xr, 8, K, w, n0, N, bias, ar, yr); break;
+      }
+    }
+}
+
+/* Attention for a few queries in C: the twin of model.attend for bf16 on a CPU, one batch row.
+
+   Each query is computed alone: its visible keys are listed in order first, then scores, their
+   softmax and the weighted sum of values run over that list in the same order whatever the mask
+   or the other queries are. A tree's node therefore gets the bits plain decoding gets at the same
+   place (same keys, same order), which SDPA, whose kernel depends on the number of queries and the
+   mask, does not give. Scores and sums in fp32, the output rounded to bf16 once. */
+
+static inline __m512 exp16(__m512 x) {   /* e^x, 16 at a time: 2^n e^r, |r| <= ln2/2, degree-6 polynomial */
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 lanes(int c, int Dh) {   /* the lanes of chunk c (16 numbers) inside Dh */
+  return 16 * (c + 1) <= Dh ? 0xffff : (__mmask16)((1u << (Dh - 16 * c)) - 1);
+}
+
+/* y (T, H, Dh) = softmax(q k^T * scale + mask) v for q (H, T, Dh); k, v (Hkv, S, Dh) with
+   `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
+   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh at
+   most 256. Returns 0, or -1 where the scratch memory is not to be had. */
+int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
+                const uint8_t *mask, float scale, bf16 *y) {
+  int failed = 0;
+  #pragma omp parallel
+  {
+    int *keys = malloc(sizeof(int) * S);                    /* the visible keys, in order */
+    float *p = malloc(sizeof(float) * (S + 16));            /* their scores, then e^(score - max) */
+    if (!keys || !p) {
+      #pragma omp atomic write
+      failed = 1;
+    }
+    #pragma omp for schedule(static)
+    for (int ht = 0; ht < H * T; ht++) {
+      if (!keys || !p) continue;
+      int h = ht / T, t = ht % T, g = h / (H / Hkv), n = 0, chunks = (Dh + 15) / 16;
+      const bf16 *kh = k + g * head, *vh = v + g * head;
+      for (int s = 0; s < S; s++)
+        if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
+      __m512 qv[16];
+      for (int c = 0; c < chunks; c++) qv[c] = widen(lanes(c, Dh), q + ((long)h * T + t) * Dh + 16 * c);
+      float top = -INFINITY;
+      for (int j = 0; j < n; j++) {                         /* scores: one dot product a key */
+        const bf16 *kj = kh + (long)keys[j] * Dh;
+        __m512 acc = _mm512_mul_ps(qv[0], widen(lanes(0, Dh), kj));
+        for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], widen(lanes(c, Dh), kj + 16 * c), acc);
+        p[j] = _mm512_reduce_add_ps(acc) * scale;
+        top = p[j] > top ? p[j] : top;
+      }
+      __m512 total = _mm512_setzero_ps();                   /* e^(score - max), 16 keys at a time */
+      for (int j = 0; j < n; j += 16) {
+        __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(p + j, in, e);
+        total = _mm512_add_ps(total, e);
+      }
+      __m512 out[16];
+      for (int c = 0; c < chunks; c++) out[c] = _mm512_setzero_ps();
+      for (int j = 0; j < n; j++) {                         /* the values, weighed */
+        const bf16 *vj = vh + (long)keys[j] * Dh;
+        __m512 pj = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < chunks; c++) out[c] = _mm512_fmadd_ps(pj, widen(lanes(c, Dh), vj + 16 * c), out[c]);
+      }
+      __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+      for (int c = 0; c < chunks; c++)
+        _mm256_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 16 * c, lanes(c, Dh), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(out[c], inv)));
+    }
+    free(keys);
+    free(p);
+  }
+  return failed ? -1 : 0;
+}
