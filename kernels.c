@@ -116,54 +116,160 @@ static inline __mmask16 lanes(int c, int Dh) {   /* the lanes of chunk c (16 num
    `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
    mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh at
    most 256. Returns 0, or -1 where the scratch memory is not to be had. */
+/* query t of head h: y[t, h] (row stride H Dh). keys, p: scratch for S ints and S + 16 floats. */
+static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
+                       const uint8_t *mask, float scale, bf16 *y, int h, int t, int *keys, float *p) {
+  int g = h / (H / Hkv), n = 0, chunks = (Dh + 15) / 16;
+  const bf16 *kh = k + g * head, *vh = v + g * head;
+  for (int s = 0; s < S; s++)
+    if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
+  __m512 qv[16];
+  for (int c = 0; c < chunks; c++) qv[c] = widen(lanes(c, Dh), q + ((long)h * T + t) * Dh + 16 * c);
+  float top = -INFINITY;
+  for (int j = 0; j < n; j++) {                           /* scores: one dot product a key */
+    const bf16 *kj = kh + (long)keys[j] * Dh;
+    __m512 acc = _mm512_mul_ps(qv[0], widen(lanes(0, Dh), kj));
+    for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], widen(lanes(c, Dh), kj + 16 * c), acc);
+    p[j] = _mm512_reduce_add_ps(acc) * scale;
+    top = p[j] > top ? p[j] : top;
+  }
+  __m512 total = _mm512_setzero_ps();                     /* e^(score - max), 16 keys at a time */
+  for (int j = 0; j < n; j += 16) {
+    __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), _mm512_set1_ps(top))));
+    _mm512_mask_storeu_ps(p + j, in, e);
+    total = _mm512_add_ps(total, e);
+  }
+  __m512 out[16];
+  for (int c = 0; c < chunks; c++) out[c] = _mm512_setzero_ps();
+  for (int j = 0; j < n; j++) {                           /* the values, weighed */
+    const bf16 *vj = vh + (long)keys[j] * Dh;
+    __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < chunks; c++) out[c] = _mm512_fmadd_ps(pj, widen(lanes(c, Dh), vj + 16 * c), out[c]);
+  }
+  __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  for (int c = 0; c < chunks; c++)
+    _mm256_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 16 * c, lanes(c, Dh), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(out[c], inv)));
+}
+
 int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
                 const uint8_t *mask, float scale, bf16 *y) {
   int failed = 0;
   #pragma omp parallel
   {
-    int *keys = malloc(sizeof(int) * S);                    /* the visible keys, in order */
-    float *p = malloc(sizeof(float) * (S + 16));            /* their scores, then e^(score - max) */
+    int *keys = malloc(sizeof(int) * S);
+    float *p = malloc(sizeof(float) * (S + 16));
     if (!keys || !p) {
       #pragma omp atomic write
       failed = 1;
     }
     #pragma omp for schedule(static)
-    for (int ht = 0; ht < H * T; ht++) {
-      if (!keys || !p) continue;
-      int h = ht / T, t = ht % T, g = h / (H / Hkv), n = 0, chunks = (Dh + 15) / 16;
-      const bf16 *kh = k + g * head, *vh = v + g * head;
-      for (int s = 0; s < S; s++)
-        if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
-      __m512 qv[16];
-      for (int c = 0; c < chunks; c++) qv[c] = widen(lanes(c, Dh), q + ((long)h * T + t) * Dh + 16 * c);
-      float top = -INFINITY;
-      for (int j = 0; j < n; j++) {                         /* scores: one dot product a key */
-        const bf16 *kj = kh + (long)keys[j] * Dh;
-        __m512 acc = _mm512_mul_ps(qv[0], widen(lanes(0, Dh), kj));
-        for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], widen(lanes(c, Dh), kj + 16 * c), acc);
-        p[j] = _mm512_reduce_add_ps(acc) * scale;
-        top = p[j] > top ? p[j] : top;
-      }
-      __m512 total = _mm512_setzero_ps();                   /* e^(score - max), 16 keys at a time */
-      for (int j = 0; j < n; j += 16) {
-        __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), _mm512_set1_ps(top))));
-        _mm512_mask_storeu_ps(p + j, in, e);
-        total = _mm512_add_ps(total, e);
-      }
-      __m512 out[16];
-      for (int c = 0; c < chunks; c++) out[c] = _mm512_setzero_ps();
-      for (int j = 0; j < n; j++) {                         /* the values, weighed */
-        const bf16 *vj = vh + (long)keys[j] * Dh;
-        __m512 pj = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < chunks; c++) out[c] = _mm512_fmadd_ps(pj, widen(lanes(c, Dh), vj + 16 * c), out[c]);
-      }
-      __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-      for (int c = 0; c < chunks; c++)
-        _mm256_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 16 * c, lanes(c, Dh), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(out[c], inv)));
-    }
+    for (int ht = 0; ht < H * T; ht++)
+      if (keys && p) attend_one(q, H, T, Dh, k, v, Hkv, S, head, mask, scale, y, ht / T, ht % T, keys, p);
     free(keys);
     free(p);
   }
+  return failed ? -1 : 0;
+}
+
+/* One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of one sequence in
+   bf16, Llama's form (RMSNorm, rotary, grouped-query attention, SwiGLU; q/k/v biases allowed).
+   One call a layer instead of some forty PyTorch operations, each a trip through its dispatcher:
+   the time a decode step spent between its products (results/kernels-cpu.md). Each step of the
+   readable layer is here, in its order, rounded to bf16 where it rounds, and every row is
+   computed alone, as above. */
+
+static inline __m512 round16(__m512 v) {   /* fp32 -> bf16 -> fp32: one rounding, as a bf16 tensor holds it */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline void store16(bf16 *p, __mmask16 keep, __m512 v) {
+  _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* y (T, D) = model.RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), each row alone. */
+static void rms_norm(const bf16 *x, int T, int D, const bf16 *weight, float eps, bf16 *y) {
+  for (int t = 0; t < T; t++) {
+    const bf16 *xt = x + (long)t * D;
+    __m512 ss = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+      __m512 v = widen(lanes(d / 16, D), xt + d);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / D + eps));
+    for (int d = 0; d < D; d += 16) {
+      __mmask16 keep = lanes(d / 16, D);
+      store16(y + (long)t * D + d, keep, _mm512_mul_ps(widen(keep, weight + d), round16(_mm512_mul_ps(widen(keep, xt + d), r))));
+    }
+  }
+}
+
+/* model.apply_rope on one head's row x (Dh): x cos + rotate_half(x) sin, rounded as bf16 tensors
+   round each product and the sum; written to out. rotate_half(x)[d] = -x[d + Dh/2] in the first
+   half, x[d - Dh/2] in the second. */
+static void rope_row(const bf16 *x, const bf16 *cos, const bf16 *sin, int Dh, bf16 *out) {
+  int half = Dh / 2;
+  if (half % 16 == 0) {   /* whole chunks of 16 in each half */
+    for (int d = 0; d < Dh; d += 16) {
+      __m512 rot = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), widen(0xffff, x + d + half)) : widen(0xffff, x + d - half);
+      __m512 a = round16(_mm512_mul_ps(widen(0xffff, x + d), widen(0xffff, cos + d)));
+      __m512 b = round16(_mm512_mul_ps(rot, widen(0xffff, sin + d)));
+      store16(out + d, 0xffff, _mm512_add_ps(a, b));
+    }
+    return;
+  }
+  for (int d = 0; d < Dh; d++) {   /* the same, one number at a time */
+    float xd = widen(1, x + d)[0], c = widen(1, cos + d)[0], s = widen(1, sin + d)[0];
+    float rot = d < half ? -widen(1, x + d + half)[0] : widen(1, x + d - half)[0];
+    float a = round16(_mm512_set1_ps(xd * c))[0], b = round16(_mm512_set1_ps(rot * s))[0];
+    store16(out + d, 1, _mm512_set1_ps(a + b));
+  }
+}
+
+/* SwiGLU's middle: act (T, F) = bf16(bf16(silu(gate)) * up) for gu (T, 2F) = [gate | up]. */
+static void silu_mul(const bf16 *gu, int T, int F, bf16 *act) {
+  for (int t = 0; t < T; t++)
+    for (int f = 0; f < F; f += 16) {
+      __mmask16 keep = lanes(f / 16, F);
+      __m512 g = widen(keep, gu + (long)t * 2 * F + f), u = widen(keep, gu + (long)t * 2 * F + F + f);
+      __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store16(act + (long)t * F + f, keep, _mm512_mul_ps(round16(silu), u));
+    }
+}
+
+/* out (T, D) = the layer applied to x (T, D). Weights packed as linear_bf16 takes them: wqkv
+   ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu (2F: gate then up), wdown (D).
+   cos, sin (T, Dh); the new keys and values go to slots start..start+T of k_cache, v_cache
+   (Hkv heads, `head` elements apart, rows of Dh); mask (T, start + T) bytes or NULL (causal).
+   Returns 0, or -1 where scratch memory is not to be had. */
+int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2, float eps,
+               const bf16 *wqkv, const bf16 *bqkv, int H, int Hkv, int Dh, const bf16 *cos, const bf16 *sin,
+               bf16 *k_cache, bf16 *v_cache, long head, int start, const uint8_t *mask,
+               const bf16 *wo, const bf16 *wgu, int F, const bf16 *wdown, bf16 *out) {
+  int Q = (H + 2 * Hkv) * Dh, S = start + T;
+  bf16 *h = malloc(sizeof(bf16) * T * D), *qkv = malloc(sizeof(bf16) * T * Q), *q = malloc(sizeof(bf16) * T * H * Dh);
+  bf16 *y = malloc(sizeof(bf16) * T * H * Dh), *gu = malloc(sizeof(bf16) * T * 2 * F), *act = malloc(sizeof(bf16) * T * F);
+  int failed = !h || !qkv || !q || !y || !gu || !act;
+  if (!failed) {
+    rms_norm(x, T, D, norm1, eps, h);                                  /* input_layernorm */
+    linear_bf16(h, T, D, wqkv, Q, bqkv, NULL, qkv);                    /* q, k, v */
+    for (int t = 0; t < T; t++) {                                      /* rotary; k and v into the cache */
+      const bf16 *row = qkv + (long)t * Q, *ct = cos + (long)t * Dh, *st = sin + (long)t * Dh;
+      for (int i = 0; i < H; i++) rope_row(row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
+      for (int i = 0; i < Hkv; i++) {
+        rope_row(row + (H + i) * Dh, ct, st, Dh, k_cache + i * head + (long)(start + t) * Dh);
+        for (int d = 0; d < Dh; d++) v_cache[i * head + (long)(start + t) * Dh + d] = row[(H + Hkv + i) * Dh + d];
+      }
+    }
+    failed = attend_bf16(q, H, T, Dh, k_cache, v_cache, Hkv, S, head, mask, 1.f / sqrtf((float)Dh), y);
+  }
+  if (!failed) {
+    linear_bf16(y, T, H * Dh, wo, D, NULL, x, out);                    /* x + o_proj(attention) */
+    rms_norm(out, T, D, norm2, eps, h);                                /* post_attention_layernorm */
+    linear_bf16(h, T, D, wgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
+    silu_mul(gu, T, F, act);
+    linear_bf16(act, T, F, wdown, D, NULL, out, out);                  /* + down_proj(act): in place, each output read then written */
+  }
+  free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;
 }

@@ -18,7 +18,8 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
     model.RMSNorm: eight small ops                  FastRMSNorm: one layer norm (of [x, -x]), rms_norm()
     model.apply_rope: on q, then on k               FastAttention.forward: q and k rotated at once, rope()
-    model.Block: x + o_proj(..), x + down_proj(..)  FastBlock: each residual add inside its product
+    model.Block: x + o_proj(..), x + down_proj(..)  FastBlock: each residual add inside its product;
+                                                    block_native: kernels.c, the whole layer in one call
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
     train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
 
@@ -27,10 +28,11 @@ prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin re
 (project, gate_up) and attend(); with Kernels.glue, also the small ops between the products
 (norms, rope, the q/k/v views, the residual adds), each a trip through PyTorch's dispatcher: most
 of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
-kernels.c (beside this file, compiled once per machine where the CPU has AVX512-BF16) holds two
-of them in C: the bf16 product of a few rows, reading the weight once, and the attention of a few
-queries. Both compute every row alone, so in bf16 a tree's nodes get exactly what plain decoding
-gets: greedy speculative decoding is token-identical to plain greedy in bf16 too.
+kernels.c (beside this file, compiled once per machine where the CPU has AVX512-BF16) holds three
+of them in C, for bf16: the product of a few rows, reading the weight once; the attention of a few
+queries; and a whole decoder layer built from them, one call instead of some forty PyTorch
+operations. Each computes every row alone, so in bf16 a tree's nodes get exactly what plain
+decoding gets: greedy speculative decoding is token-identical to plain greedy in bf16 too.
 Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
 checkpoint.load and checkpoint.load_heads end with use(), so whatever loads a model or heads runs
 the twins.
@@ -167,6 +169,9 @@ def native_library():
     lib.attend_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
     lib.attend_bf16.restype = ctypes.c_int
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.block_bf16.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, i, p, p]
+    lib.block_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -484,9 +489,45 @@ class FastMLP(model.MLP):
         return linear(self.act(gate) * up, self.down_proj.packed, None, residual)   # (B, T, D)
 
 
+def block_native(block, x, cos, sin, mask, kv):
+    """model.Block's forward through kernels.c's block_bf16, one call for the layer: x (1, T, D)
+    bf16; cos, sin (1, 1, T, Dh); mask (1, 1, T, S) bool or None; kv = (k_cache, v_cache, start),
+    the layer's cache (1, Hkv, slots, Dh) each -> (1, T, D). The new keys and values are written
+    to the cache as model.Attention writes them."""
+    c, attn, mlp = block.self_attn.cfg, block.self_attn, block.mlp
+    (wqkv, bias), (k_cache, v_cache, start) = attn.packed, kv
+    T, D = x.shape[1], x.shape[2]
+    x, out = x.contiguous(), torch.empty_like(x)                                      # (1, T, D) each
+    cos, sin = cos.reshape(T, c.head_dim).contiguous(), sin.reshape(T, c.head_dim).contiguous()  # (T, Dh)
+    visible = None if mask is None else mask.reshape(T, start + T).contiguous()       # (T, S) bool
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    ptr = lambda t: None if t is None else t.data_ptr()
+    failed = native_library().block_bf16(
+        ptr(x), T, D, ptr(block.input_layernorm.weight), ptr(block.post_attention_layernorm.weight), block.input_layernorm.eps,
+        ptr(wqkv.packed), ptr(bias), c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
+        ptr(k_cache), ptr(v_cache), k_cache.stride(1), start, ptr(visible),
+        ptr(attn.o_proj.packed.packed), ptr(mlp.packed.packed), c.hidden_dim, ptr(mlp.down_proj.packed.packed), ptr(out))
+    if failed:
+        raise MemoryError("a decoder layer in kernels.c: no scratch memory")
+    return out
+
+
+def native_block_takes(block, x, mask, kv):
+    """Whether block_native computes this layer's forward: Llama's form (no q/k norms, SwiGLU), every
+    product on kernels.c, one batch row of at most 64 new tokens, the cache's layout."""
+    c = block.self_attn.cfg
+    products = (block.self_attn.packed[0] if block.self_attn.packed else None, block.self_attn.o_proj.__dict__.get("packed"),
+                block.mlp.__dict__.get("packed"), block.mlp.down_proj.__dict__.get("packed"))
+    return (kv is not None and x.shape[0] == 1 and x.shape[1] <= 64 and x.dtype == torch.bfloat16 and not c.qk_norm
+            and c.activation == "silu" and c.head_dim <= 256 and c.head_dim % 2 == 0
+            and all(isinstance(p, NativeWeight) for p in products)
+            and kv[0].stride() == kv[1].stride() and kv[0].stride()[2:] == (c.head_dim, 1) and (mask is None or mask.shape[0] == 1))
+
+
 class FastBlock(model.Block):
     """model.Block's twin: each residual add inside the product before it (o_proj's, down_proj's),
-    through FastAttention's and FastMLP's `residual`."""
+    through FastAttention's and FastMLP's `residual`; with kernels.c, the whole layer in one call
+    (block_native) where it takes the layer."""
 
     @staticmethod
     def wanted(layer, kernels):
@@ -498,6 +539,8 @@ class FastBlock(model.Block):
     def forward(self, x, cos, sin, attn_mask, kv=None):
         if torch.is_grad_enabled():
             return super().forward(x, cos, sin, attn_mask, kv)
+        if self.kernels.native and native_block_takes(self, x, attn_mask, kv):
+            return block_native(self, x, cos, sin, attn_mask, kv)                      # (1, T, D)
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)                  # (B, T, D)
 

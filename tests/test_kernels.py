@@ -12,6 +12,8 @@ oneDNN prepacking, no native bf16) are skipped with the reason.
 Run: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S keys, D hidden,
 M predictions, V vocabulary, k teacher top-k.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -23,7 +25,7 @@ import model as model_lib
 import train as T
 import tree as tree_lib
 from conftest import tiny_config
-from kernels import Kernels
+from kernels import Kernels, block_native
 
 PACKED = Kernels.choose("cpu", torch.float32, 0).packed          # oneDNN prepacking in this torch build
 BF16 = Kernels.choose("cpu", torch.bfloat16, 0)                   # Kernels() where bf16 is emulated here
@@ -222,7 +224,8 @@ def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
 CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with key mask": (3, 1, 8, True),
          "prefill": (1, 12, 0, False), "no cache": (2, 6, None, False)}  # B, T, cached keys (None: no cache), key mask
 # what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H (Qwen3)
-FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16}}
+FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16},
+          "llama-like, Dh 32": {"head_dim": 32}}  # kernels.c rotates whole chunks of 16 where Dh/2 is a multiple of 16
 
 
 def spread_norms(module):
@@ -238,11 +241,13 @@ def spread_norms(module):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("readable", [model_lib.Attention, model_lib.Block])
-def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype, family):
+def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype, family, monkeypatch):
     """One attention layer over a KV cache: FastAttention (fused q/k/v and their biases, o_proj
     prepacked, attend() above, q and k normed and rotated at once) gives model.Attention's output,
     q/k norms and wide heads included; one decoder layer: FastBlock (its norms and residual adds
-    too) gives model.Block's. With the cache written as the readable layer writes it."""
+    too) gives model.Block's. With the cache written as the readable layer writes it. In bf16 also
+    through kernels.c, whose block_native runs the whole layer where it takes it (one batch row
+    over a cache, Llama's form and Qwen2's biases)."""
     B, T, start, padded = CASES[case]
     cfg = tiny_config(**FAMILY[family])
     torch.manual_seed(0)
@@ -268,6 +273,11 @@ def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype,
         torch.testing.assert_close(run(torch.float32, FAST), exact, atol=1e-5, rtol=1e-5)
     else:
         close_as_readable(run(dtype, FAST), run(dtype), exact)
+    if dtype == torch.bfloat16 and NATIVE:
+        calls = []
+        monkeypatch.setattr(kernels, "block_native", lambda *a: calls.append(1) or block_native(*a))
+        close_as_readable(run(dtype, replace(FAST, native=True)), run(dtype), exact)
+        assert len(calls) == (readable is model_lib.Block and B == 1 and start is not None and family != "qwen3-like")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
