@@ -1,7 +1,7 @@
-/* One matrix product in C: a few bf16 rows times a bf16 weight, reading the weight once.
+/* One matrix product in C: a few bf16 rows times a bf16 or int8 weight, reading the weight once.
 
    kernels.py compiles this file once per machine (cc -O3 -mavx512bf16 -fopenmp, into the cache
-   folder) and calls it through ctypes as the twin of F.linear for bf16 rows: kernels.NativeLinear.
+   folder) and calls it through ctypes as the twin of F.linear for bf16 rows: kernels.NativeWeight.
 
    Why: a decode step multiplies one row (plain decoding) or a tree's few rows by every weight of
    the model, so its time is the time to read the weights. PyTorch's CPU products (oneDNN, fbgemm)
@@ -12,11 +12,12 @@
    costs.
 
    y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
-   product with an add post-op). Every row is computed alone, in the same order whatever M is: a
+   product with an add post-op). Weight-only int8 (--quantize int8) reads half the bytes: each
+   int8 is widened to bf16 exactly in registers, and the sum scaled by its output's scale. Every row is computed alone, in the same order whatever M is: a
    row's result is the same bits whether it comes alone or with others, so a tree's rows get
    exactly what plain decoding gets.
 
-   The weight is packed (pack() in kernels.py) as (N/16, K/2, 16, 2): for each block of 16
+   The weight is packed (NativeWeight in kernels.py) as (N/16, K/2, 16, 2): for each block of 16
    outputs, for each pair of inputs, the 16 outputs' two weights side by side, which is the
    operand order of _mm512_dpbf16_ps; a block of 16 outputs is one contiguous stream. */
 #include <immintrin.h>
@@ -31,20 +32,29 @@ static inline __m512 widen(__mmask16 keep, const bf16 *p) {   /* the kept of 16 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
 }
 
+/* 32 weights of the packed stream at element i (16 outputs' pair of inputs) as bf16: as they are,
+   or int8 ones widened (exactly: every integer of int8 is a bf16). */
+static inline __m512bh weights32(const void *w, long i, const int int8) {
+  if (!int8) return (__m512bh)_mm512_loadu_si512((const bf16 *)w + i);
+  __m256i q = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + i));
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);                       /* lo's 16 numbers first, then hi's */
+}
+
 /* rows x[0..m) times the two blocks starting at output n0, written to y (row stride N). */
 static inline __attribute__((always_inline)) void tile(
-    const bf16 *x, const int m, int K, const bf16 *w, int n0, int N, const bf16 *bias,
-    const bf16 *add, bf16 *y) {
+    const bf16 *x, const int m, int K, const void *w, const int int8, const float *scale, int n0, int N,
+    const bf16 *bias, const bf16 *add, bf16 *y) {
   __m512 acc[ROWS][BLOCKS];
   for (int r = 0; r < m; r++)
     for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();
-  const bf16 *wb = w + (long)n0 * K;                       /* block b's pair k: wb + (b K + k) 16 */
   for (int k = 0; k < K; k += 2) {
     __m512bh wk[BLOCKS];
     for (int b = 0; b < BLOCKS; b++) {
-      const bf16 *p = wb + ((long)b * K + k) * 16;
-      _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);  /* 2 KB ahead in the stream */
-      wk[b] = (__m512bh)_mm512_loadu_si512(p);
+      long i = (long)n0 * K + ((long)b * K + k) * 16;       /* block b's pair k */
+      _mm_prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2), _MM_HINT_T0);  /* 1024 weights ahead */
+      wk[b] = weights32(w, i, int8);
     }
     for (int r = 0; r < m; r++) {
       __m512bh xk = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (long)r * K + k));  /* x[r, k:k+2] */
@@ -57,31 +67,37 @@ static inline __attribute__((always_inline)) void tile(
       if (n >= N) break;
       __mmask16 keep = N - n >= 16 ? 0xffff : (__mmask16)((1u << (N - n)) - 1);   /* the last block's outputs */
       __m512 v = acc[r][b];
+      if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(keep, scale + n));
       if (bias) v = _mm512_add_ps(v, widen(keep, bias + n));
       if (add) v = _mm512_add_ps(v, widen(keep, add + (long)r * N + n));
       _mm256_mask_storeu_epi16(y + (long)r * N + n, keep, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
-/* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros); K
-   even; bias (N,) and add (M, N) may be NULL. The outputs are shared out
-   among the threads, each block of 32 read once. */
-void linear_bf16(const bf16 *x, int M, int K, const bf16 *w, int N, const bf16 *bias, const bf16 *add, bf16 *y) {
+/* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros): bf16,
+   or int8 where scale (N,) is given, the weight then being scale[n] * w[n, :] (kernels.int8_weight);
+   K even; bias (N,) and add (M, N) may be NULL. The outputs are shared out among the threads,
+   each block of 32 read once. */
+void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N, const bf16 *bias,
+                 const bf16 *add, bf16 *y) {
   #pragma omp parallel for schedule(static)
   for (int n0 = 0; n0 < N; n0 += 16 * BLOCKS)
     for (int r0 = 0; r0 < M; r0 += ROWS) {
       const bf16 *xr = x + (long)r0 * K, *ar = add ? add + (long)r0 * N : 0;
       bf16 *yr = y + (long)r0 * N;
-      switch (M - r0 < ROWS ? M - r0 : ROWS) {   /* m known when compiled: its accumulators in registers */
-        case 1: tile(xr, 1, K, w, n0, N, bias, ar, yr); break;
-        case 2: tile(xr, 2, K, w, n0, N, bias, ar, yr); break;
-        case 3: tile(xr, 3, K, w, n0, N, bias, ar, yr); break;
-        case 4: tile(xr, 4, K, w, n0, N, bias, ar, yr); break;
-        case 5: tile(xr, 5, K, w, n0, N, bias, ar, yr); break;
-        case 6: tile(xr, 6, K, w, n0, N, bias, ar, yr); break;
-        case 7: tile(xr, 7, K, w, n0, N, bias, ar, yr); break;
-        default: tile(xr, 8, K, w, n0, N, bias, ar, yr); break;
+      int m = M - r0 < ROWS ? M - r0 : ROWS;
+#define TILE(m) (scale ? tile(xr, m, K, w, 1, scale, n0, N, bias, ar, yr) : tile(xr, m, K, w, 0, NULL, n0, N, bias, ar, yr))
+      switch (m) {   /* m and the weights' type known when compiled: the accumulators in registers */
+        case 1: TILE(1); break;
+        case 2: TILE(2); break;
+        case 3: TILE(3); break;
+        case 4: TILE(4); break;
+        case 5: TILE(5); break;
+        case 6: TILE(6); break;
+        case 7: TILE(7); break;
+        default: TILE(8); break;
       }
+#undef TILE
     }
 }
 
@@ -237,22 +253,24 @@ static void silu_mul(const bf16 *gu, int T, int F, bf16 *act) {
     }
 }
 
-/* out (T, D) = the layer applied to x (T, D). Weights packed as linear_bf16 takes them: wqkv
-   ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu (2F: gate then up), wdown (D).
+/* out (T, D) = the layer applied to x (T, D). Weights packed as linear_bf16 takes them, each
+   with its int8 scales or NULL: wqkv ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu (2F:
+   gate then up), wdown (D).
    cos, sin (T, Dh); the new keys and values go to slots start..start+T of k_cache, v_cache
    (Hkv heads, `head` elements apart, rows of Dh); mask (T, start + T) bytes or NULL (causal).
    Returns 0, or -1 where scratch memory is not to be had. */
 int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2, float eps,
-               const bf16 *wqkv, const bf16 *bqkv, int H, int Hkv, int Dh, const bf16 *cos, const bf16 *sin,
-               bf16 *k_cache, bf16 *v_cache, long head, int start, const uint8_t *mask,
-               const bf16 *wo, const bf16 *wgu, int F, const bf16 *wdown, bf16 *out) {
+               const void *wqkv, const float *sqkv, const bf16 *bqkv, int H, int Hkv, int Dh, const bf16 *cos,
+               const bf16 *sin, bf16 *k_cache, bf16 *v_cache, long head, int start, const uint8_t *mask,
+               const void *wo, const float *so, const void *wgu, const float *sgu, int F, const void *wdown,
+               const float *sdown, bf16 *out) {
   int Q = (H + 2 * Hkv) * Dh, S = start + T;
   bf16 *h = malloc(sizeof(bf16) * T * D), *qkv = malloc(sizeof(bf16) * T * Q), *q = malloc(sizeof(bf16) * T * H * Dh);
   bf16 *y = malloc(sizeof(bf16) * T * H * Dh), *gu = malloc(sizeof(bf16) * T * 2 * F), *act = malloc(sizeof(bf16) * T * F);
   int failed = !h || !qkv || !q || !y || !gu || !act;
   if (!failed) {
     rms_norm(x, T, D, norm1, eps, h);                                  /* input_layernorm */
-    linear_bf16(h, T, D, wqkv, Q, bqkv, NULL, qkv);                    /* q, k, v */
+    linear_bf16(h, T, D, wqkv, sqkv, Q, bqkv, NULL, qkv);                    /* q, k, v */
     for (int t = 0; t < T; t++) {                                      /* rotary; k and v into the cache */
       const bf16 *row = qkv + (long)t * Q, *ct = cos + (long)t * Dh, *st = sin + (long)t * Dh;
       for (int i = 0; i < H; i++) rope_row(row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
@@ -264,11 +282,11 @@ int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2
     failed = attend_bf16(q, H, T, Dh, k_cache, v_cache, Hkv, S, head, mask, 1.f / sqrtf((float)Dh), y);
   }
   if (!failed) {
-    linear_bf16(y, T, H * Dh, wo, D, NULL, x, out);                    /* x + o_proj(attention) */
+    linear_bf16(y, T, H * Dh, wo, so, D, NULL, x, out);                    /* x + o_proj(attention) */
     rms_norm(out, T, D, norm2, eps, h);                                /* post_attention_layernorm */
-    linear_bf16(h, T, D, wgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
+    linear_bf16(h, T, D, wgu, sgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
     silu_mul(gu, T, F, act);
-    linear_bf16(act, T, F, wdown, D, NULL, out, out);                  /* + down_proj(act): in place, each output read then written */
+    linear_bf16(act, T, F, wdown, sdown, D, NULL, out, out);                  /* + down_proj(act): in place, each output read then written */
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;

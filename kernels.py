@@ -81,8 +81,12 @@ class Kernels:
     native: bool = False     # bf16 products through kernels.c (NativeWeight), not oneDNN
 
     @property
-    def product(self) -> str:  # whose product the prepacked linears run: "fp16" (fbgemm), "c" (kernels.c) or "onednn"
-        return "fp16" if self.quant == "fp16" else "c" if self.native else "onednn"
+    def product(self) -> str:  # whose product the prepacked linears run: "fp16" (fbgemm), "c", "c-int8" (kernels.c) or "onednn"
+        if self.quant == "fp16":
+            return "fp16"
+        if self.native:
+            return "c-int8" if self.quant == "int8" else "c"
+        return "onednn"
 
     @staticmethod
     def choose(device, dtype, weight_bytes=0) -> "Kernels":
@@ -127,8 +131,10 @@ def sizes(device) -> Sizes:
 # whatever rows share the call (results/kernels-cpu.md). It is compiled here once per machine into
 # the cache folder (about a second), and skipped where it cannot be: another CPU, no C compiler.
 
+# -ffp-contract=off: the arithmetic as written, no multiply and add fused where the compiler finds
+# them (it would differ between the code compiled for 1 row and for 8, and so would a row's bits).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cpu_has(flag):
@@ -163,28 +169,28 @@ def native_library():
         print(f"notice: kernels.c not built here ({detail.decode(errors='replace').strip()[:120]}); "
               "products through oneDNN", file=sys.stderr)
         return None
-    lib.linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.linear_bf16.restype = None
-    lib.attend_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-    lib.attend_bf16.restype = ctypes.c_int
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.block_bf16.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, i, p, p]
-    lib.block_bf16.restype = ctypes.c_int
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], None
+    lib.attend_bf16.argtypes, lib.attend_bf16.restype = [p, i, i, i, p, p, i, i, ctypes.c_long, p, f, p], i
+    lib.block_bf16.argtypes = [p, i, i, p, p, f, p, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, p, p, i, p, p, p]
+    lib.block_bf16.restype = i
     return lib
 
 
 class NativeWeight:
     """A bf16 (out, in) weight packed for kernels.c: (ceil(out/32)*2, in/2, 16, 2), zero rows
-    padding out. Calling it is F.linear(x, weight, bias) (+ add) for bf16 x (..., in)."""
+    padding out; with int8, int8_weight's q packed so and its scales (fp32, one an output).
+    Calling it is F.linear(x, weight, bias) (+ add) for bf16 x (..., in), the weight int8's
+    widen(q, scale) where it is int8."""
 
-    def __init__(self, weight):
+    def __init__(self, weight, int8=False):
         N, K = weight.shape
-        assert weight.dtype == torch.bfloat16 and K % 2 == 0, "kernels.c takes bf16 weights with an even number of inputs"
-        padded = torch.zeros(bucket(N, 32), K, dtype=torch.bfloat16)
-        padded[:N] = weight
+        assert self.fits(weight), "kernels.c takes bf16 weights on the CPU with an even number of inputs"
+        q, scale = int8_weight(weight) if int8 else (weight, None)
+        padded = torch.zeros(bucket(N, 32), K, dtype=q.dtype)
+        padded[:N] = q
         self.packed, self.out = padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous(), N  # (N'/16, K/2, 16, 2)
+        self.scale = None if scale is None else scale.float()                                   # (out,) fp32
 
     @staticmethod
     def fits(weight):
@@ -199,9 +205,8 @@ class NativeWeight:
             assert add.shape == y.shape, f"add {tuple(add.shape)} is not the output's {tuple(y.shape)}"
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        native_library().linear_bf16(x2.data_ptr(), len(x2), K, self.packed.data_ptr(), self.out,
-                                     None if bias is None else bias.data_ptr(), None if add is None else add.data_ptr(),
-                                     y.data_ptr())
+        ptr = lambda t: None if t is None else t.data_ptr()
+        native_library().linear_bf16(ptr(x2), len(x2), K, ptr(self.packed), ptr(self.scale), self.out, ptr(bias), ptr(add), ptr(y))
         return y
 
 
@@ -219,8 +224,8 @@ def prepack(*weights, product="onednn"):
     weight = torch.cat(weights).contiguous()
     if product == "fp16":
         return torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
-    if product == "c" and NativeWeight.fits(weight):
-        return NativeWeight(weight)
+    if product in ("c", "c-int8") and NativeWeight.fits(weight):
+        return NativeWeight(weight, int8=product == "c-int8")
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
@@ -301,13 +306,15 @@ class PackedLinear(nn.Linear):
         if kernels.quant == "int4":
             q, scale_zero = int4_weight(self.weight)
             self.packed = (int4_pack(q) if q.device.type == "cpu" else q), scale_zero
+        elif kernels.quant == "int8" and kernels.product != "c-int8":
+            self.packed = int8_weight(self.weight)
         else:
-            self.packed = int8_weight(self.weight) if kernels.quant == "int8" else prepack(self.weight, product=kernels.product)
+            self.packed = prepack(self.weight, product=kernels.product)
 
     def forward(self, x):
         if torch.is_grad_enabled():
             return super().forward(x)
-        if self.kernels.quant in ("int8", "int4"):
+        if isinstance(self.packed, tuple):                                  # int8_weight's or int4_weight's
             return quantized_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
 
@@ -496,6 +503,7 @@ def block_native(block, x, cos, sin, mask, kv):
     to the cache as model.Attention writes them."""
     c, attn, mlp = block.self_attn.cfg, block.self_attn, block.mlp
     (wqkv, bias), (k_cache, v_cache, start) = attn.packed, kv
+    wo, wgu, wdown = attn.o_proj.packed, mlp.packed, mlp.down_proj.packed
     T, D = x.shape[1], x.shape[2]
     x, out = x.contiguous(), torch.empty_like(x)                                      # (1, T, D) each
     cos, sin = cos.reshape(T, c.head_dim).contiguous(), sin.reshape(T, c.head_dim).contiguous()  # (T, Dh)
@@ -504,9 +512,9 @@ def block_native(block, x, cos, sin, mask, kv):
     ptr = lambda t: None if t is None else t.data_ptr()
     failed = native_library().block_bf16(
         ptr(x), T, D, ptr(block.input_layernorm.weight), ptr(block.post_attention_layernorm.weight), block.input_layernorm.eps,
-        ptr(wqkv.packed), ptr(bias), c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
-        ptr(k_cache), ptr(v_cache), k_cache.stride(1), start, ptr(visible),
-        ptr(attn.o_proj.packed.packed), ptr(mlp.packed.packed), c.hidden_dim, ptr(mlp.down_proj.packed.packed), ptr(out))
+        ptr(wqkv.packed), ptr(wqkv.scale), ptr(bias), c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
+        ptr(k_cache), ptr(v_cache), k_cache.stride(1), start, ptr(visible), ptr(wo.packed), ptr(wo.scale),
+        ptr(wgu.packed), ptr(wgu.scale), c.hidden_dim, ptr(wdown.packed), ptr(wdown.scale), ptr(out))
     if failed:
         raise MemoryError("a decoder layer in kernels.c: no scratch memory")
     return out
@@ -613,7 +621,10 @@ def quantize(module: nn.Module, quant: str) -> nn.Module:
     (correct, not faster) and fp16 is refused. Returns the module."""
     if quant == "fp16" and any(p.device.type != "cpu" for p in module.parameters()):
         raise ValueError("fp16 weights run through fbgemm, a CPU kernel; on a GPU, use fp16 as the dtype")
-    return use(module, replace(in_use(module), packed=quant == "fp16", quant=quant))
+    chosen = in_use(module)
+    c_int8 = quant == "int8" and chosen.native and all(NativeWeight.fits(m.weight) for m in module.modules()
+                                                       if isinstance(m, nn.Linear))  # kernels.c's int8: fused products, whole layers
+    return use(module, replace(chosen, packed=quant == "fp16" or c_int8, quant=quant, native=chosen.native and quant in ("none", "int8")))
 
 
 # --- the training loss ---------------------------------------------------------------------------

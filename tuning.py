@@ -191,7 +191,10 @@ def kernel_table(model, device):
     kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
     results/kernels-cpu.md holds this table."""
     c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
-    fast_attend = kernels_lib.attend if fast.attention == "cpu-bf16" else model_lib.attend
+    def fast_attend(q, k, v, mask):  # as FastAttention.attend chooses
+        if fast.native and kernels_lib.native_attends(q, k, v, mask):
+            return kernels_lib.attend_native(q, k, v, mask)
+        return kernels_lib.attend(q, k, v, mask) if fast.attention == "cpu-bf16" else model_lib.attend(q, k, v, mask)
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
     ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
     rows = []
@@ -212,7 +215,8 @@ def kernel_table(model, device):
                      ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
                                  for weight, packed in pairs])))
     steps = {}
-    for name, kernels in (("readable", readable), ("fast", fast), ("no glue", dataclasses.replace(fast, glue=False))):
+    for name, kernels in (("readable", readable), ("fast", fast), ("no glue", dataclasses.replace(fast, glue=False)),
+                          ("no C", dataclasses.replace(fast, native=False))):
         kernels_lib.use(model, kernels)
         steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
     kernels_lib.use(model, fast)
@@ -220,7 +224,10 @@ def kernel_table(model, device):
     rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
     if fast.glue:  # the glue twins alone: the fast path without them (left) against with them
         rows.append(("whole decode step, fast path without Kernels.glue (left), with it", steps["no glue"][0], steps["fast"][0]))
-    kernels = f"{fast.attention}, packed linears: {fast.packed}, glue: {fast.glue}"
+    if fast.native:  # kernels.c alone: oneDNN's products and PyTorch's layers (left) against kernels.c's
+        rows.append(("whole decode step, fast path without kernels.c (left), with it", steps["no C"][0], steps["fast"][0]))
+        rows.append(("whole step of 16 tokens, without kernels.c (left), with it", steps["no C"][1], steps["fast"][1]))
+    kernels = f"{fast.attention}, packed linears: {fast.packed}, glue: {fast.glue}, kernels.c: {fast.native}"
     print(machine_line(machine(device, model.dtype, kernels=kernels, **distance_to_floor(model, device))))
     print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
     for what, a, b in rows:

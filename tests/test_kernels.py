@@ -552,18 +552,23 @@ def test_fp16_weights_multiply_in_fp32_and_each_row_alone():
 
 
 @needs_c
-def test_kernels_c_product_is_the_bf16_product_and_each_row_alone():
-    """kernels.c: bf16 rows times a bf16 weight, exact products summed in fp32, bias and `add`
-    inside the one rounding to bf16; outputs not a multiple of its blocks (100); a row's result the
-    same bits whatever rows share the call, from 1 row to more than its 8-row tiles."""
+@pytest.mark.parametrize("product", ["c", "c-int8"])
+def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product):
+    """kernels.c: bf16 rows times a bf16 weight (or int8_weight's, widened), exact products summed
+    in fp32, bias and `add` inside the one rounding to bf16; outputs not a multiple of its blocks
+    (100); a row's result the same bits whatever rows share the call, from 1 row to more than its
+    8-row tiles."""
     torch.manual_seed(0)
     w, bias = (torch.randn(100, 64) * 0.1).bfloat16(), torch.randn(100).bfloat16()
-    packed = kernels.prepack(w[:40], w[40:], product="c")
-    assert isinstance(packed, kernels.NativeWeight)
+    packed = kernels.prepack(w[:40], w[40:], product=product)
+    assert isinstance(packed, kernels.NativeWeight) and (packed.scale is not None) == (product == "c-int8")
     x, add = torch.randn(1, 70, 64).bfloat16(), torch.randn(1, 70, 100).bfloat16()      # (B, T, in), (B, T, out)
     with torch.no_grad():
         y = kernels.linear(x, packed, bias, add)                                         # (B, T, out)
         assert y.dtype == torch.bfloat16 and y.shape == (1, 70, 100)
+        if product == "c-int8":  # the weight int8 stands for, unrounded: q * scale
+            q, scale = kernels.int8_weight(w)
+            w = q.float() * scale.float()[:, None]
         want = x.float() @ w.float().T + bias.float() + add.float()
         torch.testing.assert_close(y.float(), want, atol=1e-3, rtol=2 ** -8)             # one bf16 rounding
         assert (y.float() - want).abs().max() > 0                                        # it is bf16, not fp32
@@ -592,7 +597,8 @@ def test_kernels_c_is_chosen_for_bf16_only_where_it_builds(monkeypatch, tmp_path
 
 @needs_c
 @needs_bf16
-def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plainly():
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plainly(quant):
     """kernels.c's rows and queries do not depend on each other: in bf16, a tree step's products
     and attention give each node what a plain step gives it, and greedy speculative decoding keeps
     plain greedy's tokens."""
@@ -607,7 +613,10 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
             p.data.normal_(0, 0.2)
         base.to(torch.bfloat16), heads.to(torch.bfloat16)
         kernels.use(base), kernels.use(heads)
+        if quant != "none":
+            kernels.quantize(base, quant)
         assert kernels.in_use(base).native and isinstance(base.layers[0].mlp.packed, kernels.NativeWeight)
+        assert (base.layers[0].mlp.packed.scale is not None) == (quant == "int8")
         plain = generate.generate(base, [3, 4, 5], 40)
         spec = generate.generate(base, [3, 4, 5], 40, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
         assert spec.tokens == plain.tokens
