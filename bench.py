@@ -425,7 +425,7 @@ def plot_bench(res, mach, folder):
     width = 0.8 / max(len(names), 1)
     for j, n in enumerate(names):
         vals = [res[n]["by_category"][g]["speedup"] if g != "all" else res[n]["speedup"] for g in groups]
-        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=n)
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=n, color=plt.cm.tab20(j % 20))  # tab10 repeats past 10
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding")

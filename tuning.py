@@ -206,6 +206,13 @@ def kernel_table(model, device):
     # one row through every layer's down projection in turn, as a decode step reads them: from
     # memory, not from a cache that one weight timed alone would sit in
     w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
+    gate_up = [(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), layer.mlp) for layer in model.layers]
+    for rows_ in (1, 5, 16, 64):  # a step's rows, a tree's, a large tree's: the fused gate and up products
+        x = rand(rows_, c.dim)
+        rows.append((f"linear {c.dim} -> {2 * c.hidden_dim} (gate and up), {rows_} row{'s' * (rows_ > 1)}, the {n} layers' weights in turn",
+                     ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in gate_up]),
+                     ms(lambda: [kernels_lib.linear(x, mlp.packed) if hasattr(mlp, "packed") else torch.nn.functional.linear(x, weight)
+                                 for weight, mlp in gate_up])))
     for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
                           [layer.mlp.down_proj for layer in model.layers]),
                          (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
