@@ -130,42 +130,86 @@ static inline __mmask16 lanes(int c, int Dh) {   /* the lanes of chunk c (16 num
 
 /* y (T, H, Dh) = softmax(q k^T * scale + mask) v for q (H, T, Dh); k, v (Hkv, S, Dh) with
    `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
-   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh at
-   most 256. Returns 0, or -1 where the scratch memory is not to be had. */
-/* query t of head h: y[t, h] (row stride H Dh). keys, p: scratch for S ints and S + 16 floats. */
+   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even,
+   at most 256. Returns 0, or -1 where the scratch memory is not to be had. */
+static inline __mmask32 lanes32(int c, int Dh) {   /* the bf16 lanes of chunk c (32 numbers) inside Dh */
+  return 32 * (c + 1) <= Dh ? 0xffffffffu : (__mmask32)((1u << (Dh - 32 * c)) - 1);
+}
+
+/* r[i] = the sum of v[i]'s 16 numbers, for 16 vectors at once: a fixed tree of shuffles and adds
+   (a quarter of the work of 16 horizontal sums). */
+static inline __m512 sum16(const __m512 v[16]) {
+  __m512 w[8], x[4], z[2];
+  for (int i = 0; i < 8; i++)        /* per 128 bits: v2i's pair sums, v2i+1's, interleaved */
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {      /* per 128 bits: the sums of v4i .. v4i+3 over those 128 bits */
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; i++)        /* then over 256 bits, then all 512: lane 4i + j holds v4i+j's sum */
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* query t of head h: y[t, h] (row stride H Dh). keys, p: scratch for S ints and S + 16 floats.
+   Scores: AVX512-BF16 dot products of q with 16 keys, summed across lanes by sum16. Values: a
+   bf16 pair read as one 32-bit lane is two fp32 numbers, its high half masked (odd dimension)
+   and shifted up (even): accumulated apart, interleaved back at the end. Every sum runs over the
+   visible keys in their order, so a query's result does not depend on the others. */
 static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
                        const uint8_t *mask, float scale, bf16 *y, int h, int t, int *keys, float *p) {
-  int g = h / (H / Hkv), n = 0, chunks = (Dh + 15) / 16;
+  int g = h / (H / Hkv), n = 0, chunks = (Dh + 31) / 32;
   const bf16 *kh = k + g * head, *vh = v + g * head;
   for (int s = 0; s < S; s++)
     if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
-  __m512 qv[16];
-  for (int c = 0; c < chunks; c++) qv[c] = widen(lanes(c, Dh), q + ((long)h * T + t) * Dh + 16 * c);
-  float top = -INFINITY;
-  for (int j = 0; j < n; j++) {                           /* scores: one dot product a key */
-    const bf16 *kj = kh + (long)keys[j] * Dh;
-    __m512 acc = _mm512_mul_ps(qv[0], widen(lanes(0, Dh), kj));
-    for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], widen(lanes(c, Dh), kj + 16 * c), acc);
-    p[j] = _mm512_reduce_add_ps(acc) * scale;
-    top = p[j] > top ? p[j] : top;
+  __m512bh qv[8];
+  for (int c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes32(c, Dh), q + ((long)h * T + t) * Dh + 32 * c);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int j0 = 0; j0 < n; j0 += 16) {                    /* scores, 16 keys at a time */
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) {
+      acc[i] = _mm512_setzero_ps();
+      if (j0 + i >= n) continue;
+      const bf16 *kj = kh + (long)keys[j0 + i] * Dh;
+      for (int c = 0; c < chunks; c++)
+        acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(lanes32(c, Dh), kj + 32 * c));
+    }
+    __mmask16 in = n - j0 >= 16 ? 0xffff : (__mmask16)((1u << (n - j0)) - 1);
+    __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(p + j0, in, sc);
+    top = _mm512_mask_max_ps(top, in, top, sc);
   }
-  __m512 total = _mm512_setzero_ps();                     /* e^(score - max), 16 keys at a time */
-  for (int j = 0; j < n; j += 16) {
+  __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {                       /* e^(score - max), 16 keys at a time */
     __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-    __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), _mm512_set1_ps(top))));
+    __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), most)));
     _mm512_mask_storeu_ps(p + j, in, e);
     total = _mm512_add_ps(total, e);
   }
-  __m512 out[16];
-  for (int c = 0; c < chunks; c++) out[c] = _mm512_setzero_ps();
+  __m512 even[2][8], odd[2][8];
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  for (int c = 0; c < chunks; c++) even[0][c] = odd[0][c] = even[1][c] = odd[1][c] = _mm512_setzero_ps();
   for (int j = 0; j < n; j++) {                           /* the values, weighed */
     const bf16 *vj = vh + (long)keys[j] * Dh;
     __m512 pj = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < chunks; c++) out[c] = _mm512_fmadd_ps(pj, widen(lanes(c, Dh), vj + 16 * c), out[c]);
+    int a = j & 1;                                        /* two sums, alternate keys: twice the multiply-adds in flight */
+    for (int c = 0; c < chunks; c++) {
+      __m512i pair = _mm512_maskz_loadu_epi16(lanes32(c, Dh), vj + 32 * c);
+      even[a][c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), even[a][c]);
+      odd[a][c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(pair, high)), odd[a][c]);
+    }
   }
+  for (int c = 0; c < chunks; c++) even[0][c] = _mm512_add_ps(even[0][c], even[1][c]), odd[0][c] = _mm512_add_ps(odd[0][c], odd[1][c]);
   __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  for (int c = 0; c < chunks; c++)
-    _mm256_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 16 * c, lanes(c, Dh), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(out[c], inv)));
+  __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);   /* even 0, odd 0, even 1, ... */
+  for (int c = 0; c < chunks; c++) {
+    __m512i e = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(even[0][c], inv)));
+    __m512i o = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(odd[0][c], inv)));
+    _mm512_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 32 * c, lanes32(c, Dh), _mm512_permutex2var_epi16(e, order, o));
+  }
 }
 
 int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,

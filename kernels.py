@@ -397,8 +397,8 @@ def attend_native(q, k, v, mask):
 
 def native_attends(q, k, v, mask):
     """Whether attend_native takes these: one batch row, a decode step or a tree (not a prefill),
-    Dh <= 256, k and v with the cache's layout."""
-    return (q.shape[0] == 1 and q.shape[2] <= 64 and q.dtype == torch.bfloat16 and q.shape[-1] <= 256 and k.stride() == v.stride() and k.stride()[2:] == (q.shape[-1], 1) and (mask is None or mask.shape[0] == 1))
+    Dh even and at most 256, k and v with the cache's layout."""
+    return (q.shape[0] == 1 and q.shape[2] <= 64 and q.dtype == torch.bfloat16 and q.shape[-1] <= 256 and q.shape[-1] % 2 == 0 and k.stride() == v.stride() and k.stride()[2:] == (q.shape[-1], 1) and (mask is None or mask.shape[0] == 1))
 
 
 def attend_expanded(q, k, v, mask):
