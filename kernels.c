@@ -1,21 +1,26 @@
-/* One matrix product in C: a few bf16 rows times a bf16 or int8 weight, reading the weight once.
+/* The bf16 decode step in C: kernels.py's twins for a few rows on a CPU with AVX512-BF16.
 
    kernels.py compiles this file once per machine (cc -O3 -mavx512bf16 -fopenmp, into the cache
-   folder) and calls it through ctypes as the twin of F.linear for bf16 rows: kernels.NativeWeight.
+   folder) and calls it through ctypes: linear_bf16 (kernels.NativeWeight, F.linear's twin),
+   attend_bf16 (kernels.attend_native, model.attend's) and block_bf16 (kernels.block_native,
+   model.Block's), in that order below.
 
    Why: a decode step multiplies one row (plain decoding) or a tree's few rows by every weight of
    the model, so its time is the time to read the weights. PyTorch's CPU products (oneDNN, fbgemm)
    stream them well below the memory's speed for one row, and re-read them, or run out of
-   arithmetic, for a few (results/kernels-cpu.md). Here every weight is read once per call and
-   multiplied into up to 8 rows with AVX512-BF16's dot product (two bf16 products and a sum into
-   fp32 per lane, 32 a instruction): for 1 to 8 rows the call costs about what reading the weight
-   costs.
+   arithmetic, for a few; and each layer's ~40 small PyTorch operations cost as much again
+   (results/kernels-cpu.md). Here every weight is read once per call and multiplied into up to 8
+   rows with AVX512-BF16's dot product (two bf16 products and a sum into fp32 per lane, 32 an
+   instruction): for 1 to 8 rows the call costs about what reading the weight costs.
 
    y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
    product with an add post-op). Weight-only int8 (--quantize int8) reads half the bytes: each
-   int8 is widened to bf16 exactly in registers, and the sum scaled by its output's scale. Every row is computed alone, in the same order whatever M is: a
-   row's result is the same bits whether it comes alone or with others, so a tree's rows get
-   exactly what plain decoding gets.
+   int8 is widened to bf16 exactly in registers, and the sum scaled by its output's scale.
+
+   Every row is computed alone, in the same order whatever M is: a row's result is the same bits
+   whether it comes alone or with others, so a tree's rows get exactly what plain decoding gets
+   (compiled with -ffp-contract=off, so that no compiler choice of fused multiply-adds differs
+   between the code for 1 row and for 8).
 
    The weight is packed (NativeWeight in kernels.py) as (N/16, K/2, 16, 2): for each block of 16
    outputs, for each pair of inputs, the 16 outputs' two weights side by side, which is the
@@ -128,10 +133,6 @@ static inline __mmask16 lanes(int c, int Dh) {   /* the lanes of chunk c (16 num
   return 16 * (c + 1) <= Dh ? 0xffff : (__mmask16)((1u << (Dh - 16 * c)) - 1);
 }
 
-/* y (T, H, Dh) = softmax(q k^T * scale + mask) v for q (H, T, Dh); k, v (Hkv, S, Dh) with
-   `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
-   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even,
-   at most 256. Returns 0, or -1 where the scratch memory is not to be had. */
 static inline __mmask32 lanes32(int c, int Dh) {   /* the bf16 lanes of chunk c (32 numbers) inside Dh */
   return 32 * (c + 1) <= Dh ? 0xffffffffu : (__mmask32)((1u << (Dh - 32 * c)) - 1);
 }
@@ -212,6 +213,10 @@ static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const
   }
 }
 
+/* y (T, H, Dh) = softmax(q k^T * scale + mask) v for q (H, T, Dh); k, v (Hkv, S, Dh) with
+   `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
+   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even,
+   at most 256. Returns 0, or -1 where the scratch memory is not to be had. */
 int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
                 const uint8_t *mask, float scale, bf16 *y) {
   int failed = 0;
@@ -298,9 +303,9 @@ static void silu_mul(const bf16 *gu, int T, int F, bf16 *act) {
 }
 
 /* out (T, D) = the layer applied to x (T, D). Weights packed as linear_bf16 takes them, each
-   with its int8 scales or NULL: wqkv ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu (2F:
-   gate then up), wdown (D).
-   cos, sin (T, Dh); the new keys and values go to slots start..start+T of k_cache, v_cache
+   with its int8 scales or NULL: wqkv ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu
+   (2F: gate then up), wdown (D). cos, sin (T, Dh); the new keys and values go to slots
+   start..start+T of k_cache, v_cache
    (Hkv heads, `head` elements apart, rows of Dh); mask (T, start + T) bytes or NULL (causal).
    Returns 0, or -1 where scratch memory is not to be had. */
 int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2, float eps,
@@ -313,9 +318,9 @@ int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2
   bf16 *y = malloc(sizeof(bf16) * T * H * Dh), *gu = malloc(sizeof(bf16) * T * 2 * F), *act = malloc(sizeof(bf16) * T * F);
   int failed = !h || !qkv || !q || !y || !gu || !act;
   if (!failed) {
-    rms_norm(x, T, D, norm1, eps, h);                                  /* input_layernorm */
-    linear_bf16(h, T, D, wqkv, sqkv, Q, bqkv, NULL, qkv);                    /* q, k, v */
-    for (int t = 0; t < T; t++) {                                      /* rotary; k and v into the cache */
+    rms_norm(x, T, D, norm1, eps, h);                                       /* input_layernorm */
+    linear_bf16(h, T, D, wqkv, sqkv, Q, bqkv, NULL, qkv);                   /* q, k, v */
+    for (int t = 0; t < T; t++) {                                           /* rotary; k and v into the cache */
       const bf16 *row = qkv + (long)t * Q, *ct = cos + (long)t * Dh, *st = sin + (long)t * Dh;
       for (int i = 0; i < H; i++) rope_row(row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
       for (int i = 0; i < Hkv; i++) {
@@ -326,11 +331,11 @@ int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2
     failed = attend_bf16(q, H, T, Dh, k_cache, v_cache, Hkv, S, head, mask, 1.f / sqrtf((float)Dh), y);
   }
   if (!failed) {
-    linear_bf16(y, T, H * Dh, wo, so, D, NULL, x, out);                    /* x + o_proj(attention) */
-    rms_norm(out, T, D, norm2, eps, h);                                /* post_attention_layernorm */
+    linear_bf16(y, T, H * Dh, wo, so, D, NULL, x, out);                     /* x + o_proj(attention) */
+    rms_norm(out, T, D, norm2, eps, h);                                     /* post_attention_layernorm */
     linear_bf16(h, T, D, wgu, sgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
     silu_mul(gu, T, F, act);
-    linear_bf16(act, T, F, wdown, sdown, D, NULL, out, out);                  /* + down_proj(act): in place, each output read then written */
+    linear_bf16(act, T, F, wdown, sdown, D, NULL, out, out);                /* + down_proj(act): in place, each output read then written */
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;
