@@ -238,7 +238,8 @@ int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *
 }
 
 /* One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of one sequence in
-   bf16, Llama's form (RMSNorm, rotary, grouped-query attention, SwiGLU; q/k/v biases allowed).
+   bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v biases and
+   Qwen3's q/k norms.
    One call a layer instead of some forty PyTorch operations, each a trip through its dispatcher:
    the time a decode step spent between its products (results/kernels-cpu.md). Each step of the
    readable layer is here, in its order, rounded to bf16 where it rounds, and every row is
@@ -291,14 +292,21 @@ static void rope_row(const bf16 *x, const bf16 *cos, const bf16 *sin, int Dh, bf
   }
 }
 
-/* SwiGLU's middle: act (T, F) = bf16(bf16(silu(gate)) * up) for gu (T, 2F) = [gate | up]. */
-static void silu_mul(const bf16 *gu, int T, int F, bf16 *act) {
+static inline __m512 sigmoid16(__m512 x) {   /* 1 / (1 + e^-x) */
+  return _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* The gated MLP's middle: act (T, F) = bf16(bf16(a(gate)) * up) for gu (T, 2F) = [gate | up]; a
+   is SiLU, x sigmoid(x) (SwiGLU), or with gelu GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x +
+   0.044715 x^3)), which is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GeGLU: Gemma). */
+static void gated(const bf16 *gu, int T, int F, int gelu, bf16 *act) {
   for (int t = 0; t < T; t++)
     for (int f = 0; f < F; f += 16) {
       __mmask16 keep = lanes(f / 16, F);
       __m512 g = widen(keep, gu + (long)t * 2 * F + f), u = widen(keep, gu + (long)t * 2 * F + F + f);
-      __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store16(act + (long)t * F + f, keep, _mm512_mul_ps(round16(silu), u));
+      __m512 z = g;
+      if (gelu) z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216f), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+      store16(act + (long)t * F + f, keep, _mm512_mul_ps(round16(_mm512_mul_ps(g, sigmoid16(z))), u));
     }
 }
 
@@ -307,12 +315,14 @@ static void silu_mul(const bf16 *gu, int T, int F, bf16 *act) {
    (2F: gate then up), wdown (D). cos, sin (T, Dh); the new keys and values go to slots
    start..start+T of k_cache, v_cache
    (Hkv heads, `head` elements apart, rows of Dh); mask (T, start + T) bytes or NULL (causal).
-   Returns 0, or -1 where scratch memory is not to be had. */
+   qnorm, knorm (Dh): Qwen3's RMSNorm of each q and k head before rotary, or NULL; gelu: GeGLU's
+   activation, not SwiGLU's. Returns 0, or -1 where scratch memory is not to be had. */
 int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2, float eps,
-               const void *wqkv, const float *sqkv, const bf16 *bqkv, int H, int Hkv, int Dh, const bf16 *cos,
+               const void *wqkv, const float *sqkv, const bf16 *bqkv, const bf16 *qnorm, const bf16 *knorm,
+               int H, int Hkv, int Dh, const bf16 *cos,
                const bf16 *sin, bf16 *k_cache, bf16 *v_cache, long head, int start, const uint8_t *mask,
                const void *wo, const float *so, const void *wgu, const float *sgu, int F, const void *wdown,
-               const float *sdown, bf16 *out) {
+               const float *sdown, int gelu, bf16 *out) {
   int Q = (H + 2 * Hkv) * Dh, S = start + T;
   bf16 *h = malloc(sizeof(bf16) * T * D), *qkv = malloc(sizeof(bf16) * T * Q), *q = malloc(sizeof(bf16) * T * H * Dh);
   bf16 *y = malloc(sizeof(bf16) * T * H * Dh), *gu = malloc(sizeof(bf16) * T * 2 * F), *act = malloc(sizeof(bf16) * T * F);
@@ -322,9 +332,14 @@ int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2
     linear_bf16(h, T, D, wqkv, sqkv, Q, bqkv, NULL, qkv);                   /* q, k, v */
     for (int t = 0; t < T; t++) {                                           /* rotary; k and v into the cache */
       const bf16 *row = qkv + (long)t * Q, *ct = cos + (long)t * Dh, *st = sin + (long)t * Dh;
-      for (int i = 0; i < H; i++) rope_row(row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
+      bf16 normed[256];                                                       /* a q or k head after its norm */
+      for (int i = 0; i < H; i++) {
+        if (qnorm) rms_norm(row + i * Dh, 1, Dh, qnorm, eps, normed);
+        rope_row(qnorm ? normed : row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
+      }
       for (int i = 0; i < Hkv; i++) {
-        rope_row(row + (H + i) * Dh, ct, st, Dh, k_cache + i * head + (long)(start + t) * Dh);
+        if (knorm) rms_norm(row + (H + i) * Dh, 1, Dh, knorm, eps, normed);
+        rope_row(knorm ? normed : row + (H + i) * Dh, ct, st, Dh, k_cache + i * head + (long)(start + t) * Dh);
         for (int d = 0; d < Dh; d++) v_cache[i * head + (long)(start + t) * Dh + d] = row[(H + Hkv + i) * Dh + d];
       }
     }
@@ -334,7 +349,7 @@ int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2
     linear_bf16(y, T, H * Dh, wo, so, D, NULL, x, out);                     /* x + o_proj(attention) */
     rms_norm(out, T, D, norm2, eps, h);                                     /* post_attention_layernorm */
     linear_bf16(h, T, D, wgu, sgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
-    silu_mul(gu, T, F, act);
+    gated(gu, T, F, gelu, act);
     linear_bf16(act, T, F, wdown, sdown, D, NULL, out, out);                /* + down_proj(act): in place, each output read then written */
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);

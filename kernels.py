@@ -172,7 +172,7 @@ def native_library():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], None
     lib.attend_bf16.argtypes, lib.attend_bf16.restype = [p, i, i, i, p, p, i, i, ctypes.c_long, p, f, p], i
-    lib.block_bf16.argtypes = [p, i, i, p, p, f, p, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, p, p, i, p, p, p]
+    lib.block_bf16.argtypes = [p, i, i, p, p, f, p, p, p, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, p, p, i, p, p, i, p]
     lib.block_bf16.restype = i
     return lib
 
@@ -512,22 +512,24 @@ def block_native(block, x, cos, sin, mask, kv):
     ptr = lambda t: None if t is None else t.data_ptr()
     failed = native_library().block_bf16(
         ptr(x), T, D, ptr(block.input_layernorm.weight), ptr(block.post_attention_layernorm.weight), block.input_layernorm.eps,
-        ptr(wqkv.packed), ptr(wqkv.scale), ptr(bias), c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
+        ptr(wqkv.packed), ptr(wqkv.scale), ptr(bias), ptr(attn.q_norm.weight) if c.qk_norm else None,
+        ptr(attn.k_norm.weight) if c.qk_norm else None, c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
         ptr(k_cache), ptr(v_cache), k_cache.stride(1), start, ptr(visible), ptr(wo.packed), ptr(wo.scale),
-        ptr(wgu.packed), ptr(wgu.scale), c.hidden_dim, ptr(wdown.packed), ptr(wdown.scale), ptr(out))
+        ptr(wgu.packed), ptr(wgu.scale), c.hidden_dim, ptr(wdown.packed), ptr(wdown.scale),
+        c.activation != "silu", ptr(out))
     if failed:
         raise MemoryError("a decoder layer in kernels.c: no scratch memory")
     return out
 
 
 def native_block_takes(block, x, mask, kv):
-    """Whether block_native computes this layer's forward: Llama's form (no q/k norms, SwiGLU), every
-    product on kernels.c, one batch row of at most 64 new tokens, the cache's layout."""
+    """Whether block_native computes this layer's forward: every product on kernels.c, one batch row
+    of at most 64 new tokens, the cache's layout, SwiGLU or GeGLU, heads of at most 256."""
     c = block.self_attn.cfg
     products = (block.self_attn.packed[0] if block.self_attn.packed else None, block.self_attn.o_proj.__dict__.get("packed"),
                 block.mlp.__dict__.get("packed"), block.mlp.down_proj.__dict__.get("packed"))
-    return (kv is not None and x.shape[0] == 1 and x.shape[1] <= 64 and x.dtype == torch.bfloat16 and not c.qk_norm
-            and c.activation == "silu" and c.head_dim <= 256 and c.head_dim % 2 == 0
+    return (kv is not None and x.shape[0] == 1 and x.shape[1] <= 64 and x.dtype == torch.bfloat16
+            and c.activation in ("silu", "gelu_pytorch_tanh") and c.head_dim <= 256 and c.head_dim % 2 == 0
             and all(isinstance(p, NativeWeight) for p in products)
             and kv[0].stride() == kv[1].stride() and kv[0].stride()[2:] == (c.head_dim, 1) and (mask is None or mask.shape[0] == 1))
 

@@ -225,6 +225,7 @@ CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with 
          "prefill": (1, 12, 0, False), "no cache": (2, 6, None, False)}  # B, T, cached keys (None: no cache), key mask
 # what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H (Qwen3)
 FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16},
+          "gemma-like": {"activation": "gelu_pytorch_tanh"},
           "llama-like, Dh 32": {"head_dim": 32}}  # kernels.c rotates whole chunks of 16 where Dh/2 is a multiple of 16
 
 
@@ -247,7 +248,7 @@ def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype,
     q/k norms and wide heads included; one decoder layer: FastBlock (its norms and residual adds
     too) gives model.Block's. With the cache written as the readable layer writes it. In bf16 also
     through kernels.c, whose block_native runs the whole layer where it takes it (one batch row
-    over a cache, Llama's form and Qwen2's biases)."""
+    over a cache): each family here."""
     B, T, start, padded = CASES[case]
     cfg = tiny_config(**FAMILY[family])
     torch.manual_seed(0)
@@ -277,7 +278,7 @@ def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype,
         calls = []
         monkeypatch.setattr(kernels, "block_native", lambda *a: calls.append(1) or block_native(*a))
         close_as_readable(run(dtype, replace(FAST, native=True)), run(dtype), exact)
-        assert len(calls) == (readable is model_lib.Block and B == 1 and start is not None and family != "qwen3-like")
+        assert len(calls) == (readable is model_lib.Block and B == 1 and start is not None)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
