@@ -7,8 +7,11 @@ tree, a batch with a key mask, a prefill; Llama-, Qwen2- and Qwen3-like), FastML
 bf16 as close to fp32 as the readable path is), fused_batch_loss and train.batch_loss (value and
 both gradients). Also: use() swaps layers in place
 and back (same parameters, same state_dict); the loaders apply it; a kernel this build lacks falls
-back with one notice; off the CPU none of the fast paths is reached. Cases this CPU lacks (no
-oneDNN prepacking, no native bf16) are skipped with the reason.
+back with one notice; off the CPU none of the fast paths is reached. kernels.c (bf16): its product
+(bf16 and int8 weights), attention and decoder layer against the readable ones, each row's bits
+the same alone as with others, and greedy speculative decoding equal to plain in bf16 through it.
+Cases this CPU lacks (no oneDNN prepacking, no native bf16, kernels.c not built) are skipped with
+the reason.
 Run: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S keys, D hidden,
 M predictions, V vocabulary, k teacher top-k.
 """
