@@ -138,6 +138,7 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "
 
 
 def cpu_has(flag):
+    """Whether this CPU lists `flag` (Linux's /proc/cpuinfo; elsewhere: no)."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and flag in line.split() for line in f)
@@ -198,6 +199,7 @@ class NativeWeight:
 
     def __call__(self, x, bias=None, add=None):
         K = x.shape[-1]
+        assert x.dtype == torch.bfloat16, f"kernels.c multiplies bf16 rows, got {x.dtype}"
         x2 = x.reshape(-1, K).contiguous()                                          # (rows, in)
         y = torch.empty(*x.shape[:-1], self.out, dtype=torch.bfloat16)             # (..., out)
         if add is not None:
