@@ -178,6 +178,11 @@ def native_library():
     return lib
 
 
+def address(t):
+    """A tensor's data pointer for ctypes; None (C's NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 class NativeWeight:
     """A bf16 (out, in) weight packed for kernels.c: (ceil(out/32)*2, in/2, 16, 2), zero rows
     padding out; with int8, int8_weight's q packed so and its scales (fp32, one an output).
@@ -207,8 +212,8 @@ class NativeWeight:
             assert add.shape == y.shape, f"add {tuple(add.shape)} is not the output's {tuple(y.shape)}"
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        ptr = lambda t: None if t is None else t.data_ptr()
-        native_library().linear_bf16(ptr(x2), len(x2), K, ptr(self.packed), ptr(self.scale), self.out, ptr(bias), ptr(add), ptr(y))
+        native_library().linear_bf16(address(x2), len(x2), K, address(self.packed), address(self.scale), self.out,
+                                     address(bias), address(add), address(y))
         return y
 
 
@@ -390,8 +395,8 @@ def attend_native(q, k, v, mask):
     q = q.contiguous()
     visible = None if mask is None else mask.reshape(T, S).contiguous()                 # (T, S) bool: one byte each
     y = torch.empty(1, T, H, Dh, dtype=q.dtype)                                         # (1, T, H, Dh)
-    failed = native_library().attend_bf16(q.data_ptr(), H, T, Dh, k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1),
-                                          None if visible is None else visible.data_ptr(), Dh ** -0.5, y.data_ptr())
+    failed = native_library().attend_bf16(address(q), H, T, Dh, address(k), address(v), Hkv, S, k.stride(1),
+                                          address(visible), Dh ** -0.5, address(y))
     if failed:
         raise MemoryError(f"attention over {S} keys: no scratch memory")
     return y.transpose(1, 2)                                                            # (1, H, T, Dh)
@@ -511,14 +516,13 @@ def block_native(block, x, cos, sin, mask, kv):
     cos, sin = cos.reshape(T, c.head_dim).contiguous(), sin.reshape(T, c.head_dim).contiguous()  # (T, Dh)
     visible = None if mask is None else mask.reshape(T, start + T).contiguous()       # (T, S) bool
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    ptr = lambda t: None if t is None else t.data_ptr()
+    norms = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)   # Qwen3's, over each head
     failed = native_library().block_bf16(
-        ptr(x), T, D, ptr(block.input_layernorm.weight), ptr(block.post_attention_layernorm.weight), block.input_layernorm.eps,
-        ptr(wqkv.packed), ptr(wqkv.scale), ptr(bias), ptr(attn.q_norm.weight) if c.qk_norm else None,
-        ptr(attn.k_norm.weight) if c.qk_norm else None, c.n_heads, c.n_kv_heads, c.head_dim, ptr(cos), ptr(sin),
-        ptr(k_cache), ptr(v_cache), k_cache.stride(1), start, ptr(visible), ptr(wo.packed), ptr(wo.scale),
-        ptr(wgu.packed), ptr(wgu.scale), c.hidden_dim, ptr(wdown.packed), ptr(wdown.scale),
-        c.activation != "silu", ptr(out))
+        address(x), T, D, address(block.input_layernorm.weight), address(block.post_attention_layernorm.weight),
+        block.input_layernorm.eps, address(wqkv.packed), address(wqkv.scale), address(bias), *map(address, norms),
+        c.n_heads, c.n_kv_heads, c.head_dim, address(cos), address(sin), address(k_cache), address(v_cache),
+        k_cache.stride(1), start, address(visible), address(wo.packed), address(wo.scale), address(wgu.packed),
+        address(wgu.scale), c.hidden_dim, address(wdown.packed), address(wdown.scale), c.activation != "silu", address(out))
     if failed:
         raise MemoryError("a decoder layer in kernels.c: no scratch memory")
     return out
@@ -532,7 +536,7 @@ def native_block_takes(block, x, mask, kv):
                 block.mlp.__dict__.get("packed"), block.mlp.down_proj.__dict__.get("packed"))
     return (kv is not None and x.shape[0] == 1 and x.shape[1] <= 64 and x.dtype == torch.bfloat16
             and c.activation in ("silu", "gelu_pytorch_tanh") and c.head_dim <= 256 and c.head_dim % 2 == 0
-            and all(isinstance(p, NativeWeight) for p in products)
+            and all(isinstance(p, NativeWeight) for p in products) and block.input_layernorm.weight.dtype == torch.bfloat16
             and kv[0].stride() == kv[1].stride() and kv[0].stride()[2:] == (c.head_dim, 1) and (mask is None or mask.shape[0] == 1))
 
 
