@@ -583,7 +583,7 @@ def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product):
 
 def test_kernels_c_is_chosen_for_bf16_only_where_it_builds(monkeypatch, tmp_path, capsys):
     """Kernels.choose runs kernels.c's product for bf16 where it built, never for fp32; a compiler
-    that fails gives one notice and oneDNN's products, never a crash."""
+    that fails gives one notice and oneDNN's products, never a crash; SPECDEC_NO_C=1 turns it off."""
     assert Kernels.choose("cpu", torch.bfloat16, 0).native == (NATIVE and BF16 != Kernels())
     assert not Kernels.choose("cpu", torch.float32, 0).native
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -594,6 +594,9 @@ def test_kernels_c_is_chosen_for_bf16_only_where_it_builds(monkeypatch, tmp_path
         assert kernels.native_library() is None
         assert capsys.readouterr().err.count("notice: kernels.c not built here") == 1
         assert not Kernels.choose("cpu", torch.bfloat16, 0).native
+        kernels.native_library.cache_clear()
+        monkeypatch.setenv("SPECDEC_NO_C", "1")                      # turned off: not even tried, no notice
+        assert kernels.native_library() is None and capsys.readouterr().err == ""
     finally:
         kernels.native_library.cache_clear()
     assert list(tmp_path.iterdir()) == []                          # no partial library left behind
