@@ -191,10 +191,7 @@ def kernel_table(model, device):
     kernels chosen for this device and dtype (ms, median of 50 calls); then one whole step of each.
     results/kernels-cpu.md holds this table."""
     c, fast, readable = model.cfg, kernels_lib.in_use(model), kernels_lib.Kernels()
-    def fast_attend(q, k, v, mask):  # as FastAttention.attend chooses
-        if fast.native and kernels_lib.native_attends(q, k, v, mask):
-            return kernels_lib.attend_native(q, k, v, mask)
-        return kernels_lib.attend(q, k, v, mask) if fast.attention == "cpu-bf16" else model_lib.attend(q, k, v, mask)
+    fast_attend = model.layers[0].self_attn.attend  # the attention the chosen kernels run
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
     ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
     rows = []
