@@ -222,7 +222,9 @@ class NativeWeight:
 # fbgemm's fp16 product (quantize(.., "fp16")) keeps the weights in fp16 and multiplies in fp32:
 # for one row it streams them faster than oneDNN's bf16 product, for a tree's rows no faster, for a
 # prefill's slower (results/kernels-cpu.md). A bf16 weight is an fp16 one but for values below
-# fp16's normal range (6e-5), and a row's result is the same bits whatever rows share its call.
+# fp16's normal range (6e-5). Whether a row's result is the same bits whatever rows share its call
+# depends on the CPU: with AVX-512 it is; on AVX2 fbgemm sums some row counts in another order, so
+# there a tree's rows and plain decoding's may round apart (fp16_rows_alone() tries it).
 
 @torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
 def prepack(*weights, product="onednn"):
@@ -248,6 +250,20 @@ def linear(x, packed, bias=None, add=None):
     if add is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, add, packed, bias, "add")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+@torch.no_grad()
+def fp16_rows_alone() -> bool:
+    """Whether fbgemm's fp16 product on this CPU gives each row the same bits whatever rows share
+    its call (tried on 1 to 40 rows): where not, greedy speculative decoding on fp16 weights may
+    part from plain greedy decoding on them (generate.py's banner says so)."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=generator) * 0.1
+    x = torch.randn(1, 40, 64, generator=generator)
+    packed = prepack(w, product="fp16")
+    whole = linear(x, packed)
+    return all(torch.equal(linear(x[:, :n], packed), whole[:, :n]) for n in range(1, 40))
 
 
 @torch.no_grad()
