@@ -480,10 +480,15 @@ def main(argv=None) -> int:
         logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)       # (1, 1, V)
         top = logits[0, -1].float().softmax(-1).topk(5)
         print("next token: " + ", ".join(f"{tok.decode([i])!r} {p:.2f}" for p, i in zip(top.values.tolist(), top.indices.tolist())))
+    return cli.run(smoke, build_parser(), argv)
+
+
+def build_parser():
+    import cli
     p = cli.Parser(description="Load a model and print its five likeliest first tokens of a reply.")
     p.add_argument("--model", default=DEFAULT, help=MODEL_HELP)
     p.add_argument("--prompt", default="What is 2+2?", help="the user message")
-    return cli.run(smoke, p, argv)
+    return p
 
 
 if __name__ == "__main__":

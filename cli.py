@@ -49,11 +49,21 @@ class UsageError(Exception):
     """Bad input from the command line or a file; the message names it and the fix."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, once: not where the help already says it, nor for a
+    default of None or False (a flag that is off unless given)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with defaults shown in --help and a mistake as one UsageError line."""
 
     def __init__(self, **kw):
-        super().__init__(**{"formatter_class": argparse.ArgumentDefaultsHelpFormatter, **kw})
+        super().__init__(**{"formatter_class": HelpFormatter, **kw})
 
     def error(self, message):  # argparse would print usage + message and exit; we want one line
         raise UsageError(f"{message} (see --help)")
@@ -289,13 +299,14 @@ class Printer:
 def stats_line(r, max_depth):
     """generate.py's statistics of a Result."""
     n = len(r.tokens)
-    line = f"[{n} new tokens, {r.steps} steps, tau {n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
+    line = f"[{n} new token{'s' * (n != 1)}, {r.steps} step{'s' * (r.steps != 1)}, tau {n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
     if max_depth:
         line += ", accepted by depth " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth))
     return line + "]"
 
 
 VERIFIERS = ("auto", "greedy", "typical", "sample")  # generate.py --verify
+MAX_NEW_TOKENS = 256  # generate.py --max-new-tokens unless given
 
 
 # --- generate.py's drafter: --draft, --heads, --tree ---------------------------------------------
@@ -373,7 +384,9 @@ def draft_settings(args, kind):
 
 
 def find_heads(name, flag="--heads"):
-    """--heads -> the folder to load heads from, or None (plain decoding). Loads nothing."""
+    """--heads -> the folder to load heads from, or None (plain decoding). A kind's name is the
+    shipped heads of that kind; where none are shipped, a folder of that name (joint.py --out
+    medusa-2, say) is the user's own. Loads nothing."""
     if name == "none":
         return None
     if name == "auto":
@@ -381,9 +394,14 @@ def find_heads(name, flag="--heads"):
         return folder if os.path.isdir(folder) else None
     if name in heads_lib.KINDS + JOINT_KINDS:
         folder = os.path.join(SHIPPED, name)
-        if not os.path.isdir(folder):
-            raise UsageError(f"{flag} {name}: no {name} heads are shipped in {folder}; train them with train.py --heads {name}")
-        return folder
+        if os.path.isdir(folder):
+            return folder
+        if os.path.isdir(name):
+            return name
+        how = (f"joint.py --init {name.removesuffix('-2')} --out FOLDER" if name in JOINT_KINDS
+               else f"train.py --heads {name} --out FOLDER")
+        raise UsageError(f"{flag} {name}: no {name} heads are shipped in {SHIPPED}; train them with {how}, "
+                         f"then pass {flag} FOLDER")
     if os.path.isdir(name):
         return name
     raise UsageError(f"{flag} {name}: not a heads folder nor one of none, auto, {', '.join(heads_lib.KINDS + JOINT_KINDS)}")
@@ -563,7 +581,7 @@ def flags_without_effect(args, parser):
 
 def generate_parser(description):
     """generate.py's flags."""
-    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description)
     # what to say
     p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
     p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ..., \"id\": ...} per line, instead of --prompt")
@@ -578,7 +596,9 @@ def generate_parser(description):
                    "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | pass or "
                    "pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); jacobi, lookahead and pass take the settings "
                    "bench.py --tune-parallel saved for this machine where no flag sets them")
-    p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ | medusa-2 | hydra++-2 (shipped for the default model; the -2 kinds were trained with the model's last layers, which they adapt) | a heads folder; auto = hydra++ if shipped for this model, else none")
+    p.add_argument("--heads", default="auto", help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for the default model) | "
+                   "a heads folder (train.py's or joint.py's --out; joint.py's medusa-2 and hydra++-2 heads adapt the model's last layers, "
+                   "merged in at load); auto = hydra++ if shipped for this model, else none")
     p.add_argument("--tree", default="auto", help="with heads: chain:N | cartesian:4,3,2 | a tree JSON file {\"paths\": [[0], [0, 1], ...]}, at most as deep as there are heads; auto = the tree saved with the heads (tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, else tree.json), else a chain as deep as the heads")
     p.add_argument("--draft-model", default=None, help="with --draft model: a Llama-family folder or hub id with the same tokenizer as --model")
     p.add_argument("--gamma", type=int, default=None, help="tokens drafted a step by lookup, layers:N, model, jacobi (its m guesses) and pass (its K [LA] tokens); unless given: " +
@@ -590,7 +610,9 @@ def generate_parser(description):
     p.add_argument("--guesses", type=int, default=None, help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] token's "
                    f"G likeliest tokens, verified side by side; unless given: lookahead {DRAFT_DEFAULTS['lookahead']['guesses']}, pass {DRAFT_DEFAULTS['pass']['guesses']}")
     # decoding
-    p.add_argument("--max-new-tokens", type=int, default=256, help="generate at most this many tokens; prompt + these must fit the model's context")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"generate at most this many tokens; prompt + these must fit the model's context (default: {MAX_NEW_TOKENS}, "
+                        "or what the context leaves after the prompt, with a notice)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is greedy too "
                         "(the probabilities are one-hot there, and overflow far below it)")
@@ -625,7 +647,7 @@ def check_generate_args(args, parser):
     for flag in ("prompt", "system"):
         if getattr(args, flag) is not None:
             check_text(getattr(args, flag), f"--{flag}")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
@@ -678,18 +700,24 @@ def generate_drafter(args, kind, arg, settings, model, tokenizer, generator):
 
 
 def encode_prompts(prompts, tokenizer, args, context):
-    """[(id, token ids)] of the prompts, each with room for --max-new-tokens in the model's context."""
+    """[(id, token ids, most new tokens)] of the prompts: --max-new-tokens where given (it must fit
+    the model's context after the prompt), else MAX_NEW_TOKENS or what the context leaves."""
     if not args.raw and not tokenizer.chat_template:
         notice("the model's tokenizer has no chat template: the prompt is given as plain text (as with --raw)")
-    encoded = [(pid, encode(tokenizer, text, args.system, args.raw)) for pid, text, _ in prompts]
-    for pid, ids in encoded:
+    encoded = []
+    for pid, text, _ in prompts:
+        ids = encode(tokenizer, text, args.system, args.raw)
         which = "the prompt" if args.prompts is None else f"prompt {pid}"
         room = context - len(ids)
         if room < 1:
             raise UsageError(f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and reply together); shorten it")
-        if args.max_new_tokens > room:
+        if args.max_new_tokens is not None and args.max_new_tokens > room:
             raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {which} ({len(ids)} tokens) leaves room for "
                              f"{room} in the model's context of {context}; ask for at most {room}")
+        if args.max_new_tokens is None and MAX_NEW_TOKENS > room:
+            notice(f"{which} ({len(ids)} tokens) leaves room for {room} new tokens in the model's context of {context}: "
+                   f"generating at most {room}")
+        encoded.append((pid, ids, args.max_new_tokens or min(MAX_NEW_TOKENS, room)))
     return encoded
 
 

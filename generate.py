@@ -157,6 +157,10 @@ def main(args):
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels.quantize(model, args.quantize)
+    if args.quantize == "fp16" and not kernels.fp16_rows_alone():
+        cli.notice("fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other rows "
+                   "beside it: greedy speculative output may part from plain greedy output on fp16 weights; "
+                   "--quantize none keeps them identical")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     drafter = cli.generate_drafter(args, kind, arg, settings, model, tokenizer, generator)
     encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)
@@ -168,9 +172,9 @@ def main(args):
         print(cli.legend_line(drafter), file=sys.stderr)
     total = Result()
     try:
-        for pid, ids in encoded:
+        for pid, ids, max_new_tokens in encoded:
             printer = None if args.quiet else cli.Printer(tokenizer, show)
-            r = generate(model, ids, args.max_new_tokens, drafter, args.verify, args.temperature,
+            r = generate(model, ids, max_new_tokens, drafter, args.verify, args.temperature,
                          args.top_p, generator, eos, printer)
             if printer:
                 print()

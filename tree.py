@@ -207,12 +207,17 @@ def ascii(tree: Tree) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """`python tree.py [--tree SPEC]`: draw a tree. Bad input: one line on stderr, exit code 2."""
+def build_parser():
     import cli  # the command line's conventions; the tree itself needs none of it
     p = cli.Parser(description="Draw a candidate tree and its attention mask.")
     p.add_argument("--tree", default="cartesian:2,2", help="chain:N | cartesian:4,3,2 | a tree JSON file (as generate.py --tree)")
-    return cli.run(lambda args: print(ascii(build(cli.parse_tree(args.tree)))), p, argv)
+    return p
+
+
+def main(argv=None) -> int:
+    """`python tree.py [--tree SPEC]`: draw a tree. Bad input: one line on stderr, exit code 2."""
+    import cli
+    return cli.run(lambda args: print(ascii(build(cli.parse_tree(args.tree)))), build_parser(), argv)
 
 
 if __name__ == "__main__":

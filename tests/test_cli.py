@@ -205,6 +205,49 @@ def test_max_new_tokens_beyond_context(loaded, capsys):
                          f"leaves room for {room}", f"ask for at most {room}")
 
 
+def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
+    """Without --max-new-tokens a long prompt gets the room its context leaves, with a notice;
+    given, the flag is checked as before (the test above)."""
+    tok = loaded[1]
+    args = G.build_parser().parse_args(["--prompt", "hi"])
+    prompts = [(0, "hello there", "all")]
+    n = len(cli.encode(tok, "hello there"))
+    assert cli.encode_prompts(prompts, tok, args, n + 1000)[0][2] == cli.MAX_NEW_TOKENS
+    assert "notice" not in capsys.readouterr().err
+    assert cli.encode_prompts(prompts, tok, args, n + 5)[0][2] == 5
+    assert "leaves room for 5 new tokens in the model's context of" in capsys.readouterr().err
+
+
+def test_stats_line_counts_in_words():
+    r = G.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
+    assert cli.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
+    r = G.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
+    assert cli.stats_line(r, 0).startswith("[2 new tokens, 2 steps,")
+
+
+def test_help_shows_each_default_once():
+    """A flag's default appears once in --help: not twice where the help says it, nor as None."""
+    text = G.build_parser().format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default: the template's own)") == 1 and "own) (default" not in text
+
+
+def test_a_kind_not_shipped_is_the_folder_of_that_name(tmp_path, monkeypatch):
+    """joint.py --out medusa-2, then --heads medusa-2 (the README's commands): no medusa-2 heads
+    are shipped, so the folder of that name is meant; without one, the fix names joint.py."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(cli.UsageError, match=r"--heads medusa-2: no medusa-2 heads are shipped .* joint.py --init medusa --out FOLDER"):
+        cli.find_heads("medusa-2")
+    (tmp_path / "medusa-2").mkdir()
+    assert cli.find_heads("medusa-2") == "medusa-2"
+    assert cli.find_heads("hydra++") == os.path.join(cli.SHIPPED, "hydra++")   # shipped: the kind's name wins
+    (tmp_path / "hydra++").mkdir()
+    assert cli.find_heads("hydra++") == os.path.join(cli.SHIPPED, "hydra++")   # still the shipped ones
+    monkeypatch.setattr(cli, "SHIPPED", str(tmp_path / "nothing-shipped"))
+    with pytest.raises(cli.UsageError, match=r"--heads medusa: no medusa heads .* train.py --heads medusa --out FOLDER"):
+        cli.find_heads("medusa")
+
+
 def test_prompts_file_names_the_prompt_that_is_too_long(loaded, capsys, tmp_path):
     file = tmp_path / "p.jsonl"
     file.write_text(json.dumps({"prompt": "short", "id": "a"}) + "\n" + json.dumps({"prompt": "hi " * 9000, "id": "b"}) + "\n")
@@ -394,14 +437,20 @@ def reply_ids(capsys, tmp_path, *argv):
     return json.loads(out.read_text())["token_ids"], err
 
 
-def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(loaded, capsys, tmp_path, heads_dir):
-    """--quantize fp16 (fp32 activations by default): the banner says so, and the heads' output is
-    the fp16 model's own plain greedy output. (The session's model: its kernels are put back after.)"""
+def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(loaded, capsys, tmp_path, heads_dir, monkeypatch):
+    """--quantize fp16 (fp32 activations by default): the banner says so; where the CPU's fp16
+    product keeps rows alone, the heads' output is the fp16 model's own plain greedy output, and
+    where it does not, a notice says greedy output may part. (The session's model: its kernels are
+    put back after.)"""
     chosen = kernels.in_use(loaded[0])
     try:
         plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--quantize", "fp16")   # auto dtype: fp32
-        assert "on cpu, float32, fp16 weights, heads: none" in err.splitlines()[0]
-        assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
+        assert "on cpu, float32, fp16 weights, heads: none" in err
+        assert ("may part from plain greedy output" in err) != kernels.fp16_rows_alone()
+        if kernels.fp16_rows_alone():
+            assert reply_ids(capsys, tmp_path, "--heads", heads_dir, "--tree", "chain:2", "--dtype", "fp32", "--quantize", "fp16")[0] == plain
+        monkeypatch.setattr(kernels, "fp16_rows_alone", lambda: False)                    # an AVX2 CPU's answer
+        assert "notice: fbgemm's fp16 product on this CPU" in reply_ids(capsys, tmp_path, "--heads", "none", "--quantize", "fp16")[1]
     finally:
         kernels.use(loaded[0], chosen)
     assert kernels.in_use(loaded[0]) == chosen

@@ -1,0 +1,67 @@
+"""Every command the READMEs show names only flags and choices its script accepts: each
+`python SCRIPT.py ...` (or torchrun's) in README.md, results/README.md and weights/*/README.md,
+in a code block or inline, parsed by that script's own parser (not run), so a README command
+cannot drift from the code. Research scripts (experiments/) parse at import and are not checked.
+
+Test: `python -m pytest -q tests/test_readme.py`.
+"""
+import glob
+import importlib
+import os
+import re
+import shlex
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READMES = ["README.md", "results/README.md", *sorted(os.path.relpath(f, ROOT) for f in glob.glob(f"{ROOT}/weights/*/README.md"))]
+
+
+def commands(text):
+    """The shell commands in a README's code blocks and inline code: [(line, [words])]."""
+    found = []
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    inline = re.findall(r"(?<!`)`([^`\n]*(?:python|torchrun) [^`\n]*)`(?!`)", text)
+    for chunk in blocks + inline:
+        for line in chunk.replace("\\\n", " ").splitlines():
+            if not re.search(r"\b(python|torchrun) ", line):
+                continue  # a block's output lines, not a command
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            try:
+                tokens = list(lexer)
+            except ValueError:  # a quote closed on a later line: python -c "...", no script
+                continue
+            words = []
+            for word in [*tokens, "&&"]:  # &&, ||, ;, | end a command
+                if word.strip("&|;"):
+                    words.append(word)
+                elif words:
+                    found.append((line.strip(), words))
+                    words = []
+    return found
+
+
+def script_and_argv(words):
+    """(the script's module name, its arguments) for python X.py / torchrun ... X.py, else None."""
+    for i, word in enumerate(words):
+        if word.endswith(".py") and words[0] in ("python", "torchrun") and "/" not in word:
+            return word[:-3], words[i + 1:]
+    return None
+
+
+CASES = [(readme, line, words) for readme in READMES
+         for line, words in commands(open(os.path.join(ROOT, readme), encoding="utf-8").read())
+         if script_and_argv(words)]
+
+
+def test_the_readmes_show_commands():
+    assert len(CASES) > 30 and {"generate", "train", "bench", "joint", "export", "tree"} <= {
+        script_and_argv(w)[0] for _, _, w in CASES}
+
+
+@pytest.mark.parametrize("readme, line, words", CASES, ids=[f"{r}: {l[:60]}" for r, l, _ in CASES])
+def test_a_readme_command_parses(readme, line, words):
+    name, argv = script_and_argv(words)
+    parser = importlib.import_module(name).build_parser()
+    parser.parse_args(argv)  # a UsageError (cli.Parser.error) names the flag that drifted
