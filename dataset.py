@@ -2,7 +2,8 @@
 The training data of draft heads: conversations (token ids, and a mask marking the assistant's
 tokens) with the frozen base model's features of every token, on disk.
 
-    python train.py --num-prompts 30000 --export-conversations convs.safetensors  # write, then export
+    python train.py --num-prompts 30000 --export-conversations convs.safetensors  # write, then
+    export
     python train.py --data convs.safetensors                                      # features again
 
 1. self-distillation (self_distill): the base model writes user prompts itself (Magpie-style: the
@@ -21,6 +22,7 @@ tokens) with the frozen base model's features of every token, on disk.
 train.py runs these stages and then trains on what load_data returns. Tests: tests/test_train.py,
 tests/test_train_cli.py. Shapes: B batch, T time, D hidden, V vocabulary, k teacher top-k.
 """
+
 import bisect
 import hashlib
 import json
@@ -33,10 +35,14 @@ import time
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import kernels
 import model as model_lib
-from cli import UsageError, check_text, encode, eos_ids, notice
+from checkpoint import encode, eos_ids
+from cli import UsageError, check_text, notice
 from verify import logits_to_probs, sample
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # --- batched decoding: the data stage's engine ----------------------------------------------------
@@ -52,108 +58,155 @@ from verify import logits_to_probs, sample
 # per step for all rows: tokens, hidden states and the teacher's top-k go into per-slot buffers,
 # and a finished row's conversation is sliced out of them.
 
+
 @torch.inference_mode()
-def decode_batched(model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0):
+def decode_batched(
+    model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0
+):
     """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
     after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
-    are recorded (as features_of records them): hidden (T-1, D) at every position but the last of prompt + answer,
+    are recorded (as features_of records them): hidden (T-1, D) at every position but the last of
+    prompt + answer,
     top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities before each
     answer token. Else features is None."""
     dev, D = model.device, model.cfg.dim
     stop = torch.tensor(sorted(stop_ids), device=dev)
-    waiting = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))   # longest first: pop() takes the shortest
+    waiting = sorted(
+        range(len(prompts)), key=lambda i: -len(prompts[i])
+    )  # longest first: pop() takes the shortest
     while waiting:
         rows = [waiting.pop() for _ in range(min(batch, len(waiting)))][::-1]
         L = max(len(prompts[i]) for i in rows)
-        capacity = L + 2 * max_new                                   # refills happen in the first max_new steps
+        capacity = L + 2 * max_new  # refills happen in the first max_new steps
         B = len(rows)
         cache = model.new_cache(capacity, batch=B)
-        key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)          # (B, S)
-        conv = torch.tensor(rows, device=dev)                        # (B,) prompt index of each row, -1 = done
-        start = torch.zeros(B, dtype=torch.long, device=dev)         # (B,) slot of the row's first prompt token
-        plen = torch.zeros(B, dtype=torch.long, device=dev)          # (B,) prompt lengths
-        tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)            # (B, S) every row's ids by slot
-        hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None      # (B, S, D)
-        teacher_ids = torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None  # (B, S, k)
-        teacher_p = torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
+        key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)  # (B, S)
+        conv = torch.tensor(rows, device=dev)  # (B,) prompt index of each row, -1 = done
+        start = torch.zeros(
+            B, dtype=torch.long, device=dev
+        )  # (B,) slot of the row's first prompt token
+        plen = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) prompt lengths
+        tokens = torch.zeros(
+            B, capacity, dtype=torch.long, device=dev
+        )  # (B, S) every row's ids by slot
+        hid = (
+            torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None
+        )  # (B, S, D)
+        teacher_ids = (
+            torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None
+        )  # (B, S, k)
+        teacher_p = (
+            torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
+        )
 
         def prefill(idx, ids_list, end):
-            """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r, V)."""
+            """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r,
+            V)."""
             Lr = max(map(len, ids_list))
             ids = torch.zeros(len(idx), Lr, dtype=torch.long, device=dev)
             km = torch.zeros(len(idx), Lr, dtype=torch.bool, device=dev)
             for r, p in enumerate(ids_list):
-                ids[r, Lr - len(p):], km[r, Lr - len(p):] = torch.tensor(p, device=dev), True
-            positions = (km.long().cumsum(1) - 1).clamp(min=0)                     # (r, Lr)
+                ids[r, Lr - len(p) :], km[r, Lr - len(p) :] = torch.tensor(p, device=dev), True
+            positions = (km.long().cumsum(1) - 1).clamp(min=0)  # (r, Lr)
             sub = model.new_cache(Lr, batch=len(idx))
-            logits, hidden = model(ids, positions, None, sub, key_mask=km, last_only=True)  # (r, 1, V), (r, Lr, D)
-            cache.k[:, idx, :, end - Lr:end], cache.v[:, idx, :, end - Lr:end] = sub.k, sub.v
+            logits, hidden = model(
+                ids, positions, None, sub, key_mask=km, last_only=True
+            )  # (r, 1, V), (r, Lr, D)
+            cache.k[:, idx, :, end - Lr : end], cache.v[:, idx, :, end - Lr : end] = sub.k, sub.v
             key_mask[idx] = False
-            key_mask[idx, end - Lr:end] = km
-            tokens[idx, end - Lr:end] = ids
+            key_mask[idx, end - Lr : end] = km
+            tokens[idx, end - Lr : end] = ids
             if top_k:
-                hid[idx, end - Lr:end] = hidden.half()
+                hid[idx, end - Lr : end] = hidden.half()
             lengths = torch.tensor([len(p) for p in ids_list], device=dev)
             start[idx], plen[idx] = end - lengths, lengths
-            return logits[:, -1].float()                                            # (r, V)
+            return logits[:, -1].float()  # (r, V)
 
         def take(idx, logits, slot):
             """Choose the next token of rows idx from their logits (r, V) at `slot`; record it at
             slot + 1; return the rows that finished."""
             # (r, V) passes are what a step costs beyond the model at a batch of 64: each one counts
-            if temperature > 0:  # sampled among the 1,024 likeliest tokens (a top-p nucleus nearly always is)
-                best = logits.topk(min(1024, logits.shape[-1]), dim=-1)                        # (r, 1024)
-                nxt = best.indices.gather(1, sample(logits_to_probs(best.values, temperature, top_p), generator)[:, None])[:, 0]
+            if (
+                temperature > 0
+            ):  # sampled among the 1,024 likeliest tokens (a top-p nucleus nearly always is)
+                best = logits.topk(min(1024, logits.shape[-1]), dim=-1)  # (r, 1024)
+                nxt = best.indices.gather(
+                    1, sample(logits_to_probs(best.values, temperature, top_p), generator)[:, None]
+                )[:, 0]
             else:
-                nxt = logits.argmax(-1)                                                         # (r,)
+                nxt = logits.argmax(-1)  # (r,)
             tokens[idx, slot + 1] = nxt
             if top_k:  # the teacher: top-k probabilities, normalised over the whole vocabulary
-                top = logits.topk(top_k, dim=-1)                                              # (r, k)
+                top = logits.topk(top_k, dim=-1)  # (r, k)
                 teacher_ids[idx, slot] = top.indices.int()
-                teacher_p[idx, slot] = (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
-            n_new = slot + 2 - start[idx] - plen[idx]                                          # (r,)
+                teacher_p[idx, slot] = (
+                    (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
+                )
+            n_new = slot + 2 - start[idx] - plen[idx]  # (r,)
             return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
 
         def finish(done, slot):
             """Emit the rows `done` whose last token is at slot + 1; mark them free."""
             for b in done.tolist():
                 s, p, i = int(start[b]), int(plen[b]), int(conv[b])
-                answer = tokens[b, s + p:slot + 2].tolist()
-                feats = None if not top_k else dict(hidden=hid[b, s:slot + 1].clone(),  # copies: the row is reused
-                                                     top_ids=teacher_ids[b, s + p - 1:slot + 1].clone(),
-                                                     top_p=teacher_p[b, s + p - 1:slot + 1].clone())
+                answer = tokens[b, s + p : slot + 2].tolist()
+                feats = (
+                    None
+                    if not top_k
+                    else dict(
+                        hidden=hid[b, s : slot + 1].clone(),  # copies: the row is reused
+                        top_ids=teacher_ids[b, s + p - 1 : slot + 1].clone(),
+                        top_p=teacher_p[b, s + p - 1 : slot + 1].clone(),
+                    )
+                )
                 yield i, answer, feats
             conv[done] = -1
 
-        logits = prefill(torch.arange(B, device=dev), [prompts[i] for i in rows], L)            # (B, V)
+        logits = prefill(torch.arange(B, device=dev), [prompts[i] for i in rows], L)  # (B, V)
         cache.length = L
         done = take(torch.arange(B, device=dev), logits, L - 1)
         while True:
-            slot = cache.length                                       # the slot the next tokens go to
+            slot = cache.length  # the slot the next tokens go to
             yield from finish(done, slot - 1)
             free = (conv < 0).nonzero()[:, 0]
-            if len(free) >= min(len(waiting), max(1, len(conv) // 8)) and waiting and slot + max_new <= capacity:
-                # refill, once an eighth of the rows are free: each prefill reads every weight once, so they are grouped
-                fits = []   # the shortest waiting prompts, as many as rows are free, that end by this slot
+            if (
+                len(free) >= min(len(waiting), max(1, len(conv) // 8))
+                and waiting
+                and slot + max_new <= capacity
+            ):
+                # refill, once an eighth of the rows are free: each prefill reads every weight once,
+                # so they are grouped
+                # the shortest waiting prompts, as many as rows are free, that end by this slot
+                fits = []
                 while waiting and len(fits) < len(free) and len(prompts[waiting[-1]]) <= slot:
                     fits.append(waiting.pop())
                 if fits:
-                    idx = free[:len(fits)]
+                    idx = free[: len(fits)]
                     conv[idx] = torch.tensor(fits, device=dev)
                     first = take(idx, prefill(idx, [prompts[i] for i in fits], slot), slot - 1)
                     yield from finish(first, slot - 1)
             alive = (conv >= 0).nonzero()[:, 0]
             if len(alive) == 0:
                 break
-            if len(alive) <= len(conv) * 3 // 4 and not (waiting and slot + max_new <= capacity):  # compact
+            if len(alive) <= len(conv) * 3 // 4 and not (
+                waiting and slot + max_new <= capacity
+            ):  # compact
                 cache.select_rows(alive)
-                key_mask, conv, start, plen, tokens = key_mask[alive], conv[alive], start[alive], plen[alive], tokens[alive]
+                key_mask, conv, start, plen, tokens = (
+                    key_mask[alive],
+                    conv[alive],
+                    start[alive],
+                    plen[alive],
+                    tokens[alive],
+                )
                 if top_k:
                     hid, teacher_ids, teacher_p = hid[alive], teacher_ids[alive], teacher_p[alive]
-            nxt = tokens[:, slot]                                                               # (B,)
-            positions = (slot - start)[:, None]                                                 # (B, 1)
+            nxt = tokens[:, slot]  # (B,)
+            positions = (slot - start)[:, None]  # (B, 1)
             key_mask[:, slot] = True
-            logits, hidden = model(nxt[:, None], positions, None, cache, key_mask=key_mask[:, :slot + 1])
+            logits, hidden = model(
+                nxt[:, None], positions, None, cache, key_mask=key_mask[:, : slot + 1]
+            )
             cache.keep([0])
             if top_k:
                 hid[:, slot] = hidden[:, 0].half()
@@ -173,24 +226,29 @@ class PromptFilter:
     prompts keeps each check proportional to the prompt, not the data."""
 
     def __init__(self, openers=()):
-        self.openers = sorted({tuple(normalise(o)) for o in openers}, key=len, reverse=True)  # longest first
+        self.openers = sorted(
+            {tuple(normalise(o)) for o in openers}, key=len, reverse=True
+        )  # longest first
         self.heads, self.grams, self.index = set(), [], {}
         self.tried = self.rejected_duplicate = 0
 
     def head(self, words):
-        skip = next((len(o) for o in self.openers if tuple(words[:len(o)]) == o), 0)
-        return " ".join(words[:skip + 6])
+        skip = next((len(o) for o in self.openers if tuple(words[: len(o)]) == o), 0)
+        return " ".join(words[: skip + 6])
 
     def keep(self, text):
         from collections import Counter
+
         self.tried += 1
         words = normalise(text)
         if len(words) < 3 or "im_start" in text or "im_end" in text:
             return False
         head = self.head(words)
-        grams = {tuple(words[i:i + 3]) for i in range(len(words) - 2)}
+        grams = {tuple(words[i : i + 3]) for i in range(len(words) - 2)}
         shared = Counter(j for g in grams for j in self.index.get(g, ()))
-        if head in self.heads or any(n / len(grams | self.grams[j]) > 0.5 for j, n in shared.items()):
+        if head in self.heads or any(
+            n / len(grams | self.grams[j]) > 0.5 for j, n in shared.items()
+        ):
             self.rejected_duplicate += 1
             return False
         self.heads.add(head)
@@ -205,30 +263,54 @@ def prompt_diversity(prompts):
     distinct openings (first word, first three words) and how many of all word trigrams are
     distinct (1.0: no phrase ever repeats). PromptFilter has already rejected near-duplicates."""
     words = [normalise(p) for p in prompts]
-    grams = [tuple(w[i:i + 3]) for w in words for i in range(len(w) - 2)]
+    grams = [tuple(w[i : i + 3]) for w in words for i in range(len(w) - 2)]
     n = max(len(words), 1)
-    return dict(prompts=len(words), first_words=len({w[0] for w in words if w}) / n,
-                openings=len({tuple(w[:3]) for w in words}) / n, distinct_trigrams=len(set(grams)) / max(len(grams), 1))
+    return dict(
+        prompts=len(words),
+        first_words=len({w[0] for w in words if w}) / n,
+        openings=len({tuple(w[:3]) for w in words}) / n,
+        distinct_trigrams=len(set(grams)) / max(len(grams), 1),
+    )
 
 
 def diversity_line(prompts):
     d = prompt_diversity(prompts)
-    return (f"{d['prompts']} prompts: {d['first_words']:.1%} distinct first words, {d['openings']:.1%} distinct "
-            f"3-word openings, {d['distinct_trigrams']:.1%} of word trigrams distinct")
+    return (
+        f"{d['prompts']} prompts: {d['first_words']:.1%} distinct first words, "
+        f"{d['openings']:.1%} distinct "
+        f"3-word openings, {d['distinct_trigrams']:.1%} of word trigrams distinct"
+    )
 
 
 def read_seeds(path):
-    """data/magpie.json: {"tasks": {category: [openers]}, "topics": [...]}, checked field by field."""
+    """data/magpie.json: {"tasks": {category: [openers]}, "topics": [...]}, checked field by
+    field."""
     try:
         with open(path, encoding="utf-8") as f:
             seeds = json.load(f)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another") from None
-    tasks, topics = seeds.get("tasks") if isinstance(seeds, dict) else None, seeds.get("topics") if isinstance(seeds, dict) else None
-    if not (isinstance(tasks, dict) and tasks and all(isinstance(v, list) and v and all(isinstance(o, str) for o in v) for v in tasks.values())
-            and isinstance(topics, list) and topics and all(isinstance(t, str) and t.strip() for t in topics)):
-        raise UsageError(f"--seeds {path}: needs {{\"tasks\": {{category: [opener, ...]}}, \"topics\": [topic, ...]}}, "
-                         "each list non-empty and of strings")
+        raise UsageError(
+            f"--seeds {path}: not a readable JSON file ({e}); fix it or pass another"
+        ) from None
+    tasks, topics = (
+        seeds.get("tasks") if isinstance(seeds, dict) else None,
+        seeds.get("topics") if isinstance(seeds, dict) else None,
+    )
+    if not (
+        isinstance(tasks, dict)
+        and tasks
+        and all(
+            isinstance(v, list) and v and all(isinstance(o, str) for o in v) for v in tasks.values()
+        )
+        and isinstance(topics, list)
+        and topics
+        and all(isinstance(t, str) and t.strip() for t in topics)
+    ):
+        raise UsageError(
+            f"--seeds {path}: needs "
+            f'{{"tasks": {{category: [opener, ...]}}, "topics": [topic, ...]}}, '
+            "each list non-empty and of strings"
+        )
     return tasks, topics
 
 
@@ -236,7 +318,10 @@ def task_counts(prompts, tasks):
     """Conversations per task so far: a prompt belongs to the task of the longest seed opener it
     begins with (an opener two tasks share, to the first that lists it; a prompt written without
     a seed, to none)."""
-    openers = sorted(((o, task) for task, task_openers in tasks.items() for o in task_openers), key=lambda x: -len(x[0]))
+    openers = sorted(
+        ((o, task) for task, task_openers in tasks.items() for o in task_openers),
+        key=lambda x: -len(x[0]),
+    )
     counts = dict.fromkeys(tasks, 0)
     for p in prompts:
         task = next((task for o, task in openers if p.startswith(o)), None)
@@ -254,22 +339,32 @@ def seeded_prefix(tokenizer, rng, tasks, topics, counts):
     names = sorted(tasks)
     category = rng.choices(names, weights=[1 / (counts[t] + 1) for t in names])[0]
     opener, topic = rng.choice(tasks[category]), rng.choice(topics)
-    system = f"You are a helpful AI assistant. The user asks you for help with a {category} task about {topic}."
+    system = (
+        f"You are a helpful AI assistant. The user asks you for help with a {category} task about "
+        f"{topic}."
+    )
     marker = "\x00MARK\x00"
-    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False)
-    return tokenizer(text[:text.index(marker)] + opener, add_special_tokens=False).input_ids, opener
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False
+    )
+    return tokenizer(
+        text[: text.index(marker)] + opener, add_special_tokens=False
+    ).input_ids, opener
 
 
-DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write prompts (SmolLM2 keeps ~45%)
+DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write prompts
 
 
 def self_distill(model, tokenizer, folder, args):
     """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
     (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
-    recorded as it goes. One shard per batch (args.gen_batch rows; 0: kernels.sizes's for the device),
+    recorded as it goes. One shard per batch (args.gen_batch rows; 0: kernels.sizes's for the
+    device),
     each written whole or not at all: a run that stops loses at most the conversations in flight,
-    and the next run continues from the shards on disk (its random draws seeded by how many there are)."""
+    and the next run continues from the shards on disk (its random draws seeded by how many there
+    are)."""
     import random
+
     os.makedirs(folder, exist_ok=True)
     shards = shards_in(folder)
     tasks, topics = read_seeds(args.seeds)
@@ -286,7 +381,7 @@ def self_distill(model, tokenizer, folder, args):
     batch = args.gen_batch or kernels.sizes(model.device).gen_batch
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
-    pending, dry = [], 0   # dry: prompts written since the last one kept
+    pending, dry = [], 0  # dry: prompts written since the last one kept
 
     def flush():  # the finished conversations -> one shard, written whole or not at all
         nonlocal have, pending
@@ -294,21 +389,33 @@ def self_distill(model, tokenizer, folder, args):
         shards.append(None)
         have, counts["kept"] = have + len(pending), counts["kept"] + len(pending)
         bar.update(len(pending))
-        bar.set_postfix_str(f"{counts['new'] / (time.time() - t0):.0f} new tok/s, kept {counts['kept']}/{counts['tried']} prompts")
+        bar.set_postfix_str(
+            f"{counts['new'] / (time.time() - t0):.0f} new tok/s, kept "
+            f"{counts['kept']}/{counts['tried']} prompts"
+        )
         pending = []
 
     try:
         while have < args.num_prompts:
-            # 1. prompts for a round of 8 batches: the model writes twice that, and every candidate runs
-            # to its end (stopping at the first `want` done would keep the quickest, i.e. the shortest
+            # 1. prompts for a round of 8 batches: the model writes twice that, and every candidate
+            # runs
+            # to its end (stopping at the first `want` done would keep the quickest, i.e. the
+            # shortest
             # prompts); then the filter keeps new ones, in the order they were drawn
             want = min(8 * batch, args.num_prompts - have)
-            seeded = [seeded_prefix(tokenizer, rng, tasks, topics, counts_by_task) for _ in range(2 * want)]
+            seeded = [
+                seeded_prefix(tokenizer, rng, tasks, topics, counts_by_task)
+                for _ in range(2 * want)
+            ]
             ended = {}
-            for i, written, _ in decode_batched(model, [p for p, _ in seeded], args.max_prompt_tokens, stop, batch, 1.0, 0.95, gen):
+            for i, written, _ in decode_batched(
+                model, [p for p, _ in seeded], args.max_prompt_tokens, stop, batch, 1.0, 0.95, gen
+            ):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 if written[-1] in stop:
-                    ended[i] = (seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)).strip()
+                    ended[i] = (
+                        seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)
+                    ).strip()
             prompts = []
             for i in sorted(ended):
                 if have + len(prompts) < args.num_prompts and filt.keep(ended[i]):
@@ -317,17 +424,38 @@ def self_distill(model, tokenizer, folder, args):
                 counts_by_task[task] += n
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
-                raise UsageError(f"the model wrote {dry} user prompts in a row and none was kept (each must end with "
-                                 f"one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} tokens and be new); use a chat model "
-                                 "whose end-of-turn token is among its EOS ids, or give your own data with --data")
+                raise UsageError(
+                    f"the model wrote {dry} user prompts in a row and none was kept (each must "
+                    "end with "
+                    f"one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} "
+                    "tokens and be new); use a chat model "
+                    "whose end-of-turn token is among its EOS ids, or give your own data with "
+                    "--data"
+                )
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever a batch of them are done
             encoded = [encode(tokenizer, p) for p in prompts]
-            for i, answer, feats in decode_batched(model, encoded, args.max_answer_tokens, stop, batch,
-                                                   args.answer_temperature, 1.0, gen, top_k=args.teacher_k):
+            for i, answer, feats in decode_batched(
+                model,
+                encoded,
+                args.max_answer_tokens,
+                stop,
+                batch,
+                args.answer_temperature,
+                1.0,
+                gen,
+                top_k=args.teacher_k,
+            ):
                 ids = encoded[i]
-                pending.append(dict(prompt=prompts[i], ids=ids + answer, loss=[False] * len(ids) + [True] * len(answer),
-                                    teacher_from=len(ids) - 1, **{k: v.cpu() for k, v in feats.items()}))
+                pending.append(
+                    dict(
+                        prompt=prompts[i],
+                        ids=ids + answer,
+                        loss=[False] * len(ids) + [True] * len(answer),
+                        teacher_from=len(ids) - 1,
+                        **{k: v.cpu() for k, v in feats.items()},
+                    )
+                )
                 counts["new"] += len(answer)
                 counts["answer"] += len(answer)
                 if len(pending) == batch:
@@ -337,9 +465,15 @@ def self_distill(model, tokenizer, folder, args):
     finally:
         bar.close()
         seconds = time.time() - t0
-        print(f"[data] {counts['kept']} conversations, {counts['new']} new tokens ({counts['answer']} in answers) in "
-              f"{seconds:.0f} s: {counts['new'] / max(seconds, 1e-9):.0f} new tokens/s; prompts kept {counts['kept']}/{counts['tried']}, "
-              f"{filt.rejected_duplicate} near-duplicates rejected; {have} conversations in {folder}", file=sys.stderr, flush=True)
+        print(
+            f"[data] {counts['kept']} conversations, {counts['new']} new tokens "
+            f"({counts['answer']} in answers) in "
+            f"{seconds:.0f} s: {counts['new'] / max(seconds, 1e-9):.0f} new tokens/s; prompts "
+            f"kept {counts['kept']}/{counts['tried']}, "
+            f"{filt.rejected_duplicate} near-duplicates rejected; {have} conversations in {folder}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # --- features on disk ----------------------------------------------------------------------------
@@ -347,8 +481,10 @@ def self_distill(model, tokenizer, folder, args):
 # token (loss), the base model's final hidden state (fp16) and its top-k next-token probabilities
 # (zero where not needed). `offsets` marks where each conversation begins.
 
+
 def write_shard(path, convs):
     from safetensors.torch import save_file
+
     D, k = convs[0]["hidden"].shape[1], convs[0]["top_ids"].shape[1]
     cols = {"ids": [], "loss": [], "hidden": [], "top_ids": [], "top_p": []}
     for c in convs:
@@ -356,15 +492,22 @@ def write_shard(path, convs):
         cols["ids"].append(torch.tensor(c["ids"], dtype=torch.int32))
         cols["loss"].append(torch.tensor(c["loss"], dtype=torch.bool))
         hidden = torch.zeros(T, D, dtype=torch.float16)
-        hidden[:len(c["hidden"])] = c["hidden"].half()
-        top_ids, top_p = torch.zeros(T, k, dtype=torch.int32), torch.zeros(T, k, dtype=torch.float16)
+        hidden[: len(c["hidden"])] = c["hidden"].half()
+        top_ids, top_p = (
+            torch.zeros(T, k, dtype=torch.int32),
+            torch.zeros(T, k, dtype=torch.float16),
+        )
         n = len(c["top_ids"])
-        top_ids[s:s + n], top_p[s:s + n] = c["top_ids"].int(), c["top_p"].half()
+        top_ids[s : s + n], top_p[s : s + n] = c["top_ids"].int(), c["top_p"].half()
         for name, t in (("hidden", hidden), ("top_ids", top_ids), ("top_p", top_p)):
             cols[name].append(t)
     tensors = {name: torch.cat(v).contiguous() for name, v in cols.items()}
     tensors["offsets"] = torch.tensor([0] + [len(c["ids"]) for c in convs]).cumsum(0)
-    save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps([c.get("prompt", "") for c in convs])})
+    save_file(
+        tensors,
+        path + ".tmp",
+        metadata={"prompts": json.dumps([c.get("prompt", "") for c in convs])},
+    )
     replace_durably(path + ".tmp", path)  # a shard is whole or absent
 
 
@@ -378,6 +521,7 @@ def replace_durably(tmp, path):
 
 def read_shard(path, meta_only=False):
     from safetensors import safe_open
+
     with safe_open(path, "pt") as f:
         if meta_only:
             return json.loads(f.metadata()["prompts"])
@@ -385,35 +529,55 @@ def read_shard(path, meta_only=False):
 
 
 def folder_prompts(folder):
-    """The prompts of every conversation in a data folder, in order (read from the shards' metadata)."""
-    return [p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)]
+    """The prompts of every conversation in a data folder, in order (read from the shards'
+    metadata)."""
+    return [
+        p for f in shards_in(folder) for p in read_shard(os.path.join(folder, f), meta_only=True)
+    ]
 
 
 # --- user data: ShareGPT-style conversations -----------------------------------------------------
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 def records(path):
-    """[(where, record)] of a data file: JSON Lines (one object a line) or one JSON array of objects;
+    """[(where, record)] of a data file: JSON Lines (one object a line) or one JSON array of
+    objects;
     `where` names the line or the array index for messages."""
     try:
         with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
+        raise ValueError(
+            f"{path}: not valid UTF-8 text (bad byte at offset {e.start}); save it as UTF-8"
+        ) from None
     if text.lstrip().startswith("["):  # the usual ShareGPT .json: one array
         try:
             return [(f"{path}, record {i}", r) for i, r in enumerate(json.loads(text))]
         except (json.JSONDecodeError, RecursionError) as e:
-            raise ValueError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix the file") from None
+            raise ValueError(
+                f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix the "
+                "file"
+            ) from None
     out = []
     for n, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
                 out.append((f"{path}, line {n}", json.loads(line)))
             except (json.JSONDecodeError, RecursionError) as e:
-                out.append((f"{path}, line {n}", ValueError(f"{path}, line {n}: not valid JSON ({getattr(e, 'msg', e)})")))
+                out.append(
+                    (
+                        f"{path}, line {n}",
+                        ValueError(f"{path}, line {n}: not valid JSON ({getattr(e, 'msg', e)})"),
+                    )
+                )
     return out
 
 
@@ -424,39 +588,66 @@ def messages_of(record, where):
         raise record
     try:
         turns = record["conversations"] if "conversations" in record else record["messages"]
-        messages = [{"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
-                    for t in turns]
+        fields = ["from" if "from" in t else "role" for t in turns]  # ShareGPT's or OpenAI's
+        speakers = [t[field] for t, field in zip(turns, fields)]
+        messages = [
+            {
+                "role": ROLES.get(who) if isinstance(who, str) else None,
+                "content": t.get("value", t.get("content")),
+            }
+            for t, who in zip(turns, speakers)
+        ]
         assert messages and all(isinstance(m["content"], str) for m in messages)
     except (KeyError, TypeError, AssertionError, AttributeError):
-        raise ValueError(f"{where}: expected {{\"conversations\": [{{\"from\": \"human\"|\"gpt\", \"value\": \"...\"}}, ...]}} "
-                         f"or {{\"messages\": [{{\"role\": \"user\"|\"assistant\", \"content\": \"...\"}}, ...]}}") from None
+        raise ValueError(
+            f"{where}: expected "
+            f'{{"conversations": [{{"from": "human"|"gpt", "value": "..."}}, ...]}} '
+            f'or {{"messages": [{{"role": "user"|"assistant", "content": "..."}}, ...]}}'
+        ) from None
+    for i, m in enumerate(messages):  # the format is right but a speaker is unknown: say which
+        if m["role"] is None:
+            said = f'"{fields[i]}": {json.dumps(speakers[i])}'
+            raise ValueError(
+                f"{where}: turn {i + 1} has {said}, which is not a role here; "
+                f"use one of {', '.join(ROLES)}"
+            )
     for m in messages:
         check_text(m["content"], where)
     return messages
 
 
 def conversation_tokens(messages, tokenizer, where):
-    """(ids, loss mask) of a conversation in the chat template; the mask marks the assistant's tokens."""
+    """(ids, loss mask) of a conversation in the chat template; the mask marks the assistant's
+    tokens."""
     ids, loss = [], []
 
     def extend(upto, speaker_is_assistant, generation_prompt=False):
         """Append the tokens that rendering messages[:upto] adds after `ids`."""
         try:
-            text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+            text = tokenizer.apply_chat_template(
+                messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
-            raise ValueError(f"{where}: the model's chat template refuses this conversation "
-                             f"({' '.join(str(e).split())}); fix the turns or leave the line out") from None
+            raise ValueError(
+                f"{where}: the model's chat template refuses this conversation "
+                f"({' '.join(str(e).split())}); fix the turns or leave the line out"
+            ) from None
         full = tokenizer(text, add_special_tokens=False).input_ids
-        if full[:len(ids)] != ids:
-            raise ValueError(f"{where}: the chat template renders the earlier turns differently once turn "
-                             f"{upto} follows, so its tokens cannot be given to their speakers; leave the line out")
-        new = full[len(ids):]
+        if full[: len(ids)] != ids:
+            raise ValueError(
+                f"{where}: the chat template renders the earlier turns differently once turn "
+                f"{upto} follows, so its tokens cannot be given to their speakers; leave the line "
+                "out"
+            )
+        new = full[len(ids) :]
         ids.extend(new)
         loss.extend([speaker_is_assistant] * len(new))
 
-    for i, m in enumerate(messages):   # render turn by turn, so each token knows its speaker
+    for i, m in enumerate(messages):  # render turn by turn, so each token knows its speaker
         if m["role"] == "assistant" and i > 0:
-            extend(i, False, generation_prompt=True)  # the assistant's header is the prompt's, as in decoding
+            extend(
+                i, False, generation_prompt=True
+            )  # the assistant's header is the prompt's, as in decoding
         extend(i + 1, m["role"] == "assistant")
     return ids, loss
 
@@ -466,8 +657,11 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
     The loss mask marks the assistant's tokens. Errors name the line; skip_bad leaves bad records
     out and says how many, else the first one stops the run. Nothing is dropped silently."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{path}: the model's tokenizer has no chat template, so conversations cannot be laid out "
-                         "as the model reads them; use a chat model (tokenizer_config.json with a chat_template)")
+        raise ValueError(
+            f"{path}: the model's tokenizer has no chat template, so conversations cannot be laid "
+            "out "
+            "as the model reads them; use a chat model (tokenizer_config.json with a chat_template)"
+        )
     convs, bad = [], []
     for where, record in records(path):
         try:
@@ -477,12 +671,18 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
                 raise
             bad.append(str(e))
     if bad:
-        notice(f"{len(bad)} of {len(bad) + len(convs)} conversations left out (--skip-bad); the first: {bad[0]}")
+        notice(
+            f"{len(bad)} of {len(bad) + len(convs)} conversations left out (--skip-bad); the "
+            f"first: {bad[0]}"
+        )
     if not convs:
         raise ValueError(f"{path}: no conversations in the file")
     if not any(any(loss) for _, loss in convs):
-        raise ValueError(f"{path}: no conversation has an assistant turn (\"from\": \"gpt\" or \"role\": \"assistant\"); "
-                         "heads learn from the assistant's replies, so add them")
+        raise ValueError(
+            f'{path}: no conversation has an assistant turn ("from": "gpt" or "role": '
+            '"assistant"); '
+            "heads learn from the assistant's replies, so add them"
+        )
     return convs
 
 
@@ -490,12 +690,15 @@ def exported_already(path):
     """(ids, offsets) of the conversations file at `path`, which --export-conversations may replace
     only with more of the same conversations; a UsageError if it is something else."""
     from safetensors.torch import load_file
+
     try:
         t = load_file(path)
         return t["ids"].int(), t["offsets"]
     except Exception:  # safetensors' own error on a file of another kind, or a missing tensor
-        raise UsageError(f"--export-conversations {path}: that file is not a conversations file; give a new "
-                         "file name (it is left as it is)") from None
+        raise UsageError(
+            f"--export-conversations {path}: that file is not a conversations file; give a new "
+            "file name (it is left as it is)"
+        ) from None
 
 
 def export_conversations(folder, path):
@@ -506,35 +709,83 @@ def export_conversations(folder, path):
     is replaced only when these conversations begin with its own (the data grew), else refused."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
     parts = []
     for f in shards_in(folder):
-        with safe_open(os.path.join(folder, f), "pt") as shard:  # these three only: features are ~1 KB a token
+        with safe_open(
+            os.path.join(folder, f), "pt"
+        ) as shard:  # these three only: features are ~1 KB a token
             parts.append({k: shard.get_tensor(k) for k in ("ids", "loss", "offsets")})
     prompts = folder_prompts(folder)
     lengths = torch.cat([p["offsets"].diff() for p in parts])
     ids = torch.cat([p["ids"] for p in parts]).int()
-    tensors = {"ids": ids.to(torch.uint16) if ids.max() < 1 << 16 else ids, "loss": torch.cat([p["loss"] for p in parts]),
-               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
+    tensors = {
+        "ids": ids.to(torch.uint16) if ids.max() < 1 << 16 else ids,
+        "loss": torch.cat([p["loss"] for p in parts]),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    }
     if os.path.exists(path):
         old_ids, old_offsets = exported_already(path)
         n = len(old_offsets) - 1
-        if n > len(lengths) or not torch.equal(tensors["offsets"][:n + 1], old_offsets) or not torch.equal(ids[:len(old_ids)], old_ids):
-            raise UsageError(f"--export-conversations {path}: it holds {n} conversations that the data in {folder} does "
-                             "not begin with; give a new file name (it is left as it is)")
+        if (
+            n > len(lengths)
+            or not torch.equal(tensors["offsets"][: n + 1], old_offsets)
+            or not torch.equal(ids[: len(old_ids)], old_ids)
+        ):
+            raise UsageError(
+                f"--export-conversations {path}: it holds {n} conversations that the data in "
+                f"{folder} does "
+                "not begin with; give a new file name (it is left as it is)"
+            )
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
     replace_durably(path + ".tmp", path)
     return len(lengths), len(tensors["ids"]), int(tensors["loss"].sum())
+
+
+def conversation_flags(p, data_help, eval_conversations):
+    """--model, --data, --conversations, --eval-conversations of the scripts that train on the
+    conversations train.py exported and on its split of them (joint.py, pass_tokens.py)."""
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
+    p.add_argument(
+        "--data",
+        default=os.path.join(HERE, "data", "smollm2-135m-instruct-conversations.safetensors"),
+        help=f"a conversations file written by train.py --export-conversations ({data_help})",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=2000,
+        help="train on the first this many of train.py's training split",
+    )
+    p.add_argument(
+        "--eval-conversations",
+        type=int,
+        default=eval_conversations,
+        help="evaluate on the first this many of its held-out split",
+    )
+
+
+def check_conversations_file(path, flag="--data"):
+    if not path.endswith(".safetensors"):
+        raise UsageError(
+            f"{flag} {path}: give a conversations file (.safetensors) written by train.py "
+            "--export-conversations"
+        )
+    conversation_tensors(path, flag)
 
 
 def conversation_tensors(path, flag="--data"):
     """(ids, loss mask, offsets) of a file written by export_conversations; a UsageError naming
     `flag` if it is not one."""
     from safetensors.torch import load_file
+
     try:
         t = load_file(path)
         return t["ids"].int(), t["loss"], t["offsets"].tolist()
     except Exception as e:  # safetensors' own error on a damaged file, or a missing tensor
-        raise UsageError(f"{flag} {path}: not a conversations file written by --export-conversations ({e})") from None
+        raise UsageError(
+            f"{flag} {path}: not a conversations file written by --export-conversations ({e})"
+        ) from None
 
 
 def largest_id(path, flag="--data"):
@@ -552,38 +803,65 @@ def read_conversations(path, flag="--data"):
 def conversation_prompts(path):
     """The prompts stored with a file written by export_conversations (one per conversation)."""
     from safetensors import safe_open
+
     with safe_open(path, "pt") as f:
         return json.loads((f.metadata() or {}).get("prompts", "[]"))
 
 
 def continue_from(model, folder, path, key, per_shard=128):
-    """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations, their
-    features computed in one pass (shards of 128 conversations, as self_distill writes them, each moved
+    """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations,
+    their
+    features computed in one pass (shards of 128 conversations, as self_distill writes them, each
+    moved
     into the folder when it is written), so a
     new machine continues the committed data instead of writing it again. A folder that already
     begins with them is left as it is (or completed, if a stop cut the seeding short); one that
     holds other data is refused."""
     prompts, have = conversation_prompts(path), folder_prompts(folder)
     if "" in prompts:
-        raise UsageError(f"--continue-from {path}: its conversations have no prompts recorded (it was exported from "
-                         "a --data file, not from self-distilled data); train on it with --data instead")
-    if have[:len(prompts)] != prompts[:len(have)]:
-        raise UsageError(f"--continue-from {path}: the self-distilled data in {folder} did not begin with these "
-                         "conversations; use another --work, or leave --continue-from out to grow that data")
+        raise UsageError(
+            f"--continue-from {path}: its conversations have no prompts recorded (it was exported "
+            "from "
+            "a --data file, not from self-distilled data); train on it with --data instead"
+        )
+    if have[: len(prompts)] != prompts[: len(have)]:
+        raise UsageError(
+            f"--continue-from {path}: the self-distilled data in {folder} did not begin with these "
+            "conversations; use another --work, or leave --continue-from out to grow that data"
+        )
     if len(have) >= len(prompts):
         return
     convs = read_conversations(path, "--continue-from")
     if len(prompts) != len(convs):
-        raise UsageError(f"--continue-from {path}: it holds {len(convs)} conversations but {len(prompts)} prompts; "
-                         "give a file written by --export-conversations from self-distilled data")
-    print(f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: computing the features "
-          f"of {len(convs) - len(have)}", file=sys.stderr, flush=True)
+        raise UsageError(
+            f"--continue-from {path}: it holds {len(convs)} conversations but {len(prompts)} "
+            "prompts; "
+            "give a file written by --export-conversations from self-distilled data"
+        )
+    print(
+        f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: "
+        "computing the features "
+        f"of {len(convs) - len(have)}",
+        file=sys.stderr,
+        flush=True,
+    )
     seed = folder + ".seed"
-    for at in range(len(have), len(convs), per_shard):  # a shard at a time: a stop loses at most the one in flight
-        features_of(model, convs[at:at + per_shard], seed, key["teacher_k"], batch_tokens=float("inf"), key=key,
-                    prompts=prompts[at:at + per_shard])
-        os.replace(os.path.join(seed, "shard-00000.safetensors"),
-                   os.path.join(folder, f"shard-{len(shards_in(folder)):05d}.safetensors"))
+    for at in range(
+        len(have), len(convs), per_shard
+    ):  # a shard at a time: a stop loses at most the one in flight
+        features_of(
+            model,
+            convs[at : at + per_shard],
+            seed,
+            key["teacher_k"],
+            batch_tokens=float("inf"),
+            key=key,
+            prompts=prompts[at : at + per_shard],
+        )
+        os.replace(
+            os.path.join(seed, "shard-00000.safetensors"),
+            os.path.join(folder, f"shard-{len(shards_in(folder)):05d}.safetensors"),
+        )
     shutil.rmtree(seed, ignore_errors=True)  # the folder's own key.json (check_self_data's) stays
 
 
@@ -600,19 +878,40 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
     batch, size, n = [], 0, 0
     bar, t0 = tqdm(convs, desc="features", disable=None), time.time()
     for i, (ids, loss) in enumerate(bar):
-        if bar.disable and i and i % max(1, len(convs) // 10) == 0:  # no bar (a log file): a line every tenth
-            print(f"[features] {i}/{len(convs)} conversations, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-        ids = ids[:model.cfg.max_seq_len]
-        logits, hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device))
-        top = logits[0, :-1].float().softmax(-1).topk(top_k, dim=-1)         # (T-1, k)
-        batch.append(dict(ids=ids, loss=loss[:len(ids)], teacher_from=0, hidden=hidden[0, :-1].cpu(), prompt=prompts[i] if prompts else "",
-                          top_ids=top.indices.cpu(), top_p=top.values.cpu()))
+        if (
+            bar.disable and i and i % max(1, len(convs) // 10) == 0
+        ):  # no bar (a log file): a line every tenth
+            print(
+                f"[features] {i}/{len(convs)} conversations, {time.time() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        ids = ids[: model.cfg.max_seq_len]
+        logits, hidden = model(
+            torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device)
+        )
+        top = logits[0, :-1].float().softmax(-1).topk(top_k, dim=-1)  # (T-1, k)
+        batch.append(
+            dict(
+                ids=ids,
+                loss=loss[: len(ids)],
+                teacher_from=0,
+                hidden=hidden[0, :-1].cpu(),
+                prompt=prompts[i] if prompts else "",
+                top_ids=top.indices.cpu(),
+                top_p=top.values.cpu(),
+            )
+        )
         size += len(ids)
         if size >= batch_tokens or i == len(convs) - 1:
             write_shard(os.path.join(tmp, f"shard-{n:05d}.safetensors"), batch)
             batch, size, n = [], 0, n + 1
     with open(os.path.join(tmp, KEY_FILE), "w") as f:
-        json.dump({"key": key or {}, "shards": [f"shard-{i:05d}.safetensors" for i in range(n)]}, f, indent=1)
+        json.dump(
+            {"key": key or {}, "shards": [f"shard-{i:05d}.safetensors" for i in range(n)]},
+            f,
+            indent=1,
+        )
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
 
@@ -622,7 +921,14 @@ def map_shard(path):
     operating system keeps what fits in its page cache. A safetensors file is 8 bytes (n, little
     endian), n bytes of JSON naming each tensor's dtype, shape and byte range, then those bytes."""
     import numpy as np
-    dtypes = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}
+
+    dtypes = {
+        "F16": np.float16,
+        "F32": np.float32,
+        "I32": np.int32,
+        "I64": np.int64,
+        "BOOL": np.bool_,
+    }
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
@@ -633,7 +939,7 @@ def map_shard(path):
     for name, info in header.items():
         if name != "__metadata__":
             (a, b), shape, dtype = info["data_offsets"], tuple(info["shape"]), dtypes[info["dtype"]]
-            out[name] = torch.from_numpy(raw[8 + n + a:8 + n + b].view(dtype).reshape(shape))
+            out[name] = torch.from_numpy(raw[8 + n + a : 8 + n + b].view(dtype).reshape(shape))
     return out
 
 
@@ -656,7 +962,7 @@ class Column:
         i = bisect.bisect_right(self.starts, span.start) - 1
         a = self.starts[i]
         assert span.stop <= self.starts[i + 1], f"tokens {span.start}..{span.stop} span two shards"
-        return self.parts[i][span.start - a:span.stop - a]
+        return self.parts[i][span.start - a : span.stop - a]
 
 
 def load_data(folder):
@@ -668,7 +974,9 @@ def load_data(folder):
         raise ValueError(f"no data shards in {folder}")
     parts = [map_shard(os.path.join(folder, f)) for f in shards]
     data = {k: torch.cat([p[k] for p in parts]) for k in ("ids", "loss")}
-    data["teacher_top1"] = torch.cat([torch.where(p["top_p"][:, 0] > 0, p["top_ids"][:, 0], -1) for p in parts])
+    data["teacher_top1"] = torch.cat(
+        [torch.where(p["top_p"][:, 0] > 0, p["top_ids"][:, 0], -1) for p in parts]
+    )
     data.update({k: Column([p[k] for p in parts]) for k in ("hidden", "top_ids", "top_p")})
     lengths = torch.cat([p["offsets"].diff() for p in parts])
     data["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -677,9 +985,10 @@ def load_data(folder):
 
 # --- the data cache: keyed by what shapes it, checked before use ----------------------------------
 # Next to its shards a data folder holds key.json: what the stored features depend on (data_key:
-# the base model, its dtype and context, --teacher-k, and for --data FILE the sha256 of the file's
-# bytes). Features of a user's file are reused only when that key is this run's and every shard
-# is there and readable; otherwise they are computed again, with a notice saying why.
+# the base model (by its weights, not its name), its dtype and context, --teacher-k, and for
+# --data FILE the sha256 of the file's bytes). Features of a user's file are reused only when that
+# key is this run's and every shard is there and readable; otherwise they are computed again, with
+# a notice saying why.
 # Self-distilled data records its features while it is written (hours), so it is never thrown
 # away: a run with other settings is refused, and an unreadable shard is set aside as *.broken.
 
@@ -702,21 +1011,51 @@ def file_digest(path):
     return h.hexdigest()
 
 
+def weights_digest(model):
+    """A short digest of a model's weights: 256 values spread over each tensor, rounded to bf16 so
+    that the fp32 model and its bf16 copy (train.data_model) agree. It names the model by what it
+    computes, not by how --model was typed or where its folder is."""
+    h = hashlib.sha256()
+    for name, w in model.named_parameters():
+        flat = w.detach().reshape(-1)
+        sample = flat[:: max(1, len(flat) // 256)][:256].to(torch.bfloat16)
+        h.update(name.encode() + sample.view(torch.int16).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def data_key(model, teacher_k, digest=None):
-    """What stored features depend on; digest: the --data file's sha256 (None for self-distilled)."""
-    key = {"model": model.cfg.name, "lm_head": model_lib.lm_head_fingerprint(model), "dim": model.cfg.dim,
-           "max_seq_len": model.cfg.max_seq_len, "dtype": str(model.dtype).removeprefix("torch."), "teacher_k": teacher_k}
+    """What stored features depend on; digest: the --data file's sha256 (None for
+    self-distilled)."""
+    key = {
+        "weights": weights_digest(model),
+        "lm_head": model_lib.lm_head_fingerprint(model),
+        "dim": model.cfg.dim,
+        "max_seq_len": model.cfg.max_seq_len,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "teacher_k": teacher_k,
+    }
     return key | ({"data_sha256": digest} if digest else {})
 
 
+# Fields that a key.json written by an older train.py lacks (it named the model instead, as --model
+# was typed): not compared there, so that its data stays usable.
+LATER_FIELDS = ("weights",)
+
+
 def key_differences(saved, key):
-    return ["the data file's content" if k == "data_sha256" else f"{k} {saved.get(k)!r}, now {v!r}"
-            for k, v in key.items() if saved.get(k) != v]
+    say = {"data_sha256": "the data file's content", "weights": "the base model's weights"}
+    return [
+        say[k] if k in say else f"{k} {saved.get(k)!r}, now {v!r}"
+        for k, v in key.items()
+        if saved.get(k) != v and (k in saved or k not in LATER_FIELDS)
+    ]
 
 
 def shard_shape(path):
-    """(teacher k, hidden width) of a data shard, read from its header; ValueError if it is damaged."""
+    """(teacher k, hidden width) of a data shard, read from its header; ValueError if it is
+    damaged."""
     from safetensors import safe_open
+
     try:
         with safe_open(path, "pt") as f:
             if set(f.keys()) == SHARD_KEYS:
@@ -728,7 +1067,9 @@ def shard_shape(path):
 
 
 def shards_in(folder):
-    return sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors"))
+    return sorted(
+        f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".safetensors")
+    )
 
 
 def features_problem(folder, key):
@@ -756,33 +1097,49 @@ def features_problem(folder, key):
 def check_self_data(folder, key):
     """Before self-distillation grows the data in `folder`: its features must have been made with
     this run's key (else a UsageError; the data is kept), and each shard must be readable (else it
-    is set aside as *.broken and the rest renumbered: self_distill names a new shard by the count)."""
+    is set aside as *.broken and the rest renumbered: self_distill names a new shard by the
+    count)."""
     os.makedirs(folder, exist_ok=True)
     fix = "use the same --model and --teacher-k, or another --work to make new data"
     try:
         with open(os.path.join(folder, KEY_FILE)) as f:
             saved = json.load(f)["key"]
     except (OSError, ValueError, KeyError, TypeError):
-        saved = None  # none yet, or written by an older train.py: the shards' shapes are checked below
+        saved = (
+            None  # none yet, or written by an older train.py: the shards' shapes are checked below
+        )
     if saved is not None and (differ := key_differences(saved, key)):
-        raise UsageError(f"the self-distilled data in {folder} was made with other settings ({'; '.join(differ)}); "
-                         f"its features were recorded as it was written and cannot be recomputed: {fix}")
+        raise UsageError(
+            f"the self-distilled data in {folder} was made with other settings "
+            f"({'; '.join(differ)}); "
+            f"its features were recorded as it was written and cannot be recomputed: {fix}"
+        )
     good = []
     for name in shards_in(folder):
         path = os.path.join(folder, name)
         try:
             k, dim = shard_shape(path)
         except ValueError as e:
-            notice(f"{e}; set aside as {name}.broken, self-distillation writes as many conversations again")
+            notice(
+                f"{e}; set aside as {name}.broken, self-distillation writes as many conversations "
+                "again"
+            )
             os.replace(path, path + ".broken")
             continue
         if (k, dim) != (key["teacher_k"], key["dim"]):
-            raise UsageError(f"the self-distilled data in {folder} holds features of teacher-k {k} and width {dim}, this run "
-                             f"needs {key['teacher_k']} and {key['dim']}: {fix}")
+            raise UsageError(
+                f"the self-distilled data in {folder} holds features of teacher-k {k} and width "
+                f"{dim}, this run "
+                f"needs {key['teacher_k']} and {key['dim']}: {fix}"
+            )
         good.append(name)
-    for i, name in enumerate(good):  # no gaps; a target name is never a later shard's (numbers only go down)
+    for i, name in enumerate(
+        good
+    ):  # no gaps; a target name is never a later shard's (numbers only go down)
         if name != f"shard-{i:05d}.safetensors":
-            os.replace(os.path.join(folder, name), os.path.join(folder, f"shard-{i:05d}.safetensors"))
+            os.replace(
+                os.path.join(folder, name), os.path.join(folder, f"shard-{i:05d}.safetensors")
+            )
     with open(os.path.join(folder, KEY_FILE + ".tmp"), "w") as f:
         json.dump({"key": key}, f, indent=1)
     os.replace(os.path.join(folder, KEY_FILE + ".tmp"), os.path.join(folder, KEY_FILE))

@@ -2,7 +2,7 @@
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. Nine drafters, one interface:
+one forward and verify.py keeps an acceptable path. The drafters, one interface:
 
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
@@ -10,26 +10,29 @@ one forward and verify.py keeps an acceptable path. Nine drafters, one interface
     ModelDrafter(model, gamma, ...)  a smaller model (or the base's first N layers) drafts a chain
     HeadsPlusLookup(heads, lookup)   both trees in one (heads_and_lookup: with the rules that pay)
     Jacobi(gamma)                    the model's own outputs of last step, as guesses
-    Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same forward
-    PaSS(model, embeddings, gamma, guesses)   learned [LA] tokens after the tree: the model drafts for itself
+    Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same
+                                        forward
+    PaSS(model, embeddings, gamma, guesses)   learned [LA] tokens after the tree: the model drafts
+                                              for itself
 
     d.start(prompt, hidden, max_len)      a new sequence: the prompt ids, the base model's hidden
                                           states over them (1, T, D), room for max_len positions
     d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
     d.accept(tokens, hidden, positions, logits)   what the base model committed (the root and the
-                                          accepted drafts, their hidden states and positions) and its
+                                          accepted drafts, their hidden states and positions) and
+                                          its
                                           logits (N, V) at every node of the step, kept or not
     d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
 
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
 """
+
 import itertools
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 import tree as tree_lib
 import verify as verify_lib
@@ -39,17 +42,29 @@ import verify as verify_lib
 # among a few shapes: each is built and moved to the device once, and looked up by its paths.
 # A drafter fills {path: (token, source)}; paths are tree.py's, ranks in insertion order.
 # A forward may also carry nodes that are computed but never verified (lookahead's window): they
-# follow the tree, the mask says what they see, and only the drafter reads what the model made of them.
+# follow the tree, the mask says what they see, and only the drafter reads what the model made of
+# them.
 
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor        # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
-    tree: tree_lib.Tree         # the candidates, nodes [0, tree.num_nodes), its tensors on the device
-    mask: torch.Tensor | None   # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
-    depth: torch.Tensor         # (N,) on the device: node i sits at position prefix + depth[i]
-    source: list                # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
-    probs: torch.Tensor | None = None  # (N-1, V) a chain of sampled drafts: the p each was drawn from
+    tokens: (
+        torch.Tensor
+    )  # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
+    tree: tree_lib.Tree  # the candidates, nodes [0, tree.num_nodes), its tensors on the device
+    mask: (
+        torch.Tensor | None
+    )  # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
+    depth: torch.Tensor  # (N,) on the device: node i sits at position prefix + depth[i]
+    source: (
+        list  # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
+    )
+    probs: torch.Tensor | None = (
+        None  # (N-1, V) a chain of sampled drafts: the p each was drawn from
+    )
+    extra: torch.Tensor | None = (
+        None  # (K, D) the embeddings of token ids past the vocabulary (PaSS)
+    )
 
     @property
     def candidates(self) -> int:
@@ -61,18 +76,20 @@ class Draft:
 
 @dataclass(frozen=True)
 class Window:
-    """Computed-only nodes that follow every tree of a drafter: what each sees among the root (column
+    """Computed-only nodes that follow every tree of a drafter: what each sees among the root
+    (column
     0) and the window's own nodes (columns 1..M), and its position past the root."""
-    sees: torch.Tensor          # (M, 1+M) bool
-    depth: torch.Tensor         # (M,) long
+
+    sees: torch.Tensor  # (M, 1+M) bool
+    depth: torch.Tensor  # (M,) long
 
     def after(self, t: tree_lib.Tree):
         """The mask and depths of tree t followed by the window. The tree never sees the window; the
         window sees the root and nothing else of the tree."""
         n, m = t.num_nodes, len(self.depth)
-        mask = torch.zeros(n + m, n + m, dtype=torch.bool)                     # (N, N)
+        mask = torch.zeros(n + m, n + m, dtype=torch.bool)  # (N, N)
         mask[:n, :n], mask[n:, 0], mask[n:, n:] = t.mask, self.sees[:, 0], self.sees[:, 1:]
-        return mask, torch.cat([t.depth, self.depth])                          # (N, N), (N,)
+        return mask, torch.cat([t.depth, self.depth])  # (N, N), (N,)
 
 
 class Shapes:
@@ -80,14 +97,20 @@ class Shapes:
     with a Window, the window's nodes follow every tree."""
 
     def __init__(self, device, window: Window | None = None):
-        self.device, self.window, self.built = device, window, {}
+        self.device = device
+        self.window = window
+        self.built = {}
 
     def __call__(self, paths):
         key = frozenset(paths)
         if key not in self.built:
             t = tree_lib.build(list(paths))
-            mask, depth = self.window.after(t) if self.window else (t.mask, t.depth)   # (N, N), (N,)
-            self.built[key] = t.to(self.device), mask.to(self.device) if len(mask) > 1 else None, depth.to(self.device)
+            mask, depth = self.window.after(t) if self.window else (t.mask, t.depth)  # (N, N), (N,)
+            self.built[key] = (
+                t.to(self.device),
+                mask.to(self.device) if len(mask) > 1 else None,
+                depth.to(self.device),
+            )
         return self.built[key]
 
     def draft(self, root: int, nodes: dict, probs=None, computed=()) -> Draft:
@@ -96,7 +119,9 @@ class Shapes:
         tree, mask, depth = self(nodes)
         tokens = [root] + [nodes[p][0] for p in tree.paths] + list(computed)
         source = [0] + [nodes[p][1] for p in tree.paths]
-        return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs)   # (N,)
+        return Draft(
+            torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs
+        )  # (N,)
 
 
 def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
@@ -104,12 +129,12 @@ def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
     branch node whose parent already has a child holding its token is that child (a shared prefix
     is verified once); the others become new children, ranked after those already there, so the
     verifiers try the first drafter's candidates first. Sources are shifted by `offset`."""
-    child = {(p[:-1], t): p for p, (t, _) in nodes.items()}    # (parent path, token) -> path
-    free = Counter()                                           # parent path -> its next free rank
-    for p in nodes:                                            # (a tree file may skip ranks)
+    child = {(p[:-1], t): p for p, (t, _) in nodes.items()}  # (parent path, token) -> path
+    free = Counter()  # parent path -> its next free rank
+    for p in nodes:  # (a tree file may skip ranks)
         free[p[:-1]] = max(free[p[:-1]], p[-1] + 1)
-    where = {(): ()}                                           # branch path -> path in nodes
-    for p in sorted(branch, key=lambda p: (len(p), p)):        # parents first
+    where = {(): ()}  # branch path -> path in nodes
+    for p in sorted(branch, key=lambda p: (len(p), p)):  # parents first
         token, source = branch[p]
         parent = where[p[:-1]]
         if (parent, token) not in child:
@@ -126,7 +151,8 @@ def chain_nodes(tokens: list, source: int) -> dict:
 
 
 def draft_nodes(d: Draft) -> dict:
-    """A Draft's nodes below the root, as {path: (token, source)} (what Shapes.draft builds from)."""
+    """A Draft's nodes below the root, as {path: (token, source)} (what Shapes.draft builds
+    from)."""
     return {p: (t, s) for p, t, s in zip(d.tree.paths, d.tokens[1:].tolist(), d.source[1:])}
 
 
@@ -134,13 +160,14 @@ def draft_nodes(d: Draft) -> dict:
 # Fill the tree with tokens: node (d, r) gets the r-th best token of head d. Hydra heads depend on
 # the tokens above them, so the tree is filled depth by depth, one batched head call per depth.
 
+
 @dataclass
-class DepthPlan:                 # what drafting needs at one depth d, computed once per tree
-    nodes: torch.Tensor          # (n,) node indices at depth d
-    rank: torch.Tensor           # (n,) rank of each node's token in its head's top-k
-    row: torch.Tensor            # (n,) which parent row each node hangs under
-    paths: torch.Tensor          # (P, d) node indices root..parent for each distinct parent
-    k: int                       # top-k needed at this depth
+class DepthPlan:  # what drafting needs at one depth d, computed once per tree
+    nodes: torch.Tensor  # (n,) node indices at depth d
+    rank: torch.Tensor  # (n,) rank of each node's token in its head's top-k
+    row: torch.Tensor  # (n,) which parent row each node hangs under
+    paths: torch.Tensor  # (P, d) node indices root..parent for each distinct parent
+    k: int  # top-k needed at this depth
 
 
 def draft_plan(tree):
@@ -148,18 +175,20 @@ def draft_plan(tree):
     plan = []
     for d, nodes in enumerate(tree.by_depth, start=1):
         parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
-        paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)  # ancestors, in depth order
+        paths = (
+            tree.mask[parents].nonzero()[:, 1].view(len(parents), d)
+        )  # ancestors, in depth order
         plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
     return plan
 
 
 def draft(heads, h, root, plan, num_nodes):
     """h (1, D) draft state, root = the last emitted token -> tokens (N,) for every tree node."""
-    tokens = torch.full((num_nodes,), root, dtype=torch.long, device=h.device)   # (N,)
+    tokens = torch.full((num_nodes,), root, dtype=torch.long, device=h.device)  # (N,)
     for d, step in enumerate(plan, start=1):
-        z = heads.head(d, h, tokens[step.paths])                   # (P, D), or (1, D) for Medusa
-        top = heads.project(z, d).topk(step.k, dim=-1).indices      # (P|1, k)
-        top = heads.full_ids(top).expand(len(step.paths), -1)       # (P, k) base-vocabulary ids
+        z = heads.head(d, h, tokens[step.paths])  # (P, D), or (1, D) for Medusa
+        top = heads.project(z, d).topk(step.k, dim=-1).indices  # (P|1, k)
+        top = heads.full_ids(top).expand(len(step.paths), -1)  # (P, k) base-vocabulary ids
         tokens[step.nodes] = top[step.row, step.rank]
     return tokens
 
@@ -170,24 +199,31 @@ class HeadsDrafter:
 
     def __init__(self, heads, tree):
         assert tree.max_depth <= heads.cfg.num_heads, "tree deeper than the heads"
-        self.heads, self.tree = heads, tree.to(heads.lm_head.weight.device)  # index tensors there once
-        self.plan, self.depth = draft_plan(self.tree), self.tree.depth
+        self.heads = heads
+        self.tree = tree.to(heads.lm_head.weight.device)  # index tensors there once
+        self.plan = draft_plan(self.tree)
+        self.depth = self.tree.depth
         self.mask = self.tree.mask if tree.num_nodes > 1 else None
-        self.source = tree.depth.tolist()  # node i is head depth[i]'s guess; the root (0) the base model's
+        self.source = (
+            tree.depth.tolist()
+        )  # node i is head depth[i]'s guess; the root (0) the base model's
         self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
         self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
-        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+        self.max_nodes = tree.num_nodes
+        self.max_depth = tree.max_depth
 
     def start(self, prompt, hidden, max_len):
         self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
-        self.h = self.heads.context(hidden, torch.arange(len(prompt), device=hidden.device), self.cache)[:, -1]  # (1, D)
+        self.h = self.heads.context(
+            hidden, torch.arange(len(prompt), device=hidden.device), self.cache
+        )[:, -1]  # (1, D)
 
     def draft(self, root):
-        tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)       # (N,)
+        tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)  # (N,)
         return Draft(tokens, self.tree, self.mask, self.depth, self.source)
 
     def accept(self, tokens, hidden, positions, logits):
-        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]              # (1, D)
+        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
 
 # --- plain decoding -----------------------------------------------------------------------------
@@ -196,6 +232,7 @@ class HeadsDrafter:
 
 class Plain:
     """Drafts nothing: every step the base model verifies only the root, i.e. decodes one token."""
+
     name, legend, max_nodes, max_depth = "heads: none (plain decoding)", ["base model"], 1, 0
 
     def __init__(self, device):
@@ -224,19 +261,34 @@ class Lookup:
     chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. No
     match: a root-only tree."""
 
-    def __init__(self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1):
-        assert gamma >= 1 and ngram >= 1 and matches >= 1, f"need gamma, ngram, matches >= 1, got {gamma}, {ngram}, {matches}"
+    def __init__(
+        self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1
+    ):
+        assert gamma >= 1 and ngram >= 1 and matches >= 1, (
+            f"need gamma, ngram, matches >= 1, got {gamma}, {ngram}, {matches}"
+        )
         assert 1 <= shortest <= ngram, f"need 1 <= shortest <= ngram, got {shortest}, {ngram}"
-        self.gamma, self.ngram, self.matches, self.adapt, self.shortest = gamma, ngram, matches, adapt, shortest
+        self.gamma = gamma
+        self.ngram = ngram
+        self.matches = matches
+        self.adapt = adapt
+        self.shortest = shortest
         self.shapes = Shapes(device)
-        self.name = (f"lookup: n-grams {ngram}..{shortest}, up to {gamma} tokens" + (f", {matches} matches" if matches > 1 else "")
-                     + (", length adapted" if adapt else ""))
-        self.legend, self.max_nodes, self.max_depth = ["base model", "lookup"], 1 + gamma * matches, gamma
+        self.name = (
+            f"lookup: n-grams {ngram}..{shortest}, up to {gamma} tokens"
+            + (f", {matches} matches" if matches > 1 else "")
+            + (", length adapted" if adapt else "")
+        )
+        self.legend = ["base model", "lookup"]
+        self.max_nodes = 1 + gamma * matches
+        self.max_depth = gamma
 
     def start(self, prompt, hidden, max_len):
-        self.text, self.ends = [], {}   # the committed text; n-gram -> indices just after each occurrence
-        self.length, self.proposed = self.gamma, []   # tokens proposed a step (adapt), what the last step proposed
-        self.copying = False                           # (adapt) see accept()
+        self.text = []  # the committed text
+        self.ends = {}  # n-gram -> indices just after each occurrence
+        self.length = self.gamma  # tokens proposed a step (adapt)
+        self.proposed = []  # what the last step proposed
+        self.copying = False  # (adapt) see accept()
         self._extend(prompt)
 
     def _extend(self, tokens):
@@ -244,16 +296,16 @@ class Lookup:
             self.text.append(t)
             i = len(self.text)
             for n in range(1, min(self.ngram, i) + 1):
-                self.ends.setdefault(tuple(self.text[i - n:i]), []).append(i)
+                self.ends.setdefault(tuple(self.text[i - n : i]), []).append(i)
 
     def continuations(self, root: int) -> list:
         """Up to `matches` distinct continuations of text + [root], latest occurrence first."""
         text, found = self.text, []
         for n in range(min(self.ngram, len(text) + 1), self.shortest - 1, -1):
-            key = tuple(text[len(text) - n + 1:]) + (root,)
+            key = tuple(text[len(text) - n + 1 :]) + (root,)
             for j in reversed(self.ends.get(key, ())):
                 # the text after the occurrence; it may run into the root itself, which ends it
-                follow = (text[j:j + self.gamma] + [root])[:self.length]
+                follow = (text[j : j + self.gamma] + [root])[: self.length]
                 if follow not in found:
                     found.append(follow)
                     if len(found) == self.matches:
@@ -270,14 +322,16 @@ class Lookup:
     def accept(self, tokens, hidden, positions, logits):
         # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
-        # for assisted generation. Where the reply does not copy (free writing), the chain shrinks to
+        # for assisted generation. Where the reply does not copy (free writing), the chain shrinks
+        # to
         # a token and costs the step almost nothing; where it copies, it grows back within steps.
-        # copying: the last step kept a whole continuation proposed at the full gamma, so the reply is copying
+        # copying: the last step kept a whole continuation proposed at the full gamma, so the reply
+        # is copying
         # a stretch of the text (HeadsPlusLookup then verifies its chain alone).
         # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
             kept = tokens[1:]
-            whole = any(kept[:len(f)] == f for f in self.proposed)
+            whole = any(kept[: len(f)] == f for f in self.proposed)
             self.copying = whole and self.length == self.gamma
             self.length = min(self.gamma, self.length + 2) if whole else max(1, self.length - 1)
         elif self.adapt:
@@ -300,57 +354,80 @@ class ModelDrafter:
     KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted,
     in order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the
     start, later the last draft x_G when it was accepted (it was drafted but never fed).
-    draft(root), root being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
+    draft(root), root being the base model's bonus token, feeds pending + [root] in one forward and
+    x_1..x_{G-1} one
     by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
     index check, a device sync on a GPU) so that the next one attends to them. accept() cuts
     length back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the
     next forward overwrites before anything reads it."""
 
-    def __init__(self, model, gamma: int, temperature: float, top_p: float, generator, num_layers=None, name="draft model"):
+    def __init__(
+        self,
+        model,
+        gamma: int,
+        temperature: float,
+        top_p: float,
+        generator,
+        num_layers=None,
+        name="draft model",
+    ):
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
-        self.model, self.gamma, self.num_layers = model, gamma, num_layers
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.model = model
+        self.gamma = gamma
+        self.num_layers = num_layers
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generator = generator
         self.shapes = Shapes(model.device)
         self.paths = tree_lib.chain(gamma)
-        self.name = f"{name}, {gamma} tokens a step" + (", sampled" if temperature > 0 else "")
-        self.legend, self.max_nodes, self.max_depth = ["base model", name], 1 + gamma, gamma
+        self.name = f"{name}, {gamma} tokens a step" + (
+            "" if verify_lib.is_greedy(temperature) else ", sampled"
+        )
+        self.legend = ["base model", name]
+        self.max_nodes = 1 + gamma
+        self.max_depth = gamma
 
     def start(self, prompt, hidden, max_len):
         self.cache = self.model.new_cache(max_len, num_layers=self.num_layers)
         self.pending = list(prompt)
 
     def _next(self, tokens):
-        """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or None."""
+        """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or
+        None."""
         n = tokens.shape[1]
-        positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)   # (T,)
-        logits, _ = self.model(tokens, positions, None, self.cache, last_only=True, num_layers=self.num_layers)
+        positions = torch.arange(
+            self.cache.length, self.cache.length + n, device=tokens.device
+        )  # (T,)
+        logits, _ = self.model(
+            tokens, positions, None, self.cache, last_only=True, num_layers=self.num_layers
+        )
         self.cache.length += n
-        if self.temperature == 0:
-            return logits[0, -1].argmax(), None                                              # ()
+        if verify_lib.is_greedy(self.temperature):
+            return logits[0, -1].argmax(), None  # ()
         p = verify_lib.logits_to_probs(logits[0, -1].float(), self.temperature, self.top_p)  # (V,)
         return verify_lib.sample(p, self.generator), p
 
     def draft(self, root):
         dev = self.model.device
-        self.fed = self.cache.length + len(self.pending) + 1    # the accepted sequence, root included
+        self.fed = self.cache.length + len(self.pending) + 1  # the accepted sequence, root included
         x, p = self._next(torch.tensor([self.pending + [root]], device=dev))
         drafts, probs = [x], [p]
         for _ in range(self.gamma - 1):
             x, p = self._next(x.view(1, 1))
             drafts.append(x)
             probs.append(p)
-        self.drafts = torch.stack(drafts)                                                  # (G,)
+        self.drafts = torch.stack(drafts)  # (G,)
         tree, mask, depth = self.shapes(self.paths)
-        tokens = torch.cat([torch.tensor([root], device=dev), self.drafts])                # (N,) = (G+1,)
-        sampled = torch.stack(probs) if self.temperature > 0 else None                    # (G, V)
+        tokens = torch.cat([torch.tensor([root], device=dev), self.drafts])  # (N,) = (G+1,)
+        sampled = None if verify_lib.is_greedy(self.temperature) else torch.stack(probs)  # (G, V)
         return Draft(tokens, tree, mask, depth, [0] + [1] * self.gamma, sampled)
 
     def accept(self, tokens, hidden, positions, logits):
         drafts, k = self.drafts.tolist(), 0
         while k < len(tokens) - 1 and k < self.gamma - 1 and tokens[1 + k] == drafts[k]:
-            k += 1                            # accepted drafts whose keys are in the cache
-        self.cache.length = self.fed + k      # cut back to the accepted prefix
-        self.pending = list(tokens[1 + k:])
+            k += 1  # accepted drafts whose keys are in the cache
+        self.cache.length = self.fed + k  # cut back to the accepted prefix
+        self.pending = list(tokens[1 + k :])
 
 
 # --- heads and lookup in one tree ----------------------------------------------------------------
@@ -371,7 +448,10 @@ class HeadsPlusLookup:
     --tune-tree), and every node a step verifies costs time."""
 
     def __init__(self, heads, lookup, device, floor=None):
-        self.heads, self.lookup, self.shapes, self.floor = heads, lookup, Shapes(device), floor
+        self.heads = heads
+        self.lookup = lookup
+        self.shapes = Shapes(device)
+        self.floor = floor
         self.offset = len(heads.legend) - 1  # lookup's sources follow the heads' in the legend
         self.name = f"{heads.name} + {lookup.name}"
         self.legend = heads.legend + lookup.legend[1:]
@@ -384,14 +464,16 @@ class HeadsPlusLookup:
 
     def draft(self, root):
         copied = draft_nodes(self.lookup.draft(root))
-        if copied and self.lookup.copying:  # on a copying streak the heads' nodes would only cost the step
+        if (
+            copied and self.lookup.copying
+        ):  # on a copying streak the heads' nodes would only cost the step
             return self.shapes.draft(root, graft({}, copied, self.offset))
         a = self.heads.draft(root)
         if not copied:
             return a  # nothing to graft (no lookup match): the heads' tree as it is
         nodes = draft_nodes(a)
         if self.floor is not None:  # dicts keep the tree's order: a prefix of it is a tree
-            nodes = dict(list(nodes.items())[:max(len(nodes) - len(copied), self.floor)])
+            nodes = dict(list(nodes.items())[: max(len(nodes) - len(copied), self.floor)])
         return self.shapes.draft(root, graft(nodes, copied, self.offset))
 
     def accept(self, tokens, hidden, positions, logits):
@@ -402,7 +484,8 @@ class HeadsPlusLookup:
 def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
     hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
-    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone while
+    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone
+    while
     it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing is
     mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
     size, lookup's nodes taking the place of their last ones, the heads keeping at least 4 (the
@@ -413,8 +496,10 @@ def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
 
 # --- Jacobi decoding -----------------------------------------------------------------------------
 # Santilli et al. 2023: append m guesses to the sequence ([PAD] at first) and run them through the
-# model as a causal chain; the output at each guess is the greedy next token given the guesses before
-# it. The guesses that equal the output before them are accepted (verify.greedy on the chain: at least
+# model as a causal chain; the output at each guess is the greedy next token given the guesses
+# before
+# it. The guesses that equal the output before them are accepted (verify.greedy on the chain: at
+# least
 # the bonus token is new), and the outputs after the accepted ones are the next step's guesses. A
 # fixed point of this iteration is greedy decoding itself, so the output is lossless.
 
@@ -426,21 +511,27 @@ class Jacobi:
 
     def __init__(self, gamma: int, device):
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
-        self.gamma, self.shapes = gamma, Shapes(device)
+        self.gamma = gamma
+        self.shapes = Shapes(device)
         self.name = f"jacobi: {gamma} guesses a step"
-        self.legend, self.max_nodes, self.max_depth = ["base model", "jacobi"], 1 + gamma, gamma
+        self.legend = ["base model", "jacobi"]
+        self.max_nodes = 1 + gamma
+        self.max_depth = gamma
 
     def start(self, prompt, hidden, max_len):
         self.guesses = []
 
     def draft(self, root):
         pad = self.guesses[-1] if self.guesses else root
-        return self.shapes.draft(root, chain_nodes((self.guesses + [pad] * self.gamma)[:self.gamma], 1))
+        return self.shapes.draft(
+            root, chain_nodes((self.guesses + [pad] * self.gamma)[: self.gamma], 1)
+        )
 
     def accept(self, tokens, hidden, positions, logits):
-        # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node k;
+        # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node
+        # k;
         # the output at node k+i guesses the token i places after the bonus
-        self.guesses = logits[len(tokens):].argmax(-1).tolist()             # (m-k,)
+        self.guesses = logits[len(tokens) :].argmax(-1).tolist()  # (m-k,)
 
 
 # --- lookahead decoding --------------------------------------------------------------------------
@@ -467,85 +558,84 @@ class Lookahead:
     is (0, 0). Mask: (l, r) sees (l', r') iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
 
     def __init__(self, window: int, ngram: int, guesses: int, device):
-        assert window >= 1 and ngram >= 2 and guesses >= 1, f"need window >= 1, ngram >= 2, guesses >= 1, got {window}, {ngram}, {guesses}"
-        self.W, self.N, self.G = window, ngram, guesses
-        self.cells = [(0, r) for r in range(1, window)] + [(l, r) for l in range(1, ngram - 1) for r in range(window)]
-        index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}   # (0, 0) is the root
-        sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)   # (M, 1+M)
+        assert window >= 1 and ngram >= 2 and guesses >= 1, (
+            f"need window >= 1, ngram >= 2, guesses >= 1, got {window}, {ngram}, {guesses}"
+        )
+        self.W = window
+        self.N = ngram
+        self.G = guesses
+        self.cells = [(0, r) for r in range(1, window)] + [
+            (l, r) for l in range(1, ngram - 1) for r in range(window)
+        ]
+        index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}  # (0, 0) is the root
+        sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)  # (M, 1+M)
         for i, (level, r) in enumerate(self.cells):
-            sees[i, [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]] = True
-        depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)   # (M,)
+            sees[
+                i, [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]
+            ] = True
+        depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)  # (M,)
         self.shapes = Shapes(device, Window(sees, depth))
-        self.top = [index[ngram - 2, r] for r in range(window)]  # the top of each column, in [root, window]
+        self.top = [
+            index[ngram - 2, r] for r in range(window)
+        ]  # the top of each column, in [root, window]
         self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
-        self.legend, self.max_depth = ["base model", "lookahead"], ngram - 1
+        self.legend = ["base model", "lookahead"]
+        self.max_depth = ngram - 1
         self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
 
     def start(self, prompt, hidden, max_len):
         fill = itertools.cycle(prompt)
-        self.levels = [[next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)]
-        self.pool, self.steps = {}, 0   # first token -> the latest distinct n-grams after it, oldest first
+        self.levels = [
+            [next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)
+        ]
+        self.pool = {}  # first token -> the latest distinct n-grams after it, oldest first
+        self.steps = 0
 
     def draft(self, root):
         nodes = {}
-        for gram in reversed(self.pool.get(root, [])):  # the latest first: the verifiers try it first
+        for gram in reversed(
+            self.pool.get(root, [])
+        ):  # the latest first: the verifiers try it first
             graft(nodes, chain_nodes(list(gram), 1))
         d = self.shapes.draft(root, nodes, computed=[t for level in self.levels for t in level])
         self.n = d.candidates
         return d
 
     def accept(self, tokens, hidden, positions, logits):
-        at = [self.n + i - 1 if i else 0 for i in self.top]   # window node i follows the n candidates
-        new = logits[at].argmax(-1).tolist()             # (W,) the next token of every trajectory
+        at = [
+            self.n + i - 1 if i else 0 for i in self.top
+        ]  # window node i follows the n candidates
+        new = logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
         if self.steps >= self.N - 2:
-            starts = [tokens[0]] + self.levels[0]        # c_0 = this step's root, then the chain
+            starts = [tokens[0]] + self.levels[0]  # c_0 = this step's root, then the chain
             for r in range(self.W):
                 self._add(starts[r], tuple(level[r] for level in self.levels[1:]) + (new[r],))
         stack = self.levels + [new]
-        self.levels, self.steps = [stack[1][1:]] + stack[2:], self.steps + 1
+        self.levels = [stack[1][1:]] + stack[2:]
+        self.steps = self.steps + 1
 
     def _add(self, first, gram):
         grams = self.pool.setdefault(first, [])
         if gram in grams:
             grams.remove(gram)
         grams.append(gram)
-        del grams[:-self.G]   # keep the G latest
+        del grams[: -self.G]  # keep the G latest
 
 
-# --- PaSS: learned lookahead tokens ----------------------------------------------------------------
-# Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen (pass_tokens.py),
+# --- PaSS: learned lookahead tokens
+# ----------------------------------------------------------------
+# Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen
+# (pass_tokens.py),
 # are new tokens; appended after the sequence, the model's outputs at them guess the K tokens after
 # its next one. Here the first [LA]'s G likeliest tokens are siblings and the first of them leads a
 # chain of the other [LA]s' choices. Which node will be the last accepted is known only after the
 # step, so a group of K [LA]s (computed only) follows every node of the tree: the group after the
 # last accepted node drafts the next tree. K = 2, G = 2, depths:
-#     node    root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2    (groups after root, d1, d1', d2)
+# node    root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2    (groups after root, d1, d1',
+# d2)
 #     depth    0    1   1   2   |  1  2   |  2  3   |  2   3    |  3  4
-# The tree's mask is tree.py's; the group after node g sees what g sees, g, and its [LA]s up to itself.
-
-
-class AddedTokens(nn.Module):
-    """The model's token embedding with rows after its vocabulary: ids V, V+1, ... read `extra`."""
-
-    def __init__(self, embed: nn.Embedding, extra: torch.Tensor):
-        super().__init__()
-        self.embed, self.extra = embed, extra                       # extra (K, D): a Parameter while it trains
-
-    @property
-    def weight(self):  # what model.device and model.dtype read
-        return self.embed.weight
-
-    def forward(self, ids):
-        V = self.embed.num_embeddings
-        added = self.extra[(ids - V).clamp(0, len(self.extra) - 1)]                     # (..., D)
-        return torch.where((ids >= V)[..., None], added.to(self.weight.dtype), self.embed(ids.clamp(max=V - 1)))
-
-
-def add_tokens(model, extra) -> list:
-    """Give the model new tokens embedded as `extra` (K, D), replacing any added before; their ids."""
-    embed = getattr(model.embed_tokens, "embed", model.embed_tokens)
-    model.embed_tokens = AddedTokens(embed, extra)
-    return list(range(embed.num_embeddings, embed.num_embeddings + len(extra)))
+# The tree's mask is tree.py's; the group after node g sees what g sees, g, and its [LA]s up to
+# itself.
 
 
 class PaSS:
@@ -553,34 +643,68 @@ class PaSS:
     without [LA] outputs yet, guesses the root)."""
 
     def __init__(self, model, embeddings, gamma: int, guesses: int = 1):
-        assert 1 <= gamma <= len(embeddings) and guesses >= 1, f"need 1 <= gamma <= {len(embeddings)}, guesses >= 1"
-        K, G, dev = gamma, guesses, model.device
+        assert 1 <= gamma <= len(embeddings) and guesses >= 1, (
+            f"need 1 <= gamma <= {len(embeddings)}, guesses >= 1"
+        )
+        K = gamma
+        G = guesses
+        self.K = K
+        self.G = G
+        self.dev = model.device
+        # the tree: G first guesses side by side, then a chain under the first
         t = tree_lib.build([(r,) for r in range(G)] + [(0,) * d for d in range(2, K + 1)])
         n = t.num_nodes
-        self.la = add_tokens(model, embeddings[:K].to(dev, model.dtype)) * n
-        mask, depth = torch.zeros(n * (K + 1), n * (K + 1), dtype=torch.bool), t.depth.tolist()
+        self.tree = t.to(self.dev)
+        self.node = {p: i for i, p in enumerate([()] + t.paths)}  # path -> node index
+        # the [LA] tokens: ids past the vocabulary, embedded by the rows the model is given with
+        # them
+        V = model.embed_tokens.num_embeddings
+        self.extra = embeddings[:K].to(self.dev, model.dtype)  # (K, D): ids V .. V+K-1
+        self.la = list(range(V, V + K)) * n  # a group after each node
+        # the mask: the tree's, then each group sees what its node sees, its node, and itself
+        # causally
+        mask = torch.zeros(n * (K + 1), n * (K + 1), dtype=torch.bool)
         mask[:n, :n] = t.mask
+        depth = t.depth.tolist()
         for g in range(n):
             rows = slice(n + g * K, n + g * K + K)
-            mask[rows, :n], mask[rows, rows] = t.mask[g], torch.ones(K, K, dtype=torch.bool).tril()
+            mask[rows, :n] = t.mask[g]
+            mask[rows, rows] = torch.ones(K, K, dtype=torch.bool).tril()
             depth += range(depth[g] + 1, depth[g] + K + 1)
-        self.tree, self.node = t.to(dev), {p: i for i, p in enumerate([()] + t.paths)}    # path -> node index
-        self.mask, self.depth, self.K, self.G, self.dev = mask.to(dev), torch.tensor(depth, device=dev), K, G, dev
+        self.mask = mask.to(self.dev)
+        self.depth = torch.tensor(depth, device=self.dev)
         self.name = f"pass: {K} [LA] tokens" + (f", {G} first guesses" if G > 1 else "")
-        self.legend, self.max_nodes, self.max_depth = ["base model", "[LA] tokens"], n * (K + 1), K
+        self.legend = ["base model", "[LA] tokens"]
+        self.max_nodes = n * (K + 1)
+        self.max_depth = K
 
     def start(self, prompt, hidden, max_len):
         self.first = self.rest = None
 
     def draft(self, root):
-        self.drafted = self.first or [root] * self.G                                     # (G,)
-        rest = self.rest or [root] * (self.K - 1)                                          # (K-1,)
-        tokens = [root] + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths] + self.la
-        return Draft(torch.tensor(tokens, device=self.dev), self.tree, self.mask, self.depth, [0] + [1] * len(self.tree.paths))
+        self.drafted = self.first or [root] * self.G  # (G,)
+        rest = self.rest or [root] * (self.K - 1)  # (K-1,)
+        tokens = (
+            [root]
+            + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths]
+            + self.la
+        )
+        source = [0] + [1] * len(self.tree.paths)
+        return Draft(
+            torch.tensor(tokens, device=self.dev),
+            self.tree,
+            self.mask,
+            self.depth,
+            source,
+            extra=self.extra,
+        )
 
     def accept(self, tokens, hidden, positions, logits):
-        kept = tokens[1:]   # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
+        kept = tokens[
+            1:
+        ]  # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
         path = (self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)
-        first = self.tree.num_nodes + self.node[path] * self.K                              # its [LA] group
-        group = logits[first:first + self.K]                                                 # (K, V)
-        self.first, self.rest = group[0].topk(self.G).indices.tolist(), group[1:].argmax(-1).tolist()
+        first = self.tree.num_nodes + self.node[path] * self.K  # its [LA] group
+        group = logits[first : first + self.K]  # (K, V)
+        self.first = group[0].topk(self.G).indices.tolist()
+        self.rest = group[1:].argmax(-1).tolist()

@@ -7,7 +7,8 @@ x = x + SiLU(W x + b) and an LM head, on the target model's final (post-norm) hi
 math of heads.MedusaHeads, so the export renames tensors and writes the config:
 
     ours (heads.safetensors, the base model)      vLLM
-    blocks.{k}.{l}.linear.weight / .bias          blocks.{k}.layers.{l}.weight / .bias, medusa_fc_bias
+    blocks.{k}.{l}.linear.weight / .bias          blocks.{k}.layers.{l}.weight / .bias,
+                                                  medusa_fc_bias
     own_lm_head false: the base LM head's rows    lm_head.weight (V', D), original_lm_head: shared
     own_lm_head true: lm_head.weight[k]           lm_heads.{k}.weight (V', D)
     kept_ids (V',)                                token_map, truncated_vocab_size = V'; vLLM puts
@@ -17,21 +18,28 @@ Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), a
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
     python export.py --heads medusa --out medusa-vllm
-    vllm serve BASE --speculative-config '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
+    vllm serve BASE --speculative-config '{"method": "medusa", "model": "medusa-vllm",
+    "num_speculative_tokens": 3}'
 
 BASE is the model the heads were trained on (for the shipped heads, the folder that
-checkpoint.resolve("default") converts into ~/.cache/specdec). Test: `python -m pytest -q tests/test_export.py`.
+checkpoint.resolve("default") converts into ~/.cache/specdec). Test: `python -m pytest -q
+tests/test_export.py`.
 Shapes: D hidden, K heads, V vocabulary, V' the heads' vocabulary (V, or the kept tokens).
 """
+
 import json
 import os
+import shlex
 import sys
 
 import torch
 from safetensors.torch import save_file
 
+import catalog
 import checkpoint
 import cli
+from heads import HeadsError
+from model import lm_head_fingerprint
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -39,46 +47,76 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # --- the layout ----------------------------------------------------------------------------------
 # Pure: loaded heads in, vLLM's config and tensors out.
 
+
 def vllm_medusa(heads, dtype=torch.float16):
-    """(config.json as a dict, {name: tensor}) of Medusa heads (heads.MedusaHeads) in vLLM's layout."""
+    """(config.json as a dict, {name: tensor}) of Medusa heads (heads.MedusaHeads) in vLLM's
+    layout."""
     cfg = heads.cfg
-    rows, kept = heads.lm_head.weight.detach(), heads.kept_ids      # (V', D) shared | (K, V', D) own
+    rows, kept = heads.lm_head.weight.detach(), heads.kept_ids  # (V', D) shared | (K, V', D) own
     if kept is not None and len(kept) == cfg.vocab_size:  # vLLM reads a token_map only for V' < V
-        rows, kept = rows[..., kept.argsort(), :], None                # rows in token order: (V, D) | (K, V, D)
+        rows, kept = rows[..., kept.argsort(), :], None  # rows in token order: (V, D) | (K, V, D)
     tensors = {}
-    for k, blocks in enumerate(heads.blocks):                       # head k: num_layers ResBlocks
+    for k, blocks in enumerate(heads.blocks):  # head k: num_layers ResBlocks
         for l, block in enumerate(blocks):
-            tensors[f"blocks.{k}.layers.{l}.weight"] = block.linear.weight   # (D, D)
-            tensors[f"blocks.{k}.layers.{l}.bias"] = block.linear.bias       # (D,)
+            tensors[f"blocks.{k}.layers.{l}.weight"] = block.linear.weight  # (D, D)
+            tensors[f"blocks.{k}.layers.{l}.bias"] = block.linear.bias  # (D,)
     if cfg.own_lm_head:
-        tensors |= {f"lm_heads.{k}.weight": rows[k] for k in range(cfg.num_heads)}   # (V', D) each
+        tensors |= {f"lm_heads.{k}.weight": rows[k] for k in range(cfg.num_heads)}  # (V', D) each
     else:
-        tensors["lm_head.weight"] = rows                             # (V', D), one for every head
+        tensors["lm_head.weight"] = rows  # (V', D), one for every head
     tensors = {n: w.detach().to(dtype).contiguous() for n, w in tensors.items()}
     if kept is not None:
-        tensors["token_map"] = kept.long().contiguous()              # (V',) row i's token id
-    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": cfg.dim,
-              "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
-              "medusa_fc_bias": True, "original_lm_head": not cfg.own_lm_head,
-              "truncated_vocab_size": cfg.vocab_size if kept is None else len(kept)}
+        tensors["token_map"] = kept.long().contiguous()  # (V',) row i's token id
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": cfg.dim,
+        "vocab_size": cfg.vocab_size,
+        "num_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "medusa_fc_bias": True,
+        "original_lm_head": not cfg.own_lm_head,
+        "truncated_vocab_size": cfg.vocab_size if kept is None else len(kept),
+    }
     return config, tensors
 
 
 # --- the command line ----------------------------------------------------------------------------
 # Every refusal comes before the model loads; nothing of the user's is overwritten.
 
+
 def build_parser():
     p = cli.Parser(description=__doc__.split("\n\n")[0].strip())
     # what to export
-    p.add_argument("--model", default=checkpoint.DEFAULT, help="the base model the heads were trained on: 'default' "
-                   "(embedded SmolLM2-135M-Instruct), a local HF folder or a hub id; its LM head's rows are exported")
-    p.add_argument("--heads", default="medusa", help="medusa (shipped for the default model) or a folder of Medusa heads "
-                   "that train.py wrote")
+    p.add_argument(
+        "--model",
+        default=checkpoint.DEFAULT,
+        help="the base model the heads were trained on: 'default' "
+        "(embedded SmolLM2-135M-Instruct), a local HF folder or a hub id; its LM head's rows are "
+        "exported",
+    )
+    p.add_argument(
+        "--heads",
+        default="medusa",
+        help="medusa (shipped for the default model) or a folder of Medusa heads "
+        "that train.py wrote",
+    )
     # where to
-    p.add_argument("--to", default="vllm", choices=["vllm"], help="the serving layout: vllm (its Medusa checkpoint)")
-    p.add_argument("--out", required=True, help="a new or empty folder for config.json and model.safetensors")
-    p.add_argument("--dtype", default="fp16", choices=list(cli.DTYPES), help="dtype of the exported weights "
-                   "(vLLM casts them to the served model's dtype)")
+    p.add_argument(
+        "--to",
+        default="vllm",
+        choices=["vllm"],
+        help="the serving layout: vllm (its Medusa checkpoint)",
+    )
+    p.add_argument(
+        "--out", required=True, help="a new or empty folder for config.json and model.safetensors"
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp16",
+        choices=list(cli.DTYPES),
+        help="dtype of the exported weights (vLLM casts them to the served model's dtype)",
+    )
     return p
 
 
@@ -86,30 +124,77 @@ def refusal(folder):
     """Why heads in `folder` cannot go to vLLM's Medusa layout, or None; reads heads.json only."""
     cfg = checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
     if cfg.kind != "medusa":
-        return (f"{cfg.kind} heads read the tokens drafted before them{' and a prefix layer' * (cfg.kind == 'hydra++')}, "
-                "which vLLM's Medusa layout cannot hold; export Medusa heads (train.py --heads medusa)")
+        return (
+            f"{cfg.kind} heads read the tokens drafted before "
+            f"them{' and a prefix layer' * (cfg.kind == 'hydra++')}, "
+            "which vLLM's Medusa layout cannot hold; export Medusa heads (train.py --heads medusa)"
+        )
     if checkpoint.has_delta(folder):
-        return ("these heads were trained with a LoRA delta on the base model (joint.py), which vLLM's Medusa "
-                "layout cannot carry; export heads trained on the frozen model (train.py --heads medusa)")
+        return (
+            "these heads were trained with a LoRA delta on the base model (joint.py), which "
+            "vLLM's Medusa "
+            "layout cannot carry; export heads trained on the frozen model (train.py --heads "
+            "medusa)"
+        )
     return None
 
 
+def default_fingerprint():
+    """The embedded default model's LM-head fingerprint, as the shipped heads (trained on it) record
+    it, or None where none are shipped; found without loading the model."""
+    try:
+        shipped = os.path.join(catalog.SHIPPED, "medusa", checkpoint.HEADS_CONFIG)
+        return checkpoint.read_config(shipped).base_fingerprint
+    except HeadsError:
+        return None
+
+
+def other_model(heads_cfg, args, fingerprint):
+    """The refusal of heads trained for a base model other than --model's (LM-head `fingerprint`),
+    naming the one their heads.json records as --model would take it; None if they match."""
+    if heads_cfg.base_fingerprint == fingerprint:
+        return None
+    is_default = heads_cfg.base_fingerprint == default_fingerprint()
+    flag = checkpoint.DEFAULT if is_default else shlex.quote(heads_cfg.base_name)
+    return cli.UsageError(
+        f"--heads {args.heads}: trained for {heads_cfg.base_name} (their "
+        f"{checkpoint.HEADS_CONFIG}), not for --model {args.model}; "
+        f"pass --model {flag}"
+    )
+
+
 def main(args):
-    folder = cli.find_heads(args.heads)
+    folder = catalog.find_heads(args.heads)
     if folder is None:
-        raise cli.UsageError(f"--heads {args.heads}: no heads to export; give medusa or a folder of Medusa heads")
+        raise cli.UsageError(
+            f"--heads {args.heads}: no heads to export; give medusa or a folder of Medusa heads"
+        )
     if why := refusal(folder):
         raise cli.UsageError(f"--heads {args.heads}: {why}")
     if os.path.isdir(args.out) and os.listdir(args.out):
-        raise cli.UsageError(f"--out {args.out}: not empty; give a new or empty folder (nothing is overwritten)")
-    cli.writable_folder("--out", args.out)
-    model, _ = checkpoint.load(args.model, "cpu", torch.float32)
-    config, tensors = vllm_medusa(checkpoint.load_heads(folder, model), cli.DTYPES[args.dtype])
-    save_file(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(args.out, CONFIG), "w") as f:
-        json.dump(config, f, indent=1)
-    print(f"wrote {args.out}: {config['num_heads']} Medusa heads for vLLM, vocabulary "
-          f"{config['truncated_vocab_size']} of {config['vocab_size']}")
+        raise cli.UsageError(
+            f"--out {args.out}: not empty; give a new or empty folder (nothing is overwritten)"
+        )
+    heads_cfg = checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    if args.model == checkpoint.DEFAULT and default_fingerprint() is not None:  # known, not loaded
+        if error := other_model(heads_cfg, args, default_fingerprint()):
+            raise error
+    made = cli.new_folders(args.out)
+    cli.writable_folder("--out", args.out)  # made now: an unwritable place is found before the work
+    try:
+        model, _ = checkpoint.load(args.model, "cpu", torch.float32)
+        if error := other_model(heads_cfg, args, lm_head_fingerprint(model)):
+            raise error
+        config, tensors = vllm_medusa(checkpoint.load_heads(folder, model), cli.DTYPES[args.dtype])
+        save_file(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(args.out, CONFIG), "w") as f:
+            json.dump(config, f, indent=1)
+    finally:
+        cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
+    print(
+        f"wrote {args.out}: {config['num_heads']} Medusa heads for vLLM, vocabulary "
+        f"{config['truncated_vocab_size']} of {config['vocab_size']}"
+    )
 
 
 def cli_main(argv=None) -> int:

@@ -26,78 +26,114 @@ drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only w
 Contracts (tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
 token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
 one-token step round differently, so near-ties can flip); speculative sampling samples from the
-base model's own distribution. The command line's checks live in cli.py (tests/test_cli.py).
+base model's own distribution. The command line (flags, checks, printing, main) is the last
+section of this file (tests/test_cli.py).
 Shapes: N tree nodes, D hidden, V vocabulary.
 """
+
 import json
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+import catalog
 import checkpoint
 import cli
 import drafters as drafters_lib
 import kernels
+import tree as tree_lib
 import verify as verify_lib
 
 # --- the decode loop -----------------------------------------------------------------------------
 # Prefill once, then draft, verify and keep, one base forward a step, until EOS or the length limit.
 
+
 @dataclass
 class Result:
-    tokens: list = field(default_factory=list)    # generated ids (EOS included if reached)
-    sources: list = field(default_factory=list)   # per token: who proposed it, an index into drafter.legend (0 = the base model)
+    tokens: list = field(default_factory=list)  # generated ids (EOS included if reached)
+    sources: list = field(
+        default_factory=list
+    )  # per token: who proposed it, an index into drafter.legend (0 = the base model)
     accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
-    steps: int = 0                                 # base forward passes, the prefill included
+    steps: int = 0  # base forward passes, the prefill included
     seconds: float = 0.0
-    stopped: str = ""                              # "eos" | "length"
+    stopped: str = ""  # "eos" | "length"
 
 
 def choose_verifier(verify, temperature, top_p, generator):
     """verifier(logits (n, V), tokens (n,), draft) -> (accepted node indices, bonus token), over the
     draft's n candidates."""
-    if verify not in cli.VERIFIERS:
-        raise ValueError(f"verify={verify!r}: use one of {', '.join(cli.VERIFIERS)}")
-    if verify == "greedy" and temperature >= verify_lib.GREEDY_BELOW:
-        raise ValueError(f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}")
-    if temperature < verify_lib.GREEDY_BELOW:  # what "greedy" (checked above) and auto at temperature 0 mean
+    if verify not in verify_lib.VERIFIERS:
+        raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
+    if verify == "greedy" and not verify_lib.is_greedy(temperature):
+        raise ValueError(
+            f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
+        )
+    if verify_lib.is_greedy(
+        temperature
+    ):  # what "greedy" (checked above) and auto at temperature 0 mean
         return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
     if verify == "typical":
-        return lambda l, t, d: verify_lib.typical(l, t, d.tree, temperature, top_p, generator=generator)
+        return lambda l, t, d: verify_lib.typical(
+            l, t, d.tree, temperature, top_p, generator=generator
+        )
 
-    def sample(l, t, d):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
+    def sample(
+        l, t, d
+    ):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
         if d.probs is not None:
             return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
         return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
+
     return sample
 
 
 @torch.inference_mode()
-def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", temperature=0.0,
-             top_p=1.0, generator=None, eos_ids=(), on_tokens=None) -> Result:
+def generate(
+    model,
+    prompt,
+    max_new_tokens,
+    drafter=None,
+    verify="auto",
+    temperature=0.0,
+    top_p=1.0,
+    generator=None,
+    eos_ids=(),
+    on_tokens=None,
+) -> Result:
     """Decode up to max_new_tokens after `prompt` (list of ids), verifying what `drafter`
     proposes (HeadsDrafter or one of drafters.py; None = plain decoding). on_tokens(new_ids,
     sources) is called as tokens are produced; a source indexes drafter.legend."""
     dev = model.device
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     if not prompt or len(prompt) + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
-                         f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}")
+        raise ValueError(
+            f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
+            f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}"
+        )
     if generator is not None and generator.device.type != torch.device(dev).type:
-        raise ValueError(f"the generator is on {generator.device}, the model on {dev}: sampling needs a generator "
-                         f"made on the model's device, torch.Generator(device={str(dev)!r})")
+        raise ValueError(
+            f"the generator is on {generator.device}, the model on {dev}: sampling needs a "
+            "generator "
+            f"made on the model's device, torch.Generator(device={str(dev)!r})"
+        )
     verifier = choose_verifier(verify, temperature, top_p, generator)
     eos_ids = set(eos_ids)
     out = Result()
     t0 = time.perf_counter()
 
     def emit(new, sources):  # append, stop at EOS or the length limit; True when done
-        new, sources = new[:max_new_tokens - len(out.tokens)], sources[:max_new_tokens - len(out.tokens)]
+        new, sources = (
+            new[: max_new_tokens - len(out.tokens)],
+            sources[: max_new_tokens - len(out.tokens)],
+        )
         for i, t in enumerate(new):
             if t in eos_ids:
-                new, sources, out.stopped = new[:i + 1], sources[:i + 1], "eos"
+                new, sources, out.stopped = new[: i + 1], sources[: i + 1], "eos"
                 break
         out.tokens += new
         out.sources += sources
@@ -111,26 +147,38 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
     max_len = len(prompt) + max_new_tokens + drafter.max_nodes
     cache = model.new_cache(max_len)
     positions = torch.arange(len(prompt), device=dev)
-    logits, hidden = model(torch.tensor([prompt], device=dev), positions, None, cache, last_only=True)
+    logits, hidden = model(
+        torch.tensor([prompt], device=dev), positions, None, cache, last_only=True
+    )
     cache.keep(range(len(prompt)))
     drafter.start(prompt, hidden, max_len)
-    probs = verify_lib.logits_to_probs(logits[0, -1].float(), temperature, top_p)   # (V,)
-    root = int(verify_lib.sample(probs, generator)) if temperature > 0 else int(probs.argmax())
+    probs = verify_lib.logits_to_probs(logits[0, -1].float(), temperature, top_p)  # (V,)
+    root = (
+        int(probs.argmax())
+        if verify_lib.is_greedy(temperature)
+        else int(verify_lib.sample(probs, generator))
+    )
     out.steps = 1
     done = emit([root], [0])
 
     while not done:
-        d = drafter.draft(root)                                                     # tokens (N,), tree, ...
-        positions = cache.length + d.depth                                          # (N,)
-        logits, hidden = model(d.tokens[None], positions, d.mask, cache)            # (1, N, V), (1, N, D)
-        n = d.candidates                                          # the tree; nodes after it are computed only
-        nodes, bonus = verifier(logits[0, :n].float(), d.tokens[:n], d)             # (n, V), (n,)
-        kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()  # the root and accepted drafts, their nodes
+        d = drafter.draft(root)  # tokens (N,), tree, ...
+        positions = cache.length + d.depth  # (N,)
+        logits, hidden = model(
+            d.tokens[None], positions, d.mask, cache, extra=d.extra
+        )  # (1, N, V), (1, N, D)
+        n = d.candidates  # the tree; nodes after it are computed only
+        nodes, bonus = verifier(logits[0, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
+        kept, path = torch.stack(
+            [d.tokens[nodes], nodes]
+        ).tolist()  # the root and accepted drafts, their nodes
         cache.keep(path)  # slots [0, length): the prompt and every emitted token but the bonus
         out.steps += 1
         before = len(out.tokens)
         done = emit(kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0])
-        out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))          # drafts emitted (EOS, length)
+        out.accepted.append(
+            min(len(nodes) - 1, len(out.tokens) - before)
+        )  # drafts emitted (EOS, length)
         if not done:
             drafter.accept(kept, hidden[:, nodes], positions[nodes], logits[0])
         root = bonus
@@ -138,66 +186,574 @@ def generate(model, prompt, max_new_tokens, drafter=None, verify="auto", tempera
     return out
 
 
-# --- the command line ----------------------------------------------------------------------------
-# cli.py defines the flags (generate_parser) and checks what was typed (everything that needs no
-# model before one loads); main() runs it.
+# --- command line --------------------------------------------------------------------------------
+# The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
+# what is printed, and main(), which turns the flags into plain values for the functions above.
+# stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
+
+MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
+
 
 def build_parser():
-    return cli.generate_parser(__doc__.split("\n\n")[0].strip())
+    p = cli.Parser(description=__doc__.split("\n\n")[0].strip())
+    # what to say
+    p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
+    p.add_argument(
+        "--prompts", help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt'
+    )
+    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    # the model and the drafter
+    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
+    p.add_argument(
+        "--draft",
+        default="heads",
+        help="who proposes the tokens the model verifies: heads (the --heads below; none = plain "
+        "decoding) | "
+        "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the "
+        "reply) | heads+lookup (both, in one tree) | "
+        "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) "
+        "| jacobi (the model's own outputs "
+        "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi "
+        "iterations, lookahead decoding) | pass or "
+        "pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); jacobi, "
+        "lookahead and pass take the settings "
+        "bench.py --tune-parallel saved for this machine where no flag sets them",
+    )
+    p.add_argument(
+        "--heads",
+        default="auto",
+        help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
+        "the default model) | "
+        "a heads folder (train.py's or joint.py's --out; joint.py's medusa-2 and hydra++-2 heads "
+        "adapt the model's last layers, "
+        "merged in at load); auto = hydra++ if shipped for this model, else none",
+    )
+    p.add_argument(
+        "--tree",
+        default="auto",
+        help='with heads: chain:N | cartesian:4,3,2 | a tree JSON file {"paths": [[0], [0, 1], '
+        "...]}, at most as deep as there are heads; auto = the tree saved with the heads "
+        "(tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, "
+        "else tree.json), else a chain as deep as the heads",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --draft model: a Llama-family folder or hub id with the same tokenizer as "
+        "--model",
+    )
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="tokens drafted a step by lookup, layers:N, model, jacobi (its m guesses) and pass "
+        "(its K [LA] tokens); unless given: "
+        + ", ".join(f"{k} {v['gamma']}" for k, v in catalog.DRAFT_DEFAULTS.items() if "gamma" in v),
+    )
+    p.add_argument(
+        "--ngram",
+        type=int,
+        default=None,
+        help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
+        "length N, "
+        "first token included, = the window's levels + 1; unless given: "
+        + ", ".join(f"{k} {v['ngram']}" for k, v in catalog.DRAFT_DEFAULTS.items() if "ngram" in v),
+    )
+    p.add_argument(
+        "--matches",
+        type=int,
+        default=None,
+        help="lookup: propose this many distinct continuations, a tree when > 1; unless given: "
+        f"{catalog.DRAFT_DEFAULTS['lookup']['matches']}",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="lookahead: W, the Jacobi trajectories computed a step; unless given: "
+        f"{catalog.DRAFT_DEFAULTS['lookahead']['window']}",
+    )
+    p.add_argument(
+        "--guesses",
+        type=int,
+        default=None,
+        help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] "
+        "token's "
+        "G likeliest tokens, verified side by side; unless given: lookahead "
+        f"{catalog.DRAFT_DEFAULTS['lookahead']['guesses']}, pass "
+        f"{catalog.DRAFT_DEFAULTS['pass']['guesses']}",
+    )
+    # decoding
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="generate at most this many tokens; prompt + these must fit the model's context "
+        f"(default: {MAX_NEW_TOKENS}, "
+        "or what the context leaves after the prompt, with a notice)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is "
+        "greedy too "
+        "(the probabilities are one-hot there, and overflow far below it)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument(
+        "--verify",
+        default="auto",
+        choices=verify_lib.VERIFIERS,
+        help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: "
+        "the tree rule, or Leviathan's "
+        "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
+        "At --temperature 0, sample and typical reduce to greedy and give exactly its output",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed for sampling: same seed, same flags, same machine -> same output",
+    )
+    # machine
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    cli.threads_flag(p)
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=cli.QUANTIZE,
+        help="the base model's linear layers on fp16 weights multiplied in fp32 "
+        "(a CPU's fbgemm kernel, faster for one row), or on weight-only int8 (one scale per "
+        "output channel) or int4 (a scale and a zero "
+        "per 32 inputs: fewer bytes to read a step); heads and KV cache as they are",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 "
+        "kernels, AVX-512 and newer, "
+        "but fp32 under --quantize fp16; else fp32) | fp32 | bf16 | fp16",
+    )
+    # output
+    p.add_argument(
+        "--show",
+        action="store_true",
+        help="colour each token by who proposed it (draft head k, lookup, the draft model or "
+        "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a "
+        "terminal",
+    )
+    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
+    return p
+
+
+def flags_without_effect(args, parser):
+    """One remark for each flag set away from its default that the chosen mode ignores."""
+    changed = lambda name: getattr(args, name) != parser.get_default(name)
+    ignored = []
+    if verify_lib.is_greedy(args.temperature):
+        ignored += [
+            f"--{n.replace('_', '-')} has no effect at --temperature 0 (greedy decoding)"
+            for n in ("top_p", "seed")
+            if changed(n)
+        ]
+        if args.verify in ("sample", "typical"):
+            ignored.append(
+                f"--verify {args.verify} at --temperature 0 is greedy verification (same output)"
+            )
+    if args.heads == "none" and args.draft == "heads" and changed("verify"):
+        ignored.append("--verify has no effect without a drafter (--heads none)")
+    if args.raw and args.system is not None:
+        ignored.append("--system has no effect with --raw (no chat template)")
+    if args.show and args.quiet:
+        ignored.append("--show has no effect with --quiet (no text is printed)")
+    elif args.show and not sys.stdout.isatty():
+        ignored.append(
+            "--show colours only a terminal; stdout is not one, so the text is written plain"
+        )
+    return ignored
+
+
+def check_args(args, parser):
+    """The checks that need no model; remarks for flags without effect. Returns --draft's kind,
+    its argument (N of layers:N, pass's folder) and its drafter's settings."""
+    if args.prompt is None and args.prompts is None:
+        raise cli.UsageError('give a --prompt "..." or a --prompts FILE.jsonl')
+    if args.prompt is not None and args.prompts is not None:
+        raise cli.UsageError("give either --prompt or --prompts, not both")
+    if args.prompt is not None and not args.prompt.strip():
+        raise cli.UsageError("the prompt is empty; pass some text with --prompt")
+    for flag in ("prompt", "system"):
+        if getattr(args, flag) is not None:
+            cli.check_text(getattr(args, flag), f"--{flag}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise cli.UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise cli.UsageError(
+            f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)"
+        )
+    if 0 < args.temperature and verify_lib.is_greedy(args.temperature):
+        cli.notice(
+            f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: decoding "
+            "greedily, as at 0"
+        )
+    if not 0 < args.top_p <= 1:
+        raise cli.UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.verify == "greedy" and not verify_lib.is_greedy(args.temperature):
+        raise cli.UsageError(
+            "--verify greedy decodes at temperature 0; drop --temperature or use --verify sample"
+        )
+    cli.check_seed(args.seed)
+    if args.heads == "none" and args.tree != "auto":
+        raise cli.UsageError("--tree needs draft heads; drop --tree or pass --heads")
+    kind, arg = catalog.parse_draft(args.draft)
+    given = {
+        k: getattr(args, k)
+        for k in ("gamma", "ngram", "matches", "window", "guesses")
+        if getattr(args, k) is not None
+    }
+    settings = catalog.draft_settings(kind, args.draft, given)
+    check_drafter_flags(kind, args.draft, args.heads, args.tree, args.draft_model)
+    if args.out:
+        cli.writable_file("--out", args.out, "replies.jsonl")
+        if (
+            args.prompts
+            and os.path.isfile(args.out)
+            and os.path.isfile(args.prompts)
+            and os.path.samefile(args.out, args.prompts)
+        ):
+            raise cli.UsageError(
+                f"--out {args.out} is the --prompts file: the replies would overwrite the "
+                "prompts; give another --out"
+            )
+    cli.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
+    if args.tree != "auto":
+        catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
+    catalog.find_heads(args.heads)
+    for message in flags_without_effect(args, parser):
+        cli.notice(message)
+    return kind, arg, settings
+
+
+def check_drafter_flags(kind, spec, heads, tree, draft_model):
+    """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
+    if kind not in ("heads", "heads+lookup") and tree != "auto":
+        raise cli.UsageError(
+            f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use --draft "
+            "heads or heads+lookup"
+        )
+    if kind not in ("heads", "heads+lookup") and heads != "auto":
+        raise cli.UsageError(
+            f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
+            "heads or heads+lookup"
+        )
+    if kind == "heads+lookup" and heads == "none":
+        raise cli.UsageError(
+            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
+        )
+    if kind == "model" and not draft_model:
+        raise cli.UsageError(
+            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
+            "same tokenizer as --model"
+        )
+    if kind != "model" and draft_model:
+        raise cli.UsageError(
+            f"--draft-model is used by --draft model, not --draft {spec}; add --draft model or "
+            "drop --draft-model"
+        )
+
+
+def load_drafter(
+    kind,
+    arg,
+    spec,
+    settings,
+    given,
+    heads_name,
+    tree_spec,
+    draft_model_name,
+    quantize,
+    model,
+    tokenizer,
+    temperature,
+    top_p,
+    generator,
+):
+    """The drafter --draft names, once the model is loaded: heads, their tree, a draft model,
+    checked against the model. Drafts are sampled at `temperature` where the rule needs it."""
+    heads, heads_folder = (
+        catalog.load_heads(heads_name, model) if kind in ("heads", "heads+lookup") else (None, None)
+    )
+    tree = catalog.load_tree(tree_spec, heads, heads_folder, quantize)
+    if kind == "heads+lookup" and heads is None:
+        raise cli.UsageError(
+            f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
+            "train.py and "
+            "pass --heads FOLDER, or use --draft lookup"
+        )
+    if kind == "layers" and arg >= model.cfg.n_layers:
+        raise cli.UsageError(
+            f"--draft {spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
+            f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
+        )
+    draft_model = None
+    if kind == "model":
+        draft_model = catalog.load_draft_model(
+            draft_model_name, model, tokenizer, model.device, model.dtype
+        )
+    if (
+        kind in catalog.PARALLEL
+    ):  # what bench.py --tune-parallel chose for this machine, under the flags given
+        settings = settings | catalog.tuned_parallel(catalog.SHIPPED, model, kind) | given
+        catalog.check_sizes(kind, settings, "--")
+    drafter = catalog.make_drafter(
+        kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator
+    )
+    if drafter.max_nodes > tree_lib.MAX_NODES:
+        raise cli.UsageError(
+            f"--draft {spec}: trees of up to {drafter.max_nodes} nodes, over "
+            f"MAX_NODES={tree_lib.MAX_NODES}; "
+            "use a smaller --tree or --gamma"
+        )
+    return drafter
+
+
+def encode_prompts(prompts, tokenizer, system, raw, max_new_tokens, context, one=True):
+    """[(id, token ids, most new tokens)] of the prompts: `max_new_tokens` where given (it must fit
+    the model's context after the prompt), else MAX_NEW_TOKENS or what the context leaves. `one`:
+    the --prompt, not a --prompts file (for the messages)."""
+    if not raw and not tokenizer.chat_template:
+        cli.notice(
+            "the model's tokenizer has no chat template: the prompt is given as plain text (as "
+            "with --raw)"
+        )
+    encoded = []
+    for pid, text, _ in prompts:
+        ids = checkpoint.encode(tokenizer, text, system, raw)
+        which = "the prompt" if one else f"prompt {pid}"
+        room = context - len(ids)
+        if room < 1:
+            raise cli.UsageError(
+                f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and "
+                "reply together); shorten it"
+            )
+        if max_new_tokens is not None and max_new_tokens > room:
+            raise cli.UsageError(
+                f"--max-new-tokens {max_new_tokens}: {which} ({len(ids)} tokens) leaves room for "
+                f"{room} in the model's context of {context}; ask for at most {room}"
+            )
+        if max_new_tokens is None and MAX_NEW_TOKENS > room:
+            cli.notice(
+                f"{which} ({len(ids)} tokens) leaves room for {room} new tokens in the model's "
+                f"context of {context}: "
+                f"generating at most {room}"
+            )
+        encoded.append((pid, ids, max_new_tokens or min(MAX_NEW_TOKENS, room)))
+    return encoded
+
+
+# what is printed
+
+COLOURS = [
+    "\033[0m",
+    "\033[32m",
+    "\033[33m",
+    "\033[36m",
+    "\033[35m",
+    "\033[34m",
+    "\033[31m",
+]  # base, then drafter.legend[1:]
+
+
+def legend_line(drafter):
+    return (
+        "[--show: plain = the base model's own token, "
+        + ", ".join(
+            f"{COLOURS[min(s, len(COLOURS) - 1)]}{who}{COLOURS[0]}"
+            for s, who in enumerate(drafter.legend)
+            if s
+        )
+        + " = proposed by it]"
+    )
+
+
+class Printer:
+    """Streams decoded text to stdout; holds back an incomplete UTF-8 character. show: colour
+    codes."""
+
+    def __init__(self, tokenizer, show):
+        self.tok = tokenizer
+        self.show = show
+        self.ids = []
+        self.printed = ""
+
+    def __call__(self, new, sources):
+        for t, s in zip(new, sources):
+            self.ids.append(t)
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            piece, self.printed = text[len(self.printed) :], text
+            if piece:
+                sys.stdout.write(
+                    COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0]
+                    if self.show and s
+                    else piece
+                )
+        sys.stdout.flush()
+
+
+def acceptance_by_depth(accepted, max_depth):
+    """Fraction of speculative steps whose accepted path reached depth d, for d = 1..max_depth."""
+    steps = max(len(accepted), 1)
+    return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
+
+
+def stats_line(r, max_depth):
+    """generate.py's statistics of a Result."""
+    n = len(r.tokens)
+    line = (
+        f"[{n} new token{'s' * (n != 1)}, {r.steps} step{'s' * (r.steps != 1)}, tau "
+        f"{n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
+    )
+    if max_depth:
+        line += ", accepted by depth " + " ".join(
+            f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth)
+        )
+    return line + "]"
+
+
+def open_output(path):
+    """--out, opened for writing (None: no file)."""
+    try:
+        return open(path, "w", encoding="utf-8") if path else None
+    except OSError as e:
+        raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
 
 
 def main(args):
-    kind, arg, settings = cli.check_generate_args(args, build_parser())
+    kind, arg, settings = check_args(args, build_parser())
+    given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
     device = cli.pick_device(args.device)
     dtype = cli.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
+    threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
-    show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never into a file or a pipe
+    show = (
+        args.show and sys.stdout.isatty()
+    )  # colour codes only on a terminal, never into a file or a pipe
+    temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
+    sampled = temperature > 0 and args.verify in (
+        "auto",
+        "sample",
+    )  # drafts for Leviathan's rule, else greedy ones
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels.quantize(model, args.quantize)
     if args.quantize == "fp16" and not kernels.fp16_rows_alone():
-        cli.notice("fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other rows "
-                   "beside it: greedy speculative output may part from plain greedy output on fp16 weights; "
-                   "--quantize none keeps them identical")
+        cli.notice(
+            "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
+            "rows "
+            "beside it: greedy speculative output may part from plain greedy output on fp16 "
+            "weights; "
+            "--quantize none keeps them identical"
+        )
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    drafter = cli.generate_drafter(args, kind, arg, settings, model, tokenizer, generator)
-    encoded = cli.encode_prompts(prompts, tokenizer, args, model.cfg.max_seq_len)
-    eos = cli.eos_ids(model, tokenizer)
-    writer = cli.open_output(args.out)
+    drafter = load_drafter(
+        kind,
+        arg,
+        args.draft,
+        settings,
+        given,
+        args.heads,
+        args.tree,
+        args.draft_model,
+        args.quantize,
+        model,
+        tokenizer,
+        temperature if sampled else 0.0,
+        args.top_p,
+        generator,
+    )
+    encoded = encode_prompts(
+        prompts,
+        tokenizer,
+        args.system,
+        args.raw,
+        args.max_new_tokens,
+        model.cfg.max_seq_len,
+        one=args.prompts is None,
+    )
+    eos = checkpoint.eos_ids(model, tokenizer)
+    writer = open_output(args.out)
     weights = "" if args.quantize == "none" else f", {args.quantize} weights"
-    print(f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, {drafter.name}]", file=sys.stderr)
+    on = f", {threads} thread{'s' * (threads != 1)}" if threads else ""
+    print(
+        f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, "
+        f"{drafter.name}{on}]",
+        file=sys.stderr,
+    )
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
-        print(cli.legend_line(drafter), file=sys.stderr)
+        print(legend_line(drafter), file=sys.stderr)
     total = Result()
     try:
         for pid, ids, max_new_tokens in encoded:
-            printer = None if args.quiet else cli.Printer(tokenizer, show)
-            r = generate(model, ids, max_new_tokens, drafter, args.verify, args.temperature,
-                         args.top_p, generator, eos, printer)
+            printer = None if args.quiet else Printer(tokenizer, show)
+            r = generate(
+                model,
+                ids,
+                max_new_tokens,
+                drafter,
+                args.verify,
+                temperature,
+                args.top_p,
+                generator,
+                eos,
+                printer,
+            )
             if printer:
                 print()
-            print(cli.stats_line(r, drafter.max_depth), file=sys.stderr)
+            print(stats_line(r, drafter.max_depth), file=sys.stderr)
             total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
             total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
             if writer:
-                writer.write(json.dumps({"id": pid, "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                                         "token_ids": r.tokens, "new_tokens": len(r.tokens), "steps": r.steps,
-                                         "seconds": round(r.seconds, 4)}) + "\n")
+                writer.write(
+                    json.dumps(
+                        {
+                            "id": pid,
+                            "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                            "token_ids": r.tokens,
+                            "new_tokens": len(r.tokens),
+                            "steps": r.steps,
+                            "seconds": round(r.seconds, 4),
+                        }
+                    )
+                    + "\n"
+                )
                 writer.flush()
     finally:
         if writer:
             writer.close()
     if len(encoded) > 1:
-        print("[all prompts: " + cli.stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
+        print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
 
 
 def cli_main(argv=None) -> int:
-    """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit 130."""
-    return cli.run(main, build_parser(), argv, "[interrupted by Ctrl-C; the text above is what was generated so far]")
+    """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit
+    130."""
+    return cli.run(
+        main,
+        build_parser(),
+        argv,
+        "[interrupted by Ctrl-C; the text above is what was generated so far]",
+    )
 
 
 if __name__ == "__main__":
-    sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
+    sys.stdout.reconfigure(
+        errors="replace"
+    )  # a terminal that cannot show a character gets '?', not a crash
     sys.exit(cli_main())

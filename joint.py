@@ -16,14 +16,17 @@ the model it was:
 To fit a CPU only the last --layers decoder layers are adapted: the residual stream entering them
 is computed once per run, with the teacher's top-k, so a training step runs those layers and the
 heads, not the whole model. The result is a heads folder with lora.safetensors and lora.json
-beside the heads: cli.load_heads merges the delta into the base model's weights at load (decoding
+beside the heads: catalog.load_heads merges the delta into the base model's weights at load
+(decoding
 costs nothing more), so `--heads FOLDER` decodes with the adapted model and `--heads none` is the
-original one. Greedy speculative decoding is lossless against the adapted model (tests/test_joint.py).
+original one. Greedy speculative decoding is lossless against the adapted model
+(tests/test_joint.py).
 
     python joint.py --init weights/smollm2-135m-instruct/medusa --out medusa-2
 
 Test: `python -m pytest -q tests/test_joint.py`. Shapes: B batch, T time, D hidden, r LoRA rank.
 """
+
 import hashlib
 import json
 import math
@@ -35,6 +38,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+import catalog
 import checkpoint
 import cli
 import dataset
@@ -42,11 +46,20 @@ import kernels
 import model as model_lib
 import train
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
-# --- LoRA ------------------------------------------------------------------------------------------
+# --- LoRA
+# ------------------------------------------------------------------------------------------
+
 
 class LoRA(nn.Module):
     """y = W x + (alpha / r) B A x around a frozen linear layer W; B starts at zero, so y = W x."""
@@ -54,8 +67,10 @@ class LoRA(nn.Module):
     def __init__(self, linear: nn.Linear, rank: int, alpha: float):
         super().__init__()
         self.linear = linear.requires_grad_(False)
-        self.A = nn.Parameter(torch.randn(rank, linear.in_features) / math.sqrt(linear.in_features))  # (r, in)
-        self.B = nn.Parameter(torch.zeros(linear.out_features, rank))                                 # (out, r)
+        self.A = nn.Parameter(
+            torch.randn(rank, linear.in_features) / math.sqrt(linear.in_features)
+        )  # (r, in)
+        self.B = nn.Parameter(torch.zeros(linear.out_features, rank))  # (out, r)
         self.scale = alpha / rank
 
     def forward(self, x):
@@ -63,21 +78,24 @@ class LoRA(nn.Module):
 
 
 class Adapted(nn.Module):
-    """The base model's last `num_layers` decoder layers with LoRA on every projection, and its final
+    """The base model's last `num_layers` decoder layers with LoRA on every projection, and its
+    final
     norm: the residual stream entering them (B, T, D) -> the final hidden state (B, T, D)."""
 
     def __init__(self, base, num_layers: int, rank: int, alpha: float):
         super().__init__()
         cfg = base.cfg
-        self.first = cfg.n_layers - num_layers                      # index of the first adapted layer
+        self.first = cfg.n_layers - num_layers  # index of the first adapted layer
         self.layers = nn.ModuleList()
-        for layer in base.layers[self.first:]:
+        for layer in base.layers[self.first :]:
             block = model_lib.Block(cfg).to(dtype=torch.float32)
             block.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
             block.requires_grad_(False)
             for path in PROJECTIONS:
                 parent, _, name = path.rpartition(".")
-                setattr(block.get_submodule(parent), name, LoRA(block.get_submodule(path), rank, alpha))
+                setattr(
+                    block.get_submodule(parent), name, LoRA(block.get_submodule(path), rank, alpha)
+                )
             self.layers.append(block)
         self.norm = model_lib.RMSNorm(cfg.dim, cfg.norm_eps).requires_grad_(False)
         self.norm.weight.data.copy_(base.norm.weight.float())
@@ -88,29 +106,50 @@ class Adapted(nn.Module):
         T = x.shape[1]
         positions = torch.arange(T, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
-        mask = model_lib.attention_mask(T, 0, None, None, x.device)  # causal; right padding is never seen
+        mask = model_lib.attention_mask(
+            T, 0, None, None, x.device
+        )  # causal; right padding is never seen
         for layer in self.layers:
             x = layer(x, cos, sin, mask, None)
-        return self.norm(x)                                           # (B, T, D)
+        return self.norm(x)  # (B, T, D)
 
     def deltas(self):
         """{f"{layer}.{projection}": (A, B)} with the base model's layer numbers."""
-        return {f"{self.first + i}.{path}": block.get_submodule(path) for i, block in enumerate(self.layers) for path in PROJECTIONS}
+        return {
+            f"{self.first + i}.{path}": block.get_submodule(path)
+            for i, block in enumerate(self.layers)
+            for path in PROJECTIONS
+        }
 
 
-# --- the delta on disk (checkpoint.merge_delta merges it into a base model at load) -----------------
+# --- the delta on disk (checkpoint.merge_delta merges it into a base model at load)
+# -----------------
+
 
 def save_delta(adapted, folder, base):
     tensors = {}
     for key, lora in adapted.deltas().items():
-        tensors[key + ".A"], tensors[key + ".B"] = lora.A.detach().half().contiguous(), lora.B.detach().half().contiguous()
+        tensors[key + ".A"], tensors[key + ".B"] = (
+            lora.A.detach().half().contiguous(),
+            lora.B.detach().half().contiguous(),
+        )
     save_file(tensors, os.path.join(folder, checkpoint.DELTA))
     with open(os.path.join(folder, checkpoint.DELTA_CONFIG), "w") as f:
-        json.dump({"first_layer": adapted.first, "rank": adapted.rank, "alpha": adapted.alpha,
-                   "base_fingerprint": model_lib.lm_head_fingerprint(base)}, f, indent=1)
+        json.dump(
+            {
+                "first_layer": adapted.first,
+                "rank": adapted.rank,
+                "alpha": adapted.alpha,
+                "base_fingerprint": model_lib.lm_head_fingerprint(base),
+            },
+            f,
+            indent=1,
+        )
 
 
-# --- data: the residual stream entering the adapted layers, and the teacher -------------------------
+# --- data: the residual stream entering the adapted layers, and the teacher
+# -------------------------
+
 
 @torch.inference_mode()
 def joint_data(model, convs, first, top_k):
@@ -121,13 +160,16 @@ def joint_data(model, convs, first, top_k):
     cols = {"ids": [], "loss": [], "hidden": [], "top_ids": [], "top_p": []}
     try:
         for ids, loss in convs:
-            logits, _ = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device))
-            top = logits[0].float().softmax(-1).topk(top_k, dim=-1)                         # (T, k)
+            logits, _ = model(
+                torch.tensor([ids], device=model.device),
+                torch.arange(len(ids), device=model.device),
+            )
+            top = logits[0].float().softmax(-1).topk(top_k, dim=-1)  # (T, k)
             top_p = top.values.clone()
-            top_p[-1] = 0                                        # the last position's next token is not in the data
+            top_p[-1] = 0  # the last position's next token is not in the data
             cols["ids"].append(torch.tensor(ids))
             cols["loss"].append(torch.tensor(loss, dtype=torch.bool))
-            cols["hidden"].append(caught["x"][0].half().cpu())                              # (T, D)
+            cols["hidden"].append(caught["x"][0].half().cpu())  # (T, D)
             cols["top_ids"].append(top.indices.cpu())
             cols["top_p"].append(top_p.half().cpu())
     finally:
@@ -138,24 +180,44 @@ def joint_data(model, convs, first, top_k):
     return data
 
 
-# --- the loss ----------------------------------------------------------------------------------------
+# --- the loss
+# ----------------------------------------------------------------------------------------
+
 
 def joint_loss(adapted, heads, batch, lm_rows, heads_weight, decay, dtype):
-    """(total, distillation, heads) of a collated batch whose "hidden" is the adapted layers' input."""
-    h = adapted(batch["hidden"].float())                                              # (B, T, D)
-    seen = batch["top_p"][..., 0] > 0                                                 # (B, T) a teacher was recorded
-    distill = kernels.fused_batch_loss("teacher", h[seen], lm_rows, None, batch["top_ids"][seen], batch["top_p"][seen], None, dtype)
+    """(total, distillation, heads) of a collated batch whose "hidden" is the adapted layers'
+    input."""
+    h = adapted(batch["hidden"].float())  # (B, T, D)
+    seen = batch["top_p"][..., 0] > 0  # (B, T) a teacher was recorded
+    distill = kernels.fused_batch_loss(
+        "teacher", h[seen], lm_rows, None, batch["top_ids"][seen], batch["top_p"][seen], None, dtype
+    )
     z, j, top_ids, top_p, target, _ = train.head_states(heads, {**batch, "hidden": h})
-    per_head = [kernels.fused_batch_loss("teacher", z[j == d], heads.lm_head.weight, None, top_ids[j == d], top_p[j == d], None, dtype)
-                for d in range(heads.cfg.num_heads)]
-    heads_loss = sum(decay ** d * loss for d, loss in enumerate(per_head))
+    per_head = [
+        kernels.fused_batch_loss(
+            "teacher",
+            z[j == d],
+            heads.lm_head.weight,
+            None,
+            top_ids[j == d],
+            top_p[j == d],
+            None,
+            dtype,
+        )
+        for d in range(heads.cfg.num_heads)
+    ]
+    heads_loss = sum(decay**d * loss for d, loss in enumerate(per_head))
     return distill + heads_weight * heads_loss, distill, heads_loss
 
 
 @torch.no_grad()
 def final_hidden(adapted, data, convs):
     """The data of `convs` alone, "hidden" now the adapted model's final hidden state."""
-    off, parts, cols = data["offsets"], [], {k: [] for k in ("ids", "loss", "top_ids", "top_p", "teacher_top1")}
+    off, parts, cols = (
+        data["offsets"],
+        [],
+        {k: [] for k in ("ids", "loss", "top_ids", "top_p", "teacher_top1")},
+    )
     for i in convs:
         a, e = int(off[i]), int(off[i + 1])
         parts.append(adapted(data["hidden"][a:e].float()[None])[0].half())
@@ -173,50 +235,91 @@ def quality(base, sub):
     agreement over the whole vocabulary, and KL(original || adapted) over the teacher's top-k with
     the rest lumped together (a lower bound of the full KL)."""
     seen = sub["top_p"][:, 0] > 0
-    h, top_ids, p = sub["hidden"][seen].float(), sub["top_ids"][seen].long(), sub["top_p"][seen].float()
+    h, top_ids, p = (
+        sub["hidden"][seen].float(),
+        sub["top_ids"][seen].long(),
+        sub["top_p"][seen].float(),
+    )
     agree, kl = 0, 0.0
     for a in range(0, len(h), 1024):
-        logq = (h[a:a + 1024] @ base.lm_head.weight.float().T).log_softmax(-1)          # (R, V)
-        agree += int((logq.argmax(-1) == top_ids[a:a + 1024, 0]).sum())
-        pk, qk = p[a:a + 1024], logq.gather(1, top_ids[a:a + 1024]).exp()
+        logq = (h[a : a + 1024] @ base.lm_head.weight.float().T).log_softmax(-1)  # (R, V)
+        agree += int((logq.argmax(-1) == top_ids[a : a + 1024, 0]).sum())
+        pk, qk = p[a : a + 1024], logq.gather(1, top_ids[a : a + 1024]).exp()
         rest_p, rest_q = (1 - pk.sum(-1)).clamp(min=1e-9), (1 - qk.sum(-1)).clamp(min=1e-9)
-        kl += float((pk * (pk.clamp(min=1e-9) / qk.clamp(min=1e-9)).log()).sum() + (rest_p * (rest_p / rest_q).log()).sum())
-    return {"greedy_agreement": agree / max(len(h), 1), "kl_topk": kl / max(len(h), 1), "positions": len(h)}
+        kl += float(
+            (pk * (pk.clamp(min=1e-9) / qk.clamp(min=1e-9)).log()).sum()
+            + (rest_p * (rest_p / rest_q).log()).sum()
+        )
+    return {
+        "greedy_agreement": agree / max(len(h), 1),
+        "kl_topk": kl / max(len(h), 1),
+        "positions": len(h),
+    }
 
 
-# --- training ----------------------------------------------------------------------------------------
+# --- training
+# ----------------------------------------------------------------------------------------
+
 
 def evaluate(adapted, heads, base, data, held_out, to_kept, args):
     """Held-out chain tau and per-head top-1 of the heads on the adapted model, and its quality."""
     sub = final_hidden(adapted.eval(), data, held_out)
-    report = train.evaluate(heads.eval(), sub, list(range(len(held_out))), to_kept, args, base.device)
+    report = train.evaluate(
+        heads.eval(), sub, list(range(len(held_out))), to_kept, args, base.device
+    )
     adapted.train(), heads.train()
     return {**report, **quality(base, sub)}
 
 
 def report_line(step, r):
-    return (f"[joint step {step}] chain tau {r['chain_tau']:.3f}, top1 " + " ".join(f"{a:.3f}" for a in r["top1"])
-            + f" | greedy agreement {r['greedy_agreement']:.4f}, KL {r['kl_topk']:.4f}")
+    return (
+        f"[joint step {step}] chain tau {r['chain_tau']:.3f}, top1 "
+        + " ".join(f"{a:.3f}" for a in r["top1"])
+        + f" | greedy agreement {r['greedy_agreement']:.4f}, KL {r['kl_topk']:.4f}"
+    )
 
 
 def run(args):
-    """Joint training as the flags say; writes --out (heads, delta, eval.json) and returns the report."""
+    """Joint training as the flags say; writes --out (heads, delta, eval.json) and returns the
+    report."""
     device = torch.device(cli.pick_device(args.device))
+    if device.type == "cpu":
+        cli.use_threads(args.threads)
     base, _ = checkpoint.load(args.model, device, torch.float32)
     if args.layers >= base.cfg.n_layers:
-        raise cli.UsageError(f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most {base.cfg.n_layers - 1}")
-    heads = checkpoint.load_heads(cli.find_heads(args.init, "--init"), base)
+        raise cli.UsageError(
+            f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most "
+            f"{base.cfg.n_layers - 1}"
+        )
+    heads = checkpoint.load_heads(catalog.find_heads(args.init, "--init"), base)
     kernels.use(heads, kernels.Kernels())  # the readable path: these weights will change
     if heads.kept_ids is None:
-        raise cli.UsageError(f"--init {args.init}: heads over the whole vocabulary; give heads trained with --kept-tokens")
+        raise cli.UsageError(
+            f"--init {args.init}: heads over the whole vocabulary; give heads trained with "
+            "--kept-tokens"
+        )
     convs = dataset.read_conversations(args.data)
-    held_out, train_convs = train.split(len(convs), args.seed)     # train.py's split: --init's heads never saw held_out
-    held_out, train_convs = held_out[:args.eval_conversations], train_convs[:args.conversations]
+    held_out, train_convs = train.split(
+        len(convs), args.seed
+    )  # train.py's split: --init's heads never saw held_out
+    held_out, train_convs = held_out[: args.eval_conversations], train_convs[: args.conversations]
     first = base.cfg.n_layers - args.layers
     writer = train.data_model(base, args.dtype)
-    key = {"model": base.cfg.name, "lm_head": model_lib.lm_head_fingerprint(base), "data": dataset.file_digest(args.data),
-           "convs": train_convs + held_out, "first": first, "teacher_k": args.teacher_k, "dtype": str(writer.dtype)}
-    cached = os.path.join(checkpoint.cache_root(), "joint", hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".safetensors")
+    # the model by its weights, not by how --model was typed (dataset.weights_digest)
+    key = {
+        "weights": dataset.weights_digest(base),
+        "lm_head": model_lib.lm_head_fingerprint(base),
+        "data": dataset.file_digest(args.data),
+        "convs": train_convs + held_out,
+        "first": first,
+        "teacher_k": args.teacher_k,
+        "dtype": str(writer.dtype),
+    }
+    cached = os.path.join(
+        cli.cache_root(),
+        "joint",
+        hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".safetensors",
+    )
     t0 = time.time()
     if os.path.exists(cached):  # the same model, data, split and layer: computed by an earlier run
         data = load_file(cached)
@@ -225,23 +328,50 @@ def run(args):
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         save_file(data, cached + ".tmp")
         os.replace(cached + ".tmp", cached)
-    print(f"[joint] {len(train_convs)} + {len(held_out)} conversations, {len(data['ids'])} tokens: the stream into "
-          f"layer {first} and the teacher in {time.time() - t0:.0f} s (kept in {cached})", file=sys.stderr, flush=True)
+    print(
+        f"[joint] {len(train_convs)} + {len(held_out)} conversations, {len(data['ids'])} tokens: "
+        "the stream into "
+        f"layer {first} and the teacher in {time.time() - t0:.0f} s (kept in {cached})",
+        file=sys.stderr,
+        flush=True,
+    )
     del writer
-    trained, held = list(range(len(train_convs))), list(range(len(train_convs), len(train_convs) + len(held_out)))
+    trained, held = (
+        list(range(len(train_convs))),
+        list(range(len(train_convs), len(train_convs) + len(held_out))),
+    )
     to_kept = train.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
     torch.manual_seed(args.seed)
     adapted = Adapted(base, args.layers, args.rank, args.alpha).to(device)
     heads.train().requires_grad_(True)
     for b in heads.buffers():
         b.requires_grad_(False)
-    opt = torch.optim.AdamW([{"params": [p for p in adapted.parameters() if p.requires_grad], "lr": args.lr_lora},
-                             {"params": [p for p in heads.parameters() if p.requires_grad], "lr": args.lr_heads}], weight_decay=0.0)
-    lm_rows = base.lm_head.weight.detach()[heads.kept_ids]                           # (V', D)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in adapted.parameters() if p.requires_grad], "lr": args.lr_lora},
+            {"params": [p for p in heads.parameters() if p.requires_grad], "lr": args.lr_heads},
+        ],
+        weight_decay=0.0,
+    )
+    lm_rows = base.lm_head.weight.detach()[heads.kept_ids]  # (V', D)
     before = evaluate(adapted, heads, base, data, held, to_kept, args)
     print(report_line(0, before), file=sys.stderr, flush=True)
-    batches = [b for e in range(args.epochs) for b in train.make_batches(data["offsets"].diff(), trained, args.batch_tokens, args.seed, e)]
-    curve, t0 = [dict(step=0, **{k: before[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")})], time.time()
+    batches = [
+        b
+        for e in range(args.epochs)
+        for b in train.make_batches(
+            data["offsets"].diff(), trained, args.batch_tokens, args.seed, e
+        )
+    ]
+    curve, t0 = (
+        [
+            dict(
+                step=0,
+                **{k: before[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")},
+            )
+        ],
+        time.time(),
+    )
     bf16 = cli.pick_dtype(args.train_dtype, device.type) == torch.bfloat16
     base_lrs = [g["lr"] for g in opt.param_groups]
     with train.StopFlag() as stop:
@@ -251,26 +381,47 @@ def run(args):
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * warm
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss, distill, heads_loss = joint_loss(adapted, heads, batch, lm_rows, args.heads_weight * min(1.0, step / args.ramp),
-                                                       args.decay, torch.bfloat16 if bf16 else torch.float32)
+                loss, distill, heads_loss = joint_loss(
+                    adapted,
+                    heads,
+                    batch,
+                    lm_rows,
+                    args.heads_weight * min(1.0, step / args.ramp),
+                    args.decay,
+                    torch.bfloat16 if bf16 else torch.float32,
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
             opt.step()
             if step % 10 == 0:
-                print(f"[joint] step {step}/{len(batches)}: loss {loss.item():.3f} (distill {distill.item():.3f}, heads "
-                      f"{heads_loss.item():.3f}), {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"[joint] step {step}/{len(batches)}: loss {loss.item():.3f} (distill "
+                    f"{distill.item():.3f}, heads "
+                    f"{heads_loss.item():.3f}), {time.time() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if step % args.eval_every == 0 or step == len(batches) or stop.signum:
                 r = evaluate(adapted, heads, base, data, held, to_kept, args)
-                curve.append(dict(step=step, **{k: r[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")}))
+                curve.append(
+                    dict(
+                        step=step,
+                        **{k: r[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")},
+                    )
+                )
                 print(report_line(step, r), file=sys.stderr, flush=True)
             if stop.signum:
                 break
     os.makedirs(args.out, exist_ok=True)
     checkpoint.save_heads(heads, args.out)
     save_delta(adapted, args.out, base)
-    r.update(curve=curve, seconds=round(time.time() - t0), tokens=int(data["loss"][: int(data["offsets"][len(trained)])].sum()),
-             flags={k: v for k, v in vars(args).items()})
+    r.update(
+        curve=curve,
+        seconds=round(time.time() - t0),
+        tokens=int(data["loss"][: int(data["offsets"][len(trained)])].sum()),
+        flags={k: v for k, v in vars(args).items()},
+    )
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(r, f, indent=1)
     print(f"[joint] heads and LoRA delta in {args.out}", file=sys.stderr)
@@ -278,39 +429,93 @@ def run(args):
 
 
 def build_parser():
-    p = cli.Parser(description="Train draft heads together with the base model's last layers (Medusa-2, LoRA).")
-    cli.conversation_flags(p, "the one --init was trained on", 300)
-    p.add_argument("--init", default="medusa", help="the trained heads to start from (stage 1 of LP-FT): a shipped kind or a heads folder")
-    p.add_argument("--layers", type=int, default=2, help="adapt the base model's last this many decoder layers")
+    p = cli.Parser(
+        description="Train draft heads together with the base model's last layers (Medusa-2, LoRA)."
+    )
+    dataset.conversation_flags(p, "the one --init was trained on", 300)
+    p.add_argument(
+        "--init",
+        default="medusa",
+        help="the trained heads to start from (stage 1 of LP-FT): a shipped kind or a heads folder",
+    )
+    p.add_argument(
+        "--layers", type=int, default=2, help="adapt the base model's last this many decoder layers"
+    )
     p.add_argument("--rank", type=int, default=16, help="LoRA rank r")
-    p.add_argument("--alpha", type=float, default=32.0, help="LoRA scale alpha (the delta is alpha / r * B A)")
-    p.add_argument("--lr-lora", type=float, default=2e-4, help="peak learning rate of the LoRA weights")
+    p.add_argument(
+        "--alpha", type=float, default=32.0, help="LoRA scale alpha (the delta is alpha / r * B A)"
+    )
+    p.add_argument(
+        "--lr-lora", type=float, default=2e-4, help="peak learning rate of the LoRA weights"
+    )
     p.add_argument("--lr-heads", type=float, default=3e-4, help="peak learning rate of the heads")
-    p.add_argument("--heads-weight", type=float, default=0.2, help="lambda_0: the heads' loss weight once ramped up")
-    p.add_argument("--decay", type=float, default=0.8, help="lambda: head k's loss weighs lambda^(k-1)")
-    p.add_argument("--ramp", type=int, default=100, help="steps over which lambda_0 rises from 0 (heads warm-up)")
+    p.add_argument(
+        "--heads-weight",
+        type=float,
+        default=0.2,
+        help="lambda_0: the heads' loss weight once ramped up",
+    )
+    p.add_argument(
+        "--decay", type=float, default=0.8, help="lambda: head k's loss weighs lambda^(k-1)"
+    )
+    p.add_argument(
+        "--ramp",
+        type=int,
+        default=100,
+        help="steps over which lambda_0 rises from 0 (heads warm-up)",
+    )
     p.add_argument("--epochs", type=int, default=1, help="passes over the conversations")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    p.add_argument("--teacher-k", type=int, default=16, help="the original model's top-k kept as the teacher")
-    p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation every this many steps")
-    p.add_argument("--dtype", default="auto", help="the base model's dtype while it computes the data: auto | fp32 | bf16")
-    p.add_argument("--train-dtype", default="auto", choices=["auto", "fp32", "bf16"], help="matrix products in training")
+    p.add_argument(
+        "--teacher-k", type=int, default=16, help="the original model's top-k kept as the teacher"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=100, help="held-out evaluation every this many steps"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the base model's dtype while it computes the data: auto | fp32 | bf16",
+    )
+    p.add_argument(
+        "--train-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="matrix products in training",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    cli.threads_flag(p)
     p.add_argument("--seed", type=int, default=0, help="train.py's split and the batch order")
-    p.add_argument("--out", required=True, help="the heads folder to write (heads, lora.safetensors, eval.json); must not hold a run")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the heads folder to write (heads, lora.safetensors, eval.json); must not hold a run",
+    )
     return p
 
 
 def check_args(args):
-    cli.check_counts(args, "conversations", "eval_conversations", "layers", "rank", "ramp", "epochs", "eval_every", "teacher_k")
+    cli.check_counts(
+        args,
+        "conversations",
+        "eval_conversations",
+        "layers",
+        "rank",
+        "ramp",
+        "epochs",
+        "eval_every",
+        "teacher_k",
+    )
     for flag in ("alpha", "lr_lora", "lr_heads", "heads_weight", "decay"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
-            raise cli.UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a number > 0")
+            raise cli.UsageError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a number > 0"
+            )
     if args.batch_tokens < 16:
         raise cli.UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 16")
     cli.check_seed(args.seed)
-    cli.find_heads(args.init, "--init")
-    cli.check_conversations_file(args.data)
+    catalog.find_heads(args.init, "--init")
+    dataset.check_conversations_file(args.data)
     cli.empty_folder("--out", args.out)
 
 

@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import heads
 import model
 
@@ -152,12 +153,11 @@ def native_library():
     AVX512-BF16 or no C compiler builds it (then the products stay oneDNN's, with one notice)."""
     if not cpu_has("avx512_bf16") or os.environ.get("SPECDEC_NO_C") == "1":
         return None
-    import checkpoint  # its cache folder (checkpoint imports this module: imported when called)
     with open(SOURCE, "rb") as f:
         source = f.read()
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, torch.__version__]).encode()).hexdigest()[:16]
-    path = os.path.join(checkpoint.cache_root(), f"kernels-{key}.so")
+    path = os.path.join(cli.cache_root(), f"kernels-{key}.so")
     try:
         if not os.path.exists(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -1,7 +1,8 @@
 """The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
-    model = Transformer(Config(...))                          # checkpoint.load() fills one from a folder
+    model = Transformer(Config(...))                          # checkpoint.load() fills one from a
+                                                              folder
     cache = model.new_cache(max_len=2048)
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
     cache.keep(idx)                                          # commit the accepted new entries
@@ -14,6 +15,7 @@ kernels.py has faster CPU forms of some layers, each tested equal to the one her
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
 Dh head size, V vocabulary."""
+
 import hashlib
 import itertools
 import math
@@ -27,43 +29,56 @@ import torch.nn.functional as F
 # --- configuration ---------------------------------------------------------------------------
 # One model's shapes; checkpoint.config_from_hf reads them from a transformers config.json.
 
+
 @dataclass
 class Config:
     vocab_size: int = 256
-    dim: int = 64                   # D, hidden size
+    dim: int = 64  # D, hidden size
     n_layers: int = 2
-    n_heads: int = 4                # H
-    n_kv_heads: int = 2             # Hkv (grouped-query attention when < H)
-    head_dim: int = 16              # Dh
-    hidden_dim: int = 128           # MLP inner size
+    n_heads: int = 4  # H
+    n_kv_heads: int = 2  # Hkv (grouped-query attention when < H)
+    head_dim: int = 16  # Dh
+    hidden_dim: int = 128  # MLP inner size
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)  # {} | {"rope_type": "linear"|"llama3", ...}
-    max_seq_len: int = 2048         # context length
-    tie_embeddings: bool = False    # LM head shares the input embedding matrix
-    qkv_bias: bool = False          # q, k and v projections add a bias (Qwen2)
-    qk_norm: bool = False           # each head's q and k are RMS-normalised over Dh before rope (Qwen3)
-    activation: str = "silu"        # the MLP's gate: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU: Gemma)
-    eos_ids: tuple = ()             # token ids that end a reply
-    name: str = "random"            # identity of the weights (heads check it)
+    max_seq_len: int = 2048  # context length
+    tie_embeddings: bool = False  # LM head shares the input embedding matrix
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # each head's q and k are RMS-normalised over Dh before rope (Qwen3)
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU: Gemma)
+    eos_ids: tuple = ()  # token ids that end a reply
+    name: str = "random"  # identity of the weights (heads check it)
 
 
 # --- rotary position embedding ---------------------------------------------------------------
 # Each pair of channels (i, i + Dh/2) of q and k is rotated by the angle position * inv_freq[i].
 
+
 def rope_frequencies(cfg: Config) -> torch.Tensor:
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+    )
     s = cfg.rope_scaling
     if s.get("rope_type") == "linear":
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "llama3":
         # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend in between.
-        factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        factor, lo, hi, old = (
+            s["factor"],
+            s["low_freq_factor"],
+            s["high_freq_factor"],
+            s["original_max_position_embeddings"],
+        )
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > old / lo, inv_freq / factor, torch.where(wavelen < old / hi, inv_freq, blended))
-    return inv_freq.float()                                       # (Dh/2,)
+        inv_freq = torch.where(
+            wavelen > old / lo,
+            inv_freq / factor,
+            torch.where(wavelen < old / hi, inv_freq, blended),
+        )
+    return inv_freq.float()  # (Dh/2,)
 
 
 def apply_rope(x, cos, sin):
@@ -90,13 +105,17 @@ class Rope(nn.Module):
         return self
 
     def forward(self, positions, dtype=torch.float32):
-        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles computed in fp32."""
-        angles = positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq  # (B, 1, T, Dh/2)
-        angles = torch.cat([angles, angles], dim=-1)                                      # (B, 1, T, Dh)
+        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles computed in
+        fp32."""
+        angles = (
+            positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq
+        )  # (B, 1, T, Dh/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (B, 1, T, Dh)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 # --- KV cache ----------------------------------------------------------------------------------
+
 
 class KVCache:
     """Pre-allocated keys and values for every layer.
@@ -115,7 +134,8 @@ class KVCache:
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length, self.max_len = 0, max_len
+        self.length = 0
+        self.max_len = max_len
 
     def keep(self, idx):
         """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix: accepted
@@ -127,16 +147,18 @@ class KVCache:
             in_place = list(idx) == list(range(n))  # known on the host: no wait for the device
         if not in_place:  # a plain step keeps 0..n-1 where they are
             src = start + torch.as_tensor(idx, device=self.k.device)
-            self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
-            self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
+            self.k[:, :, :, start : start + n] = self.k[:, :, :, src]
+            self.v[:, :, :, start : start + n] = self.v[:, :, :, src]
         self.length += n
 
     def select_rows(self, rows):
         """Keep only the batch rows `rows` (a batch that drops its finished rows)."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
 
 
 # --- the transformer ---------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -154,8 +176,14 @@ def attend(q, k, v, mask):
     """Grouped-query attention. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask (B|1, 1, T, S) bool or
     None: causal, with S = T or T = 1 (SDPA's is_causal, which its flash kernels run; a mask rules
     them out) -> (B, H, T, Dh). Query head h reads key/value head h // (H / Hkv)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and q.shape[2] > 1,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
 
 
 class Attention(nn.Module):
@@ -167,7 +195,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         head_norm = lambda: RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.q_norm, self.k_norm = head_norm(), head_norm()          # Qwen3's; the identity elsewhere
+        # Qwen3's; the identity elsewhere
+        self.q_norm = head_norm()
+        self.k_norm = head_norm()
 
     # project() and attend() are methods so that a faster form of this layer can replace just them
     def project(self, x):
@@ -175,23 +205,24 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def attend(self, q, k, v, mask):
-        return attend(q, k, v, mask)                                           # (B, H, T, Dh)
+        return attend(q, k, v, mask)  # (B, H, T, Dh)
 
     def forward(self, x, cos, sin, attn_mask, kv):
-        """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or None."""
+        """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or
+        None."""
         B, T, _ = x.shape
         c = self.cfg
         q, k, v = self.project(x)
-        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)       # (B, H, T, Dh)
-        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
-        v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)    # (B, Hkv, T, Dh)
+        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         if kv is not None:  # write the new entries after the prefix, then attend over all of it
             k_cache, v_cache, start = kv
-            k_cache[:, :, start:start + T] = k
-            v_cache[:, :, start:start + T] = v
-            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]         # (B, Hkv, S, Dh)
-        y = self.attend(q, k, v, attn_mask)                                    # (B, H, T, Dh)
+            k_cache[:, :, start : start + T] = k
+            v_cache[:, :, start : start + T] = v
+            k, v = k_cache[:, :, : start + T], v_cache[:, :, : start + T]  # (B, Hkv, S, Dh)
+        y = self.attend(q, k, v, attn_mask)  # (B, H, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))  # (B, T, D)
 
 
@@ -204,11 +235,11 @@ class MLP(nn.Module):
         self.act = nn.SiLU() if cfg.activation == "silu" else nn.GELU(approximate="tanh")
 
     def gate_up(self, x):  # a method so that a faster form can compute both in one product
-        return self.gate_proj(x), self.up_proj(x)                    # (B, T, hidden_dim) each
+        return self.gate_proj(x), self.up_proj(x)  # (B, T, hidden_dim) each
 
     def forward(self, x):
         gate, up = self.gate_up(x)
-        return self.down_proj(self.act(gate) * up)                    # SwiGLU or GeGLU, (B, T, D)
+        return self.down_proj(self.act(gate) * up)  # SwiGLU or GeGLU, (B, T, D)
 
 
 class Block(nn.Module):
@@ -229,18 +260,25 @@ class Block(nn.Module):
 def attention_mask(T, start, mask, key_mask, device):
     """The (B|1, 1, T, start+T) bool mask: every new token sees the whole cached prefix, and among
     the new tokens what `mask` allows (T, T) or (B, T, T); None means causal. key_mask (B, start+T)
-    hides padding slots. None when that is plain causal (nothing cached or one new token; no padding)."""
+    hides padding slots. None when that is plain causal (nothing cached or one new token; no
+    padding)."""
     if mask is None:
         if (T == 1 or start == 0) and key_mask is None:
             return None
         mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    assert mask.shape[-2:] == (T, T), f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
+    assert mask.shape[-2:] == (T, T), (
+        f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
+    )
     mask = mask.view(-1, 1, T, T)
-    full = torch.cat([torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device), mask], dim=-1)
-    if key_mask is not None:  # hide padding, but let every token see itself (no all-masked row -> NaN)
+    full = torch.cat(
+        [torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device), mask], dim=-1
+    )
+    if (
+        key_mask is not None
+    ):  # hide padding, but let every token see itself (no all-masked row -> NaN)
         full = full & key_mask[:, None, None, :]
         full[..., start:] |= torch.eye(T, dtype=torch.bool, device=device)
-    return full                                                    # (B|1, 1, T, start+T)
+    return full  # (B|1, 1, T, start+T)
 
 
 class Transformer(nn.Module):
@@ -268,27 +306,50 @@ class Transformer(nn.Module):
         cfg = self.cfg if num_layers is None else replace(self.cfg, n_layers=num_layers)
         return KVCache(cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
 
-    def forward(self, tokens, positions, mask=None, cache=None, key_mask=None, last_only=False, num_layers=None):
+    def embed(self, tokens, extra=None):
+        """The token embeddings (..., D); ids from V on read the rows of `extra` (K, D): tokens the
+        model was not trained with (PaSS's [LA] tokens), given by whoever owns them."""
+        if extra is None:
+            return self.embed_tokens(tokens)
+        V = self.embed_tokens.num_embeddings
+        added = extra[(tokens - V).clamp(0, len(extra) - 1)].to(self.dtype)  # (..., D)
+        return torch.where(
+            (tokens >= V)[..., None], added, self.embed_tokens(tokens.clamp(max=V - 1))
+        )
+
+    def forward(
+        self,
+        tokens,
+        positions,
+        mask=None,
+        cache=None,
+        key_mask=None,
+        last_only=False,
+        num_layers=None,
+        extra=None,
+    ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. Rows may be nodes that are computed but never verified (a lookahead window): the
-        mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots [cache.length, +T), see keep()) or None.
+        mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots
+        [cache.length, +T), see keep()) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. num_layers: run only the first layers, then
-        the final norm and LM head (self-speculative drafting; the cache must have that many)."""
+        the final norm and LM head (self-speculative drafting; the cache must have that many).
+        extra: the embeddings of ids past the vocabulary (embed())."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
         cos, sin = self.rope(positions, self.dtype)
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
-        x = self.embed_tokens(tokens)                                         # (B, T, D)
+        x = self.embed(tokens, extra)  # (B, T, D)
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # None: every layer
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
-        hidden = self.norm(x)                                                 # (B, T, D)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)        # (B, T|1, V)
+        hidden = self.norm(x)  # (B, T, D)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
         return logits, hidden
 
 
@@ -296,6 +357,7 @@ def lm_head_fingerprint(model) -> str:
     """A short digest of the LM head (the sign pattern of a few rows, the same in any dtype):
     heads trained on one base model refuse to load on another."""
     import numpy as np
+
     w = model.lm_head.weight.detach()
     rows = w[:: max(1, w.shape[0] // 64)].float().cpu() > 0
     return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]

@@ -5,7 +5,8 @@ Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model, offline.
     python train.py --heads medusa --loss next-token     # Medusa-1's loss on the data tokens
     python train.py --heads hydra --data chats.jsonl     # your ShareGPT-style conversations
     python train.py --heads hydra++ --resume             # continue after Ctrl-C, a crash or kill -9
-    torchrun --nproc_per_node 4 train.py --heads hydra++ # one process per GPU (DistributedDataParallel)
+    torchrun --nproc_per_node 4 train.py --heads hydra++ # one process per GPU
+    (DistributedDataParallel)
 
 Pipeline, each stage cached on disk and reused (stages 1 and 2 live in dataset.py):
 1. data: the base model writes user prompts itself (Magpie-style: the chat template up to the
@@ -26,7 +27,7 @@ finished shards.
 Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes: B batch, T time,
 D hidden, K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
-import argparse
+
 import hashlib
 import json
 import math
@@ -43,9 +44,20 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import dataset
 import kernels
-from cli import MAX_SEED, Parser, UsageError, notice, pick_device, pick_dtype, run, writable_file, writable_folder
+from cli import (
+    MAX_SEED,
+    Parser,
+    UsageError,
+    notice,
+    pick_device,
+    pick_dtype,
+    run,
+    writable_file,
+    writable_folder,
+)
 from kernels import bucket
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,12 +66,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Sane ranges of the numeric flags (inclusive), checked before anything loads and shown in --help;
 # once the model is loaded, --teacher-k, --kept-tokens and the lengths must also fit it.
 RANGES = {
-    "--num-prompts": (2, 10_000_000),     # one conversation is held out, at least one trains
+    "--num-prompts": (2, 10_000_000),  # one conversation is held out, at least one trains
     "--max-answer-tokens": (1, 32768),
     "--max-prompt-tokens": (1, 32768),
     "--gen-batch": (0, 1024),
     "--answer-temperature": (0.0, 10.0),
-    "--teacher-k": (1, 256),              # stored for every token: 6 bytes each
+    "--teacher-k": (1, 256),  # stored for every token: 6 bytes each
     "--num-heads": (1, 16),
     "--num-layers": (1, 16),
     "--kept-tokens": (0, 1_000_000),
@@ -67,9 +79,9 @@ RANGES = {
     "--epochs": (1, 1000),
     "--batch-tokens": (16, 1_048_576),
     "--lr": (1e-7, 1.0),
-    "--eval-every": (1, 10 ** 9),
+    "--eval-every": (1, 10**9),
     "--save-every": (0.0, 1e9),
-    "--seed": (0, MAX_SEED),              # combined as seed * 10**9 + step into a 64-bit seed
+    "--seed": (0, MAX_SEED),  # combined as seed * 10**9 + step into a 64-bit seed
 }
 
 
@@ -79,83 +91,252 @@ def span(flag):
 
 
 def build_parser():
-    p = Parser(description="Train draft heads on a frozen base model.",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(
+        description="Train draft heads on a frozen base model.",
+    )
     # base model
     p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    cli.threads_flag(p)
     # data
-    p.add_argument("--data", default="self", help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a .safetensors file of conversations written by --export-conversations")
-    p.add_argument("--skip-bad", action="store_true", help="with --data FILE: leave out conversations that cannot be read (bad JSON, "
-                   "unknown roles, a template that refuses them) and say how many, instead of stopping at the first")
-    p.add_argument("--export-conversations", default=None, metavar="FILE", help="write the data set's conversations (token ids and loss masks, no features: small enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features from it. An existing FILE is replaced only by more of its own conversations (the data grew)")
-    p.add_argument("--continue-from", default=None, metavar="FILE", help="self-distillation: begin the data set with the conversations of FILE.safetensors (written by --export-conversations, e.g. the one in data/), their features computed in one pass, and write new ones from there up to --num-prompts")
-    p.add_argument("--work", default=None, help="folder for cached data, features and checkpoints (default: cache folder per model)")
-    p.add_argument("--num-prompts", type=int, default=2000, help="self-distillation: number of prompts (the data set grows to this size)" + span("--num-prompts"))
-    p.add_argument("--max-answer-tokens", type=int, default=256, help="self-distillation: answer length limit" + span("--max-answer-tokens") + ", at most the model's context")
-    p.add_argument("--max-prompt-tokens", type=int, default=128, help="self-distillation: length limit of the user prompts the model writes (one that has not ended by then is dropped)" + span("--max-prompt-tokens") + ", at most the model's context")
-    p.add_argument("--gen-batch", type=int, default=0, help="self-distillation: generation batch size (rows decoded together), 0 = the size kernels.sizes sets for the device" + span("--gen-batch"))
-    p.add_argument("--seeds", default=os.path.join(HERE, "data", "magpie.json"), help="self-distillation: JSON of tasks and topics that seed the prompts the model writes")
-    p.add_argument("--dtype", default="auto", help="the base model's dtype while it writes data or computes features, auto (bf16 where that is fast, as in generate.py) | fp32 | bf16")
-    p.add_argument("--answer-temperature", type=float, default=0.0, help="self-distillation: answer sampling temperature (0 = greedy, like decoding)" + span("--answer-temperature"))
-    p.add_argument("--teacher-k", type=int, default=16, help="teacher targets: keep the base model's top-k probabilities per token" + span("--teacher-k") + ", at most the vocabulary")
+    p.add_argument(
+        "--data",
+        default="self",
+        help="'self' (the model writes prompts and answers), a ShareGPT-style JSONL file, or a "
+        ".safetensors file of conversations written by --export-conversations",
+    )
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="with --data FILE: leave out conversations that cannot be read (bad JSON, "
+        "unknown roles, a template that refuses them) and say how many, instead of stopping at "
+        "the first",
+    )
+    p.add_argument(
+        "--export-conversations",
+        default=None,
+        metavar="FILE",
+        help="write the data set's conversations (token ids and loss masks, no features: small "
+        "enough to commit) to FILE.safetensors and stop; --data FILE rebuilds the features "
+        "from it. An existing FILE is replaced only by more of its own conversations (the "
+        "data grew)",
+    )
+    p.add_argument(
+        "--continue-from",
+        default=None,
+        metavar="FILE",
+        help="self-distillation: begin the data set with the conversations of FILE.safetensors "
+        "(written by --export-conversations, e.g. the one in data/), their features computed "
+        "in one pass, and write new ones from there up to --num-prompts",
+    )
+    p.add_argument(
+        "--work",
+        default=None,
+        help="folder for cached data, features and checkpoints (default: cache folder per model)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=2000,
+        help="self-distillation: number of prompts (the data set grows to this size)"
+        + span("--num-prompts"),
+    )
+    p.add_argument(
+        "--max-answer-tokens",
+        type=int,
+        default=256,
+        help="self-distillation: answer length limit"
+        + span("--max-answer-tokens")
+        + ", at most the model's context",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=128,
+        help="self-distillation: length limit of the user prompts the model writes (one that has "
+        "not ended by then is dropped)"
+        + span("--max-prompt-tokens")
+        + ", at most the model's context",
+    )
+    p.add_argument(
+        "--gen-batch",
+        type=int,
+        default=0,
+        help="self-distillation: generation batch size (rows decoded together), 0 = the size "
+        "kernels.sizes sets for the device" + span("--gen-batch"),
+    )
+    p.add_argument(
+        "--seeds",
+        default=os.path.join(HERE, "data", "magpie.json"),
+        help="self-distillation: JSON of tasks and topics that seed the prompts the model writes",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the base model's dtype while it writes data or computes features, auto (bf16 where "
+        "that is fast, as in generate.py) | fp32 | bf16",
+    )
+    p.add_argument(
+        "--answer-temperature",
+        type=float,
+        default=0.0,
+        help="self-distillation: answer sampling temperature (0 = greedy, like decoding)"
+        + span("--answer-temperature"),
+    )
+    p.add_argument(
+        "--teacher-k",
+        type=int,
+        default=16,
+        help="teacher targets: keep the base model's top-k probabilities per token"
+        + span("--teacher-k")
+        + ", at most the vocabulary",
+    )
     # heads and training
-    p.add_argument("--heads", default="hydra++", choices=["medusa", "hydra", "hydra++"], help="which draft heads to train")
-    p.add_argument("--num-heads", type=int, default=3, help="K, number of draft heads" + span("--num-heads"))
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per Medusa head / hidden layers per Hydra MLP" + span("--num-layers"))
-    p.add_argument("--own-lm-head", action="store_true", help="a trainable LM head per head (Medusa-1) instead of the shared frozen one")
-    p.add_argument("--kept-tokens", type=int, default=8192, help="heads predict over this many most frequent tokens (0 = whole vocabulary)" + span("--kept-tokens") + ", at most the vocabulary")
-    p.add_argument("--loss", default="teacher", choices=["teacher", "next-token"], help="teacher: the base model's distribution (Hydra); next-token: data tokens, weights 0.8^k (Medusa-1)")
-    p.add_argument("--loss-impl", default="fused", choices=["fused", "readable"], help="how the loss is computed: readable (the heads' LM head, then teacher_loss / next_token_loss) or fused (kernels.fused_batch_loss: both in blocks of rows, faster and in less memory); they give the same values and gradients (tests/test_kernels.py)")
-    p.add_argument("--noise", type=float, default=0.0, help="NEFTune-style input noise alpha (0 = off)" + span("--noise"))
-    p.add_argument("--train-dtype", default="auto", choices=["auto", "fp32", "bf16"], help="the heads' matrix products in training: auto (bf16 where it is fast: CUDA, CPUs with native bf16) | fp32 | bf16; losses, gradients' sums and weights stay fp32")
+    p.add_argument(
+        "--heads",
+        default="hydra++",
+        choices=["medusa", "hydra", "hydra++"],
+        help="which draft heads to train",
+    )
+    p.add_argument(
+        "--num-heads", type=int, default=3, help="K, number of draft heads" + span("--num-heads")
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=1,
+        help="residual blocks per Medusa head / hidden layers per Hydra MLP" + span("--num-layers"),
+    )
+    p.add_argument(
+        "--own-lm-head",
+        action="store_true",
+        help="a trainable LM head per head (Medusa-1) instead of the shared frozen one",
+    )
+    p.add_argument(
+        "--kept-tokens",
+        type=int,
+        default=8192,
+        help="heads predict over this many most frequent tokens (0 = whole vocabulary)"
+        + span("--kept-tokens")
+        + ", at most the vocabulary",
+    )
+    p.add_argument(
+        "--loss",
+        default="teacher",
+        choices=["teacher", "next-token"],
+        help="teacher: the base model's distribution (Hydra); next-token: data tokens, weights "
+        "0.8^k (Medusa-1)",
+    )
+    p.add_argument(
+        "--loss-impl",
+        default="fused",
+        choices=["fused", "readable"],
+        help="how the loss is computed: readable (the heads' LM head, then teacher_loss / "
+        "next_token_loss) or fused (kernels.fused_batch_loss: both in blocks of rows, faster "
+        "and in less memory); they give the same values and gradients (tests/test_kernels.py)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="NEFTune-style input noise alpha (0 = off)" + span("--noise"),
+    )
+    p.add_argument(
+        "--train-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="the heads' matrix products in training: auto (bf16 where it is fast: CUDA, CPUs "
+        "with native bf16) | fp32 | bf16; losses, gradients' sums and weights stay fp32",
+    )
     p.add_argument("--epochs", type=int, default=2, help="passes over the data" + span("--epochs"))
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch" + span("--batch-tokens"))
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up then cosine)" + span("--lr"))
-    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every this many steps" + span("--eval-every"))
-    p.add_argument("--save-every", type=float, default=120, help="checkpoint every this many seconds (0 = after every step)" + span("--save-every"))
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=4096,
+        help="padded tokens per batch" + span("--batch-tokens"),
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="peak learning rate (AdamW, warm-up then cosine)" + span("--lr"),
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=200,
+        help="held-out evaluation every this many steps" + span("--eval-every"),
+    )
+    p.add_argument(
+        "--save-every",
+        type=float,
+        default=120,
+        help="checkpoint every this many seconds (0 = after every step)" + span("--save-every"),
+    )
     p.add_argument("--out", default=None, help="heads folder (default: <work>/heads-<kind>)")
-    p.add_argument("--overwrite", action="store_true", help="start afresh in an --out folder that holds a previous run's files "
-                   "(its heads, checkpoint, eval.json and tuned trees are replaced; other files are left alone); without it such a folder is refused")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out, exactly where it stopped; "
-                   "flags that shape the training must be the checkpoint's (refused otherwise); --eval-every, --save-every and --epochs may change")
-    p.add_argument("--seed", type=int, default=0, help="random seed (data, initialisation, batch order, noise)" + span("--seed"))
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out folder that holds a previous run's files "
+        "(its heads, checkpoint, eval.json and tuned trees are replaced; other files are left "
+        "alone); without it such a folder is refused",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in --out, exactly where it stopped; "
+        "flags that shape the training must be the checkpoint's (refused otherwise); "
+        "--eval-every, --save-every and --epochs may change",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed (data, initialisation, batch order, noise)" + span("--seed"),
+    )
     return p
 
 
-# --- losses ------------------------------------------------------------------------------------------
+# --- losses
+# ------------------------------------------------------------------------------------------
 # Head j (1-based) at position t predicts token t+1+j. Its target is either the base model's own
 # distribution at position t+j (teacher loss, the default) or the data token itself (next-token
 # loss, Medusa-1, head weights 0.8^j). Only assistant tokens are predicted: at inference the heads
 # only ever draft the assistant's reply, so prompt tokens would teach them nothing they use.
+
 
 def teacher_loss(logits, top_ids, top_p):
     """Cross-entropy against the teacher's top-k probabilities and its residual mass.
     logits (M, V') of the heads; top_ids (M, k) the teacher's top-k in head-vocabulary ids (-1 where
     the token is not kept); top_p (M, k) their probabilities. -> (M,)
 
-    Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is spread
+    Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is
+    spread
     over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
 
         L = - sum_i p_i log q_i  -  r log(1 - sum_i q_i)          (i over the teacher's top-k)
 
     This is the exact cross-entropy once the other tokens are lumped together, and it is smallest
     where the head gives each top-k token the teacher's probability and mass r to the rest. It is
-    preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is sure
-    the next token is among its k when it is not: where the teacher hesitates (large r) the head would
+    preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is
+    sure
+    the next token is among its k when it is not: where the teacher hesitates (large r) the head
+    would
     be pushed hardest to crush every other token, learning overconfidence exactly where drafts are
     rarely accepted, and its probabilities would stop meaning "chance the base model says this"
     (which a confidence-based tree, or speculative sampling with the heads as the draft, needs).
-    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say them,
+    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say
+    them,
     so its best is then the teacher's distribution renormalised over the outcomes it can say.
-    1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e. r = 0 in fp16.
+    1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e. r = 0 in
+    fp16.
     """
-    logq = logits.float().log_softmax(-1)                                   # (M, V')
-    kept = top_ids >= 0                                                     # (M, k)
-    picked = logq.gather(1, top_ids.clamp(min=0)) * kept                    # (M, k) log q_i, 0 if not kept
-    p = top_p.float() * kept                                                # (M, k)
-    rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)                       # (M,) teacher mass beyond its top-k
-    rest_q = 1 - (picked.exp() * kept).sum(-1)                              # (M,) head mass beyond them
+    logq = logits.float().log_softmax(-1)  # (M, V')
+    kept = top_ids >= 0  # (M, k)
+    picked = logq.gather(1, top_ids.clamp(min=0)) * kept  # (M, k) log q_i, 0 if not kept
+    p = top_p.float() * kept  # (M, k)
+    rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)  # (M,) teacher mass beyond its top-k
+    rest_q = 1 - (picked.exp() * kept).sum(-1)  # (M,) head mass beyond them
     return -(p * picked).sum(-1) - rest_p * torch.log(rest_q.clamp(min=1e-6))
 
 
@@ -176,13 +357,15 @@ def batch_loss(kind, logits, j, top_ids, top_p, target):
     return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
 
 
-# --- batches ---------------------------------------------------------------------------------------
+# --- batches
+# ---------------------------------------------------------------------------------------
+
 
 def split(n_conv, seed):
     """(held out, trained on): 5% of the conversations (at least one) held out for evaluation, drawn
     by the seed; the same data and seed give the same split in every run."""
     g = torch.Generator().manual_seed(seed)
-    held_out = torch.randperm(n_conv, generator=g)[:max(1, n_conv // 20)].tolist()
+    held_out = torch.randperm(n_conv, generator=g)[: max(1, n_conv // 20)].tolist()
     return held_out, sorted(set(range(n_conv)) - set(held_out))
 
 
@@ -203,7 +386,8 @@ def make_batches(lengths, conv_ids, batch_tokens, seed, epoch):
 
 
 def collate(data, convs, to_kept, K, device):
-    """Right-padded (B, T) tensors for a list of conversation indices, plus per (b, t, j) targets."""
+    """Right-padded (B, T) tensors for a list of conversation indices, plus per (b, t, j)
+    targets."""
     off = data["offsets"]
     T = bucket(max(int(off[i + 1] - off[i]) for i in convs), 16)
     B, D, k = len(convs), data["hidden"].shape[1], data["top_ids"].shape[1]
@@ -214,17 +398,29 @@ def collate(data, convs, to_kept, K, device):
     top_p = torch.zeros(B, T, k, dtype=torch.float16)
     for b, i in enumerate(convs):
         a, e = int(off[i]), int(off[i + 1])
-        ids[b, :e - a], loss[b, :e - a], hidden[b, :e - a] = data["ids"][a:e], data["loss"][a:e], data["hidden"][a:e]
-        top_ids[b, :e - a], top_p[b, :e - a] = data["top_ids"][a:e], data["top_p"][a:e]
+        ids[b, : e - a], loss[b, : e - a], hidden[b, : e - a] = (
+            data["ids"][a:e],
+            data["loss"][a:e],
+            data["hidden"][a:e],
+        )
+        top_ids[b, : e - a], top_p[b, : e - a] = data["top_ids"][a:e], data["top_p"][a:e]
     # valid[b, t, j-1]: head j at position t predicts token t+1+j, an assistant token
     valid = torch.zeros(B, T, K, dtype=torch.bool)
     for j in range(1, K + 1):
-        n = max(T - 1 - j, 0)                                          # none when the batch is that short
-        valid[:, :n, j - 1] = loss[:, 1 + j:1 + j + n]
-    pinned = torch.device(device).type == "cuda"  # page-locked host memory: the copies overlap the GPU's work
+        n = max(T - 1 - j, 0)  # none when the batch is that short
+        valid[:, :n, j - 1] = loss[:, 1 + j : 1 + j + n]
+    pinned = (
+        torch.device(device).type == "cuda"
+    )  # page-locked host memory: the copies overlap the GPU's work
     move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)
-    return dict(ids=move(ids), hidden=move(hidden), valid=move(valid), top_ids=move(to_kept[top_ids]),
-                top_p=move(top_p), targets=move(to_kept[ids]))
+    return dict(
+        ids=move(ids),
+        hidden=move(hidden),
+        valid=move(valid),
+        top_ids=move(to_kept[top_ids]),
+        top_p=move(top_p),
+        targets=move(to_kept[ids]),
+    )
 
 
 def head_states(heads, batch, noise=0.0, generator=None):
@@ -232,26 +428,33 @@ def head_states(heads, batch, noise=0.0, generator=None):
     teacher's and the data's targets for them, and (b, t). The heads run only at positions where
     one of them predicts an assistant token (Hydra++'s prefix layer still reads every position).
     noise > 0 adds NEFTune-style noise drawn from `generator` (the caller seeds it per step)."""
-    h = batch["hidden"].float()                                            # (B, T, D)
+    h = batch["hidden"].float()  # (B, T, D)
     B, T, D = h.shape
     if noise > 0:  # U(-1, 1) * alpha / sqrt(T * D)
-        u = torch.rand(h.shape, generator=generator, device=h.device)      # (B, T, D)
+        u = torch.rand(h.shape, generator=generator, device=h.device)  # (B, T, D)
         h = h + (u * 2 - 1) * noise / (T * D) ** 0.5
     positions = torch.arange(T, device=h.device).expand(B, T)
-    valid = batch["valid"]                                                 # (B, T, K)
-    at = valid.any(-1).nonzero(as_tuple=True)                             # the N positions used
-    extra = bucket(len(at[0]), 64) - len(at[0])                            # and the first again, to a
-    padded = tuple(torch.cat([x, x[:1].expand(extra)]) for x in at)       # bucket of 64 rows (bucket())
-    z = heads(heads.context(h, positions), batch["ids"], padded)          # (N + extra, K, D)
-    n, j = valid[at].nonzero(as_tuple=True)                                # (M,) each
+    valid = batch["valid"]  # (B, T, K)
+    at = valid.any(-1).nonzero(as_tuple=True)  # the N positions used
+    extra = bucket(len(at[0]), 64) - len(at[0])  # and the first again, to a
+    padded = tuple(torch.cat([x, x[:1].expand(extra)]) for x in at)  # bucket of 64 rows (bucket())
+    z = heads(heads.context(h, positions), batch["ids"], padded)  # (N + extra, K, D)
+    n, j = valid[at].nonzero(as_tuple=True)  # (M,) each
     b, t = at[0][n], at[1][n]
     # head j+1 at t: the teacher's distribution sits at t+j+1, the data token at t+j+2
-    return (z[n, j], j, batch["top_ids"][b, t + j + 1], batch["top_p"][b, t + j + 1], batch["targets"][b, t + j + 2],
-            (b, t))
+    return (
+        z[n, j],
+        j,
+        batch["top_ids"][b, t + j + 1],
+        batch["top_p"][b, t + j + 1],
+        batch["targets"][b, t + j + 2],
+        (b, t),
+    )
 
 
 def logits_of(heads, z, j):
-    """The heads' logits (M, V') for states z (M, D) of heads j + 1 (each through its own LM head if it has one)."""
+    """The heads' logits (M, V') for states z (M, D) of heads j + 1 (each through its own LM head if
+    it has one)."""
     if not heads.cfg.own_lm_head:
         return heads.project(z)
     logits = torch.empty(len(z), heads.lm_head.weight.shape[1], device=z.device)
@@ -261,7 +464,8 @@ def logits_of(heads, z, j):
 
 
 class TrainForward(nn.Module):
-    """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only of
+    """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only
+    of
     what runs inside the forward of the module it wraps, and training uses more of the heads than
     their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
     loss_impl: "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
@@ -275,10 +479,14 @@ class TrainForward(nn.Module):
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
         if self.loss_impl == "readable":
             return batch_loss(loss_kind, logits_of(self.heads, z, j), j, top_ids, top_p, target)
-        return kernels.fused_batch_loss(loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype)
+        return kernels.fused_batch_loss(
+            loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype
+        )
 
 
-# --- evaluation ---------------------------------------------------------------------------------------
+# --- evaluation
+# ---------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
@@ -287,40 +495,50 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
     position, 1 + the number of leading heads whose top-1 is right (exact for greedy data).
     bf16: the products in bf16, as training's. The counts stay on the device until the end."""
     K = heads.cfg.num_heads
-    top1, top5, count = (torch.zeros(K, device=device) for _ in range(3))  # on the device: one transfer at the end
+    top1, top5, count = (
+        torch.zeros(K, device=device) for _ in range(3)
+    )  # on the device: one transfer at the end
     ranks = torch.zeros(K, 10, device=device)
     run_sum, run_n = torch.zeros((), device=device), 0
     for convs_b in make_batches(data["offsets"].diff(), convs, args.batch_tokens, args.seed, 0):
         batch = collate(data, convs_b, to_kept, K, device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
             z, j, top_ids, top_p, _, (b, t) = head_states(heads, batch)
-            logits = logits_of(heads, z, j)                                 # (M, V')
-        greedy = top_ids[:, 0]                                             # the base model's own top-1
-        order = logits.topk(min(10, logits.shape[-1]), dim=-1).indices     # (M, 10), fewer with fewer kept tokens
-        hit = order == greedy[:, None]                                     # (M, 10)
+            logits = logits_of(heads, z, j)  # (M, V')
+        greedy = top_ids[:, 0]  # the base model's own top-1
+        order = logits.topk(
+            min(10, logits.shape[-1]), dim=-1
+        ).indices  # (M, 10), fewer with fewer kept tokens
+        hit = order == greedy[:, None]  # (M, 10)
         for jj in range(K):
             sel = j == jj
             count[jj] += sel.sum()
             top1[jj] += hit[sel, 0].sum()
             top5[jj] += hit[sel, :5].any(-1).sum()
-            ranks[jj, :hit.shape[1]] += hit[sel].sum(0).float()
+            ranks[jj, : hit.shape[1]] += hit[sel].sum(0).float()
         # chain acceptance: at positions where all K heads are valid, leading run of correct top-1s
         valid = batch["valid"]
         right = torch.zeros_like(valid)
         right[b, t, j] = hit[:, 0]
         full = valid.all(-1)
-        run = right[full].long().cumprod(-1).sum(-1)                       # (positions,)
+        run = right[full].long().cumprod(-1).sum(-1)  # (positions,)
         run_sum, run_n = run_sum + run.sum(), run_n + len(run)
     count = count.clamp(min=1)
-    return dict(top1=(top1 / count).tolist(), top5=(top5 / count).tolist(),
-                rank_acceptance=(ranks / count[:, None]).tolist(), chain_tau=1 + run_sum.item() / max(run_n, 1))
+    return dict(
+        top1=(top1 / count).tolist(),
+        top5=(top5 / count).tolist(),
+        rank_acceptance=(ranks / count[:, None]).tolist(),
+        chain_tau=1 + run_sum.item() / max(run_n, 1),
+    )
 
 
-# --- checkpoints -------------------------------------------------------------------------------------
+# --- checkpoints
+# -------------------------------------------------------------------------------------
 # Invariant: state.pt alone is the checkpoint. It holds the heads' weights, the optimizer state and
 # the step they belong to, in one file written to state.pt.tmp (flushed to disk) and renamed over
 # the old one, so after a kill -9 it is the old checkpoint or the new one, whole, never a mix.
-# heads.safetensors + heads.json next to it (checkpoint.save_heads, what generate.py loads) are written after
+# heads.safetensors + heads.json next to it (checkpoint.save_heads, what generate.py loads) are
+# written after
 # it: a crash between the two leaves them one checkpoint older than state.pt, and --resume never
 # reads them. Nothing else needs saving: batches are fixed by (seed, epoch), the noise by (seed,
 # step, rank), the learning rate by the step. `identity` (heads config, data size and digest, the
@@ -328,9 +546,34 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
 # or another recipe; only flags that never touch the weights may change, and a notice says so.
 
 STATE = "state.pt"
-RESUME_MAY_CHANGE = ("eval_every", "save_every", "epochs")      # the new value is used (epochs: the schedule stretches)
-NOT_RECORDED = ("resume", "overwrite", "skip_bad", "out", "work", "device", "model", "data", "export_conversations", "continue_from")  # places; model and data: by identity
-SELF_DISTILL_FLAGS = ("num_prompts", "max_answer_tokens", "max_prompt_tokens", "gen_batch", "answer_temperature", "seeds")
+# heads.json's base_name is how --model was typed or what the model's config calls itself, not
+# which model it is: a resumed run is checked against base_fingerprint and the weights' digest.
+NOT_COMPARED = ("base_name",)
+RESUME_MAY_CHANGE = (
+    "eval_every",
+    "save_every",
+    "epochs",
+)  # the new value is used (epochs: the schedule stretches)
+NOT_RECORDED = (
+    "resume",
+    "overwrite",
+    "skip_bad",
+    "out",
+    "work",
+    "device",
+    "model",
+    "data",
+    "export_conversations",
+    "continue_from",
+)  # places; model and data: by identity
+SELF_DISTILL_FLAGS = (
+    "num_prompts",
+    "max_answer_tokens",
+    "max_prompt_tokens",
+    "gen_batch",
+    "answer_temperature",
+    "seeds",
+)
 
 
 def recorded_flags(args):
@@ -340,10 +583,13 @@ def recorded_flags(args):
 
 
 def resume_differences(saved, now):
-    """Flags recorded in both that differ, as '--flag new (checkpoint: old)': (refused, may change)."""
+    """Flags recorded in both that differ, as '--flag new (checkpoint: old)': (refused, may
+    change)."""
     differ = [k for k in saved if k in now and saved[k] != now[k]]
     say = lambda k: f"--{k.replace('_', '-')} {now[k]} (checkpoint: {saved[k]})"
-    return [say(k) for k in differ if k not in RESUME_MAY_CHANGE], [say(k) for k in differ if k in RESUME_MAY_CHANGE]
+    return [say(k) for k in differ if k not in RESUME_MAY_CHANGE], [
+        say(k) for k in differ if k in RESUME_MAY_CHANGE
+    ]
 
 
 def read_checkpoint(folder):
@@ -351,13 +597,18 @@ def read_checkpoint(folder):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or not a checkpoint: torch raises several kinds
-        raise ValueError(f"{path} is unreadable ({type(e).__name__}); start afresh without --resume or with another --out") from None
+        raise ValueError(
+            f"{path} is unreadable ({type(e).__name__}); start afresh without --resume or with "
+            "another --out"
+        ) from None
 
 
 def refuse_other_flags(folder, refused):
     if refused:
-        raise ValueError(f"{folder}/{STATE} was written with other flags: {', '.join(refused)}; resume with the "
-                         "checkpoint's values, or start afresh with another --out")
+        raise ValueError(
+            f"{folder}/{STATE} was written with other flags: {', '.join(refused)}; resume with the "
+            "checkpoint's values, or start afresh with another --out"
+        )
 
 
 def data_digest(data):
@@ -372,7 +623,16 @@ def save_checkpoint(folder, heads, opt, step, identity, progress=None):
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "progress": progress, **identity}, f)
+        torch.save(
+            {
+                "heads": heads.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "progress": progress,
+                **identity,
+            },
+            f,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -384,41 +644,62 @@ def load_checkpoint(folder, heads, opt, identity):
     and the progress so far (assistant tokens trained on, the learning curve)."""
     state = read_checkpoint(folder)
     if "heads" not in state:
-        raise ValueError(f"{folder}/{STATE} was written by an older train.py (no heads inside); "
-                         "start again without --resume, or with another --out")
+        raise ValueError(
+            f"{folder}/{STATE} was written by an older train.py (no heads inside); "
+            "start again without --resume, or with another --out"
+        )
     refused, changed = resume_differences(state.get("flags", {}), identity["flags"])
     refuse_other_flags(folder, refused)
     for flag in changed:
         notice(f"{flag}: the new value is used")
     saved, mine = state["heads"].get("kept_ids"), heads.kept_ids
-    same_vocab = saved is None if mine is None else saved is not None and torch.equal(saved, mine.cpu())
+    same_vocab = (
+        saved is None if mine is None else saved is not None and torch.equal(saved, mine.cpu())
+    )
     config, data = state.get("config") or {}, state.get("data") or []
-    differ = [f"heads {k} {v} (checkpoint: {config.get(k)})" for k, v in identity["config"].items() if config.get(k) != v]
-    if data != identity["data"][:len(data)]:  # older checkpoints record the size only, not the digest
-        differ.append(f"data: {identity['data'][0]} conversations, {identity['data'][1]} tokens, digest "
-                      f"{identity['data'][2]} (checkpoint: {', '.join(map(str, data))})")
+    differ = [
+        f"heads {k} {v} (checkpoint: {config.get(k)})"
+        for k, v in identity["config"].items()
+        if config.get(k) != v and k not in NOT_COMPARED
+    ]
+    if state.get("weights", identity["weights"]) != identity["weights"]:  # older ones lack it
+        differ.append(f"base model weights {identity['weights']} (checkpoint: {state['weights']})")
+    if (
+        data != identity["data"][: len(data)]
+    ):  # older checkpoints record the size only, not the digest
+        differ.append(
+            f"data: {identity['data'][0]} conversations, {identity['data'][1]} tokens, digest "
+            f"{identity['data'][2]} (checkpoint: {', '.join(map(str, data))})"
+        )
     if differ or not same_vocab:
-        raise ValueError(f"{folder}/{STATE} was written for other heads or data ({'; '.join(differ) or 'another kept vocabulary'}); "
-                         "resume with the same flags and data, or use another --out")
+        raise ValueError(
+            f"{folder}/{STATE} was written for other heads or data "
+            f"({'; '.join(differ) or 'another kept vocabulary'}); "
+            "resume with the same flags and data, or use another --out"
+        )
     heads.load_state_dict(state["heads"])
     opt.load_state_dict(state["opt"])
     return state["step"], state.get("progress") or {"tokens": 0, "curve": []}
 
 
-# --- training -----------------------------------------------------------------------------------------
+# --- training
+# -----------------------------------------------------------------------------------------
 # One step: forward on one batch, loss, backward, clip, AdamW. A non-finite loss or gradient stops
 # training before the weights change. Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, or
 # torchrun passing a signal on) only raise a flag: the loop finishes its step, saves and exits with
 # 128 + the signal number (130 for Ctrl-C). Stopping mid-step could save a half-updated optimizer.
+
 
 class StopFlag:
     """Within `with StopFlag() as stop:`, SIGINT and SIGTERM set stop.signum instead of stopping."""
 
     def __enter__(self):
         self.signum = 0
-        catch = lambda signum, frame: setattr(self, "signum", signum)
-        self.previous = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {s: signal.signal(s, self.catch) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
+
+    def catch(self, signum, frame):
+        self.signum = signum
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -431,8 +712,12 @@ def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None, bf
     loss in fp32. Raises FloatingPointError, with the weights untouched, if the loss or the gradient
     norm is not finite (under DDP the gradients, hence the norm, are averaged over ranks: a NaN on
     one rank stops them all at the same step)."""
-    with torch.autocast(device_type=batch["hidden"].device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = forward(batch, loss_kind, noise, generator, torch.bfloat16 if bf16 else torch.float32)
+    with torch.autocast(
+        device_type=batch["hidden"].device.type, dtype=torch.bfloat16, enabled=bf16
+    ):
+        loss = forward(
+            batch, loss_kind, noise, generator, torch.bfloat16 if bf16 else torch.float32
+        )
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
@@ -447,7 +732,8 @@ def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None, bf
 
 def kept_vocabulary(data, vocab_size, n):
     """The heads' vocabulary: the n most frequent assistant tokens and teacher top-1s (sorted ids),
-    or None for all. Returns (kept, to_kept: base id -> head id or -1, share of those tokens kept)."""
+    or None for all. Returns (kept, to_kept: base id -> head id or -1, share of those tokens
+    kept)."""
     counts = torch.bincount(data["ids"][data["loss"]].long(), minlength=vocab_size)
     top1 = data["teacher_top1"]
     counts += torch.bincount(top1[top1 >= 0].long(), minlength=vocab_size)
@@ -457,7 +743,8 @@ def kept_vocabulary(data, vocab_size, n):
 
 
 def to_kept_map(kept, vocab_size):
-    """base token id -> the heads' id for it (its index in kept), -1 for a token not kept; kept None: all."""
+    """base token id -> the heads' id for it (its index in kept), -1 for a token not kept; kept
+    None: all."""
     ids = kept if kept is not None else torch.arange(vocab_size)
     to_kept = torch.full((vocab_size,), -1, dtype=torch.long)
     to_kept[ids] = torch.arange(len(ids))
@@ -465,12 +752,21 @@ def to_kept_map(kept, vocab_size):
 
 
 def curve_point(step, tokens, report):
-    """One point of the learning curve that eval.json keeps (held-out tau against tokens trained on)."""
-    return dict(step=step, tokens=tokens, chain_tau=round(report["chain_tau"], 4), top1=[round(a, 4) for a in report["top1"]])
+    """One point of the learning curve that eval.json keeps (held-out tau against tokens trained
+    on)."""
+    return dict(
+        step=step,
+        tokens=tokens,
+        chain_tau=round(report["chain_tau"], 4),
+        top1=[round(a, 4) for a in report["top1"]],
+    )
 
 
 def eval_line(step, r):
-    return f"[eval step {step}] top1 {' '.join(f'{a:.2f}' for a in r['top1'])} | top5 {' '.join(f'{a:.2f}' for a in r['top5'])} | chain tau {r['chain_tau']:.2f}"
+    return (
+        f"[eval step {step}] top1 {' '.join(f'{a:.2f}' for a in r['top1'])} | top5 "
+        f"{' '.join(f'{a:.2f}' for a in r['top5'])} | chain tau {r['chain_tau']:.2f}"
+    )
 
 
 def train(model, data, out, args):
@@ -478,77 +774,131 @@ def train(model, data, out, args):
     to `out`; returns the heads. Under torch.distributed each rank trains on every world-th batch
     and rank 0 alone evaluates, saves and prints."""
     import heads as heads_lib
+
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     device, K = model.device, args.num_heads
     kept, to_kept, coverage = kept_vocabulary(data, model.cfg.vocab_size, args.kept_tokens)
     if kept is not None:
-        log(f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens and teacher top-1s")
+        log(
+            f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens and "
+            "teacher top-1s"
+        )
 
     # heads and optimizer, the same on every rank (same seed), then the checkpoint if resuming
     torch.manual_seed(args.seed)
-    cfg = heads_lib.HeadsConfig(kind=args.heads, num_heads=K, num_layers=args.num_layers, own_lm_head=args.own_lm_head)
+    cfg = heads_lib.HeadsConfig(
+        kind=args.heads, num_heads=K, num_layers=args.num_layers, own_lm_head=args.own_lm_head
+    )
     heads = heads_lib.build(cfg, model, kept).train()
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0
+    )
     n_conv = len(data["offsets"]) - 1
     bf16 = pick_dtype(args.train_dtype, device.type) == torch.bfloat16
     # what shapes the run beyond the flags: the number of processes (it sets the batches of a step
-    # and the schedule's length) and what --train-dtype auto chose on this machine
-    identity = {"config": asdict(heads.cfg), "data": [n_conv, len(data["ids"]), data_digest(data)],
-                "flags": {**recorded_flags(args), "processes": world, "bf16_products": bf16}}
+    # and the schedule's length) and what --train-dtype auto chose on this machine; the base model
+    # by its weights (and its LM head, in the config), whatever --model's spelling
+    identity = {
+        "config": asdict(heads.cfg),
+        "data": [n_conv, len(data["ids"]), data_digest(data)],
+        "flags": {**recorded_flags(args), "processes": world, "bf16_products": bf16},
+        "weights": dataset.weights_digest(model),
+    }
     step = saved_step = 0
     # assistant tokens trained on (head 1's targets, all ranks) and the held-out evaluations so far
     progress = {"tokens": 0, "curve": []}
-    if args.resume and os.path.exists(os.path.join(out, STATE)):  # every rank reads it: --out must be shared
+    if args.resume and os.path.exists(
+        os.path.join(out, STATE)
+    ):  # every rank reads it: --out must be shared
         step, progress = load_checkpoint(out, heads, opt, identity)
         saved_step = step
         log(f"[train] resumed from step {step} in {out}")
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
     forward = TrainForward(heads, args.loss_impl)
-    if world > 1:  # its backward averages gradients over ranks; the frozen shared buffers are never sent
-        # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them once)
+    if (
+        world > 1
+    ):  # its backward averages gradients over ranks; the frozen shared buffers are never sent
+        # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them
+        # once)
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
 
-    # the data order: 5% held out for evaluation; batches fixed by (seed, epoch); rank r takes r, r + world, ...
+    # the data order: 5% held out for evaluation; batches fixed by (seed, epoch); rank r takes r, r
+    # + world, ...
     held_out, train_convs = split(n_conv, args.seed)
     lengths = data["offsets"].diff()
     in_train = torch.zeros(n_conv, dtype=torch.bool)
     in_train[train_convs] = True
-    position = torch.arange(len(data["ids"])) - data["offsets"][:-1].repeat_interleave(lengths)  # within its conversation
-    if not (data["loss"] & (position >= 2) & in_train.repeat_interleave(lengths)).any():  # head 1 at t predicts t+2
-        raise ValueError("nothing to learn from: no assistant token in the training data (no assistant turns, or only "
-                         "in the 5% held out); heads learn the assistant's replies, so give data that has them")
+    position = torch.arange(len(data["ids"])) - data["offsets"][:-1].repeat_interleave(
+        lengths
+    )  # within its conversation
+    if not (
+        data["loss"] & (position >= 2) & in_train.repeat_interleave(lengths)
+    ).any():  # head 1 at t predicts t+2
+        raise ValueError(
+            "nothing to learn from: no assistant token in the training data (no assistant turns, "
+            "or only "
+            "in the 5% held out); heads learn the assistant's replies, so give data that has them"
+        )
     if args.epochs < 1:
         raise ValueError(f"--epochs {args.epochs} trains nothing; use 1 or more")
     n_batches = len(make_batches(lengths, train_convs, args.batch_tokens, args.seed, 0))
-    per_epoch = n_batches // world                                   # steps per epoch
+    per_epoch = n_batches // world  # steps per epoch
     if per_epoch == 0:
-        raise ValueError(f"{n_batches} batch(es) of training data for {world} ranks: add data or lower --batch-tokens")
+        raise ValueError(
+            f"{n_batches} batch(es) of training data for {world} ranks: add data or lower "
+            "--batch-tokens"
+        )
     total = per_epoch * args.epochs
-    lr_at = lambda s: args.lr * min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / max(total, 1)))
+    lr_at = lambda s: (
+        args.lr * min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / max(total, 1)))
+    )
 
-    bar = tqdm(total=total, initial=step, desc=f"train {args.heads}", unit="step", disable=None if rank == 0 else True)
+    bar = tqdm(
+        total=total,
+        initial=step,
+        desc=f"train {args.heads}",
+        unit="step",
+        disable=None if rank == 0 else True,
+    )
     t0, tokens0, last_save, batches_epoch = time.time(), progress["tokens"], time.time(), None
     with StopFlag() as stop:
         while step < total:
             epoch, i = divmod(step, per_epoch)
             if epoch != batches_epoch:
-                batches, batches_epoch = make_batches(lengths, train_convs, args.batch_tokens, args.seed, epoch), epoch
+                batches, batches_epoch = (
+                    make_batches(lengths, train_convs, args.batch_tokens, args.seed, epoch),
+                    epoch,
+                )
             batch = collate(data, batches[i * world + rank], to_kept, K, device)
-            noise_gen = torch.Generator(device=device).manual_seed(args.seed * 10**9 + step * world + rank) if args.noise > 0 else None
+            noise_gen = (
+                torch.Generator(device=device).manual_seed(args.seed * 10**9 + step * world + rank)
+                if args.noise > 0
+                else None
+            )
             try:
-                loss = train_step(forward, opt, batch, lr_at(step), args.loss, args.noise, noise_gen, bf16)
+                loss = train_step(
+                    forward, opt, batch, lr_at(step), args.loss, args.noise, noise_gen, bf16
+                )
             except FloatingPointError as e:
-                kept_msg = f"the last checkpoint (step {saved_step}) in {out} is kept" if saved_step else "no checkpoint was written"
-                raise FloatingPointError(f"step {step + 1}: {e}; training stopped, {kept_msg}") from None
+                kept_msg = (
+                    f"the last checkpoint (step {saved_step}) in {out} is kept"
+                    if saved_step
+                    else "no checkpoint was written"
+                )
+                raise FloatingPointError(
+                    f"step {step + 1}: {e}; training stopped, {kept_msg}"
+                ) from None
             step += 1
             n_tokens = torch.tensor([int(batch["valid"][..., 0].sum())], device=device)
             if world > 1:
                 dist.all_reduce(n_tokens)
             progress["tokens"] += int(n_tokens)
-            rate = (progress["tokens"] - tokens0) / (time.time() - t0)   # assistant tokens/s, all ranks
+            rate = (progress["tokens"] - tokens0) / (
+                time.time() - t0
+            )  # assistant tokens/s, all ranks
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.3f}, {rate:.0f} tok/s")
             signum = torch.tensor([stop.signum], device=device)
@@ -560,15 +910,25 @@ def train(model, data, out, args):
                 progress["curve"].append(curve_point(step, progress["tokens"], report))
                 log("\n" + eval_line(step, report))
                 heads.train()
-            if rank == 0 and (signum or step == total or time.time() - last_save >= args.save_every):
+            if rank == 0 and (
+                signum or step == total or time.time() - last_save >= args.save_every
+            ):
                 save_checkpoint(out, heads, opt, step, identity, progress)
                 last_save, saved_step = time.time(), step
-                if bar.disable:  # no progress bar (output not a terminal, e.g. a log file): a line per checkpoint
-                    log(f"[train] step {step}/{total}, loss {loss:.3f}, {rate:.0f} assistant tok/s; checkpoint written")
+                # no progress bar (output not a terminal, e.g. a log file): a line per checkpoint
+                if bar.disable:
+                    log(
+                        f"[train] step {step}/{total}, loss {loss:.3f}, {rate:.0f} assistant "
+                        "tok/s; checkpoint written"
+                    )
             if signum:
                 if world > 1:
-                    dist.barrier()  # nobody exits (and gets the others killed) before rank 0 has saved
-                log(f"\n[train] stopped by signal {signum} at step {step}; checkpoint written to {out} (--resume continues)")
+                    # nobody exits (and gets the others killed) before rank 0 has saved
+                    dist.barrier()
+                log(
+                    f"\n[train] stopped by signal {signum} at step {step}; checkpoint written to "
+                    f"{out} (--resume continues)"
+                )
                 sys.exit(128 + signum)
     bar.close()
     if rank == 0:
@@ -578,14 +938,19 @@ def train(model, data, out, args):
         with open(os.path.join(out, "eval.json"), "w") as f:
             json.dump(report, f, indent=1)
         log(eval_line(step, report))
-        log(f"[train] done: {step} steps, {time.time() - t0:.0f} s; heads in {out}; chain tau {report['chain_tau']:.2f}")
+        log(
+            f"[train] done: {step} steps, {time.time() - t0:.0f} s; heads in {out}; chain tau "
+            f"{report['chain_tau']:.2f}"
+        )
     return heads
 
 
-# --- main ----------------------------------------------------------------------------------------------
+# --- main
+# ----------------------------------------------------------------------------------------------
 # Plain `python train.py` is rank 0 of 1. Under torchrun (WORLD_SIZE > 1) every process joins a
 # process group; rank 0 converts the model and builds the data while the others wait at a barrier,
 # then they find both on disk.
+
 
 def init_distributed(device):
     """Returns (rank, world size, torch.device). Under torchrun: NCCL and one GPU per rank
@@ -595,28 +960,37 @@ def init_distributed(device):
     if world == 1:
         return 0, 1, torch.device(device)
     import datetime
+
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     # a long timeout: the other ranks wait at the first barrier while rank 0 builds the data
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=12))
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=12)
+    )
     return dist.get_rank(), world, torch.device(device)
 
 
 def data_model(model, dtype):
     """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16."""
     import copy
+
     dtype = pick_dtype(dtype, model.device.type)
     if dtype == model.dtype:
         return model
-    fast = kernels.in_use(model)  # oneDNN's prepacked weights cannot be deep-copied: copy without them,
+    fast = kernels.in_use(
+        model
+    )  # oneDNN's prepacked weights cannot be deep-copied: copy without them,
     kernels.use(model, kernels.Kernels())
-    writer = kernels.use(copy.deepcopy(model).to(dtype=dtype))  # with the copy's own kernels for its dtype
+    writer = kernels.use(
+        copy.deepcopy(model).to(dtype=dtype)
+    )  # with the copy's own kernels for its dtype
     kernels.use(model, fast)
     return writer
 
 
 # Bad input is caught as early as what it needs allows: flags and paths before anything loads.
+
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM while the data is built: stops it as Ctrl-C does (the finished shards are kept)."""
@@ -641,39 +1015,70 @@ def check_args(args):
             writable_folder(f"--{flag}", getattr(args, flag))
     if args.export_conversations is not None:
         if not args.export_conversations.endswith(".safetensors"):
-            raise UsageError(f"--export-conversations {args.export_conversations}: name it FILE.safetensors")
-        writable_file("--export-conversations", args.export_conversations, "conversations.safetensors")
+            raise UsageError(
+                f"--export-conversations {args.export_conversations}: name it FILE.safetensors"
+            )
+        writable_file(
+            "--export-conversations", args.export_conversations, "conversations.safetensors"
+        )
         if os.path.exists(args.export_conversations):
-            dataset.exported_already(args.export_conversations)  # only a conversations file may be replaced (grown)
+            dataset.exported_already(
+                args.export_conversations
+            )  # only a conversations file may be replaced (grown)
     if args.continue_from is not None:
         if args.data != "self":
-            raise UsageError(f"--continue-from {args.continue_from}: it seeds self-distilled data; use it with --data self, "
-                             "or train on the file itself with --data FILE")
-        dataset.read_conversations(args.continue_from, "--continue-from")  # a UsageError if it is not a conversations file
+            raise UsageError(
+                f"--continue-from {args.continue_from}: it seeds self-distilled data; use it with "
+                "--data self, "
+                "or train on the file itself with --data FILE"
+            )
+        dataset.read_conversations(
+            args.continue_from, "--continue-from"
+        )  # a UsageError if it is not a conversations file
     if args.out is not None:
         check_out(args.out, args)
     default = build_parser().get_default
     if args.data != "self":
         for name in SELF_DISTILL_FLAGS:
             if getattr(args, name) != default(name):
-                notice(f"--{name.replace('_', '-')} has no effect with --data FILE (it shapes self-distilled data)")
+                notice(
+                    f"--{name.replace('_', '-')} has no effect with --data FILE (it shapes "
+                    "self-distilled data)"
+                )
 
 
 def check_model_args(args, model):
     """The flags bounded by the loaded model."""
     vocab, context = model.cfg.vocab_size, model.cfg.max_seq_len
     if args.teacher_k > vocab:
-        raise UsageError(f"--teacher-k {args.teacher_k}: the model's vocabulary has {vocab} tokens; use at most {vocab}")
+        raise UsageError(
+            f"--teacher-k {args.teacher_k}: the model's vocabulary has {vocab} tokens; use at "
+            f"most {vocab}"
+        )
     if args.kept_tokens > vocab:
-        raise UsageError(f"--kept-tokens {args.kept_tokens}: the model's vocabulary has {vocab} tokens; "
-                         f"use at most {vocab} (or 0 for all of them)")
-    for flag, tokens in (("--max-answer-tokens", args.max_answer_tokens), ("--max-prompt-tokens", args.max_prompt_tokens)):
+        raise UsageError(
+            f"--kept-tokens {args.kept_tokens}: the model's vocabulary has {vocab} tokens; "
+            f"use at most {vocab} (or 0 for all of them)"
+        )
+    for flag, tokens in (
+        ("--max-answer-tokens", args.max_answer_tokens),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+    ):
         if args.data == "self" and tokens > context:
-            raise UsageError(f"{flag} {tokens}: the model's context holds {context} tokens; use less")
+            raise UsageError(
+                f"{flag} {tokens}: the model's context holds {context} tokens; use less"
+            )
     for flag, path in (("--data", args.data), ("--continue-from", args.continue_from)):
-        if path and path.endswith(".safetensors") and (top := dataset.largest_id(path, flag)) >= vocab:
-            raise UsageError(f"{flag} {path}: it holds token id {top}, beyond this model's vocabulary of {vocab}: its "
-                             "conversations were written with another tokenizer; use that model, or other data")
+        if (
+            path
+            and path.endswith(".safetensors")
+            and (top := dataset.largest_id(path, flag)) >= vocab
+        ):
+            raise UsageError(
+                f"{flag} {path}: it holds token id {top}, beyond this model's vocabulary of "
+                f"{vocab}: its "
+                "conversations were written with another tokenizer; use that model, or other data"
+            )
 
 
 # What train.py writes into --out; --overwrite removes them before a fresh run, so that nothing of a
@@ -681,34 +1086,59 @@ def check_model_args(args, model):
 RUN_FILES = (STATE, "heads.safetensors", "heads.json", "eval.json")
 
 
+def run_files(out):
+    """The files of a previous train.py run in `out` (its RUN_FILES and tuned trees); the folder's
+    other files are the user's, never in the way and never touched."""
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return [name for name in names if name in RUN_FILES or re.fullmatch(r"tree(-.+)?\.json", name)]
+
+
 def check_out(out, args):
-    """--out: a new or empty folder; or --resume with a checkpoint there (refused now, before the
-    data is built, if its flags differ); or --overwrite (clear_run() then clears the previous run)."""
-    files = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    """--out: a folder without a previous run's files; or --resume with a checkpoint there (refused
+    now, before the data is built, if its flags differ); or --overwrite (clear_run() then clears
+    the previous run)."""
+    files = run_files(out)
     if args.resume and STATE in files:
-        refuse_other_flags(out, resume_differences(read_checkpoint(out).get("flags", {}), recorded_flags(args))[0])
+        refuse_other_flags(
+            out, resume_differences(read_checkpoint(out).get("flags", {}), recorded_flags(args))[0]
+        )
     elif files and not args.overwrite:
         held = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
         why = f"--resume finds no checkpoint ({STATE}) in it, and it" if args.resume else "it"
-        raise UsageError(f"--out {out}: {why} holds {held}, which training would overwrite; give a new --out, "
-                         + ("" if args.resume else "--resume to continue the run in it, ") + "or --overwrite to start afresh there")
+        resume = "--resume to continue the run in it, " if STATE in files else ""
+        raise UsageError(
+            f"--out {out}: {why} holds a previous run's {held}, which training would "
+            f"overwrite; give a new --out, {resume}or --overwrite to start afresh"
+        )
 
 
 def clear_run(out):
-    """--overwrite: remove a previous run's files from --out, right before training writes its own."""
-    for name in sorted(os.listdir(out)):
-        if name in RUN_FILES or re.fullmatch(r"tree(-.+)?\.json", name):
-            os.remove(os.path.join(out, name))
+    """--overwrite: remove a previous run's files from --out, right before training writes its
+    own."""
+    for name in run_files(out):
+        os.remove(os.path.join(out, name))
 
 
-def setup(args, digest, device):
-    """The model, the heads folder and the data folder this run uses: (model, tokenizer, out, writer,
-    key, folder). The writer is the model that writes the data and computes the features."""
-    model, tokenizer = checkpoint.load(args.model, device, torch.float32)
+def model_path(name):
+    """--model as checkpoint.load should see it: a local folder by its real path, so that however it
+    is typed (m, ./m, /abs/m, a link to it) a model without a name of its own in its config.json is
+    named alike (its default --work folder, the heads' base_name)."""
+    return os.path.realpath(name) if name != checkpoint.DEFAULT and os.path.isdir(name) else name
+
+
+def setup(args, digest, device, made):
+    """The model, the heads folder and the data folder this run uses: (model, tokenizer, out,
+    writer,
+    key, folder). The writer is the model that writes the data and computes the features. Folders
+    it creates are added to `made`."""
+    model, tokenizer = checkpoint.load(model_path(args.model), device, torch.float32)
     check_model_args(args, model)
-    work = args.work or os.path.join(checkpoint.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name))
+    work = args.work or os.path.join(
+        cli.cache_root(), "train", re.sub(r"[^\w.-]", "_", model.cfg.name)
+    )
     out = args.out or os.path.join(work, "heads-" + args.heads)
     if args.out is None:  # the default folders, known now that the model has a name
+        made += cli.new_folders(work, out)
         writable_folder("--work", work)
         writable_folder("--out", out)
         check_out(out, args)
@@ -717,7 +1147,9 @@ def setup(args, digest, device):
     if args.data == "self":
         folder = os.path.join(work, "self_distill")
     else:
-        folder = os.path.join(work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data)))
+        folder = os.path.join(
+            work, "features-" + re.sub(r"[^\w.-]", "_", os.path.basename(args.data))
+        )
     return model, tokenizer, out, writer, key, folder
 
 
@@ -730,13 +1162,25 @@ def build_data(args, tokenizer, writer, key, folder):
             dataset.check_self_data(folder, key)
             if args.continue_from:
                 dataset.continue_from(writer, folder, args.continue_from, key)
-            print(f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)", file=sys.stderr, flush=True)
+            print(
+                f"[train] self-distilled data in {folder} (Ctrl-C keeps the shards written)",
+                file=sys.stderr,
+                flush=True,
+            )
             dataset.self_distill(writer, tokenizer, folder, args)
         elif problem := dataset.features_problem(folder, key):
             if os.path.isdir(folder):
                 notice(f"the features in {folder} cannot be used: {problem}; computing them again")
-            convs = dataset.read_conversations(args.data) if args.data.endswith(".safetensors") else dataset.read_sharegpt(args.data, tokenizer, args.skip_bad)
-            print(f"[train] computing the features of {args.data} into {folder}", file=sys.stderr, flush=True)
+            convs = (
+                dataset.read_conversations(args.data)
+                if args.data.endswith(".safetensors")
+                else dataset.read_sharegpt(args.data, tokenizer, args.skip_bad)
+            )
+            print(
+                f"[train] computing the features of {args.data} into {folder}",
+                file=sys.stderr,
+                flush=True,
+            )
             dataset.features_of(writer, convs, folder, args.teacher_k, key=key)
     except KeyboardInterrupt as e:
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
@@ -748,23 +1192,44 @@ def build_data(args, tokenizer, writer, key, folder):
         signal.signal(signal.SIGTERM, on_sigterm)
     if args.export_conversations:
         n, tokens, answers = dataset.export_conversations(folder, args.export_conversations)
-        print(f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
-              f"{args.export_conversations}; --data {args.export_conversations} rebuilds their features", file=sys.stderr)
-        print(f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}", file=sys.stderr)
+        print(
+            f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
+            f"{args.export_conversations}; --data {args.export_conversations} rebuilds their "
+            "features",
+            file=sys.stderr,
+        )
+        print(
+            f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}",
+            file=sys.stderr,
+        )
         return 0
     return None
 
 
 def main(args):
+    made = cli.new_folders(
+        args.work, args.out
+    )  # check_args makes them, to find an unwritable one now
+    try:
+        return train_main(args, made)
+    finally:
+        cli.remove_empty(made)
+
+
+def train_main(args, made):
     check_args(args)
     digest = dataset.file_digest(args.data) if args.data != "self" else None
     rank, world, device = init_distributed(args.device)
+    if (
+        torch.device(device).type == "cpu" and world == 1
+    ):  # torchrun sets each rank's threads itself
+        cli.use_threads(args.threads)
     # Rank 0 converts the model and builds the data while the others wait; whatever happens to it
     # (done early, an error, Ctrl-C), it tells them, so that no rank waits for ever.
     outcome = ["failed"]
     if rank == 0:
         try:
-            model, tokenizer, out, writer, key, folder = setup(args, digest, device)
+            model, tokenizer, out, writer, key, folder = setup(args, digest, device, made)
             code = build_data(args, tokenizer, writer, key, folder)
             outcome = ["train" if code is None else "done"]
         finally:
@@ -777,12 +1242,19 @@ def main(args):
         if outcome[0] != "train":
             dist.destroy_process_group()
             return 0 if outcome[0] == "done" else 1
-        model, tokenizer, out, writer, key, folder = setup(args, digest, device)
+        model, tokenizer, out, writer, key, folder = setup(args, digest, device, made)
     data = dataset.load_data(folder)
     if rank == 0:
-        print(f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
-              f"{int(data['loss'].sum())} assistant tokens", file=sys.stderr)
-    if args.overwrite and rank == 0 and not (args.resume and os.path.exists(os.path.join(out, STATE))):
+        print(
+            f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
+            f"{int(data['loss'].sum())} assistant tokens",
+            file=sys.stderr,
+        )
+    if (
+        args.overwrite
+        and rank == 0
+        and not (args.resume and os.path.exists(os.path.join(out, STATE)))
+    ):
         clear_run(out)
     train(model, data, out, args)
     if world > 1:

@@ -22,19 +22,25 @@ build() runs once per generation, with plain Python loops on small lists.
     build(paths) -> Tree           chain(n), cartesian(topk) -> paths    tree.to(device) -> Tree
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
 
-Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to test.
+Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to
+test.
 Shape legend: N tree nodes (root included), L leaves.
 """
+
+import argparse
 import itertools
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 
 MAX_NODES = 1024  # root included; the (N, N) mask and one forward over N tokens must stay small
-MAX_RANK = 2 ** 31  # a rank is a top-k index, below any vocabulary size (generate.py checks the heads')
+MAX_RANK = (
+    2**31
+)  # a rank is a top-k index, below any vocabulary size (catalog.load_tree checks the heads')
 
 Path = tuple[int, ...]
 
@@ -44,12 +50,12 @@ Path = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Tree:
-    paths: list[Path]          # non-root nodes, sorted by (depth, path); node i+1 <-> paths[i]
-    mask: torch.Tensor         # (N, N) bool: mask[i, j] = j is i or an ancestor of i
-    depth: torch.Tensor        # (N,) long, root 0; position of node i = prefix_len + depth[i]
-    parent: torch.Tensor       # (N,) long, root -1
-    rank: torch.Tensor         # (N,) long, rank of the node's token in head depth[i]'s top-k; root -1
-    retrieve: torch.Tensor     # (L, max_depth+1) long: node indices root..leaf, right-padded with -1
+    paths: list[Path]  # non-root nodes, sorted by (depth, path); node i+1 <-> paths[i]
+    mask: torch.Tensor  # (N, N) bool: mask[i, j] = j is i or an ancestor of i
+    depth: torch.Tensor  # (N,) long, root 0; position of node i = prefix_len + depth[i]
+    parent: torch.Tensor  # (N,) long, root -1
+    rank: torch.Tensor  # (N,) long, rank of the node's token in head depth[i]'s top-k; root -1
+    retrieve: torch.Tensor  # (L, max_depth+1) long: node indices root..leaf, right-padded with -1
     children: list[list[int]]  # children[i] = i's children sorted by rank (verification order)
 
     @property
@@ -65,8 +71,12 @@ class Tree:
         # node indices at depth 1..max_depth: drafting runs depth by depth
         return [torch.nonzero(self.depth == d).flatten() for d in range(1, self.max_depth + 1)]
 
-    def to(self, device) -> "Tree":  # its tensors copied to `device`, once: drafters hold the copy there
-        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
+    def to(
+        self, device
+    ) -> "Tree":  # its tensors copied to `device`, once: drafters hold the copy there
+        return replace(
+            self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        )
 
 
 def _validate(paths) -> list[Path]:
@@ -83,16 +93,23 @@ def _validate(paths) -> list[Path]:
         if any(r < 0 for r in p):
             raise ValueError(f"tree path {p} has a negative rank")
         if any(r >= MAX_RANK for r in p):
-            raise ValueError(f"tree path {p} has a rank >= {MAX_RANK}; ranks index a head's top-k tokens")
+            raise ValueError(
+                f"tree path {p} has a rank >= {MAX_RANK}; ranks index a head's top-k tokens"
+            )
         if p in seen:
             raise ValueError(f"tree path {p} appears twice")
         seen.add(p)
     if len(seen) + 1 > MAX_NODES:
-        raise ValueError(f"tree has {len(seen) + 1} nodes (root included), over MAX_NODES={MAX_NODES}; use a smaller tree")
+        raise ValueError(
+            f"tree has {len(seen) + 1} nodes (root included), over MAX_NODES={MAX_NODES}; use a "
+            "smaller tree"
+        )
     ordered = sorted(seen, key=lambda p: (len(p), p))
     for p in ordered:
         if len(p) > 1 and p[:-1] not in seen:
-            raise ValueError(f"tree path {p} has no parent: {p[:-1]} is missing (must be prefix-closed)")
+            raise ValueError(
+                f"tree path {p} has no parent: {p[:-1]} is missing (must be prefix-closed)"
+            )
     return ordered
 
 
@@ -103,7 +120,9 @@ def build(paths) -> Tree:
     n = len(index)
     parent = [-1] + [index[p[:-1]] for p in paths]
     children, mask = [[] for _ in range(n)], torch.eye(n, dtype=torch.bool)  # mask (N, N)
-    for i in range(1, n):  # paths are sorted: a parent comes before its children, siblings in rank order
+    for i in range(
+        1, n
+    ):  # paths are sorted: a parent comes before its children, siblings in rank order
         children[parent[i]].append(i)
         mask[i] |= mask[parent[i]]  # a node sees what its parent sees, and itself
     max_depth = max((len(p) for p in paths), default=0)
@@ -116,10 +135,10 @@ def build(paths) -> Tree:
     return Tree(
         paths=paths,
         mask=mask,
-        depth=torch.tensor([0] + [len(p) for p in paths]),   # (N,)
-        parent=torch.tensor(parent),                          # (N,)
-        rank=torch.tensor([-1] + [p[-1] for p in paths]),     # (N,)
-        retrieve=torch.tensor(rows),                          # (L, max_depth+1)
+        depth=torch.tensor([0] + [len(p) for p in paths]),  # (N,)
+        parent=torch.tensor(parent),  # (N,)
+        rank=torch.tensor([-1] + [p[-1] for p in paths]),  # (N,)
+        retrieve=torch.tensor(rows),  # (L, max_depth+1)
         children=children,
     )
 
@@ -141,8 +160,13 @@ def cartesian(topk: list[int]) -> list[Path]:
         raise ValueError(f"cartesian top-k values must be ints >= 1, got {topk!r}")
     sizes = list(itertools.accumulate(topk, lambda a, b: a * b))
     if 1 + sum(sizes) > MAX_NODES:
-        raise ValueError(f"cartesian({list(topk)}) has {1 + sum(sizes)} nodes, over MAX_NODES={MAX_NODES}; use smaller top-k values")
-    return [p for d in range(1, len(topk) + 1) for p in itertools.product(*(range(k) for k in topk[:d]))]
+        raise ValueError(
+            f"cartesian({list(topk)}) has {1 + sum(sizes)} nodes, over MAX_NODES={MAX_NODES}; use "
+            "smaller top-k values"
+        )
+    return [
+        p for d in range(1, len(topk) + 1) for p in itertools.product(*(range(k) for k in topk[:d]))
+    ]
 
 
 # --- files and the --tree flag ------------------------------------------------------------------
@@ -180,8 +204,10 @@ def parse(spec: str) -> list[Path]:
         return cartesian([int(k) for k in m[1].split(",")])
     if os.path.isfile(spec):
         return load(spec)
-    raise ValueError(f"{spec!r} is not a tree: expected 'chain:N', 'cartesian:K1,K2,...' (or 'K1,K2,...'), "
-                     "or the path of an existing JSON tree file")
+    raise ValueError(
+        f"{spec!r} is not a tree: expected 'chain:N', 'cartesian:K1,K2,...' (or 'K1,K2,...'), "
+        "or the path of an existing JSON tree file"
+    )
 
 
 # --- picture ------------------------------------------------------------------------------------
@@ -207,17 +233,40 @@ def ascii(tree: Tree) -> str:
     return "\n".join(lines)
 
 
+# --- command line -------------------------------------------------------------------------------
+# argparse alone (the tree needs nothing of the project): a mistake is one line and exit code 2,
+# as cli.py's convention has it for every other script.
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage + message and exit; we want one line
+        raise ValueError(f"{message} (see --help)")
+
+
 def build_parser():
-    import cli  # the command line's conventions; the tree itself needs none of it
-    p = cli.Parser(description="Draw a candidate tree and its attention mask.")
-    p.add_argument("--tree", default="cartesian:2,2", help="chain:N | cartesian:4,3,2 | a tree JSON file (as generate.py --tree)")
+    p = Parser(
+        description="Draw a candidate tree and its attention mask.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--tree",
+        default="cartesian:2,2",
+        help="chain:N | cartesian:4,3,2 | a tree JSON file (as generate.py --tree)",
+    )
     return p
 
 
 def main(argv=None) -> int:
     """`python tree.py [--tree SPEC]`: draw a tree. Bad input: one line on stderr, exit code 2."""
-    import cli
-    return cli.run(lambda args: print(ascii(build(cli.parse_tree(args.tree)))), build_parser(), argv)
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        print(ascii(build(parse(args.tree))))
+    except (ValueError, OSError) as e:
+        where = "--tree: " if args else ""  # the tree, or a flag
+        print(f"error: {where}{' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     sparse(acc, budget), expected_tau(acc, paths)          trees grown to measured acceptance
     tune_tree(args, model, prompts, device)                --tune-tree: the heads' tree
     tune_layers(args, model, prompts, device, eos)         --tune-layers: layers:N's N and gamma
-    tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's, lookahead's, PaSS's
+    tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's, lookahead's,
+                                                           PaSS's
 
 A parallel drafter's settings trade acceptance against the nodes each step computes: Jacobi's m
 guesses, lookahead's window of W x (N-1) trajectories and its G n-grams of N-1 tokens, PaSS's tree
@@ -20,18 +21,21 @@ and is measured on it:
         setting and for plain decoding alike
     step time of n nodes: one forward of n tokens after a cached prefix, timed here (median)
 
-The search: from generate.py's defaults (cli.DRAFT_DEFAULTS), coordinate ascent on a grid: move one
+The search: from generate.py's defaults (catalog.DRAFT_DEFAULTS), coordinate ascent on a grid: move
+one
 setting one grid step up or down, to the neighbour with the highest expected tokens/s, while that
 beats where it stands. The choice is saved as parallel-DEVICE-DTYPE.json in --heads-dir (next to
 the heads and layers-DEVICE-DTYPE.json), which generate.py --draft jacobi | lookahead | pass and
-bench.py's methods of those names read for this model (cli.tuned_parallel). PaSS is tuned when
+bench.py's methods of those names read for this model (catalog.tuned_parallel). PaSS is tuned when
 --heads-dir holds [LA] tokens (pass/, pass_tokens.py's), its K up to as many as were trained.
 
-    tuned_drafter(kind, folder, model)                    bench.py's jacobi, lookahead and pass methods
+    tuned_drafter(kind, folder, model)                    bench.py's jacobi, lookahead and pass
+                                                          methods
     Counted(drafter)                                      a drafter that records its drafts' sizes
 
 Test: `python -m pytest -q tests/test_bench_cli.py -k parallel`.
 """
+
 import dataclasses
 import heapq
 import itertools
@@ -44,6 +48,7 @@ import time
 
 import torch
 
+import catalog
 import checkpoint
 import cli
 import drafters
@@ -56,6 +61,7 @@ import tree as tree_lib
 # --- the machine ----------------------------------------------------------------------------------
 # Printed next to every table and saved in the JSON: numbers mean nothing without it.
 
+
 def sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -66,21 +72,29 @@ def hardware(device):
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            name = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         name = "unknown CPU"
     return f"{name} ({os.cpu_count()} cores)"
 
 
 def machine(device, dtype, **extra):
-    return {"hardware": hardware(device), "device": str(device), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), **extra}
+    return {
+        "hardware": hardware(device),
+        "device": str(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        **extra,
+    }
 
 
 def memory_bandwidth(device, mbytes=512):
     """GB/s reading a buffer much larger than any cache (the median of 7 sums, after one to touch
     every page): what a decode step, which reads every weight once, can at most stream."""
-    x = torch.rand(mbytes * 2 ** 20 // 4, device=device)
+    x = torch.rand(mbytes * 2**20 // 4, device=device)
     x.sum()
     return x.numel() * 4 / statistics.median(timed(lambda: x.sum(), device) for _ in range(7)) / 1e9
 
@@ -89,10 +103,20 @@ def memory_bandwidth(device, mbytes=512):
 def step_time(model, device, tokens=1, prefix=200, repeats=20):
     """Median seconds of one forward of `tokens` new tokens (causal) after a cached prefix."""
     cache = model.new_cache(prefix + tokens)
-    model(torch.zeros(1, prefix, dtype=torch.long, device=device), torch.arange(prefix, device=device), None, cache)
+    model(
+        torch.zeros(1, prefix, dtype=torch.long, device=device),
+        torch.arange(prefix, device=device),
+        None,
+        cache,
+    )
     cache.keep(range(prefix))
-    ids, pos = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(prefix, prefix + tokens, device=device)
-    return statistics.median(timed(lambda: model(ids, pos, None, cache), device) for _ in range(repeats))
+    ids, pos = (
+        torch.zeros(1, tokens, dtype=torch.long, device=device),
+        torch.arange(prefix, prefix + tokens, device=device),
+    )
+    return statistics.median(
+        timed(lambda: model(ids, pos, None, cache), device) for _ in range(repeats)
+    )
 
 
 def distance_to_floor(model, device):
@@ -100,13 +124,21 @@ def distance_to_floor(model, device):
     once a step (the embedding table only a row of, unless the LM head shares it), a quantized
     model's matrices at their quantized size."""
     per_weight = {"fp16": 2, "int8": 1, "int4": 0.5}.get(kernels_lib.in_use(model).quant)
-    weights = sum(p.numel() * (per_weight if per_weight and p.dim() == 2 else p.element_size()) for p in model.parameters())
+    weights = sum(
+        p.numel() * (per_weight if per_weight and p.dim() == 2 else p.element_size())
+        for p in model.parameters()
+    )
     if not model.cfg.tie_embeddings:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     bandwidth, step = memory_bandwidth(device), step_time(model, device)
     floor = weights / (bandwidth * 1e9)
-    return {"batch_1_step_ms": round(step * 1e3, 1), "weights_read_MB": round(weights / 1e6), "memory_GB_per_s": round(bandwidth, 1),
-            "bandwidth_floor_ms": round(floor * 1e3, 1), "step_over_floor": f"{step / floor:.1f}x"}
+    return {
+        "batch_1_step_ms": round(step * 1e3, 1),
+        "weights_read_MB": round(weights / 1e6),
+        "memory_GB_per_s": round(bandwidth, 1),
+        "bandwidth_floor_ms": round(floor * 1e3, 1),
+        "step_over_floor": f"{step / floor:.1f}x",
+    }
 
 
 def machine_line(m):
@@ -117,12 +149,17 @@ def plotting(quiet=False):
     """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         return plt
     except ImportError:
         if not quiet:
-            print("[plots] skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            print(
+                "[plots] skipped: matplotlib is not installed (pip install matplotlib)",
+                file=sys.stderr,
+            )
         return None
 
 
@@ -130,16 +167,23 @@ def plotting(quiet=False):
 # Medusa's greedy search. acc[k][r] = P(rank r of head k+1 holds the base model's token), measured
 # on calibration data (train.py writes it to eval.json). Assuming heads err independently, a node
 # is accepted with the product of acc along its path, and the expected tokens per step is
-# 1 (the base model's bonus token) + the sum of those products over all nodes. Growing the tree one node
+# 1 (the base model's bonus token) + the sum of those products over all nodes. Growing the tree one
+# node
 # at a time, always taking the likeliest node that can hang on it, maximises that sum for every
 # budget when each acc[k] falls with the rank (then a child or a later sibling is never likelier).
 
 
 def _check_acc(acc) -> None:
-    if not (isinstance(acc, (list, tuple)) and acc and all(isinstance(a, (list, tuple)) and a for a in acc)
-            and all(isinstance(x, (int, float)) and 0 <= x <= 1 for a in acc for x in a)):
-        raise ValueError(f"acc must be a non-empty list (one per head) of non-empty lists of "
-                         f"probabilities in [0, 1], got {acc!r}")
+    if not (
+        isinstance(acc, (list, tuple))
+        and acc
+        and all(isinstance(a, (list, tuple)) and a for a in acc)
+        and all(isinstance(x, (int, float)) and 0 <= x <= 1 for a in acc for x in a)
+    ):
+        raise ValueError(
+            f"acc must be a non-empty list (one per head) of non-empty lists of "
+            f"probabilities in [0, 1], got {acc!r}"
+        )
 
 
 def path_prob(acc, path) -> float:
@@ -148,7 +192,8 @@ def path_prob(acc, path) -> float:
 
 
 def expected_tau(acc, paths) -> float:
-    """Estimated tokens per step of a tree: 1 (the bonus token) + the sum of its nodes' path_prob."""
+    """Estimated tokens per step of a tree: 1 (the bonus token) + the sum of its nodes'
+    path_prob."""
     _check_acc(acc)
     return 1.0 + sum(path_prob(acc, p) for p in tree_lib.build(paths).paths)
 
@@ -160,8 +205,11 @@ def sparse(acc, budget: int) -> list:
     _check_acc(acc)
     room = sum(itertools.accumulate((len(a) for a in acc), lambda x, y: x * y))
     if not isinstance(budget, int) or not 0 <= budget <= min(room, tree_lib.MAX_NODES - 1):
-        raise ValueError(f"budget must be an int in [0, {min(room, tree_lib.MAX_NODES - 1)}] for these {len(acc)} heads "
-                         f"and {[len(a) for a in acc]} ranks, got {budget!r}")
+        raise ValueError(
+            f"budget must be an int in [0, {min(room, tree_lib.MAX_NODES - 1)}] for these "
+            f"{len(acc)} heads "
+            f"and {[len(a) for a in acc]} ranks, got {budget!r}"
+        )
     taken, frontier = [], [(-acc[0][0], (0,))]  # a heap of (-path_prob, path)
     while len(taken) < budget:
         p = heapq.heappop(frontier)[1]
@@ -176,6 +224,7 @@ def sparse(acc, budget: int) -> list:
 
 # --- tree tuning ----------------------------------------------------------------------------------
 # Expected tokens/s of a tree = expected tau / (verify step + draft), both measured here.
+
 
 def timed(fn, device):
     sync(device)
@@ -195,44 +244,137 @@ def kernel_table(model, device):
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=model.dtype)
     ms = lambda fn: statistics.median(timed(fn, device) for _ in range(50)) * 1e3
     rows = []
-    for what, B, T, S in (("attention, 1 query (decode)", 1, 1, 201), ("attention, 16 queries (tree)", 1, 16, 216),
-                          ("attention, batch 64 x 1 query, key mask", 64, 1, 201), ("attention, 200 queries (prefill)", 1, 200, 200)):
-        q, k, v = rand(B, c.n_heads, T, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim), rand(B, c.n_kv_heads, S, c.head_dim)
-        mask = None if B == T == 1 else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
-        rows.append((what, ms(lambda: model_lib.attend(q, k, v, mask)), ms(lambda: fast_attend(q, k, v, mask))))
+    for what, B, T, S in (
+        ("attention, 1 query (decode)", 1, 1, 201),
+        ("attention, 16 queries (tree)", 1, 16, 216),
+        ("attention, batch 64 x 1 query, key mask", 64, 1, 201),
+        ("attention, 200 queries (prefill)", 1, 200, 200),
+    ):
+        q, k, v = (
+            rand(B, c.n_heads, T, c.head_dim),
+            rand(B, c.n_kv_heads, S, c.head_dim),
+            rand(B, c.n_kv_heads, S, c.head_dim),
+        )
+        mask = (
+            None
+            if B == T == 1
+            else torch.ones(B, 1, T, S, dtype=torch.bool, device=device).tril(S - T)
+        )
+        rows.append(
+            (
+                what,
+                ms(lambda: model_lib.attend(q, k, v, mask)),
+                ms(lambda: fast_attend(q, k, v, mask)),
+            )
+        )
     # one row through every layer's down projection in turn, as a decode step reads them: from
     # memory, not from a cache that one weight timed alone would sit in
     w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
-    gate_up = [(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), layer.mlp) for layer in model.layers]
-    for rows_ in (1, 5, 16, 64):  # a step's rows, a tree's, a large tree's: the fused gate and up products
+    gate_up = [
+        (torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), layer.mlp)
+        for layer in model.layers
+    ]
+    for rows_ in (
+        1,
+        5,
+        16,
+        64,
+    ):  # a step's rows, a tree's, a large tree's: the fused gate and up products
         x = rand(rows_, c.dim)
-        rows.append((f"linear {c.dim} -> {2 * c.hidden_dim} (gate and up), {rows_} row{'s' * (rows_ > 1)}, the {n} layers' weights in turn",
-                     ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in gate_up]),
-                     ms(lambda: [kernels_lib.linear(x, mlp.packed) if hasattr(mlp, "packed") else torch.nn.functional.linear(x, weight)
-                                 for weight, mlp in gate_up])))
-    for what, layers in ((f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
-                          [layer.mlp.down_proj for layer in model.layers]),
-                         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head])):
+        rows.append(
+            (
+                f"linear {c.dim} -> {2 * c.hidden_dim} (gate and up), {rows_} "
+                f"row{'s' * (rows_ > 1)}, the {n} layers' weights in turn",
+                ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in gate_up]),
+                ms(
+                    lambda: [
+                        kernels_lib.linear(x, mlp.packed)
+                        if hasattr(mlp, "packed")
+                        else torch.nn.functional.linear(x, weight)
+                        for weight, mlp in gate_up
+                    ]
+                ),
+            )
+        )
+    for what, layers in (
+        (
+            f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
+            [layer.mlp.down_proj for layer in model.layers],
+        ),
+        (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head]),
+    ):
         x = rand(1, layers[0].in_features)
-        pairs = [(m.weight, getattr(m, "packed", None)) for m in layers]   # packed: kernels.PackedLinear's copy
-        rows.append((what, ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
-                     ms(lambda: [torch.nn.functional.linear(x, weight) if packed is None else kernels_lib.linear(x, packed)
-                                 for weight, packed in pairs])))
+        pairs = [
+            (m.weight, getattr(m, "packed", None)) for m in layers
+        ]  # packed: kernels.PackedLinear's copy
+        rows.append(
+            (
+                what,
+                ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in pairs]),
+                ms(
+                    lambda: [
+                        torch.nn.functional.linear(x, weight)
+                        if packed is None
+                        else kernels_lib.linear(x, packed)
+                        for weight, packed in pairs
+                    ]
+                ),
+            )
+        )
     steps = {}
-    for name, kernels in (("readable", readable), ("fast", fast), ("no glue", dataclasses.replace(fast, glue=False)),
-                          ("no C", dataclasses.replace(fast, native=False))):
+    for name, kernels in (
+        ("readable", readable),
+        ("fast", fast),
+        ("no glue", dataclasses.replace(fast, glue=False)),
+        ("no C", dataclasses.replace(fast, native=False)),
+    ):
         kernels_lib.use(model, kernels)
         steps[name] = step_time(model, device) * 1e3, step_time(model, device, tokens=16) * 1e3
     kernels_lib.use(model, fast)
-    rows.append(("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0]))
-    rows.append(("whole step of 16 tokens (a tree's size), 200 cached", steps["readable"][1], steps["fast"][1]))
+    rows.append(
+        ("whole decode step, batch 1, 200 cached tokens", steps["readable"][0], steps["fast"][0])
+    )
+    rows.append(
+        (
+            "whole step of 16 tokens (a tree's size), 200 cached",
+            steps["readable"][1],
+            steps["fast"][1],
+        )
+    )
     if fast.glue:  # the glue twins alone: the fast path without them (left) against with them
-        rows.append(("whole decode step, fast path without Kernels.glue (left), with it", steps["no glue"][0], steps["fast"][0]))
-    if fast.native:  # kernels.c alone: oneDNN's products and PyTorch's layers (left) against kernels.c's
-        rows.append(("whole decode step, fast path without kernels.c (left), with it", steps["no C"][0], steps["fast"][0]))
-        rows.append(("whole step of 16 tokens, without kernels.c (left), with it", steps["no C"][1], steps["fast"][1]))
-    kernels = f"{fast.attention}, packed linears: {fast.packed}, glue: {fast.glue}, kernels.c: {fast.native}"
-    print(machine_line(machine(device, model.dtype, kernels=kernels, **distance_to_floor(model, device))))
+        rows.append(
+            (
+                "whole decode step, fast path without Kernels.glue (left), with it",
+                steps["no glue"][0],
+                steps["fast"][0],
+            )
+        )
+    if (
+        fast.native
+    ):  # kernels.c alone: oneDNN's products and PyTorch's layers (left) against kernels.c's
+        rows.append(
+            (
+                "whole decode step, fast path without kernels.c (left), with it",
+                steps["no C"][0],
+                steps["fast"][0],
+            )
+        )
+        rows.append(
+            (
+                "whole step of 16 tokens, without kernels.c (left), with it",
+                steps["no C"][1],
+                steps["fast"][1],
+            )
+        )
+    kernels = (
+        f"{fast.attention}, packed linears: {fast.packed}, glue: {fast.glue}, kernels.c: "
+        f"{fast.native}"
+    )
+    print(
+        machine_line(
+            machine(device, model.dtype, kernels=kernels, **distance_to_floor(model, device))
+        )
+    )
     print("\n| op | readable path ms | fast path ms | speedup |\n|---|---:|---:|---:|")
     for what, a, b in rows:
         print(f"| {what} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
@@ -240,10 +382,9 @@ def kernel_table(model, device):
 
 
 # Tree sizes expected within 1% of the fastest count as a tie, and the smallest of them is kept: the
-# held-out calibration overrates deep, low-ranked nodes on new prompts more than shallow ones
-# (hydra++ on the 5M-token data, eval prompts, bf16: tau 1.71 against 1.86 expected at 3 nodes,
-# 1.92 against 2.16 at 8), and a node costs a little beyond the step timed here (the heads' accept,
-# the tree's bookkeeping). Measured, interleaved, 3 runs: 3 nodes 106.5 tokens/s, 8 nodes 102.8.
+# held-out calibration overrates deep, low-ranked nodes on new prompts more than shallow ones, and
+# a node costs a little beyond the step timed here (the heads' accept, the tree's bookkeeping).
+# The measurements behind it: results/README.md, "The tree tuner's tie rule".
 TREE_TIE = 0.01
 
 
@@ -253,60 +394,135 @@ def smallest_within(rows, tie):
     return next(r for r in rows if r["tokens_per_s"] >= (1 - tie) * top)
 
 
+def save_tree(paths, file, expected_speedup):
+    """The chosen tree as tree.save writes it (one path a line; tree.load reads it and ignores the
+    rest), and "expected_speedup": its expected tokens/s over plain decoding's on this device and
+    dtype, a number rounded to 3 decimals; below 1 plain decoding is expected to be faster, which a
+    loader can say. Files tuned before it was recorded lack it."""
+    rows = ",\n  ".join(json.dumps(list(p)) for p in tree_lib.build(paths).paths)
+    with open(file, "w") as f:
+        f.write(
+            '{"paths": [\n  '
+            + rows
+            + '\n],\n "expected_speedup": '
+            + json.dumps(round(expected_speedup, 3))
+            + "}\n"
+        )
+
+
 @torch.inference_mode()
 def tune_tree(args, model, prompts, device):
-    folder = cli.heads_folder(args.heads_dir, args.heads) if args.heads in heads_lib.KINDS else args.heads
+    folder = (
+        catalog.heads_folder(args.heads_dir, args.heads)
+        if args.heads in heads_lib.KINDS
+        else args.heads
+    )
     if folder is None:
-        raise cli.UsageError(f"--heads {args.heads}: no {args.heads} heads in --heads-dir {args.heads_dir}; give a heads folder")
-    heads, _ = cli.load_heads(folder, model)
+        raise cli.UsageError(
+            f"--heads {args.heads}: no {args.heads} heads in --heads-dir {args.heads_dir}; give a "
+            "heads folder"
+        )
+    heads, _ = catalog.load_heads(folder, model)
     try:
         with open(os.path.join(folder, "eval.json")) as f:
-            acc = json.load(f)["rank_acceptance"][:heads.cfg.num_heads]
+            acc = json.load(f)["rank_acceptance"][: heads.cfg.num_heads]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise cli.UsageError(f"{folder}/eval.json with \"rank_acceptance\" is needed (train.py writes it): {e}")
+        raise cli.UsageError(
+            f'{folder}/eval.json with "rank_acceptance" is needed (train.py writes it): {e}'
+        )
     # a realistic cached prefix: eval prompts, encoded one after another
-    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
     n_max = args.max_budget + 1
     cache, head_cache = model.new_cache(len(prefix) + n_max), heads.new_cache(len(prefix) + n_max)
     positions = torch.arange(len(prefix), device=device)
-    logits, hidden = model(torch.tensor([prefix], device=device), positions, None, cache, last_only=True)
+    logits, hidden = model(
+        torch.tensor([prefix], device=device), positions, None, cache, last_only=True
+    )
     cache.keep(range(len(prefix)))
-    h = heads.context(hidden, positions, head_cache)[:, -1]                     # (1, D)
+    h = heads.context(hidden, positions, head_cache)[:, -1]  # (1, D)
     root = int(logits[0, -1].argmax())
     rows = []
     for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
         paths = sparse(acc, budget)
         t = tree_lib.build(paths)
         plan = drafters.draft_plan(t.to(device))
-        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)   # (N,)
-        tokens = draft() if budget else torch.tensor([root], device=device)              # (N,)
+        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)  # (N,)
+        tokens = draft() if budget else torch.tensor([root], device=device)  # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
         step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
         step(), step(), draft()  # warm-up
-        rows.append({"budget": budget, "depth": t.max_depth, "expected_tau": expected_tau(acc, paths),
-                     "paths": paths, "step": step, "draft": draft if budget else None, "step_s": [], "draft_s": []})
-    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+        rows.append(
+            {
+                "budget": budget,
+                "depth": t.max_depth,
+                "expected_tau": expected_tau(acc, paths),
+                "paths": paths,
+                "step": step,
+                "draft": draft if budget else None,
+                "step_s": [],
+                "draft_s": [],
+            }
+        )
+    for _ in range(
+        args.tune_repeats
+    ):  # interleaved: a burst of machine noise hits every size alike
         for r in rows:
             r["step_s"].append(timed(r["step"], device))
             r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
     for r in rows:
-        r["step_ms"], r["draft_ms"] = statistics.median(r["step_s"]) * 1e3, statistics.median(r["draft_s"]) * 1e3
+        r["step_ms"], r["draft_ms"] = (
+            statistics.median(r["step_s"]) * 1e3,
+            statistics.median(r["draft_s"]) * 1e3,
+        )
         r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
     best = smallest_within(rows[1:], TREE_TIE)
-    mach = machine(device, model.dtype, heads=folder, prefix_tokens=len(prefix), repeats=args.tune_repeats, **distance_to_floor(model, device))
-    print(machine_line(mach) + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    mach = machine(
+        device,
+        model.dtype,
+        heads=folder,
+        prefix_tokens=len(prefix),
+        repeats=args.tune_repeats,
+        **distance_to_floor(model, device),
+    )
+    print(
+        machine_line(mach)
+        + "\n\n| budget | depth | expected tau | step ms | draft ms | expected tokens/s "
+        "|\n|---:|---:|---:|---:|---:|---:|"
+    )
     for r in rows:
         mark = " **<- chosen**" if r is best else " (plain)" if r["budget"] == 0 else ""
-        print(f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |")
-    saved = cli.tuned_tree_file(folder, device, model.dtype, quant=kernels_lib.in_use(model).quant)
-    tree_lib.save(best["paths"], saved)
-    print(f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, expected "
-          f"{best['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x plain decoding; saved {saved}")
+        print(
+            f"| {r['budget']} | {r['depth']} | {r['expected_tau']:.2f} | {r['step_ms']:.1f} | "
+            f"{r['draft_ms']:.1f} | {r['tokens_per_s']:.1f}{mark} |"
+        )
+    saved = catalog.tuned_tree_file(
+        folder, device, model.dtype, quant=kernels_lib.in_use(model).quant
+    )
+    speedup = best["tokens_per_s"] / rows[0]["tokens_per_s"]
+    save_tree(best["paths"], saved, speedup)
+    print(
+        f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, "
+        "expected "
+        f"{speedup:.2f}x plain decoding; saved {saved}"
+    )
+    if speedup < 1:  # saved all the same (--tree auto finds it), but these heads do not pay here
+        cli.notice(
+            f"plain decoding is faster for these heads here (the best tree is expected at "
+            f"{speedup:.2f}x); use --heads none"
+        )
     if args.json:
         with open(args.json, "w") as f:
             keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
-            json.dump({"machine": mach, "trees": [{k: r[k] for k in keys} for r in rows],
-                       "chosen": best["budget"]}, f, indent=1)
+            json.dump(
+                {
+                    "machine": mach,
+                    "trees": [{k: r[k] for k in keys} for r in rows],
+                    "chosen": best["budget"],
+                    "expected_speedup": speedup,
+                },
+                f,
+                indent=1,
+            )
     if args.plots and (plt := plotting()) is not None:
         os.makedirs(args.plots, exist_ok=True)
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -317,17 +533,25 @@ def tune_tree(args, model, prompts, device):
         a.set(xlabel="tree nodes (root included)", ylabel="expected tau")
         b.set(xlabel="tree nodes (root included)", ylabel="expected tokens/s")
         b.legend()
-        fig.suptitle(f"{os.path.basename(os.path.normpath(folder))}: {mach['hardware']}, {mach['dtype']}", fontsize=9)
+        fig.suptitle(
+            f"{os.path.basename(os.path.normpath(folder))}: {mach['hardware']}, {mach['dtype']}",
+            fontsize=9,
+        )
         fig.tight_layout()
         fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
         print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
 
 
 # --- layers tuning --------------------------------------------------------------------------------
-# Self-speculative drafting with the first N layers: expected tokens/s of (N, gamma) = expected tau /
-# (gamma one-token forwards of N layers + one (gamma+1)-token forward of the model). A chain of gamma
-# drafts accepts min(a, gamma) where a chain of max_gamma accepts a (greedy), so one decoding run per
-# N with the longest chain gives the expected tau of every shorter one: 1 + P(a >= 1) + ... + P(a >= gamma).
+# Self-speculative drafting with the first N layers: expected tokens/s of (N, gamma) = expected tau
+# /
+# (gamma one-token forwards of N layers + one (gamma+1)-token forward of the model). A chain of
+# gamma
+# drafts accepts min(a, gamma) where a chain of max_gamma accepts a (greedy), so one decoding run
+# per
+# N with the longest chain gives the expected tau of every shorter one: 1 + P(a >= 1) + ... + P(a >=
+# gamma).
+
 
 @torch.inference_mode()
 def tune_layers(args, model, prompts, device, eos):
@@ -335,30 +559,61 @@ def tune_layers(args, model, prompts, device, eos):
         raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
     L, G = model.cfg.n_layers, args.max_gamma
     candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
-    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
     P = len(prefix)
     cache = model.new_cache(P + G + 1)
-    model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, cache, last_only=True)
+    model(
+        torch.tensor([prefix], device=device),
+        torch.arange(P, device=device),
+        None,
+        cache,
+        last_only=True,
+    )
     cache.keep(range(P))
-    chain = torch.full((1, G + 1), prefix[-1], device=device)                     # (1, G+1) any tokens do
-    at_end = torch.tensor([P], device=device)                                      # (1,) the position after the prefix
-    verify = {g: lambda g=g: model(chain[:, :g + 1], P + torch.arange(g + 1, device=device), None, cache)
-              for g in range(1, G + 1)}
+    chain = torch.full((1, G + 1), prefix[-1], device=device)  # (1, G+1) any tokens do
+    at_end = torch.tensor([P], device=device)  # (1,) the position after the prefix
+    verify = {
+        g: lambda g=g: model(chain[:, : g + 1], P + torch.arange(g + 1, device=device), None, cache)
+        for g in range(1, G + 1)
+    }
     rows = []
     for n in candidates:
         drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, n, f"layers:{n}")
-        accepted = [a for _, _, ids in prompts for a in generate.generate(model, ids, args.max_new_tokens, drafter, eos_ids=eos).accepted]
+        accepted = [
+            a
+            for _, _, ids in prompts
+            for a in generate.generate(
+                model, ids, args.max_new_tokens, drafter, eos_ids=eos
+            ).accepted
+        ]
         dcache = model.new_cache(P + 1, num_layers=n)
-        model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, dcache, last_only=True, num_layers=n)
+        model(
+            torch.tensor([prefix], device=device),
+            torch.arange(P, device=device),
+            None,
+            dcache,
+            last_only=True,
+            num_layers=n,
+        )
         dcache.keep(range(P))
-        rows.append({"layers": n, "reach": cli.acceptance_by_depth(accepted, G), "draft_s": [],
-                     "draft": lambda n=n, dcache=dcache: model(chain[:, :1], at_end, None, dcache, num_layers=n)})
+        rows.append(
+            {
+                "layers": n,
+                "reach": generate.acceptance_by_depth(accepted, G),
+                "draft_s": [],
+                "draft": lambda n=n, dcache=dcache: model(
+                    chain[:, :1], at_end, None, dcache, num_layers=n
+                ),
+            }
+        )
     verify_s = {g: [] for g in verify}
     plain = lambda: model(chain[:, :1], at_end, None, cache)
     plain_s = []
     for fn in [plain, *verify.values(), *(r["draft"] for r in rows)]:
         fn()  # warm-up
-    for _ in range(args.tune_repeats):  # interleaved: a burst of machine noise hits every size alike
+    for _ in range(
+        args.tune_repeats
+    ):  # interleaved: a burst of machine noise hits every size alike
         plain_s.append(timed(plain, device))
         for g, fn in verify.items():
             verify_s[g].append(timed(fn, device))
@@ -371,34 +626,86 @@ def tune_layers(args, model, prompts, device, eos):
         draft_ms = statistics.median(r["draft_s"]) * 1e3
         for g in verify:
             tau = 1 + sum(r["reach"][:g])
-            table.append({"layers": r["layers"], "gamma": g, "expected_tau": tau, "draft_ms": draft_ms, "verify_ms": verify_ms[g],
-                          "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3})
+            table.append(
+                {
+                    "layers": r["layers"],
+                    "gamma": g,
+                    "expected_tau": tau,
+                    "draft_ms": draft_ms,
+                    "verify_ms": verify_ms[g],
+                    "tokens_per_s": tau / (g * draft_ms + verify_ms[g]) * 1e3,
+                }
+            )
     best = max(table, key=lambda t: t["tokens_per_s"])
-    mach = machine(device, model.dtype, prefix_tokens=P, prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.tune_repeats, **distance_to_floor(model, device))
-    print(machine_line(mach) + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
-          "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s |\n|---:|---:|---:|---:|---:|---:|")
+    mach = machine(
+        device,
+        model.dtype,
+        prefix_tokens=P,
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.tune_repeats,
+        **distance_to_floor(model, device),
+    )
+    print(
+        machine_line(mach)
+        + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
+        "\n\n| layers | best gamma | expected tau | draft ms | verify ms | expected tokens/s "
+        "|\n|---:|---:|---:|---:|---:|---:|"
+    )
     for n in candidates:
         t = max((t for t in table if t["layers"] == n), key=lambda t: t["tokens_per_s"])
         mark = " **<- chosen**" if t is best else ""
-        print(f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |")
+        print(
+            f"| {n} | {t['gamma']} | {t['expected_tau']:.2f} | {t['draft_ms']:.1f} | "
+            f"{t['verify_ms']:.1f} | {t['tokens_per_s']:.1f}{mark} |"
+        )
     speedup = best["tokens_per_s"] * plain_ms / 1e3
-    out = cli.tuned_tree_file(args.heads_dir, device, model.dtype, "layers")
+    out = catalog.tuned_tree_file(args.heads_dir, device, model.dtype, "layers")
     with open(out, "w") as f:
-        json.dump({"model": model.cfg.name, "layers": best["layers"], "gamma": best["gamma"], "machine": mach,
-                   "expected_speedup": speedup}, f, indent=1)
-    print(f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau {best['expected_tau']:.2f}, "
-          f"{speedup:.2f}x plain decoding{'' if speedup > 1 else ' (no setting beats plain decoding on this machine)'}; saved {out}")
+        json.dump(
+            {
+                "model": model.cfg.name,
+                "layers": best["layers"],
+                "gamma": best["gamma"],
+                "machine": mach,
+                "expected_speedup": speedup,
+            },
+            f,
+            indent=1,
+        )
+    print(
+        f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau "
+        f"{best['expected_tau']:.2f}, "
+        f"{speedup:.2f}x plain "
+        f"decoding{'' if speedup > 1 else ' (no setting beats plain decoding on this machine)'}; "
+        f"saved {out}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": mach, "plain_ms": plain_ms, "rows": table, "chosen": {k: best[k] for k in ("layers", "gamma")}}, f, indent=1)
+            json.dump(
+                {
+                    "machine": mach,
+                    "plain_ms": plain_ms,
+                    "rows": table,
+                    "chosen": {k: best[k] for k in ("layers", "gamma")},
+                },
+                f,
+                indent=1,
+            )
 
 
 # --- Jacobi's, lookahead's and PaSS's settings ----------------------------------------------------
 
 # the values each setting may take; a GPU's best window may be past these: widen them there
-GRIDS = {"jacobi": {"gamma": (1, 2, 3, 4, 6, 8, 12, 16)},
-         "lookahead": {"window": (1, 2, 3, 4, 6, 8, 12, 16), "ngram": (2, 3, 4, 5, 6), "guesses": (1, 2, 3, 4, 6, 8, 12, 16)},
-         "pass": {"gamma": tuple(range(1, 17)), "guesses": (1, 2, 3, 4, 6, 8)}}  # gamma: up to the [LA] tokens trained
+GRIDS = {
+    "jacobi": {"gamma": (1, 2, 3, 4, 6, 8, 12, 16)},
+    "lookahead": {
+        "window": (1, 2, 3, 4, 6, 8, 12, 16),
+        "ngram": (2, 3, 4, 5, 6),
+        "guesses": (1, 2, 3, 4, 6, 8, 12, 16),
+    },
+    "pass": {"gamma": tuple(range(1, 17)), "guesses": (1, 2, 3, 4, 6, 8)},
+}  # gamma: up to the [LA] tokens trained
 
 
 class Counted:
@@ -406,7 +713,12 @@ class Counted:
 
     def __init__(self, drafter):
         self.drafter, self.sizes = drafter, []
-        self.name, self.legend, self.max_nodes, self.max_depth = drafter.name, drafter.legend, drafter.max_nodes, drafter.max_depth
+        self.name, self.legend, self.max_nodes, self.max_depth = (
+            drafter.name,
+            drafter.legend,
+            drafter.max_nodes,
+            drafter.max_depth,
+        )
 
     def start(self, prompt, hidden, max_len):
         self.drafter.start(prompt, hidden, max_len)
@@ -421,8 +733,11 @@ class Counted:
 
 
 def make(kind, setting, model, folder):
-    """A drafter of `kind` (jacobi, lookahead, pass: the [LA] tokens in folder/pass) at `setting`, for greedy decoding."""
-    return cli.make_drafter(kind, os.path.join(folder, "pass"), setting, model, None, None, None, 0.0, 1.0, None)
+    """A drafter of `kind` (jacobi, lookahead, pass: the [LA] tokens in folder/pass) at `setting`,
+    for greedy decoding."""
+    return catalog.make_drafter(
+        kind, os.path.join(folder, "pass"), setting, model, None, None, None, 0.0, 1.0, None
+    )
 
 
 def trained_tokens(folder, model) -> int:
@@ -434,11 +749,14 @@ def trained_tokens(folder, model) -> int:
 
 
 def tuned_drafter(kind, folder, model):
-    """bench.py's jacobi, lookahead or pass method: at the setting --tune-parallel saved in `folder` for
+    """bench.py's jacobi, lookahead or pass method: at the setting --tune-parallel saved in `folder`
+    for
     this model and machine, else at generate.py's defaults; and a note that says which."""
-    tuned = cli.tuned_parallel(folder, model, kind)
-    d = make(kind, cli.DRAFT_DEFAULTS[kind] | tuned, model, folder)
-    return d, d.name + (" (tuned for this machine)" if tuned else " (untuned: run bench.py --tune-parallel)")
+    tuned = catalog.tuned_parallel(folder, model, kind)
+    d = make(kind, catalog.DRAFT_DEFAULTS[kind] | tuned, model, folder)
+    return d, d.name + (
+        " (tuned for this machine)" if tuned else " (untuned: run bench.py --tune-parallel)"
+    )
 
 
 def ascend(start: dict, grid: dict, score) -> dict:
@@ -446,8 +764,12 @@ def ascend(start: dict, grid: dict, score) -> dict:
     down) with the highest score while it beats the current setting; score(setting) is memoised."""
     here = dict(start)
     while True:
-        near = [here | {k: values[j]} for k, values in grid.items()
-                for j in (values.index(here[k]) - 1, values.index(here[k]) + 1) if 0 <= j < len(values)]
+        near = [
+            here | {k: values[j]}
+            for k, values in grid.items()
+            for j in (values.index(here[k]) - 1, values.index(here[k]) + 1)
+            if 0 <= j < len(values)
+        ]
         best = max(near, key=score)
         if score(best) <= score(here):
             return here
@@ -461,20 +783,31 @@ def label(setting: dict) -> str:
 @torch.inference_mode()
 def tune_parallel(args, model, prompts, eos, machine):
     """Search each kind's setting on this machine, print the table, save the choice; `machine` is
-    bench.machine()'s description of it (hardware, dtype, threads, step over the bandwidth floor)."""
+    bench.machine()'s description of it (hardware, dtype, threads, step over the bandwidth
+    floor)."""
     dev = model.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    prefix = [t for _, _, ids in prompts for t in ids][:args.prefix_len]
+    prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
     cache = model.new_cache(len(prefix) + tree_lib.MAX_NODES)
-    model(torch.tensor([prefix], device=dev), torch.arange(len(prefix), device=dev), None, cache, last_only=True)
+    model(
+        torch.tensor([prefix], device=dev),
+        torch.arange(len(prefix), device=dev),
+        None,
+        cache,
+        last_only=True,
+    )
     cache.keep(range(len(prefix)))
     times = {}
 
-    def step_ms(n):  # median ms of one forward of n nodes (causal among them) after the cached prefix
+    def step_ms(
+        n,
+    ):  # median ms of one forward of n nodes (causal among them) after the cached prefix
         if n not in times:
-            ids = torch.full((1, n), prefix[-1], device=dev)                                       # (1, n)
-            at = len(prefix) + torch.arange(n, device=dev)                                         # (n,)
-            mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None        # (n, n)
+            ids = torch.full((1, n), prefix[-1], device=dev)  # (1, n)
+            at = len(prefix) + torch.arange(n, device=dev)  # (n,)
+            mask = (
+                torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None
+            )  # (n, n)
             samples = []
             for _ in range(args.tune_repeats + 1):  # the first is a warm-up
                 sync()
@@ -496,33 +829,82 @@ def tune_parallel(args, model, prompts, eos, machine):
                 r = generate.generate(model, ids, args.max_new_tokens, d, eos_ids=eos)
                 tokens, steps = tokens + len(r.tokens), steps + r.steps
             ms = (steps - len(d.sizes)) * step_ms(1) + sum(step_ms(n) for n in d.sizes)
-            rows[key] = {"kind": kind, **setting, "tau": tokens / steps, "mean_nodes": (steps - len(d.sizes) + sum(d.sizes)) / steps,
-                         "step_ms": ms / steps, "tokens_per_s": tokens / ms * 1e3}
-            print(f"[tune] {kind} {label(setting)}: tau {rows[key]['tau']:.2f}, {rows[key]['mean_nodes']:.1f} nodes a step, "
-                  f"expected {rows[key]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+            rows[key] = {
+                "kind": kind,
+                **setting,
+                "tau": tokens / steps,
+                "mean_nodes": (steps - len(d.sizes) + sum(d.sizes)) / steps,
+                "step_ms": ms / steps,
+                "tokens_per_s": tokens / ms * 1e3,
+            }
+            print(
+                f"[tune] {kind} {label(setting)}: tau {rows[key]['tau']:.2f}, "
+                f"{rows[key]['mean_nodes']:.1f} nodes a step, "
+                f"expected {rows[key]['tokens_per_s']:.1f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
         return rows[key]["tokens_per_s"]
 
-    grids, starts, trained = dict(GRIDS), dict(cli.DRAFT_DEFAULTS), trained_tokens(args.heads_dir, model)
+    grids, starts, trained = (
+        dict(GRIDS),
+        dict(catalog.DRAFT_DEFAULTS),
+        trained_tokens(args.heads_dir, model),
+    )
     if trained:  # K up to the [LA] tokens trained
         grids["pass"] = GRIDS["pass"] | {"gamma": GRIDS["pass"]["gamma"][:trained]}
         starts["pass"] = starts["pass"] | {"gamma": min(starts["pass"]["gamma"], trained)}
-    else:        # no [LA] tokens for this model in --heads-dir: nothing to tune
+    else:  # no [LA] tokens for this model in --heads-dir: nothing to tune
         del grids["pass"]
-    chosen = {kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s)) for kind, grid in grids.items()}
+    chosen = {
+        kind: ascend(starts[kind], grid, lambda s, kind=kind: score(kind, s))
+        for kind, grid in grids.items()
+    }
     plain = 1e3 / step_ms(1)
-    mach = machine | {"prefix_tokens": len(prefix), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.tune_repeats}
-    print(machine_line(mach) + f"\n\nplain decoding: {step_ms(1):.1f} ms a step, {plain:.1f} tokens/s\n\n"
-          "| method | setting | tau | nodes a step | step ms | expected tokens/s | over plain |\n|---|---|---:|---:|---:|---:|---:|")
+    mach = machine | {
+        "prefix_tokens": len(prefix),
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.tune_repeats,
+    }
+    print(
+        machine_line(mach)
+        + f"\n\nplain decoding: {step_ms(1):.1f} ms a step, {plain:.1f} tokens/s\n\n"
+        "| method | setting | tau | nodes a step | step ms | expected tokens/s | over plain "
+        "|\n|---|---|---:|---:|---:|---:|---:|"
+    )
     for (kind, name), r in rows.items():
         mark = " **<- chosen**" if name == label(chosen[kind]) else ""
-        print(f"| {kind} | {name} | {r['tau']:.2f} | {r['mean_nodes']:.1f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
-              f"{r['tokens_per_s'] / plain:.2f}x{mark} |")
-    out = cli.tuned_tree_file(args.heads_dir, dev, model.dtype, "parallel")
+        print(
+            f"| {kind} | {name} | {r['tau']:.2f} | {r['mean_nodes']:.1f} | {r['step_ms']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s'] / plain:.2f}x{mark} |"
+        )
+    out = catalog.tuned_tree_file(args.heads_dir, dev, model.dtype, "parallel")
     expected = {kind: rows[kind, label(s)]["tokens_per_s"] / plain for kind, s in chosen.items()}
     with open(out, "w") as f:
-        json.dump({"model": model.cfg.name, **chosen, "expected_speedup": expected, "machine": mach}, f, indent=1)
-    print("\nchosen: " + "; ".join(f"{kind} {label(s)} ({expected[kind]:.2f}x plain decoding)" for kind, s in chosen.items())
-          + f"; saved {out}")
+        json.dump(
+            {"model": model.cfg.name, **chosen, "expected_speedup": expected, "machine": mach},
+            f,
+            indent=1,
+        )
+    print(
+        "\nchosen: "
+        + "; ".join(
+            f"{kind} {label(s)} ({expected[kind]:.2f}x plain decoding)"
+            for kind, s in chosen.items()
+        )
+        + f"; saved {out}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": mach, "plain_tokens_per_s": plain, "rows": list(rows.values()), "chosen": chosen}, f, indent=1)
+            json.dump(
+                {
+                    "machine": mach,
+                    "plain_tokens_per_s": plain,
+                    "rows": list(rows.values()),
+                    "chosen": chosen,
+                },
+                f,
+                indent=1,
+            )

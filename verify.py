@@ -9,13 +9,17 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
     logits_to_probs(logits, temperature, top_p) -> probs      the one sampling primitive
     sample(probs, generator) -> token ids
     greedy(logits, tokens, tree)                               lossless at temperature 0
-    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance, lossy
+    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance,
+                                                               lossy
     speculative(logits, tokens, tree, temperature, top_p, generator)   lossless sampling on a tree
-    leviathan(logits, tokens, draft_probs, temperature, top_p, generator)  lossless, a chain of sampled drafts
+    leviathan(logits, tokens, draft_probs, temperature, top_p, generator)  lossless, a chain of
+    sampled drafts
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
-Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain."""
+Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a
+chain."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,6 +37,12 @@ if TYPE_CHECKING:
 # Below this temperature sampling is greedy decoding. There softmax(logits / T) is already one-hot
 # in float32 (a logit gap of 0.01 becomes 100 nats), and far below it logits / T overflows to inf.
 GREEDY_BELOW = 1e-4
+VERIFIERS = ("auto", "greedy", "typical", "sample")  # generate()'s verify: auto = greedy or sample
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether decoding at `temperature` is greedy: the one meaning of "greedy" in the project."""
+    return temperature < GREEDY_BELOW
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -44,14 +54,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    if temperature < GREEDY_BELOW:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()           # (..., V)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)                # (..., V)
+    if is_greedy(temperature):
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()  # (..., V)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (..., V)
     if top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)              # (..., V)
-        mass_above = sorted_probs.cumsum(-1) - sorted_probs                    # (..., V) mass ranked above
-        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)      # (..., V) nucleus full
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)       # (..., V)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (..., V)
+        mass_above = sorted_probs.cumsum(-1) - sorted_probs  # (..., V) mass ranked above
+        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)  # (..., V) nucleus full
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # (..., V)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
@@ -67,16 +77,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
     n = tree.num_nodes
-    assert logits.dim() == 2 and logits.shape[0] == n, f"logits must be (N={n}, V), not {tuple(logits.shape)}"
+    assert logits.dim() == 2 and logits.shape[0] == n, (
+        f"logits must be (N={n}, V), not {tuple(logits.shape)}"
+    )
     assert tokens.shape == (n,), f"tokens must be (N={n},), got {tuple(tokens.shape)}"
-    assert tree.parent.device == tokens.device, f"tree on {tree.parent.device}, tokens on {tokens.device}: tree.to(device) once"
+    assert tree.parent.device == tokens.device, (
+        f"tree on {tree.parent.device}, tokens on {tokens.device}: tree.to(device) once"
+    )
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of tree.retrieve (L, D): how many leading nodes (root included) are accepted, and the last."""
-    ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)                              # (L, D)
-    length = ok_rows.long().cumprod(-1).sum(-1)                                # (L,) >= 1: root is ok
-    last = rows.gather(1, (length - 1)[:, None]).squeeze(1)                    # (L,)
+    """For each row of tree.retrieve (L, D): how many leading nodes (root included) are accepted,
+    and the last."""
+    ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
+    length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
+    last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
     return length, last
 
 
@@ -89,13 +104,13 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
     """Longest accepted path (ties: lowest last-node index); bonus = argmax after it."""
     _check_shapes(logits, tokens, tree)
     n = tree.num_nodes
-    best = logits.argmax(-1)                                                   # (N,)
-    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
-    ok[1:] = tokens[1:] == best[tree.parent[1:]]                               # (N-1,)
-    length, last = _accepted_prefixes(ok, tree.retrieve)                       # (L,), (L,)
-    leaf = (length * n - last).argmax()                 # () longest first, then lowest end index
+    best = logits.argmax(-1)  # (N,)
+    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)  # (N,) root always kept
+    ok[1:] = tokens[1:] == best[tree.parent[1:]]  # (N-1,)
+    length, last = _accepted_prefixes(ok, tree.retrieve)  # (L,), (L,)
+    leaf = (length * n - last).argmax()  # () longest first, then lowest end index
     accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
-    return tree.retrieve[leaf, :accepted], bonus                               # (accepted,) root..end
+    return tree.retrieve[leaf, :accepted], bonus  # (accepted,) root..end
 
 
 # --- typical acceptance -------------------------------------------------------------------------
@@ -103,35 +118,44 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
 # p(x) > min(eps, alpha * exp(-H(p))), so uncertain (high-entropy) positions accept more.
 
 
-def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float,
-            top_p: float, eps: float = 0.09, alpha: float = 0.3,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+def typical(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Tree,
+    temperature: float,
+    top_p: float,
+    eps: float = 0.09,
+    alpha: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, int]:
     """Longest accepted path (ties: highest sum of log p); bonus ~ logits_to_probs at its end.
 
     p = softmax(logits / temperature) without top-p; top_p only shapes the bonus. Temperature must
     be >= GREEDY_BELOW: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule
     becomes greedy, so below it use greedy() instead (logits / 0 is not defined).
     """
-    if temperature < GREEDY_BELOW:
-        raise ValueError(f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
-                         f"got {temperature}; use greedy below it")
+    if is_greedy(temperature):
+        raise ValueError(
+            f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
+            f"got {temperature}; use greedy below it"
+        )
     _check_shapes(logits, tokens, tree)
-    n, parent, rows = tree.num_nodes, tree.parent[1:], tree.retrieve           # N, (N-1,), (L, D)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)             # (N, V)
-    entropy = torch.special.entr(logp.exp()).sum(-1)                           # (N,) -sum p log p
-    threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)                   # (N,)
-    token_logp = torch.zeros(n, device=tokens.device)                          # (N,) log p at the parent
+    n, parent, rows = tree.num_nodes, tree.parent[1:], tree.retrieve  # N, (N-1,), (L, D)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V)
+    entropy = torch.special.entr(logp.exp()).sum(-1)  # (N,) -sum p log p
+    threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)  # (N,)
+    token_logp = torch.zeros(n, device=tokens.device)  # (N,) log p at the parent
     token_logp[1:] = logp[parent, tokens[1:]]
-    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)                 # (N,) root always kept
+    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)  # (N,) root always kept
     ok[1:] = token_logp[1:].exp() > threshold[parent]
-    length, last = _accepted_prefixes(ok, rows)                                # (L,), (L,)
-    kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]   # (L, D)
-    total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)     # (L,)
-    total = total.masked_fill(length < length.max(), -torch.inf)               # only the longest compete
-    leaf = total.argmax()                                                      # ()
+    length, last = _accepted_prefixes(ok, rows)  # (L,), (L,)
+    kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]  # (L, D)
+    total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)  # (L,)
+    total = total.masked_fill(length < length.max(), -torch.inf)  # only the longest compete
+    leaf = total.argmax()  # ()
     bonus = sample(logits_to_probs(logits[last[leaf]], temperature, top_p), generator)
-    accepted, bonus = torch.stack([length[leaf], bonus]).tolist()              # the one transfer
-    return rows[leaf, :accepted], bonus                                        # (accepted,) root..end
+    accepted, bonus = torch.stack([length[leaf], bonus]).tolist()  # the one transfer
+    return rows[leaf, :accepted], bonus  # (accepted,) root..end
 
 
 # --- speculative sampling -----------------------------------------------------------------------
@@ -139,8 +163,14 @@ def typical(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature:
 # the emitted tokens are distributed exactly as if the base model had sampled them one by one.
 
 
-def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float,
-                top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+def speculative(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Tree,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int]:
     """Walk down from the root; at each node try its children in rank order; bonus ~ final residual.
 
     With q' the residual at the current node (q' = q = the node's probs on arrival), child c is
@@ -151,36 +181,59 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
     q'(t) again, so by induction over the children every token is emitted with probability q(t).
     """
     _check_shapes(logits, tokens, tree)
-    probs = logits_to_probs(logits, temperature, top_p)                        # (N, V) one batched call
-    n, parent = tree.num_nodes, tree.parent[1:]                                # (N-1,)
-    u = torch.rand(n - 1, device=probs.device, generator=generator)           # (N-1,) a draw for each child
+    probs = logits_to_probs(logits, temperature, top_p)  # (N, V) one batched call
+    n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
+    u = torch.rand(n - 1, device=probs.device, generator=generator)  # (N-1,) a draw for each child
     # the walk needs only q(child's token) at its parent, and the draws: one transfer
-    token, q, u = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist() if n > 1 else ([], [], [])
-    nodes, rejected = [0], []                                                  # path; tokens zeroed at its end
+    token, q, u = (
+        torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist()
+        if n > 1
+        else ([], [], [])
+    )
+    nodes, rejected = [0], []  # path; tokens zeroed at its end
     while True:
-        accepted, mass = None, 1.0                                             # mass: what q' still holds
+        accepted, mass = None, 1.0  # mass: what q' still holds
         for c in tree.children[nodes[-1]]:
             t = token[c - 1]
-            held = 0.0 if t in rejected else q[c - 1]                          # a duplicate sibling was zeroed
-            if u[c - 1] * mass < held:                                         # u < q'(c) = held / mass
+            held = 0.0 if t in rejected else q[c - 1]  # a duplicate sibling was zeroed
+            if u[c - 1] * mass < held:  # u < q'(c) = held / mass
                 accepted = c
                 break
             rejected.append(t)
             mass -= held
-            if mass <= 0:  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+            if (
+                mass <= 0
+            ):  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
                 rejected = []
                 break
         if accepted is None:
             break
         nodes.append(accepted)
         rejected = []
-    # bonus ~ q' at the end: q without the first len(rejected) children tried there, on the device
-    end, rank, rows = nodes[-1], tree.rank[1:], tree.retrieve                  # (N-1,), (L, D)
-    before = ((parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])).sum(-1)  # (N-1,) siblings tried first
-    drop = ((parent == end) & (before < len(rejected))).float()                # (N-1,)
-    residual = probs[end] * (1 - torch.zeros_like(probs[0]).scatter_reduce(0, tokens[1:], drop, "amax"))  # (V,)
+    end = nodes[-1]
+    residual = without_tried(probs[end], tokens, tree, end, len(rejected))  # (V,) q' at the end
     bonus = int(sample(residual / residual.sum(), generator))
-    return rows[(rows[:, len(nodes) - 1] == end).int().argmax(), :len(nodes)], bonus  # a leaf below end: its path
+    return path_to(tree, end, len(nodes)), bonus
+
+
+def without_tried(
+    q: torch.Tensor, tokens: torch.Tensor, tree: Tree, node: int, tried: int
+) -> torch.Tensor:
+    """q (V,) at `node` with the tokens of its first `tried` children (in rank order: the ones the
+    walk rejected) zeroed: the residual the bonus is drawn from, unnormalised. On the device, with
+    no transfer: the tree's index tensors say which children those are."""
+    parent, rank = tree.parent[1:], tree.rank[1:]  # (N-1,) each
+    siblings_before = ((parent[:, None] == parent) & (rank < rank[:, None])).sum(-1)  # (N-1,)
+    drop = ((parent == node) & (siblings_before < tried)).float()  # (N-1,) 1: tried
+    dropped = torch.zeros_like(q).scatter_reduce(0, tokens[1:], drop, "amax")  # (V,)
+    return q * (1 - dropped)
+
+
+def path_to(tree: Tree, node: int, length: int) -> torch.Tensor:
+    """The node indices from the root down to `node` (at depth length - 1), read on the device
+    from the row of a leaf below it."""
+    rows = tree.retrieve  # (L, D)
+    return rows[(rows[:, length - 1] == node).int().argmax(), :length]
 
 
 # --- speculative sampling of sampled drafts -----------------------------------------------------
@@ -189,8 +242,14 @@ def speculative(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperat
 # accepts x with probability q(x) and on rejection draws from q without x, renormalised.
 
 
-def leviathan(logits: torch.Tensor, tokens: torch.Tensor, draft_probs: torch.Tensor, temperature: float,
-              top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+def leviathan(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int]:
     """Accept x_i with probability min(1, q(x_i) / p(x_i)), stop at the first rejection; bonus ~
     norm(max(0, q - p)) at that position, or ~ q after the last draft if all were accepted.
 
@@ -203,16 +262,22 @@ def leviathan(logits: torch.Tensor, tokens: torch.Tensor, draft_probs: torch.Ten
     given the accepted prefix, so the emitted tokens follow the base model's own distribution.
     """
     G = len(tokens) - 1
-    assert logits.dim() == 2 and logits.shape[0] == G + 1, f"logits must be (G+1={G + 1}, V), not {tuple(logits.shape)}"
-    assert draft_probs.shape == (G, logits.shape[1]), f"draft_probs must be (G={G}, V), not {tuple(draft_probs.shape)}"
-    q = logits_to_probs(logits, temperature, top_p)                            # (G+1, V)
-    x = tokens[1:, None]                                                       # (G, 1)
+    assert logits.dim() == 2 and logits.shape[0] == G + 1, (
+        f"logits must be (G+1={G + 1}, V), not {tuple(logits.shape)}"
+    )
+    assert draft_probs.shape == (G, logits.shape[1]), (
+        f"draft_probs must be (G={G}, V), not {tuple(draft_probs.shape)}"
+    )
+    q = logits_to_probs(logits, temperature, top_p)  # (G+1, V)
+    x = tokens[1:, None]  # (G, 1)
     qx, px = q[:-1].gather(1, x).squeeze(1), draft_probs.gather(1, x).squeeze(1)  # (G,), (G,)
-    u = torch.rand(G, device=q.device, generator=generator)                    # (G,) one draw a draft
-    ok = u * px < qx                                       # (G,) u < q/p; px > 0, x was sampled from p
-    n = int(ok.long().cumprod(0).sum())                                        # drafts accepted
-    residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)       # (V,)
-    if residual.sum() <= 0:  # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+    u = torch.rand(G, device=q.device, generator=generator)  # (G,) one draw a draft
+    ok = u * px < qx  # (G,) u < q/p; px > 0, x was sampled from p
+    n = int(ok.long().cumprod(0).sum())  # drafts accepted
+    residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)  # (V,)
+    if (
+        residual.sum() <= 0
+    ):  # q == p up to rounding: a rejection is then a rounding artefact, draw from q
         residual = q[n]
     bonus = sample(residual / residual.sum(), generator)
     return torch.arange(n + 1, device=tokens.device), int(bonus)

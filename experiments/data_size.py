@@ -9,8 +9,10 @@ FIRST_FRESH never saw them, nor did the heads trained on the whole set (held out
 table and an SVG bar chart (ablations.py's).
 
     python experiments/data_size.py /work/data/smollm2/self_distill 11767 results/data-size \
-        "medusa 141k=old/medusa" "medusa 892k=v3/medusa" "medusa 5.02M=weights/smollm2-135m-instruct/medusa" ...
+        "medusa 141k=old/medusa" "medusa 892k=v3/medusa" "medusa
+        5.02M=weights/smollm2-135m-instruct/medusa" ...
 """
+
 import os
 import sys
 import types
@@ -28,20 +30,31 @@ from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 
 def measure(model, data, first_fresh, runs, seed=0):
-    """(a line saying what was measured, {label: evaluate's report}) for (label, heads folder) pairs,
+    """(a line saying what was measured, {label: evaluate's report}) for (label, heads folder)
+    pairs,
     all on the same held-out conversations."""
     held_out, _ = train.split(len(data["offsets"]) - 1, seed)
     convs = sorted(c for c in held_out if c >= first_fresh)
     if not convs:
-        fail(f"error: no held-out conversation comes after the first {first_fresh:,}; give a smaller FIRST_FRESH")
-    tokens = int(sum(data["loss"][data["offsets"][c]:data["offsets"][c + 1]].sum() for c in convs))
+        fail(
+            f"error: no held-out conversation comes after the first {first_fresh:,}; give a "
+            "smaller FIRST_FRESH"
+        )
+    tokens = int(
+        sum(data["loss"][data["offsets"][c] : data["offsets"][c + 1]].sum() for c in convs)
+    )
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
-    what = (f"Measured on {len(convs)} held-out conversations ({tokens:,} assistant tokens) that come after "
-            f"the first {first_fresh:,}, which no run below trained on.")
+    what = (
+        f"Measured on {len(convs)} held-out conversations ({tokens:,} assistant tokens) that come "
+        "after "
+        f"the first {first_fresh:,}, which no run below trained on."
+    )
     reports = {}
     for label, folder in runs:
         heads = checkpoint.load_heads(folder, model).eval()
-        to_kept = train.to_kept_map(None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size)
+        to_kept = train.to_kept_map(
+            None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size
+        )
         with torch.inference_mode():
             reports[label] = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
         print(label, f"chain tau {reports[label]['chain_tau']:.3f}", flush=True)
@@ -51,11 +64,18 @@ def measure(model, data, first_fresh, runs, seed=0):
 def table(what, reports):
     lines = [what, "", "| run | held-out chain tau | held-out top-1 per head |", "|---|---:|---|"]
     for label, r in reports.items():
-        lines.append(f"| {label} | {r['chain_tau']:.3f} | {' '.join(f'{a:.2f}' for a in r['top1'])} |")
+        lines.append(
+            f"| {label} | {r['chain_tau']:.3f} | {' '.join(f'{a:.2f}' for a in r['top1'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-BAD_INPUT = (OSError, ValueError, heads_lib.HeadsError, checkpoint.LoadError)   # what a wrong folder raises
+BAD_INPUT = (
+    OSError,
+    ValueError,
+    heads_lib.HeadsError,
+    checkpoint.LoadError,
+)  # what a wrong folder raises
 
 
 def checked_runs(features, pairs):
@@ -66,7 +86,10 @@ def checked_runs(features, pairs):
         if not os.path.isfile(os.path.join(folder, "heads.json")):
             fail(f"error: {folder} has no heads.json; give a folder that train.py wrote heads into")
     if not os.path.isdir(features):
-        fail(f"error: {features} is not a folder; give the features folder train.py built (its --work/self_distill)")
+        fail(
+            f"error: {features} is not a folder; give the features folder train.py built (its "
+            "--work/self_distill)"
+        )
     return runs
 
 
@@ -76,7 +99,10 @@ def bad_input(e):
 
 if __name__ == "__main__":
     if len(sys.argv) < 5 or not sys.argv[2].isdigit() or any("=" not in a for a in sys.argv[4:]):
-        fail("usage: python experiments/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
+        fail(
+            "usage: python experiments/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER "
+            "[LABEL=FOLDER ...]"
+        )
     runs = checked_runs(sys.argv[1], sys.argv[4:])
     try:
         data = dataset.load_data(sys.argv[1])

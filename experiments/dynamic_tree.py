@@ -9,6 +9,7 @@ its fixed tree, greedy, on eval/prompts.jsonl, every variant on every prompt in 
 Prints a markdown table. Not in generate.py: measured (results/dynamic-tree.md, --repeats 2), it
 gains too little for what it adds.
 """
+
 import argparse
 import json
 import os
@@ -17,11 +18,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint         # noqa: E402
-import cli                # noqa: E402
-import drafters as D      # noqa: E402
-import generate as G      # noqa: E402
-import tree as T          # noqa: E402
+import checkpoint  # noqa: E402
+import catalog  # noqa: E402
+import cli  # noqa: E402
+import drafters as D  # noqa: E402
+import generate as G  # noqa: E402
+import tree as T  # noqa: E402
 
 
 class DynamicTree(D.HeadsDrafter):
@@ -32,44 +34,54 @@ class DynamicTree(D.HeadsDrafter):
         self.name = f"heads: {heads.cfg.kind}, dynamic tree: {budget} nodes + root"
 
     def draft(self, root):
-        frontier, expanded = [(0.0, (), [root])], []                     # (log p of the path, path, tokens root..node)
+        frontier, expanded = [(0.0, (), [root])], []  # (log p of the path, path, tokens root..node)
         for d in range(1, self.heads.cfg.num_heads + 1):
-            z = self.heads.head(d, self.h, torch.tensor([f[2] for f in frontier]))          # (P|1, D)
-            top = torch.log_softmax(self.heads.project(z, d).float(), -1).topk(self.topk)   # (P|1, k)
+            z = self.heads.head(d, self.h, torch.tensor([f[2] for f in frontier]))  # (P|1, D)
+            top = torch.log_softmax(self.heads.project(z, d).float(), -1).topk(
+                self.topk
+            )  # (P|1, k)
             ids = self.heads.full_ids(top.indices).expand(len(frontier), -1).tolist()
             logp = top.values.expand(len(frontier), -1).tolist()
-            children = [(s + lp, path + (r,), toks + [t]) for (s, path, toks), lps, ts in zip(frontier, logp, ids)
-                        for r, (lp, t) in enumerate(zip(lps, ts))]
+            children = [
+                (s + lp, path + (r,), toks + [t])
+                for (s, path, toks), lps, ts in zip(frontier, logp, ids)
+                for r, (lp, t) in enumerate(zip(lps, ts))
+            ]
             children.sort(key=lambda c: -c[0])
             expanded += children
-            frontier = children[:self.width]
+            frontier = children[: self.width]
         expanded.sort(key=lambda c: (-c[0], len(c[1])))
         nodes = {}
         for _, path, toks in expanded:
             if len(nodes) == self.budget:
                 break
             if len(path) == 1 or path[:-1] in nodes:
-                nodes[path] = (toks[-1], len(path))                     # source: head depth
+                nodes[path] = (toks[-1], len(path))  # source: head depth
         return self.shapes.draft(root, nodes)
 
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--repeats", type=int, default=1)
 p.add_argument("--max-new-tokens", type=int, default=64)
-p.add_argument("--budgets", default="4,6,8", help="dynamic trees of these many nodes (root not counted)")
+p.add_argument(
+    "--budgets", default="4,6,8", help="dynamic trees of these many nodes (root not counted)"
+)
 args = p.parse_args()
 
 device = cli.pick_device("auto")
 model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
-heads, folder = cli.load_heads("hydra++", model)
-tree = cli.load_tree("auto", heads, folder)
+heads, folder = catalog.load_heads("hydra++", model)
+tree = catalog.load_tree("auto", heads, folder)
 variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: D.HeadsDrafter(heads, tree)}
 for budget in map(int, args.budgets.split(",")):
     variants[f"dynamic, {budget} nodes"] = lambda b=budget: DynamicTree(heads, b)
-rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))]
-prompts = [cli.encode(tok, r["prompt"]) for r in rows]
-G.generate(model, prompts[0], 8, D.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids)   # warm-up
-done = {name: [0, 0.0, 0] for name in variants}                       # tokens, seconds, steps
+rows = [
+    json.loads(line)
+    for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))
+]
+prompts = [checkpoint.encode(tok, r["prompt"]) for r in rows]
+G.generate(model, prompts[0], 8, D.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids)  # warm-up
+done = {name: [0, 0.0, 0] for name in variants}  # tokens, seconds, steps
 for _ in range(args.repeats):
     for ids in prompts:
         for name, make in variants.items():
@@ -77,7 +89,10 @@ for _ in range(args.repeats):
             done[name][0] += len(out.tokens)
             done[name][1] += out.seconds
             done[name][2] += out.steps
-print(f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-      f"{args.repeats} repeat(s)_\n\n| drafter | tokens/s | tau |\n|---|---:|---:|")
+print(
+    f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, "
+    f"{args.max_new_tokens} new tokens, "
+    f"{args.repeats} repeat(s)_\n\n| drafter | tokens/s | tau |\n|---|---:|---:|"
+)
 for name, (n, s, steps) in done.items():
     print(f"| {name} | {n / s:.1f} | {n / steps:.2f} |")

@@ -14,6 +14,7 @@ last hidden state and the three layers' inputs, fp16, ~1.8 GB) are computed once
 
     python experiments/fused_features.py results/fused.json [EPOCHS] [CACHE]
 """
+
 import json
 import math
 import os
@@ -28,16 +29,20 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint  # noqa: E402
+import catalog  # noqa: E402
 import cli  # noqa: E402
 import dataset  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
-LAYERS = (2, 15, 27)        # their inputs = the outputs of layers l - 1
+LAYERS = (2, 15, 27)  # their inputs = the outputs of layers l - 1
 CONVS, HELD_OUT = 1500, 200
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                    "smollm2-135m-instruct-conversations.safetensors")
+DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "data",
+    "smollm2-135m-instruct-conversations.safetensors",
+)
 
 
 @torch.inference_mode()
@@ -48,17 +53,24 @@ def features(base):
     order = trained[:CONVS] + held[:HELD_OUT]
     writer = train.data_model(base, "auto")
     caught = {}
-    hooks = [writer.layers[l - 1].register_forward_hook(lambda m, a, out, l=l: caught.__setitem__(l, out)) for l in LAYERS]
+    hooks = [
+        writer.layers[l - 1].register_forward_hook(
+            lambda m, a, out, l=l: caught.__setitem__(l, out)
+        )
+        for l in LAYERS
+    ]
     cols = {k: [] for k in ("ids", "loss", "hidden", "top_ids", "top_p")}
     for i in order:
         ids, loss = convs[i]
         logits, hidden = writer(torch.tensor([ids]), torch.arange(len(ids)))
-        top = logits[0].float().softmax(-1).topk(16, dim=-1)                        # (T, 16)
+        top = logits[0].float().softmax(-1).topk(16, dim=-1)  # (T, 16)
         top_p = top.values.clone()
-        top_p[-1] = 0                                    # the last position's next token is not in the data
+        top_p[-1] = 0  # the last position's next token is not in the data
         cols["ids"].append(torch.tensor(ids))
         cols["loss"].append(torch.tensor(loss, dtype=torch.bool))
-        cols["hidden"].append(torch.cat([hidden[0]] + [caught[l][0] for l in LAYERS], -1).half())  # (T, 4D)
+        cols["hidden"].append(
+            torch.cat([hidden[0]] + [caught[l][0] for l in LAYERS], -1).half()
+        )  # (T, 4D)
         cols["top_ids"].append(top.indices)
         cols["top_p"].append(top_p.half())
     for h in hooks:
@@ -71,7 +83,8 @@ def features(base):
 
 class Fused(nn.Module):
     """Hydra++ heads whose prefix layer reads h + W [rms(x_a); rms(x_b); rms(x_c)]; with fuse=False
-    (the control) h alone. Each input's RMS is normalised: the residual stream's scale differs by layer."""
+    (the control) h alone. Each input's RMS is normalised: the residual stream's scale differs by
+    layer."""
 
     def __init__(self, heads, dim, fuse):
         super().__init__()
@@ -81,9 +94,9 @@ class Fused(nn.Module):
             nn.init.zeros_(self.fuse.weight)
 
     def context(self, x, positions, cache=None):
-        h = x[..., :self.dim]                                                          # (B, T, D)
+        h = x[..., : self.dim]  # (B, T, D)
         if self.fuse is not None:
-            lower = [F.rms_norm(p, (self.dim,)) for p in x[..., self.dim:].split(self.dim, -1)]
+            lower = [F.rms_norm(p, (self.dim,)) for p in x[..., self.dim :].split(self.dim, -1)]
             h = h + self.fuse(torch.cat(lower, -1))
         return self.heads.context(h, positions, cache)
 
@@ -95,23 +108,34 @@ class Fused(nn.Module):
 
 
 def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
-    """train.py's teacher loss and joint.py's schedule (warm-up 50 steps, cosine) -> [(step, report)]."""
-    heads = kernels.use(checkpoint.load_heads(cli.find_heads("hydra++", "--init"), base), kernels.Kernels())
+    """train.py's teacher loss and joint.py's schedule (warm-up 50 steps, cosine) -> [(step,
+    report)]."""
+    heads = kernels.use(
+        checkpoint.load_heads(catalog.find_heads("hydra++", "--init"), base), kernels.Kernels()
+    )
     model = Fused(heads, base.cfg.dim, arm == "fused")
     to_kept = train.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
     heads.train().requires_grad_(True)
     for b in heads.buffers():
         b.requires_grad_(False)
     groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": lr_heads}]
-    groups += [{"params": list(model.fuse.parameters()), "lr": lr_fuse}] if model.fuse is not None else []
+    groups += (
+        [{"params": list(model.fuse.parameters()), "lr": lr_fuse}] if model.fuse is not None else []
+    )
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     peak = [g["lr"] for g in opt.param_groups]
     trained, held = list(range(CONVS)), list(range(CONVS, CONVS + HELD_OUT))
     args = type("Args", (), {"batch_tokens": 4096, "seed": 0})
-    evaluate = lambda: train.evaluate(model.eval(), data, held, to_kept, args, base.device, bf16=True)
+    evaluate = lambda: train.evaluate(
+        model.eval(), data, held, to_kept, args, base.device, bf16=True
+    )
     curve = [(0, evaluate())]
     model.train()
-    batches = [b for e in range(epochs) for b in train.make_batches(data["offsets"].diff(), trained, 4096, 0, e)]
+    batches = [
+        b
+        for e in range(epochs)
+        for b in train.make_batches(data["offsets"].diff(), trained, 4096, 0, e)
+    ]
     forward, t0 = train.TrainForward(model, "fused"), time.time()
     for step, convs_b in enumerate(batches, start=1):
         batch = train.collate(data, convs_b, to_kept, heads.cfg.num_heads, base.device)
@@ -126,8 +150,12 @@ def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
         if step % eval_every == 0 or step == len(batches):
             curve.append((step, evaluate()))
             model.train()
-            print(f"[{arm}] step {step}/{len(batches)}: chain tau {curve[-1][1]['chain_tau']:.4f}, "
-                  f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"[{arm}] step {step}/{len(batches)}: chain tau {curve[-1][1]['chain_tau']:.4f}, "
+                f"{time.time() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return curve
 
 
@@ -142,8 +170,15 @@ def main(out, epochs, cache):
         os.replace(cache + ".tmp", cache)
     curves = {arm: run(arm, base, data, epochs) for arm in ("control", "fused")}
     with open(out, "w") as f:
-        json.dump({arm: [(s, r["chain_tau"], r["top1"]) for s, r in c] for arm, c in curves.items()}, f, indent=1)
-    print("| step | control: chain tau | top-1 head 1 / 2 / 3 | fused: chain tau | top-1 head 1 / 2 / 3 |")
+        json.dump(
+            {arm: [(s, r["chain_tau"], r["top1"]) for s, r in c] for arm, c in curves.items()},
+            f,
+            indent=1,
+        )
+    print(
+        "| step | control: chain tau | top-1 head 1 / 2 / 3 | fused: chain tau | top-1 head 1 / 2 "
+        "/ 3 |"
+    )
     print("|---:|---:|---|---:|---|")
     for (s, a), (_, b) in zip(curves["control"], curves["fused"]):
         top = lambda r: " / ".join(f"{x:.3f}" for x in r["top1"])
@@ -153,5 +188,10 @@ def main(out, epochs, cache):
 if __name__ == "__main__":
     if not 2 <= len(sys.argv) <= 4:
         fail("usage: python experiments/fused_features.py OUT.json [EPOCHS] [CACHE]")
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3,
-         sys.argv[3] if len(sys.argv) > 3 else os.path.join(checkpoint.cache_root(), "fused-features.safetensors"))
+    main(
+        sys.argv[1],
+        int(sys.argv[2]) if len(sys.argv) > 2 else 3,
+        sys.argv[3]
+        if len(sys.argv) > 3
+        else os.path.join(cli.cache_root(), "fused-features.safetensors"),
+    )

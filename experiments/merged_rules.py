@@ -11,6 +11,7 @@ is shortest 2, floor 4: with the shipped Hydra++'s 4-node tree the heads' tree s
 floor None. Prints a markdown table: overall tokens/s, then per category the ratio to
 max(hydra++, lookup) in that category (results/merged-rules.md: --repeats 3 --max-new-tokens 128).
 """
+
 import argparse
 import json
 import os
@@ -19,10 +20,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint         # noqa: E402
-import cli                # noqa: E402
-import drafters as D      # noqa: E402
-import generate as G      # noqa: E402
+import checkpoint  # noqa: E402
+import catalog  # noqa: E402
+import cli  # noqa: E402
+import drafters as D  # noqa: E402
+import generate as G  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--repeats", type=int, default=1)
@@ -32,21 +34,25 @@ args = p.parse_args()
 
 device = cli.pick_device("auto")
 model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
-heads, folder = cli.load_heads("hydra++", model)
-tree = cli.load_tree("auto", heads, folder)
-dev, look = model.device, cli.DRAFT_DEFAULTS["lookup"]
-rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))]
+heads, folder = catalog.load_heads("hydra++", model)
+tree = catalog.load_tree("auto", heads, folder)
+dev, look = model.device, catalog.DRAFT_DEFAULTS["lookup"]
+rows = [
+    json.loads(line)
+    for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))
+]
 
 H = lambda: D.HeadsDrafter(heads, tree)
 L = lambda **kw: D.Lookup(look["gamma"], look["ngram"], look["matches"], dev, **kw)
 variants = {"lookup": lambda: L(), "hydra++": H}
 for shortest, floor in [(1, None), (2, None), (1, 3), (2, 3)]:
-    variants[f"merged shortest {shortest}, floor {floor}"] = \
-        lambda s=shortest, f=floor: D.Merged(H(), L(adapt=True, shortest=s), dev, floor=f)
+    variants[f"merged shortest {shortest}, floor {floor}"] = lambda s=shortest, f=floor: D.Merged(
+        H(), L(adapt=True, shortest=s), dev, floor=f
+    )
 
-prompts = [(r["category"], cli.encode(tok, r["prompt"])) for r in rows]
-G.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)   # warm-up
-done = {name: {} for name in variants}                                 # name -> category -> [tokens, seconds]
+prompts = [(r["category"], checkpoint.encode(tok, r["prompt"])) for r in rows]
+G.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)  # warm-up
+done = {name: {} for name in variants}  # name -> category -> [tokens, seconds]
 for _ in range(args.repeats):
     for cat, ids in prompts:
         for name, make in variants.items():
@@ -56,8 +62,11 @@ for _ in range(args.repeats):
 
 rate = lambda name, cat: done[name][cat][0] / done[name][cat][1]
 cats = list(done["lookup"])
-print(f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-      f"{args.repeats} repeat(s); per category: tokens/s over max(hydra++, lookup)_\n")
+print(
+    f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, "
+    f"{args.max_new_tokens} new tokens, "
+    f"{args.repeats} repeat(s); per category: tokens/s over max(hydra++, lookup)_\n"
+)
 print("| variant | tokens/s | " + " | ".join(cats) + " |\n|---|---:|" + "---:|" * len(cats))
 for name in variants:
     total = sum(v[0] for v in done[name].values()) / sum(v[1] for v in done[name].values())

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama (fast, most tests) and the real default model (a few);
 for command-line tests, a tripwire for model loading and a folder that cannot be written."""
+
 import os
 import tempfile
 
@@ -12,9 +13,30 @@ import model as model_lib
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
 
 
+@pytest.fixture(autouse=True)
+def threads_as_they_were(monkeypatch):
+    """--threads 0 counts the cores other work keeps busy: in tests, none (the same count whatever
+    else the machine runs), and each test leaves torch's thread count as it found it."""
+    import cli
+
+    monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: 0)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(**kw):
-    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                max_seq_len=256, name="tiny")
+    base = dict(
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=64,
+        max_seq_len=256,
+        name="tiny",
+    )
     base.update(kw)
     return model_lib.Config(**base)
 
@@ -32,39 +54,64 @@ def default_model():
 
 
 def save_tiny_model(folder, seed=0, **config):
-    """A tiny random Llama saved as a transformers folder (config.json, safetensors) with the default
+    """A tiny random Llama saved as a transformers folder (config.json, safetensors) with the
+    default
     model's tokenizer, so that the scripts load it like any model, in well under a second."""
     import json
     import shutil
     from safetensors.torch import save_file
-    hf = dict(model_type="llama", vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-              tie_word_embeddings=True, eos_token_id=2, _name_or_path="tiny-random-llama") | config
+
+    hf = (
+        dict(
+            model_type="llama",
+            vocab_size=49152,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            eos_token_id=2,
+            _name_or_path="tiny-random-llama",
+        )
+        | config
+    )
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
     model = model_lib.Transformer(checkpoint.config_from_hf(hf, hf["_name_or_path"]))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              os.path.join(folder, "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        os.path.join(folder, "model.safetensors"),
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
     default = checkpoint.resolve(checkpoint.DEFAULT)
     for name in os.listdir(default):
-        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
+        if (
+            name.startswith("tokenizer")
+            or name.endswith(".jinja")
+            or name == "special_tokens_map.json"
+        ):
             shutil.copy(os.path.join(default, name), folder)
     return str(folder)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The folder of a tiny random Llama with the default model's tokenizer (see save_tiny_model)."""
+    """The folder of a tiny random Llama with the default model's tokenizer (see
+    save_tiny_model)."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
 def no_model(monkeypatch):
     """checkpoint.load raises: the checks under test must fail before any model loads."""
+
     def tripwire(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
+
     monkeypatch.setattr(checkpoint, "load", tripwire)
 
 
@@ -87,16 +134,24 @@ def unwritable(tmp_path):
 
 def ctrl_c_after(argv, marker, seconds, sig=None):
     """Run `python argv...` from the repository root as a user would, wait for a stderr line holding
-    `marker`, let it work `seconds` more, press Ctrl-C (or send `sig`). Returns (exit code, stdout, stderr)."""
+    `marker`, let it work `seconds` more, press Ctrl-C (or send `sig`). Returns (exit code, stdout,
+    stderr)."""
     import signal
     import subprocess
     import sys
     import threading
     import time
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [sys.executable, *map(str, argv)],
+        cwd=root,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     watchdog = threading.Timer(120, p.kill)  # a hang fails the test instead of the whole run
     watchdog.start()
     try:

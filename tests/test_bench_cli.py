@@ -1,4 +1,5 @@
-"""bench.py's command line on bad input: one line on stderr, "error: <what> ...; <fix>", exit code 2,
+"""bench.py's command line on bad input: one line on stderr, "error: <what> ...; <fix>", exit code
+2,
 no traceback, before the model loads where it can (an output folder that cannot be written is
 found before the run, not after an hour of measuring); Ctrl-C prints what was measured so far and
 exits 130.
@@ -6,6 +7,7 @@ exits 130.
 Most cases call bench.cli_main(argv) in-process, with model.load replaced by a tripwire or on a tiny
 random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python bench.py`.
 """
+
 import ctypes
 import json
 import os
@@ -36,21 +38,27 @@ def prompts_file(folder, n=3):
     path = os.path.join(folder, "prompts.jsonl")
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"id": f"p{i}", "category": "test", "prompt": f"Count to {i + 3}."}) + "\n")
+            f.write(
+                json.dumps({"id": f"p{i}", "category": "test", "prompt": f"Count to {i + 3}."})
+                + "\n"
+            )
     return path
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--limit", "-1"], "--limit -1: must be 0 (all prompts) or a number of prompts"),
-    (["--threads", "-1"], "--threads -1: must be 0 (torch's default) or a number of threads"),
-    (["--repeats", "0"], "must be at least 1"),
-    (["--prefix-len", "0"], "must be at least 1"),
-    (["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
-    (["--seed", "-1"], "--seed -1"),
-    (["--json", "/no/such/folder/bench.json"], "not a file in an existing folder"),
-    (["--limit", "ten"], "invalid int value"),
-    (["--bogus"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--limit", "-1"], "--limit -1: must be 0 (all prompts) or a number of prompts"),
+        (["--threads", "-1"], "--threads -1: must be 0 (the idle cores) or a number of threads"),
+        (["--repeats", "0"], "must be at least 1"),
+        (["--prefix-len", "0"], "must be at least 1"),
+        (["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+        (["--seed", "-1"], "--seed -1"),
+        (["--json", "/no/such/folder/bench.json"], "not a file in an existing folder"),
+        (["--limit", "ten"], "invalid int value"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
 def test_bad_flags_before_the_model_loads(no_model, capsys, argv, words):
     check_one_line_error(*run_bench(capsys, *argv)[::2], words)
 
@@ -58,11 +66,13 @@ def test_bad_flags_before_the_model_loads(no_model, capsys, argv, words):
 def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, unwritable):
     file = tmp_path / "a-file"
     file.write_text("old results")
-    for argv, words in [(["--json", tmp_path], "not a file in an existing folder"),
-                        (["--json", os.path.join(unwritable, "bench.json")], "cannot write there"),
-                        (["--plots", file], "is a file, not a folder"),
-                        (["--plots", unwritable], "cannot write there"),
-                        (["--plots", os.path.join(unwritable, "plots")], "cannot write there")]:
+    for argv, words in [
+        (["--json", tmp_path], "not a file in an existing folder"),
+        (["--json", os.path.join(unwritable, "bench.json")], "cannot write there"),
+        (["--plots", file], "is a file, not a folder"),
+        (["--plots", unwritable], "cannot write there"),
+        (["--plots", os.path.join(unwritable, "plots")], "cannot write there"),
+    ]:
         check_one_line_error(*run_bench(capsys, *argv)[::2], f"{argv[0]} ", words)
     cli.writable_file("--json", str(file), "bench.json")  # a writable file passes, untouched
     assert file.read_text() == "old results"
@@ -71,23 +81,33 @@ def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, u
 def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\udc80 escape"}\n')
-    check_one_line_error(*run_bench(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: not valid Unicode text")
+    check_one_line_error(
+        *run_bench(capsys, "--prompts", file)[::2],
+        f"--prompts {file}, line 2: not valid Unicode text",
+    )
 
 
 def test_flags_without_effect_get_a_notice(capsys):
     B.check_args(B.build_parser().parse_args(["--max-budget", "8"]))
     assert capsys.readouterr().err == "notice: --max-budget has no effect without --tune-tree\n"
-    B.check_args(B.build_parser().parse_args(["--tune-tree", "--repeats", "2", "--temperature", "1e-9"]))
+    B.check_args(
+        B.build_parser().parse_args(["--tune-tree", "--repeats", "2", "--temperature", "1e-9"])
+    )
     err = capsys.readouterr().err
-    assert "notice: --repeats has no effect with --tune-tree" in err and "--temperature has no effect with --tune-tree" in err
+    assert (
+        "notice: --repeats has no effect with --tune-tree" in err
+        and "--temperature has no effect with --tune-tree" in err
+    )
     B.check_args(B.build_parser().parse_args(["--temperature", "1e-9"]))
     assert "the sampling methods decode greedily" in capsys.readouterr().err
 
 
 def test_draft_model_not_of_a_supported_family(no_model, capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
-    check_one_line_error(*run_bench(capsys, "--draft-model", tmp_path, "--methods", "plain,assisted")[::2],
-                         "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, phi3")
+    check_one_line_error(
+        *run_bench(capsys, "--draft-model", tmp_path, "--methods", "plain,assisted")[::2],
+        "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, phi3",
+    )
 
 
 def test_draft_model_with_another_tokenizer(capsys, monkeypatch, tmp_path, tiny_model_dir):
@@ -97,23 +117,60 @@ def test_draft_model_with_another_tokenizer(capsys, monkeypatch, tmp_path, tiny_
     vocab = spec["model"]["vocab"]
     vocab["the"], vocab["and"] = vocab["and"], vocab["the"]  # the same tokens under other ids
     (draft / "tokenizer.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before the draft model was checked"))
-    check_one_line_error(*run_bench(capsys, "--model", tiny_model_dir, "--draft-model", draft, "--methods", "plain,assisted",
-                                    "--prompts", prompts_file(tmp_path), "--heads-dir", tmp_path)[::2],
-                         "its tokenizer is not the base model's", "give a draft model with the same tokenizer")
+    monkeypatch.setattr(
+        B, "measure", lambda *a: pytest.fail("measured before the draft model was checked")
+    )
+    check_one_line_error(
+        *run_bench(
+            capsys,
+            "--model",
+            tiny_model_dir,
+            "--draft-model",
+            draft,
+            "--methods",
+            "plain,assisted",
+            "--prompts",
+            prompts_file(tmp_path),
+            "--heads-dir",
+            tmp_path,
+        )[::2],
+        "its tokenizer is not the base model's",
+        "give a draft model with the same tokenizer",
+    )
 
 
 def test_model_config_json_damaged(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16}))
-    check_one_line_error(*run_bench(capsys, "--model", tmp_path, "--prompts", prompts_file(tmp_path))[::2],
-                         "config.json: field 'num_attention_heads' is missing")
+    check_one_line_error(
+        *run_bench(capsys, "--model", tmp_path, "--prompts", prompts_file(tmp_path))[::2],
+        "config.json: field 'num_attention_heads' is missing",
+    )
 
 
 def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir):
-    code, out, err = ctrl_c_after(["bench.py", "--model", tiny_model_dir, "--methods", "plain", "--heads-dir", tmp_path,
-                                   "--prompts", prompts_file(tmp_path), "--repeats", "100000", "--max-new-tokens", "4",
-                                   "--dtype", "fp32", "--json", tmp_path / "bench.json"],
-                                  "[bench] measuring", 1.5)  # every prompt measured many times over by then
+    code, out, err = ctrl_c_after(
+        [
+            "bench.py",
+            "--model",
+            tiny_model_dir,
+            "--methods",
+            "plain",
+            "--heads-dir",
+            tmp_path,
+            "--prompts",
+            prompts_file(tmp_path),
+            "--repeats",
+            "100000",
+            "--max-new-tokens",
+            "4",
+            "--dtype",
+            "fp32",
+            "--json",
+            tmp_path / "bench.json",
+        ],
+        "[bench] measuring",
+        1.5,
+    )  # every prompt measured many times over by then
     assert code == 130, err
     assert "Traceback" not in err
     assert "| plain |" in out and "prompts: 3" in out
@@ -126,16 +183,27 @@ def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
     step's bandwidth floor, then exit 0."""
     code, out, err = run_bench(capsys, "--kernels", "--model", tiny_model_dir, "--dtype", "fp32")
     assert code == 0, err
-    assert "| op | readable path ms | fast path ms | speedup |" in out and "bandwidth floor ms" in out
-    for row in ("attention, 1 query (decode)", "layers' weights in turn", "LM head", "whole decode step", "whole step of 16 tokens",
-                "without Kernels.glue"):
+    assert (
+        "| op | readable path ms | fast path ms | speedup |" in out and "bandwidth floor ms" in out
+    )
+    for row in (
+        "attention, 1 query (decode)",
+        "layers' weights in turn",
+        "LM head",
+        "whole decode step",
+        "whole step of 16 tokens",
+        "without Kernels.glue",
+    ):
         assert row in out, row
 
 
 def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
     """--tune-tree: sizes expected within 1% of the fastest tie, and the smallest of them wins; a
     size clearly faster than the smaller ones still wins."""
-    rows = [{"budget": b, "tokens_per_s": t} for b, t in [(1, 104.4), (2, 116.1), (3, 127.9), (4, 127.9), (8, 128.0)]]
+    rows = [
+        {"budget": b, "tokens_per_s": t}
+        for b, t in [(1, 104.4), (2, 116.1), (3, 127.9), (4, 127.9), (8, 128.0)]
+    ]
     assert tuning.smallest_within(rows, tuning.TREE_TIE)["budget"] == 3
     rows[-1]["tokens_per_s"] = 140.0
     assert tuning.smallest_within(rows, tuning.TREE_TIE)["budget"] == 8
@@ -145,106 +213,301 @@ def test_tree_tuning_keeps_the_smallest_tree_within_the_tie():
 def saved_heads(folder, model_dir, kind="hydra++"):
     """Untrained heads of `kind` for the model in model_dir, saved as train.py saves them."""
     import heads as heads_lib
+
     base, _ = checkpoint.load(model_dir)
     checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base), folder)
     return folder
 
 
+def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """--tune-tree on heads that rarely hit, where a draft costs as much as a step: every tree is
+    expected slower than plain decoding; the tuner says so in one line, and the saved tree records
+    its expected speedup (tree.load still reads it)."""
+    import tree as tree_lib
+
+    folder = saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
+    (folder / "eval.json").write_text(json.dumps({"rank_acceptance": [[0.02, 0.01], [0.02, 0.01]]}))
+    monkeypatch.setattr(tuning, "timed", lambda fn, device: 0.001)  # a step, a draft: 1 ms each
+    monkeypatch.setattr(tuning, "distance_to_floor", lambda model, device: {})
+    code, out, err = run_bench(
+        capsys,
+        "--tune-tree",
+        "--model",
+        tiny_model_dir,
+        "--heads",
+        folder,
+        "--heads-dir",
+        tmp_path,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--max-budget",
+        1,
+        "--tune-repeats",
+        1,
+        "--dtype",
+        "fp32",
+    )
+    assert code == 0, err
+    saved = folder / "tree-cpu-float32.json"
+    assert json.loads(saved.read_text())["expected_speedup"] == pytest.approx(1.02 / 2, abs=1e-3)
+    assert tree_lib.load(str(saved)) == [(0,)]
+    lines = [line for line in err.splitlines() if "plain decoding is faster" in line]
+    assert lines == [
+        "notice: plain decoding is faster for these heads here (the best tree is "
+        "expected at 0.51x); use --heads none"
+    ], err
+
+
 def test_heads_folders_as_train_writes_them(capsys, tmp_path, tiny_model_dir):
-    """--heads-dir takes a heads folder itself or a folder of heads-KIND/ folders (train.py's names);
+    """--heads-dir takes a heads folder itself or a folder of heads-KIND/ folders (train.py's
+    names);
     a heads method that --methods names and that is not there is an error, not a skip."""
     saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
-    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1,
-              "--max-new-tokens", 4, "--dtype", "fp32"]
+    common = [
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        4,
+        "--dtype",
+        "fp32",
+    ]
     for heads_dir in (tmp_path / "heads-hydra++", tmp_path):
-        code, out, err = run_bench(capsys, *common, "--methods", "plain,hydra++", "--heads-dir", heads_dir)
+        code, out, err = run_bench(
+            capsys, *common, "--methods", "plain,hydra++", "--heads-dir", heads_dir
+        )
         assert code == 0 and "| hydra++ |" in out, err
-    check_one_line_error(*run_bench(capsys, *common, "--methods", "medusa", "--heads-dir", tmp_path)[::2],
-                         "--methods medusa: no medusa heads in --heads-dir")
+    check_one_line_error(
+        *run_bench(capsys, *common, "--methods", "medusa", "--heads-dir", tmp_path)[::2],
+        "--methods medusa: no medusa heads in --heads-dir",
+    )
 
 
 def test_a_missing_heads_dir_is_refused_before_the_model_loads(no_model, capsys, tmp_path):
-    check_one_line_error(*run_bench(capsys, "--heads-dir", tmp_path / "typo", "--prompts", prompts_file(tmp_path))[::2],
-                         "--heads-dir", "no such folder")
+    check_one_line_error(
+        *run_bench(capsys, "--heads-dir", tmp_path / "typo", "--prompts", prompts_file(tmp_path))[
+            ::2
+        ],
+        "--heads-dir",
+        "no such folder",
+    )
 
 
-def test_another_model_skips_the_shipped_heads_unless_they_are_named(capsys, tmp_path, tiny_model_dir):
-    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1,
-              "--max-new-tokens", 4, "--dtype", "fp32"]
+def test_another_model_skips_the_shipped_heads_unless_they_are_named(
+    capsys, tmp_path, tiny_model_dir
+):
+    common = [
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        4,
+        "--dtype",
+        "fp32",
+    ]
     code, out, err = run_bench(capsys, *common, "--methods", "plain,lookup,medusa")
     check_one_line_error(code, err, "--heads-dir", "heads were trained for")
     code, out, err = run_bench(capsys, *common, "--methods", "all")
-    assert code == 0 and "medusa: skipped (no medusa heads for this model" in err and "| lookup |" in out, err
+    assert (
+        code == 0
+        and "medusa: skipped (no medusa heads for this model" in err
+        and "| lookup |" in out
+    ), err
 
 
 def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_path, tiny_model_dir):
     """--tune-parallel prints every setting it tried and saves its choice for this model, device and
     dtype in --heads-dir; bench's jacobi and lookahead methods then decode at it, as plain does."""
-    common = ["--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2, "--max-new-tokens", 6,
-              "--dtype", "fp32", "--heads-dir", tmp_path]
+    common = [
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        2,
+        "--max-new-tokens",
+        6,
+        "--dtype",
+        "fp32",
+        "--heads-dir",
+        tmp_path,
+    ]
     code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
     assert code == 0, err
     saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
-    assert set(saved["jacobi"]) == {"gamma"} and set(saved["lookahead"]) == {"window", "ngram", "guesses"}
-    assert out.count("**<- chosen**") == 2 and "| jacobi | gamma 4 |" in out and "| lookahead | window 4 ngram 3 guesses 4 |" in out
+    assert set(saved["jacobi"]) == {"gamma"} and set(saved["lookahead"]) == {
+        "window",
+        "ngram",
+        "guesses",
+    }
+    assert (
+        out.count("**<- chosen**") == 2
+        and "| jacobi | gamma 4 |" in out
+        and "| lookahead | window 4 ngram 3 guesses 4 |" in out
+    )
     code, out, err = run_bench(capsys, *common, "--methods", "jacobi,lookahead", "--repeats", 1)
     assert code == 0 and err.count("(tuned for this machine)") == 2, err
     assert f"[bench] jacobi: {saved['jacobi']['gamma']} guesses a step" in err
     for name in ("jacobi", "lookahead"):
-        assert any(line.startswith(f"| {name} |") and line.endswith("| yes |") for line in out.splitlines()), out
+        assert any(
+            line.startswith(f"| {name} |") and line.endswith("| yes |") for line in out.splitlines()
+        ), out
 
 
 def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
     import tuning
+
     grid = {"a": (1, 2, 3, 4, 5), "b": (1, 2, 3)}
     seen = []
 
     def score(s):
         seen.append(s)
-        return -(s["a"] - 4) ** 2 - (s["b"] - 1) ** 2
+        return -((s["a"] - 4) ** 2) - (s["b"] - 1) ** 2
+
     assert tuning.ascend({"a": 1, "b": 3}, grid, score) == {"a": 4, "b": 1}
     assert {"a": 5, "b": 1} in seen  # it looked past the top before stopping
 
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
-def test_quantized_methods_run_beside_plain_and_say_how_many_replies_they_keep(capsys, tmp_path, tiny_model_dir, quant):
-    """plain-int8 (plain-int4) runs only when named, on an int8 (int4) copy of the model, in the same run as plain."""
-    code, out, err = run_bench(capsys, "--model", tiny_model_dir, "--prompts", prompts_file(tmp_path), "--limit", 2,
-                               "--repeats", 1, "--max-new-tokens", 4, "--dtype", "fp32", "--methods", f"plain,plain-{quant}")
+def test_quantized_methods_run_beside_plain_and_say_how_many_replies_they_keep(
+    capsys, tmp_path, tiny_model_dir, quant
+):
+    """plain-int8 (plain-int4) runs only when named, on an int8 (int4) copy of the model, in the
+    same run as plain."""
+    code, out, err = run_bench(
+        capsys,
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        2,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        4,
+        "--dtype",
+        "fp32",
+        "--methods",
+        f"plain,plain-{quant}",
+    )
     assert code == 0 and f"| plain-{quant} |" in out, err
-    assert f"plain-{quant} decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
+    assert (
+        f"plain-{quant} decodes a changed copy of the model" in err
+        and "of 2 replies keep the original" in err
+    )
 
 
-def test_llama_cpp_named_without_the_package_or_the_default_model_is_refused(no_model, capsys, monkeypatch, tmp_path):
+def test_llama_cpp_named_without_the_package_or_the_default_model_is_refused(
+    no_model, capsys, monkeypatch, tmp_path
+):
     """The llama.cpp methods are opt-in: named without llama-cpp-python, or with another model than
     the default one (which alone ships a GGUF file), a one-line error before the model loads."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
-    check_one_line_error(*run_bench(capsys, "--methods", "plain,llama.cpp-f16")[::2],
-                         "--methods llama.cpp-f16: needs llama-cpp-python", "pip install llama-cpp-python")
-    check_one_line_error(*run_bench(capsys, "--model", tmp_path, "--methods", "llama.cpp-q4_1")[::2],
-                         "--methods llama.cpp-q4_1: llama.cpp runs the default model's GGUF files only")
+    check_one_line_error(
+        *run_bench(capsys, "--methods", "plain,llama.cpp-f16")[::2],
+        "--methods llama.cpp-f16: needs llama-cpp-python",
+        "pip install llama-cpp-python",
+    )
+    check_one_line_error(
+        *run_bench(capsys, "--model", tmp_path, "--methods", "llama.cpp-q4_1")[::2],
+        "--methods llama.cpp-q4_1: llama.cpp runs the default model's GGUF files only",
+    )
 
 
 @pytest.fixture
 def default_is_tiny(monkeypatch, tmp_path, tiny_model_dir):
-    """--model default loads the tiny model; its GGUF file is tmp_path/shipped.Q4_1.gguf, the cache tmp_path/cache."""
+    """--model default loads the tiny model; its GGUF file is tmp_path/shipped.Q4_1.gguf, the cache
+    tmp_path/cache."""
     real = checkpoint.resolve
-    monkeypatch.setattr(checkpoint, "resolve", lambda name: tiny_model_dir if name == checkpoint.DEFAULT else real(name))
+    monkeypatch.setattr(
+        checkpoint,
+        "resolve",
+        lambda name: tiny_model_dir if name == checkpoint.DEFAULT else real(name),
+    )
     monkeypatch.setattr(checkpoint, "default_gguf", lambda: str(tmp_path / "shipped.Q4_1.gguf"))
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
 
 
-def test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp(default_is_tiny, capsys, monkeypatch, tmp_path):
+def test_methods_all_runs_llama_cpp_where_installed(default_is_tiny, capsys, monkeypatch, tmp_path):
+    """--methods all is every available method: the llama.cpp ones too where llama-cpp-python is
+    installed and the model is the default one."""
+    fake, made, _, _ = fake_llama_cpp([7, 2])
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    code, out, err = run_bench(
+        capsys,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        2,
+        "--dtype",
+        "fp32",
+        "--heads-dir",
+        tmp_path,
+    )
+    assert code == 0 and "| plain |" in out, err
+    for name in B.LLAMA_CPP:
+        assert f"| {name} |" in out, out
+    assert "not run (they need llama-cpp-python" not in err
+
+
+def test_plots_without_matplotlib_are_refused_first(no_model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    for mode in ([], ["--tune-tree"]):
+        check_one_line_error(
+            *run_bench(capsys, "--plots", tmp_path / "plots", *mode)[::2],
+            f"--plots {tmp_path / 'plots'}: needs matplotlib",
+            "pip install matplotlib",
+        )
+    assert not (tmp_path / "plots").exists()
+
+
+def test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp(
+    default_is_tiny, capsys, monkeypatch, tmp_path
+):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    code, out, err = run_bench(capsys, "--prompts", prompts_file(tmp_path), "--limit", 1, "--repeats", 1, "--max-new-tokens", 2,
-                               "--dtype", "fp32", "--heads-dir", tmp_path)
+    code, out, err = run_bench(
+        capsys,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        2,
+        "--dtype",
+        "fp32",
+        "--heads-dir",
+        tmp_path,
+    )
     assert code == 0 and "| lookup |" in out and "llama.cpp" not in out, err
-    assert "llama.cpp-f16, llama.cpp-q8_0, llama.cpp-q4_1: not run (opt-in: name them in --methods, after pip install llama-cpp-python)" in err
+    assert (
+        "llama.cpp-f16, llama.cpp-q8_0, llama.cpp-q4_1: not run (they need llama-cpp-python: "
+        "pip install llama-cpp-python)"
+    ) in err
 
 
 def fake_llama_cpp(reply):
     """A stand-in for llama-cpp-python: Llama records how it was made and the prompts it was given,
-    and its greedy generate() yields `reply` then 0s; llama_model_quantize records its call and writes
+    and its greedy generate() yields `reply` then 0s; llama_model_quantize records its call and
+    writes
     the file."""
     made, prompts, quantized = [], [], []
 
@@ -257,7 +520,9 @@ def fake_llama_cpp(reply):
             self.cached = False
 
         def generate(self, tokens, temp, repeat_penalty):
-            assert not self.cached and temp == 0.0 and repeat_penalty == 1.0, "prefill skipped, or not greedy"
+            assert not self.cached and temp == 0.0 and repeat_penalty == 1.0, (
+                "prefill skipped, or not greedy"
+            )
             self.cached = True
             prompts.append(list(tokens))
             yield from reply + [0] * 100
@@ -266,30 +531,68 @@ def fake_llama_cpp(reply):
         _fields_ = [("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool)]
 
     def quantize(src, dst, params):
-        quantized.append((src.decode(), dst.decode(), params._obj.ftype, params._obj.allow_requantize))
+        quantized.append(
+            (src.decode(), dst.decode(), params._obj.ftype, params._obj.allow_requantize)
+        )
         open(dst, "wb").close()
         return 0
-    return types.SimpleNamespace(Llama=Llama, llama_model_quantize=quantize, llama_model_quantize_default_params=Params,
-                                 LLAMA_FTYPE_MOSTLY_F16=1, LLAMA_FTYPE_MOSTLY_Q8_0=7), made, prompts, quantized
+
+    return (
+        types.SimpleNamespace(
+            Llama=Llama,
+            llama_model_quantize=quantize,
+            llama_model_quantize_default_params=Params,
+            LLAMA_FTYPE_MOSTLY_F16=1,
+            LLAMA_FTYPE_MOSTLY_Q8_0=7,
+        ),
+        made,
+        prompts,
+        quantized,
+    )
 
 
-def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(default_is_tiny, capsys, monkeypatch, tmp_path, tiny_model_dir):
-    """llama.cpp-f16 decodes a GGUF file llama.cpp's quantiser wrote once into the cache, llama.cpp-q4_1
-    the shipped file; both get the prompts' ids in the chat template (cli.encode), greedy, torch's
+def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(
+    default_is_tiny, capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """llama.cpp-f16 decodes a GGUF file llama.cpp's quantiser wrote once into the cache,
+    llama.cpp-q4_1
+    the shipped file; both get the prompts' ids in the chat template (checkpoint.encode), greedy,
+    torch's
     threads, stop at EOS, and bench says how many replies keep plain decoding's."""
     fake, made, prompts, quantized = fake_llama_cpp([7, 2])  # 2: the model's EOS
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     shipped = tmp_path / "shipped.Q4_1.gguf"
-    code, out, err = run_bench(capsys, "--prompts", prompts_file(tmp_path), "--limit", 2, "--repeats", 1, "--max-new-tokens", 4,
-                               "--dtype", "fp32", "--methods", "plain,llama.cpp-f16,llama.cpp-q4_1", "--heads-dir", tmp_path,
-                               "--json", tmp_path / "bench.json")
+    code, out, err = run_bench(
+        capsys,
+        "--prompts",
+        prompts_file(tmp_path),
+        "--limit",
+        2,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        4,
+        "--dtype",
+        "fp32",
+        "--methods",
+        "plain,llama.cpp-f16,llama.cpp-q4_1",
+        "--heads-dir",
+        tmp_path,
+        "--json",
+        tmp_path / "bench.json",
+    )
     assert code == 0 and "| llama.cpp-f16 |" in out and "| llama.cpp-q4_1 |" in out, err
     f16 = str(tmp_path / "cache" / "smollm2-135m-instruct-f16.gguf")
     assert quantized == [(str(shipped), f16 + ".tmp", 1, True)] and os.path.isfile(f16)
     assert [m["model_path"] for m in made] == [f16, str(shipped)]
     assert all(m["n_threads"] == m["n_threads_batch"] == torch.get_num_threads() for m in made)
     _, tokenizer = checkpoint.load(tiny_model_dir)
-    assert set(map(tuple, prompts)) == {tuple(cli.encode(tokenizer, f"Count to {i + 3}.")) for i in range(2)}
+    assert set(map(tuple, prompts)) == {
+        tuple(checkpoint.encode(tokenizer, f"Count to {i + 3}.")) for i in range(2)
+    }
     res = json.loads((tmp_path / "bench.json").read_text())["methods"]
     assert [p["new_tokens"] for p in res["llama.cpp-f16"]["per_prompt"]] == [2, 2]  # 7, then EOS
-    assert "llama.cpp-f16 decodes a changed copy of the model" in err and "of 2 replies keep the original" in err
+    assert (
+        "llama.cpp-f16 decodes a changed copy of the model" in err
+        and "of 2 replies keep the original" in err
+    )

@@ -13,6 +13,7 @@ Also what would make a first GPU run slow, counted on the CPU: host syncs a deco
 tensors copied to the device a step, an attention mask where SDPA's flash kernels need none; and
 the settings tuned per device (the 'layers' file, with a notice when a GPU falls back to a CPU's).
 """
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -27,8 +28,26 @@ from conftest import tiny_config
 import dataset as D
 from test_train import args_for, features  # noqa: F401 (a fixture)
 
-FACTORIES = {"zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
-             "randperm", "eye", "linspace", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like"}
+FACTORIES = {
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "arange",
+    "tensor",
+    "as_tensor",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "eye",
+    "linspace",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_like",
+    "rand_like",
+}
 INDEXING = {"__getitem__", "__setitem__", "index_select", "gather", "take"}
 
 
@@ -52,18 +71,33 @@ class SimulatedDevice(TorchFunctionMode):
             self_ = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if name in INDEXING and self_ is not None and on_device(self_):
                 pass  # device memory indexed by host indices: CUDA copies them over
-            elif name in INDEXING or (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):
-                if self_ is not None and not on_device(self_):  # writes or reads host memory with device data
-                    raise RuntimeError(f"{name}: host tensor {tuple(self_.shape)} with a device tensor")
+            elif (
+                name in INDEXING
+                or (name.endswith("_") and not name.startswith("__"))
+                or name.startswith("__i")
+            ):
+                if self_ is not None and not on_device(
+                    self_
+                ):  # writes or reads host memory with device data
+                    raise RuntimeError(
+                        f"{name}: host tensor {tuple(self_.shape)} with a device tensor"
+                    )
             elif any(x.dim() > 0 for x in host):
-                raise RuntimeError(f"{name}: device and host tensors mixed: {[tuple(x.shape) for x in host if x.dim()]}")
+                raise RuntimeError(
+                    f"{name}: device and host tensors mixed: "
+                    f"{[tuple(x.shape) for x in host if x.dim()]}"
+                )
         out = func(*args, **kwargs)
         if name in FACTORIES:
             where = kwargs.get("device") is not None or (name.endswith("_like") and bool(dev))
         elif name in ("to", "cuda"):
-            moved = kwargs.get("device") is not None or any(isinstance(a, (str, torch.device)) for a in args[1:])
+            moved = kwargs.get("device") is not None or any(
+                isinstance(a, (str, torch.device)) for a in args[1:]
+            )
             where = moved or bool(dev)
-            if moved and out is args[0]:  # .to() of what is already there returns it: a device copy is another tensor
+            if (
+                moved and out is args[0]
+            ):  # .to() of what is already there returns it: a device copy is another tensor
                 out = out.view_as(out)
         elif name in ("cpu", "numpy"):
             where = False
@@ -82,25 +116,27 @@ def placed(module):
 
 
 def test_the_simulation_catches_what_cuda_refuses():
-    """The pattern of the crash in train.evaluate: host counters that device scalars are added to."""
+    """The pattern of the crash in train.evaluate: host counters that device scalars are added
+    to."""
     with SimulatedDevice():
-        x = torch.ones(3, device="cpu")                     # on the device
-        counts = torch.zeros(3)                             # host
+        x = torch.ones(3, device="cpu")  # on the device
+        counts = torch.zeros(3)  # host
         with pytest.raises(RuntimeError, match="host tensor"):
             counts[0] += x.sum()
         with pytest.raises(RuntimeError, match="mixed"):
             x + torch.ones(3)
-        x + torch.ones(())                                  # a host scalar is fine
-        x[torch.tensor([0, 1])]                             # device memory, host indices: fine
+        x + torch.ones(())  # a host scalar is fine
+        x[torch.tensor([0, 1])]  # device memory, host indices: fine
         with pytest.raises(RuntimeError, match="host tensor"):
             torch.ones(3)[x.long()]
-        (x.sum().cpu() + counts).tolist()                   # explicit transfers are fine
+        (x.sum().cpu() + counts).tolist()  # explicit transfers are fine
 
 
 @pytest.fixture(scope="module")
 def small():
     torch.manual_seed(0)
     import model as model_lib
+
     return placed(model_lib.Transformer(tiny_config(vocab_size=64)).eval())
 
 
@@ -116,11 +152,14 @@ def test_generate_keeps_to_the_device(small, kind):
 
 
 def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
-    """train.evaluate added device counts into host counters: a crash at the first evaluation on CUDA."""
+    """train.evaluate added device counts into host counters: a crash at the first evaluation on
+    CUDA."""
     base, folder = features
     data, args = D.load_data(folder), args_for(tmp_path)
     kept, to_kept, _ = T.kept_vocabulary(data, base.cfg.vocab_size, args.kept_tokens)
-    heads = placed(heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), placed(base), kept).train())
+    heads = placed(
+        heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), placed(base), kept).train()
+    )
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-3)
     held_out, train_convs = T.split(len(data["offsets"]) - 1, 0)
     with SimulatedDevice():
@@ -132,7 +171,10 @@ def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
 
 def test_a_generator_on_another_device_is_named_before_decoding():
     import model as model_lib
-    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")   # a device that is not the generator's
+
+    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to(
+        "meta"
+    )  # a device that is not the generator's
     with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
         G.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
 
@@ -141,7 +183,18 @@ def test_a_generator_on_another_device_is_named_before_decoding():
 # On CUDA these calls wait for the device (a value comes back) or copy from the host: counted on
 # the CPU by name. The decode loop should make few of them a step, whatever the drafter.
 
-SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal", "nonzero", "tensor", "as_tensor"}
+SYNCS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "equal",
+    "nonzero",
+    "tensor",
+    "as_tensor",
+}
 
 
 class SyncCounter(TorchFunctionMode):
@@ -160,11 +213,15 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
     """Plain decoding and each head kind under each verifier: the verifier brings back what the step
     needs in one transfer, the loop takes the kept tokens and their nodes in one more, and the KV
     cache learns from the host whether they are already in place."""
-    heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), small).eval() if kind else None
+    heads = (
+        heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), small).eval() if kind else None
+    )
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     drafter = drafters.HeadsDrafter(heads, tree) if heads else None
     temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
-    G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)      # warm-up: trees built once
+    G.generate(
+        small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g
+    )  # warm-up: trees built once
     with SyncCounter() as count:
         r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
     assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
@@ -174,8 +231,11 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
 # A tree's parents, paths and ranks are host data until moved; moved every step, each is a copy
 # from the host and a wait on CUDA. The drafters move each tree once, when they first build it.
 
+
 class HostToDevice(SimulatedDevice):
-    """SimulatedDevice that counts host tensors copied to the device (.to / .cuda, copy_ into it)."""
+    """SimulatedDevice that counts host tensors copied to the device (.to / .cuda, copy_ into
+    it)."""
+
     def __init__(self):
         super().__init__()
         self.n = 0
@@ -197,13 +257,18 @@ def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
     temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
     with HostToDevice() as copies:
         for drafter in (drafters.HeadsDrafter(heads, tree), drafters.Plain("cpu")):
-            G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)    # Plain builds its tree here
+            G.generate(
+                small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g
+            )  # Plain builds its tree here
             before = copies.n
             r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
-            assert copies.n == before, f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
+            assert copies.n == before, (
+                f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
+            )
 
 
 # --- attention: SDPA's fast kernels --------------------------------------------------------------
+
 
 def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
     """An explicit mask rules out SDPA's flash kernels on CUDA: a plain prefill passes is_causal and
@@ -211,15 +276,21 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
     after a cached prefix (a tree) passes its mask."""
     import model as model_lib
     import kernels
+
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 
     def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
         calls.append((attn_mask is None, is_causal))
         return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
     m = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
-    tokens, T, tree = torch.tensor([[5, 6, 7, 8, 9, 10]]), 6, tree_lib.build(tree_lib.cartesian([2]))
+    tokens, T, tree = (
+        torch.tensor([[5, 6, 7, 8, 9, 10]]),
+        6,
+        tree_lib.build(tree_lib.cartesian([2])),
+    )
     for fast in (kernels.Kernels(), kernels.Kernels(attention="expanded-kv")):
         kernels.use(m, fast)
         with torch.inference_mode():
@@ -227,7 +298,9 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
             cache = m.new_cache(16)
             causal, _ = m(tokens, torch.arange(T), None, cache)
             assert calls == [(True, True)] * m.cfg.n_layers
-            masked, _ = m(tokens, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril(), m.new_cache(16))
+            masked, _ = m(
+                tokens, torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril(), m.new_cache(16)
+            )
             torch.testing.assert_close(causal, masked)
             cache.keep(range(T))
             calls.clear()
@@ -237,14 +310,29 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
 
 # --- settings tuned per device and dtype ---------------------------------------------------------
 
-def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_of_a_cpu_one(tmp_path, capsys):
+
+def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_of_a_cpu_one(
+    tmp_path, capsys
+):
     import json
     from types import SimpleNamespace
     import bench
 
     def tuned(file, layers):
-        (tmp_path / file).write_text(json.dumps({"model": "m", "layers": layers, "gamma": 2, "machine": {"hardware": "h", "dtype": "d"}}))
-    model = lambda device, dtype: SimpleNamespace(cfg=SimpleNamespace(name="m", n_layers=8), device=torch.device(device), dtype=dtype)
+        (tmp_path / file).write_text(
+            json.dumps(
+                {
+                    "model": "m",
+                    "layers": layers,
+                    "gamma": 2,
+                    "machine": {"hardware": "h", "dtype": "d"},
+                }
+            )
+        )
+
+    model = lambda device, dtype: SimpleNamespace(
+        cfg=SimpleNamespace(name="m", n_layers=8), device=torch.device(device), dtype=dtype
+    )
     args = SimpleNamespace(heads_dir=str(tmp_path))
     tuned("layers-cpu-bfloat16.json", 3)
     tuned("layers-cpu-float32.json", 5)

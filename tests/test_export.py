@@ -1,8 +1,10 @@
 """export.py: Medusa heads written in vLLM's Medusa layout, read back the way vLLM reads them, give
 our heads' logits; Hydra heads, joint heads and a non-empty --out are refused in one line.
 
-The reader below follows vLLM's code (plain torch; vLLM is not imported), github.com/vllm-project/vllm:
-- vllm/transformers_utils/configs/medusa.py @ 4bb77b3239adff81001f12cd9c9a39b65800a373 (MedusaConfig):
+The reader below follows vLLM's code (plain torch; vLLM is not imported),
+github.com/vllm-project/vllm:
+- vllm/transformers_utils/configs/medusa.py @ 4bb77b3239adff81001f12cd9c9a39b65800a373
+(MedusaConfig):
   truncated_vocab_size None -> vocab_size; a key holding "num" and "heads" / "layers" becomes
   num_heads / num_hidden_layers.
 - vllm/model_executor/models/medusa.py @ 09cddad8f0324594022359cd2b07e962a14b895f: ResidualBlock
@@ -17,6 +19,7 @@ The reader below follows vLLM's code (plain torch; vLLM is not imported), github
 vLLM feeds the heads the target model's final hidden state after its last norm, as model.forward.
 Run: `python -m pytest -q tests/test_export.py`. Shapes: B batch, T time, K heads, V vocab.
 """
+
 import json
 
 import pytest
@@ -34,26 +37,30 @@ K, L = 3, 2  # heads, residual blocks a head
 
 # --- vLLM's reader, in plain torch --------------------------------------------------------------
 
+
 def vllm_load(folder):
-    """(config, {parameter: tensor}, token_map or None, each head's LM head name) as vLLM loads them."""
+    """(config, {parameter: tensor}, token_map or None, each head's LM head name) as vLLM loads
+    them."""
     with open(folder / "config.json") as f:
         config = json.load(f)
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
-    for key in list(config):                                        # MedusaConfig.from_pretrained
+    for key in list(config):  # MedusaConfig.from_pretrained
         if "num" in key and ("heads" in key or "layers" in key):
             config["num_heads" if "heads" in key else "num_hidden_layers"] = config.pop(key)
     D, V = config["hidden_size"], config["vocab_size"]
     Vt = config.get("truncated_vocab_size") or V
-    shapes = {}                                                     # Medusa.__init__: its parameters
+    shapes = {}  # Medusa.__init__: its parameters
     for k in range(config["num_heads"]):
         for l in range(config["num_hidden_layers"]):
             shapes[f"blocks.{k}.layers.{l}.weight"] = (D, D)
             if config.get("medusa_fc_bias", False):
                 shapes[f"blocks.{k}.layers.{l}.bias"] = (D,)
     shared = config.get("original_lm_head", False)
-    lm_names = ["lm_head.weight" if shared else f"lm_heads.{k}.weight" for k in range(config["num_heads"])]
+    lm_names = [
+        "lm_head.weight" if shared else f"lm_heads.{k}.weight" for k in range(config["num_heads"])
+    ]
     shapes |= {name: (Vt, D) for name in lm_names}
-    token_map, weights = None, {}                                   # Medusa.load_weights
+    token_map, weights = None, {}  # Medusa.load_weights
     for name, w in load_file(folder / "model.safetensors").items():
         name = name.replace("medusa_heads.", "")
         if name == "token_map":
@@ -65,80 +72,117 @@ def vllm_load(folder):
     for name, w in weights.items():
         if "lm_head" in name and token_map is not None and w.shape[0] > token_map.shape[0]:
             weights[name] = w = w[token_map]
-        assert tuple(w.shape) == shapes[name], f"{name}: {tuple(w.shape)}, vLLM's parameter is {shapes[name]}"
+        assert tuple(w.shape) == shapes[name], (
+            f"{name}: {tuple(w.shape)}, vLLM's parameter is {shapes[name]}"
+        )
     assert Vt == V or token_map is not None
-    assert set(weights) == set(shapes), f"not initialized from checkpoint: {set(shapes) - set(weights)}"
+    assert set(weights) == set(shapes), (
+        f"not initialized from checkpoint: {set(shapes) - set(weights)}"
+    )
     return config, {n: w.float() for n, w in weights.items()}, token_map, lm_names
 
 
 def vllm_logits(loaded, h):
-    """Medusa.forward + compute_logits on the base model's final hidden states h (..., D): (K, ..., V)."""
+    """Medusa.forward + compute_logits on the base model's final hidden states h (..., D): (K, ...,
+    V)."""
     config, w, token_map, lm_names = loaded
     out = []
     for k, lm_name in enumerate(lm_names):
         x = h
         for l in range(config["num_hidden_layers"]):
-            x = x + F.silu(F.linear(x, w[f"blocks.{k}.layers.{l}.weight"], w.get(f"blocks.{k}.layers.{l}.bias")))
-        logits = F.linear(x, w[lm_name]) * config.get("logit_scale", 1.0)                     # (..., V')
+            x = x + F.silu(
+                F.linear(
+                    x, w[f"blocks.{k}.layers.{l}.weight"], w.get(f"blocks.{k}.layers.{l}.bias")
+                )
+            )
+        logits = F.linear(x, w[lm_name]) * config.get("logit_scale", 1.0)  # (..., V')
         if token_map is not None:
-            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf)         # (..., V)
+            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf)  # (..., V)
             full[..., token_map] = logits
             logits = full
         out.append(logits)
-    return torch.stack(out)                                                                    # (K, ..., V)
+    return torch.stack(out)  # (K, ..., V)
 
 
 # --- export, read back, compare -----------------------------------------------------------------
+
 
 def medusa_folder(model, folder, own=False, kept=None):
     torch.manual_seed(1)
     heads = build(HeadsConfig("medusa", num_heads=K, num_layers=L, own_lm_head=own), model, kept)
     with torch.no_grad():
-        for p in heads.parameters():                                 # off the zero initialisation
+        for p in heads.parameters():  # off the zero initialisation
             p.add_(0.1 * torch.randn_like(p))
     checkpoint.save_heads(heads, folder, dtype=torch.float32)
     return folder
 
 
-@pytest.mark.parametrize("own, kept", [(False, "some"), (True, "some"), (False, None), (False, "all")])
+@pytest.mark.parametrize(
+    "own, kept", [(False, "some"), (True, "some"), (False, None), (False, "all")]
+)
 def test_vllm_reads_our_heads_logits(capsys, tmp_path, tiny_model_dir, own, kept):
     model, _ = checkpoint.load(tiny_model_dir, "cpu", torch.float32)
     V = model.cfg.vocab_size
-    ids = {None: None, "some": torch.randperm(V, generator=torch.Generator().manual_seed(2))[:300],
-           "all": torch.randperm(V, generator=torch.Generator().manual_seed(2))}[kept]
+    ids = {
+        None: None,
+        "some": torch.randperm(V, generator=torch.Generator().manual_seed(2))[:300],
+        "all": torch.randperm(V, generator=torch.Generator().manual_seed(2)),
+    }[kept]
     folder = medusa_folder(model, tmp_path / "heads", own, ids)
-    code = export.cli_main(["--model", tiny_model_dir, "--heads", str(folder), "--out", str(tmp_path / "vllm"), "--dtype", "fp32"])
+    code = export.cli_main(
+        [
+            "--model",
+            tiny_model_dir,
+            "--heads",
+            str(folder),
+            "--out",
+            str(tmp_path / "vllm"),
+            "--dtype",
+            "fp32",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     heads = checkpoint.load_heads(folder, model)
     torch.manual_seed(3)
-    tokens = torch.randint(0, V, (2, 5))                                                       # (B, T)
-    _, hidden = model(tokens, torch.arange(5))                                                 # (B, T, D)
-    ours = heads.project(heads(hidden, tokens)).movedim(2, 0)                                  # (K, B, T, V')
-    theirs = vllm_logits(vllm_load(tmp_path / "vllm"), hidden)                                 # (K, B, T, V)
+    tokens = torch.randint(0, V, (2, 5))  # (B, T)
+    _, hidden = model(tokens, torch.arange(5))  # (B, T, D)
+    ours = heads.project(heads(hidden, tokens)).movedim(2, 0)  # (K, B, T, V')
+    theirs = vllm_logits(vllm_load(tmp_path / "vllm"), hidden)  # (K, B, T, V)
     kept_ids = torch.arange(V) if heads.kept_ids is None else heads.kept_ids
-    assert torch.allclose(theirs[..., kept_ids], ours, rtol=1e-5, atol=1e-5), (theirs[..., kept_ids] - ours).abs().max()
+    assert torch.allclose(theirs[..., kept_ids], ours, rtol=1e-5, atol=1e-5), (
+        (theirs[..., kept_ids] - ours).abs().max()
+    )
     assert torch.equal(theirs.argmax(-1), heads.full_ids(ours.argmax(-1)))
-    if ids is not None and len(ids) < V:                             # the tokens the heads never draft
+    if ids is not None and len(ids) < V:  # the tokens the heads never draft
         assert torch.isinf(theirs).sum() == K * 2 * 5 * (V - len(ids))
 
 
 # --- refusals: one line, exit code 2, before the model loads, nothing overwritten -----------------
 
+
 def test_hydra_heads_are_refused(no_model, capsys, tmp_path, tiny):
     for kind in ("hydra", "hydra++"):
         checkpoint.save_heads(build(HeadsConfig(kind, num_heads=2), tiny), tmp_path / kind)
         code = export.cli_main(["--heads", str(tmp_path / kind), "--out", str(tmp_path / "out")])
-        check_one_line_error(code, capsys.readouterr().err, f"{kind} heads read the tokens drafted", "Medusa layout")
+        check_one_line_error(
+            code, capsys.readouterr().err, f"{kind} heads read the tokens drafted", "Medusa layout"
+        )
 
 
 def test_joint_heads_and_no_heads_are_refused(no_model, capsys, tmp_path, tiny):
     folder = tmp_path / "medusa-2"
     checkpoint.save_heads(build(HeadsConfig("medusa", num_heads=2), tiny), folder)
     (folder / checkpoint.DELTA_CONFIG).write_text("{}")
-    check_one_line_error(export.cli_main(["--heads", str(folder), "--out", str(tmp_path / "out")]),
-                         capsys.readouterr().err, "LoRA delta")
-    check_one_line_error(export.cli_main(["--heads", "none", "--out", str(tmp_path / "out")]),
-                         capsys.readouterr().err, "no heads to export")
+    check_one_line_error(
+        export.cli_main(["--heads", str(folder), "--out", str(tmp_path / "out")]),
+        capsys.readouterr().err,
+        "LoRA delta",
+    )
+    check_one_line_error(
+        export.cli_main(["--heads", "none", "--out", str(tmp_path / "out")]),
+        capsys.readouterr().err,
+        "no heads to export",
+    )
 
 
 def test_non_empty_out_is_refused(no_model, capsys, tmp_path, tiny):
@@ -147,6 +191,38 @@ def test_non_empty_out_is_refused(no_model, capsys, tmp_path, tiny):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("mine")
-    check_one_line_error(export.cli_main(["--heads", str(folder), "--out", str(out)]),
-                         capsys.readouterr().err, f"--out {out}: not empty")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"] and (out / "config.json").read_text() == "mine"
+    check_one_line_error(
+        export.cli_main(["--heads", str(folder), "--out", str(out)]),
+        capsys.readouterr().err,
+        f"--out {out}: not empty",
+    )
+    assert (
+        sorted(p.name for p in out.iterdir()) == ["config.json"]
+        and (out / "config.json").read_text() == "mine"
+    )
+
+
+def test_heads_of_another_model_name_the_one_in_their_heads_json(no_model, capsys, tmp_path, tiny):
+    """Without --model (the default model) on heads trained for another model: refused before any
+    model loads, naming the model heads.json records."""
+    folder = tmp_path / "heads"
+    checkpoint.save_heads(build(HeadsConfig("medusa", num_heads=2), tiny), folder)
+    code = export.cli_main(["--heads", str(folder), "--out", str(tmp_path / "out")])
+    line = check_one_line_error(
+        code, capsys.readouterr().err, "trained for tiny", "pass --model tiny"
+    )
+    assert "use them with that model" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_shipped_heads_on_another_model_ask_for_the_default_one(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "new" / "out"
+    code = export.cli_main(["--model", tiny_model_dir, "--heads", "medusa", "--out", str(out)])
+    check_one_line_error(
+        code,
+        capsys.readouterr().err,
+        "--heads medusa: trained for SmolLM2-135M",
+        f"not for --model {tiny_model_dir}",
+        "pass --model default",
+    )
+    assert not (tmp_path / "new").exists()  # --out was made for nothing

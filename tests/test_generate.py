@@ -1,6 +1,7 @@
 """generate.py's contracts: greedy speculative output equals plain greedy output whatever the heads;
 speculative sampling samples from the base model's own distribution; plain decoding matches
 transformers' generate(); EOS and --max-new-tokens are respected."""
+
 import collections
 import itertools
 import os
@@ -8,6 +9,7 @@ import os
 import pytest
 import torch
 
+import catalog
 import checkpoint
 import cli
 import drafters
@@ -45,7 +47,9 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
     tree = tree_lib.build(tree_lib.parse(spec))
     accepted = 0
     for seed in range(4):
-        prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt = torch.randint(
+            0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
         plain = G.generate(small, prompt, 40)
         spec_r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree))
         assert spec_r.tokens == plain.tokens
@@ -58,24 +62,34 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
 @pytest.mark.parametrize("kind", heads_lib.KINDS)
 def test_greedy_speculative_equals_plain_default_model(default_model, kind):
     model, tok = default_model
-    prompt = cli.encode(tok, "List three fruits and say one thing about each.")
+    prompt = checkpoint.encode(tok, "List three fruits and say one thing about each.")
     plain = G.generate(model, prompt, 24)
     heads = random_heads(model, kind, k=3, scale=0.05)
     for spec in ["chain:3", "cartesian:2,2,1"]:
-        r = G.generate(model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec))))
+        r = G.generate(
+            model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec)))
+        )
         assert r.tokens == plain.tokens, (kind, spec)
 
 
 def test_plain_greedy_equals_transformers_generate(default_model):
     from transformers import LlamaForCausalLM
+
     model, tok = default_model
-    hf = LlamaForCausalLM.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(
+        checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32
+    ).eval()
     for text in ["What is the capital of France?", "Write a short poem about rain."]:
-        prompt = cli.encode(tok, text)
+        prompt = checkpoint.encode(tok, text)
         ours = G.generate(model, prompt, 20, eos_ids={tok.eos_token_id})
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.eos_token_id)
-        assert ours.tokens == ref[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
+        assert ours.tokens == ref[0, len(prompt) :].tolist()
 
 
 def test_max_new_tokens_and_eos_exact(small):
@@ -89,17 +103,19 @@ def test_max_new_tokens_and_eos_exact(small):
         # accepted counts only the drafts emitted, so acceptance by depth never counts past it
         assert len(r.tokens) - 1 - sum(r.accepted) in (r.steps - 1, r.steps - 2)
     full = G.generate(small, prompt, 40).tokens
-    eos = full[10]                                  # pretend the 11th token is EOS
+    eos = full[10]  # pretend the 11th token is EOS
     first = full.index(eos)
     r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree), eos_ids={eos})
-    assert r.tokens == full[:first + 1] and r.stopped == "eos"
+    assert r.tokens == full[: first + 1] and r.stopped == "eos"
 
 
 def test_computed_only_nodes_are_never_kept(small, monkeypatch):
     """Lookahead's window rides in every forward but is never verified: the KV cache still holds
     exactly the accepted sequence (its slots equal a fresh forward over prompt and reply)."""
     caches, new_cache = [], small.new_cache
-    monkeypatch.setattr(small, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1])
+    monkeypatch.setattr(
+        small, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+    )
     prompt = [1, 2, 3, 4, 5]
     r = G.generate(small, prompt, 40, drafters.Lookahead(3, 3, 3, "cpu"))
     assert r.tokens == G.generate(small, prompt, 40).tokens and sum(r.accepted) > 0
@@ -108,19 +124,25 @@ def test_computed_only_nodes_are_never_kept(small, monkeypatch):
     fresh = new_cache(n)
     small(torch.tensor([seq[:n]]), torch.arange(n), None, fresh)
     assert cache.length >= len(seq) - 1  # all but the last bonus
-    assert torch.allclose(cache.k[..., :n, :], fresh.k, atol=1e-5) and torch.allclose(cache.v[..., :n, :], fresh.v, atol=1e-5)
+    assert torch.allclose(cache.k[..., :n, :], fresh.k, atol=1e-5) and torch.allclose(
+        cache.v[..., :n, :], fresh.v, atol=1e-5
+    )
 
 
 def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
-    with pytest.raises(ValueError, match="needs temperature 0"):   # greedy steps after a sampled first token
+    with pytest.raises(
+        ValueError, match="needs temperature 0"
+    ):  # greedy steps after a sampled first token
         G.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
     with pytest.raises(ValueError, match="use one of"):
         G.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
 
 
 def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert cli.pick_dtype("auto", "cuda") == torch.float16      # e.g. a T4 or V100: bf16 only emulated
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    assert cli.pick_dtype("auto", "cuda") == torch.float16  # e.g. a T4 or V100: bf16 only emulated
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert cli.pick_dtype("auto", "cuda:0") == torch.bfloat16
 
@@ -131,6 +153,7 @@ def test_plain_decoding_has_tau_one(small):
 
 
 # --- speculative sampling is lossless ------------------------------------------------------------
+
 
 def exact_joint(model, prompt, n, temperature):
     """P(first n tokens) under plain sampling from the model, by enumeration."""
@@ -150,8 +173,18 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
     ref = exact_joint(model, prompt, 3, temperature)
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter(
-        tuple(G.generate(model, prompt, 3, drafters.HeadsDrafter(heads, tree), verify, temperature, 1.0, g).tokens) for _ in range(n_samples))
-    return sum((counts[s] - n_samples * p) ** 2 / (n_samples * p) for s, p in ref.items() if n_samples * p > 0)
+        tuple(
+            G.generate(
+                model, prompt, 3, drafters.HeadsDrafter(heads, tree), verify, temperature, 1.0, g
+            ).tokens
+        )
+        for _ in range(n_samples)
+    )
+    return sum(
+        (counts[s] - n_samples * p) ** 2 / (n_samples * p)
+        for s, p in ref.items()
+        if n_samples * p > 0
+    )
 
 
 def test_speculative_sampling_matches_base_distribution():
@@ -160,7 +193,9 @@ def test_speculative_sampling_matches_base_distribution():
     freedom stays below its 99.9% quantile (103); with the rejected token kept in the residual the
     same check fails by far."""
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)).eval()
+    model = model_lib.Transformer(
+        tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    ).eval()
     model.requires_grad_(False)
     with torch.no_grad():
         model.lm_head.weight.mul_(3)  # peakier distributions: drafts get accepted and rejected
@@ -172,7 +207,9 @@ def test_speculative_sampling_matches_base_distribution():
 def test_broken_residual_rule_is_caught(monkeypatch):
     import verify
 
-    def broken(logits, tokens, tree, temperature, top_p, generator):  # never removes rejected tokens
+    def broken(
+        logits, tokens, tree, temperature, top_p, generator
+    ):  # never removes rejected tokens
         q = verify.logits_to_probs(logits, temperature, top_p)
         node = 0
         while True:
@@ -185,7 +222,9 @@ def test_broken_residual_rule_is_caught(monkeypatch):
                 return path, int(verify.sample(q[node], generator))
 
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)).eval()
+    model = model_lib.Transformer(
+        tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    ).eval()
     model.requires_grad_(False)
     with torch.no_grad():
         model.lm_head.weight.mul_(3)
@@ -198,12 +237,46 @@ def test_broken_residual_rule_is_caught(monkeypatch):
 def test_same_seed_same_output(small):
     heads = random_heads(small, "hydra++")
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
-    runs = [G.generate(small, [1, 2, 3], 30, drafters.HeadsDrafter(heads, tree), "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
-            for _ in range(2)]
+    runs = [
+        G.generate(
+            small,
+            [1, 2, 3],
+            30,
+            drafters.HeadsDrafter(heads, tree),
+            "sample",
+            0.8,
+            0.9,
+            torch.Generator().manual_seed(7),
+        ).tokens
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
-    plain = [G.generate(small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)).tokens
-             for _ in range(2)]
+    plain = [
+        G.generate(
+            small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)
+        ).tokens
+        for _ in range(2)
+    ]
     assert plain[0] == plain[1]
+
+
+def test_a_tuned_tree_expected_to_lose_says_plain_decoding_is_faster(tiny, tmp_path, capsys):
+    """bench.py --tune-tree records the tree's expected speedup; --tree auto on one below 1x says
+    that --heads none is faster here (and says nothing for one that pays, or a file without it)."""
+    import tuning
+
+    heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
+    file = catalog.tuned_tree_file(tmp_path, "cpu", torch.float32)
+    for speedup, warned in ((0.74, True), (1.3, False), (None, False)):
+        if speedup is None:
+            tree_lib.save([[0]], file)
+        else:
+            tuning.save_tree([[0]], file, speedup)
+        assert catalog.load_tree("auto", heads, str(tmp_path)).paths == [(0,)]
+        err = capsys.readouterr().err
+        assert (
+            "0.74x plain decoding on this machine; --heads none (plain decoding) is faster" in err
+        ) == warned
 
 
 def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_path):
@@ -211,15 +284,21 @@ def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_pa
     over the shipped tree.json; heads in another dtype, or no tuned file, read tree.json."""
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
     tree_lib.save([[0], [1]], tmp_path / "tree.json")
-    assert cli.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(tmp_path / "tree-cpu-float32.json")
-    tree_lib.save([[0], [0, 0]], cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
-    assert cli.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
-    assert cli.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
-    heads.float()                                  # --quantize fp16: its own tuned tree first, then the dtype's
-    assert cli.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16") == str(tmp_path / "tree-cpu-float32-fp16.json")
-    assert cli.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (0, 0)]
-    tree_lib.save([[0], [1], [2]], cli.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16"))
-    assert cli.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (1,), (2,)]
-    assert cli.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
-    os.remove(cli.tuned_tree_file(tmp_path, "cpu", torch.float32))
-    assert cli.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]
+    assert catalog.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(
+        tmp_path / "tree-cpu-float32.json"
+    )
+    tree_lib.save([[0], [0, 0]], catalog.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert catalog.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
+    assert catalog.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
+    heads.float()  # --quantize fp16: its own tuned tree first, then the dtype's
+    assert catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16") == str(
+        tmp_path / "tree-cpu-float32-fp16.json"
+    )
+    assert catalog.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (0, 0)]
+    tree_lib.save(
+        [[0], [1], [2]], catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16")
+    )
+    assert catalog.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (1,), (2,)]
+    assert catalog.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
+    os.remove(catalog.tuned_tree_file(tmp_path, "cpu", torch.float32))
+    assert catalog.load_tree("auto", heads.float(), str(tmp_path)).paths == [(0,), (1,)]

@@ -6,6 +6,7 @@ as in one call; checkpoint.save_heads / load_heads round trip and refuse other b
 damaged files.
 Run: `python -m pytest -q tests/test_heads.py`. Shapes: B batch, T time, D hidden, K heads, V vocab.
 """
+
 import json
 import os
 import sys
@@ -28,12 +29,16 @@ KINDS = ["medusa", "hydra", "hydra++"]
 
 
 def assert_close(a, b):  # torch.testing.assert_close imports torch.distributed: ~1 s the first time
-    assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"max |a - b| = {(a - b).abs().max()}"
+    assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (
+        f"max |a - b| = {(a - b).abs().max()}"
+    )
 
 
 def tiny_base(seed=0, dim=D):
     torch.manual_seed(seed)
-    cfg = model.Config(vocab_size=V, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64)
+    cfg = model.Config(
+        vocab_size=V, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64
+    )
     return model.Transformer(cfg).eval().requires_grad_(False)
 
 
@@ -54,7 +59,7 @@ def inputs(base, seed=3):
     torch.manual_seed(seed)
     tokens = torch.randint(0, V, (B, T))
     logits, hidden = base(tokens, torch.arange(T))
-    return tokens, logits, hidden                                    # (B, T), (B, T, V), (B, T, D)
+    return tokens, logits, hidden  # (B, T), (B, T, V), (B, T, D)
 
 
 # --- shapes -------------------------------------------------------------------------------------
@@ -65,7 +70,11 @@ def inputs(base, seed=3):
 @pytest.mark.parametrize("n_kept", [0, 16])
 def test_shapes(kind, own, n_kept):
     base = tiny_base()
-    heads = build(HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base, kept(n_kept) if n_kept else None)
+    heads = build(
+        HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own),
+        base,
+        kept(n_kept) if n_kept else None,
+    )
     Vh = n_kept or V
     assert (heads.cfg.dim, heads.cfg.vocab_size, heads.cfg.kept_tokens) == (D, V, n_kept)
     tokens, _, hidden = inputs(base)
@@ -92,9 +101,11 @@ def test_shapes(kind, own, n_kept):
 def test_untrained_heads_are_the_base_lm_head(kind, own, n_kept):
     base = tiny_base()
     ids = kept(n_kept) if n_kept else torch.arange(V)
-    heads = build(HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base, ids if n_kept else None)
+    heads = build(
+        HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base, ids if n_kept else None
+    )
     tokens, logits, hidden = inputs(base)
-    want = logits[..., ids]                                          # (B, T, V')
+    want = logits[..., ids]  # (B, T, V')
     got = heads.project(heads(heads.context(hidden, torch.arange(T)), tokens))  # (B, T, K, V')
     for k in range(K):
         assert_close(got[:, :, k], want)
@@ -117,23 +128,25 @@ def test_teacher_forcing_matches_drafting(kind):
     heads = perturb(build(HeadsConfig(kind, num_heads=K, num_layers=2), base))
     tokens, _, hidden = inputs(base)
     h = heads.context(hidden, torch.arange(T))
-    z = heads(h, tokens)                                             # (B, T, K, D)
+    z = heads(h, tokens)  # (B, T, K, D)
     padded = torch.cat([tokens, torch.zeros(B, K, dtype=torch.long)], dim=1)  # token 0 past the end
     for b in range(B):
         for t in range(T):
             for k in range(1, K + 1):
-                path = padded[b, t + 1:t + 1 + k][None]             # (1, k) root .. parent
-                assert_close(z[b, t, k - 1], heads.head(k, h[b, t:t + 1], path)[0])
+                path = padded[b, t + 1 : t + 1 + k][None]  # (1, k) root .. parent
+                assert_close(z[b, t, k - 1], heads.head(k, h[b, t : t + 1], path)[0])
     # training runs the heads at chosen positions only: the same states there
     at = (torch.tensor([0, 1, 1, 0]), torch.tensor([T - 1, 0, 2, 3]))
-    assert_close(heads(h, tokens, at), z[at])                       # (N, K, D)
+    assert_close(heads(h, tokens, at), z[at])  # (N, K, D)
 
 
 def test_teacher_forcing_sees_the_path():
     """Hydra heads must depend on the path tokens (else the test above proves little)."""
     heads = perturb(build(HeadsConfig("hydra", num_heads=K), tiny_base()))
     h = torch.randn(1, D)
-    assert not torch.allclose(heads.head(2, h, torch.tensor([[1, 2]])), heads.head(2, h, torch.tensor([[1, 3]])))
+    assert not torch.allclose(
+        heads.head(2, h, torch.tensor([[1, 2]])), heads.head(2, h, torch.tensor([[1, 3]]))
+    )
 
 
 def test_prefix_mlp_cache_keeps_in_step():
@@ -141,12 +154,16 @@ def test_prefix_mlp_cache_keeps_in_step():
     heads = perturb(build(HeadsConfig("hydra++", num_heads=K), base))
     _, _, hidden = inputs(base)
     hidden, positions = hidden[:1], torch.arange(T)
-    whole = heads.context(hidden, positions)                         # (1, T, D), no cache
+    whole = heads.context(hidden, positions)  # (1, T, D), no cache
     cache = heads.new_cache(16)
-    parts = [heads.context(hidden[:, a:b], positions[a:b], cache) for a, b in [(0, 4), (4, 5), (5, T)]]
+    parts = [
+        heads.context(hidden[:, a:b], positions[a:b], cache) for a, b in [(0, 4), (4, 5), (5, T)]
+    ]
     assert cache.length == T
     assert_close(torch.cat(parts, dim=1), whole)
-    assert not torch.allclose(whole[:, 1:], heads.context(hidden[:, 1:], positions[1:]))  # it does attend
+    assert not torch.allclose(
+        whole[:, 1:], heads.context(hidden[:, 1:], positions[1:])
+    )  # it does attend
 
 
 def test_medusa_blocks_are_distinct_modules():
@@ -159,12 +176,21 @@ def test_medusa_blocks_are_distinct_modules():
 # --- files --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,own,n_kept", [("medusa", False, 0), ("hydra", True, 16), ("hydra++", False, 16)])
+@pytest.mark.parametrize(
+    "kind,own,n_kept", [("medusa", False, 0), ("hydra", True, 16), ("hydra++", False, 16)]
+)
 def test_save_load_round_trip(tmp_path, kind, own, n_kept):
     base = tiny_base()
-    heads = perturb(build(HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own), base,
-                          kept(n_kept) if n_kept else None))
-    save_heads(heads, tmp_path, dtype=torch.float32)  # exact round trip; the default half precision is tested below
+    heads = perturb(
+        build(
+            HeadsConfig(kind, num_heads=K, num_layers=2, own_lm_head=own),
+            base,
+            kept(n_kept) if n_kept else None,
+        )
+    )
+    save_heads(
+        heads, tmp_path, dtype=torch.float32
+    )  # exact round trip; the default half precision is tested below
     assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors"]
     saved = load_file(tmp_path / "heads.safetensors")
     trainable = {n for n, p in heads.named_parameters()}
@@ -194,7 +220,10 @@ def test_default_save_is_half_precision_and_close(tmp_path):
     again = load_heads(tmp_path, base)
     tokens, _, hidden = inputs(base)
     h = heads.context(hidden, torch.arange(T))
-    ref, got = heads.project(heads(h, tokens)), again.project(again(again.context(hidden, torch.arange(T)), tokens))
+    ref, got = (
+        heads.project(heads(h, tokens)),
+        again.project(again(again.context(hidden, torch.arange(T)), tokens)),
+    )
     assert (got - ref).abs().max() < 1e-2 * ref.abs().max()
 
 

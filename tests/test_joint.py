@@ -2,6 +2,7 @@
 merged into the weights computes what training computed, greedy speculative decoding with joint
 heads is token-identical to plain greedy decoding of the adapted model, and the command line
 refuses bad input in one line."""
+
 import json
 import os
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import catalog
 import checkpoint
-import cli
 import drafters
 import generate as G
 import heads as heads_lib
@@ -32,7 +33,10 @@ def two_models(seed=0):
 
 def random_convs(n=3, vocab=64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(3, vocab, (12,), generator=g).tolist(), [False] * 4 + [True] * 8) for _ in range(n)]
+    return [
+        (torch.randint(3, vocab, (12,), generator=g).tolist(), [False] * 4 + [True] * 8)
+        for _ in range(n)
+    ]
 
 
 def trained_adapter(base, layers=2, seed=1):
@@ -48,13 +52,15 @@ def test_the_adapter_starts_as_the_base_model_and_its_merged_delta_computes_the_
     base, merged = two_models()
     convs = random_convs()
     data = joint.joint_data(base, convs, first=1, top_k=4)
-    x = data["hidden"][:12].float()[None]                                    # the stream into layer 1, conversation 0
+    x = data["hidden"][:12].float()[None]  # the stream into layer 1, conversation 0
     _, want = base(torch.tensor([convs[0][0]]), torch.arange(12))
     fresh = joint.Adapted(base, 2, rank=4, alpha=8.0)
-    torch.testing.assert_close(fresh(x), want, atol=2e-3, rtol=0)           # B = 0: the base model (x was stored in fp16)
+    torch.testing.assert_close(
+        fresh(x), want, atol=2e-3, rtol=0
+    )  # B = 0: the base model (x was stored in fp16)
     adapted = trained_adapter(base)
     joint.save_delta(adapted, str(tmp_path), base)
-    for lora in adapted.deltas().values():                                  # as saved: in half precision
+    for lora in adapted.deltas().values():  # as saved: in half precision
         lora.A.data, lora.B.data = lora.A.data.half().float(), lora.B.data.half().float()
     assert "layers 1-2" in checkpoint.merge_delta(merged, str(tmp_path))
     caught = {}
@@ -63,7 +69,7 @@ def test_the_adapter_starts_as_the_base_model_and_its_merged_delta_computes_the_
     hook.remove()
     _, got = merged(torch.tensor([convs[0][0]]), torch.arange(12))
     torch.testing.assert_close(got, adapted(caught["x"]), atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(got, want, atol=1e-2)                          # the delta did change the model
+    assert not torch.allclose(got, want, atol=1e-2)  # the delta did change the model
 
 
 def test_a_delta_refuses_another_base_model(tmp_path):
@@ -82,17 +88,23 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
         p.data.normal_(0, 0.2)
     checkpoint.save_heads(heads, str(tmp_path))
     joint.save_delta(trained_adapter(base), str(tmp_path), base)
-    loaded, folder = cli.load_heads(str(tmp_path), model)                    # merges the delta into `model`
+    loaded, folder = catalog.load_heads(str(tmp_path), model)  # merges the delta into `model`
     plain = G.generate(model, [5, 6, 7, 8], 24)
     for tree in (tree_lib.chain(2), tree_lib.cartesian([3, 2])):
-        spec = G.generate(model, [5, 6, 7, 8], 24, drafters.HeadsDrafter(loaded, tree_lib.build(tree)))
+        spec = G.generate(
+            model, [5, 6, 7, 8], 24, drafters.HeadsDrafter(loaded, tree_lib.build(tree))
+        )
         assert spec.tokens == plain.tokens
-    assert G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens       # --heads none: the original model
+    assert (
+        G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
+    )  # --heads none: the original model
 
 
 def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))          # where the layers' input is kept
-    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3, hidden_size=32, intermediate_size=64)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # where the layers' input is kept
+    model_dir = save_tiny_model(
+        tmp_path / "model", num_hidden_layers=3, hidden_size=32, intermediate_size=64
+    )
     base, _ = checkpoint.load(model_dir)
     convs = random_convs(n=40, vocab=200)
     ids = torch.cat([torch.tensor(c) for c, _ in convs]).int()
@@ -102,25 +114,57 @@ def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), base, torch.arange(256))
     checkpoint.save_heads(heads, str(tmp_path / "init"))
     out = tmp_path / "out"
-    code = joint.cli_main(["--model", model_dir, "--init", str(tmp_path / "init"), "--data", str(tmp_path / "convs.safetensors"),
-                           "--conversations", "30", "--eval-conversations", "5", "--batch-tokens", "64", "--epochs", "2",
-                           "--ramp", "2", "--eval-every", "100", "--dtype", "fp32", "--out", str(out)])
+    code = joint.cli_main(
+        [
+            "--model",
+            model_dir,
+            "--init",
+            str(tmp_path / "init"),
+            "--data",
+            str(tmp_path / "convs.safetensors"),
+            "--conversations",
+            "30",
+            "--eval-conversations",
+            "5",
+            "--batch-tokens",
+            "64",
+            "--epochs",
+            "2",
+            "--ramp",
+            "2",
+            "--eval-every",
+            "100",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
-    assert {"heads.safetensors", "heads.json", "lora.safetensors", "lora.json", "eval.json"} <= set(os.listdir(out))
+    assert {"heads.safetensors", "heads.json", "lora.safetensors", "lora.json", "eval.json"} <= set(
+        os.listdir(out)
+    )
     delta = joint.load_file(str(out / "lora.safetensors"))
-    assert any(k.endswith(".B") and v.abs().sum() > 0 for k, v in delta.items())    # the adapter learned
+    assert any(
+        k.endswith(".B") and v.abs().sum() > 0 for k, v in delta.items()
+    )  # the adapter learned
     report = json.loads((out / "eval.json").read_text())
-    assert report["curve"][0]["greedy_agreement"] == 1.0                     # fp32 data: the start is the model itself
+    assert report["curve"][0]["greedy_agreement"] == 1.0  # fp32 data: the start is the model itself
     assert report["greedy_agreement"] > 0.9
-    assert len(os.listdir(tmp_path / "cache" / "joint")) == 1               # a second run reads it, not the model
+    assert (
+        len(os.listdir(tmp_path / "cache" / "joint")) == 1
+    )  # a second run reads it, not the model
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--rank", "0"], "--rank 0: must be at least 1"),
-    (["--lr-lora", "nan"], "--lr-lora nan: must be a number > 0"),
-    (["--init", "eagle"], "--init eagle: not a heads folder"),
-    (["--data", "chats.jsonl"], "give a conversations file"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rank", "0"], "--rank 0: must be at least 1"),
+        (["--lr-lora", "nan"], "--lr-lora nan: must be a number > 0"),
+        (["--init", "eagle"], "--init eagle: not a heads folder"),
+        (["--data", "chats.jsonl"], "give a conversations file"),
+    ],
+)
 def test_bad_flags_are_one_line(no_model, capsys, tmp_path, argv, words):
     code = joint.cli_main(["--out", str(tmp_path / "out"), *argv])
     check_one_line_error(code, capsys.readouterr().err, words)
@@ -128,4 +172,6 @@ def test_bad_flags_are_one_line(no_model, capsys, tmp_path, argv, words):
 
 def test_an_out_folder_with_a_run_is_refused(no_model, capsys, tmp_path):
     (tmp_path / "heads.json").write_text("{}")
-    check_one_line_error(joint.cli_main(["--out", str(tmp_path)]), capsys.readouterr().err, "is not empty")
+    check_one_line_error(
+        joint.cli_main(["--out", str(tmp_path)]), capsys.readouterr().err, "is not empty"
+    )

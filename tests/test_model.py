@@ -1,5 +1,6 @@
 """model.py against transformers' LlamaForCausalLM, tree forward, and the KV cache's keep();
 checkpoint.py's loading of a model (the default one's conversion, bad folders, the script)."""
+
 import json
 
 import pytest
@@ -16,10 +17,20 @@ from conftest import tiny_config
 def hf_twin(cfg, rope_scaling=None, tie=False):
     """A random HF Llama and our Transformer holding the same weights."""
     torch.manual_seed(0)
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
-                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                         intermediate_size=cfg.hidden_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
-                         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.hidden_dim,
+        rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie,
+    )
     hf = LlamaForCausalLM(hf_cfg).eval()
     ours_cfg = checkpoint.config_from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
     ours = model_lib.Transformer(ours_cfg).eval()
@@ -28,12 +39,25 @@ def hf_twin(cfg, rope_scaling=None, tie=False):
     return hf, ours
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0},
-                                          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 @pytest.mark.parametrize("tie", [False, True])
 def test_parity_tiny(rope_scaling, tie):
-    hf, ours = hf_twin(tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie)
+    hf, ours = hf_twin(
+        tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie
+    )
     tokens = torch.randint(0, 64, (2, 40))
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -46,8 +70,12 @@ def test_parity_default_model(default_model):
     """The readable path and the kernels chosen for this CPU in fp32 (prepacked linears where
     oneDNN is there) both match transformers."""
     model, tok = default_model
-    hf = LlamaForCausalLM.from_pretrained(checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32).eval()
-    tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Germany is")])
+    hf = LlamaForCausalLM.from_pretrained(
+        checkpoint.resolve(checkpoint.DEFAULT), dtype=torch.float32
+    ).eval()
+    tokens = torch.tensor(
+        [tok.encode("The capital of France is Paris, and the capital of Germany is")]
+    )
     chosen = kernels.in_use(model)
     assert chosen == kernels.Kernels.choose("cpu", torch.float32, 0)
     try:
@@ -72,7 +100,7 @@ def test_tree_forward_equals_sequential(tiny):
     cache.keep(range(7))
     logits, _ = tiny(tokens[None], 7 + tree.depth, tree.mask, cache)
     for node in range(tree.num_nodes):
-        path = tree.mask[node].nonzero()[:, 0]                   # ancestors root..node
+        path = tree.mask[node].nonzero()[:, 0]  # ancestors root..node
         seq = torch.cat([prefix[0], tokens[path]])[None]
         ref, _ = tiny(seq, torch.arange(seq.shape[1]))
         torch.testing.assert_close(logits[0, node], ref[0, -1], atol=1e-5, rtol=1e-5)
@@ -88,7 +116,7 @@ def test_keep_accepted_path(tiny):
     tiny(prefix, torch.arange(5), None, cache)
     cache.keep(range(5))
     tiny(tokens[None], 5 + tree.depth, tree.mask, cache)
-    path = torch.tensor([0, 2, 5])                               # root -> (1,) -> (1, 0)
+    path = torch.tensor([0, 2, 5])  # root -> (1,) -> (1, 0)
     assert tree.parent[5] == 2 and tree.parent[2] == 0
     cache.keep(path)
     nxt = torch.tensor([[7, 9]])
@@ -106,12 +134,16 @@ def test_first_layers_only(tiny):
     torch.manual_seed(4)
     seq = torch.randint(0, 64, (1, 9))
     one = model_lib.Transformer(tiny_config(n_layers=1)).eval()
-    one.load_state_dict({k: v for k, v in tiny.state_dict().items() if not k.startswith("layers.1.")})
+    one.load_state_dict(
+        {k: v for k, v in tiny.state_dict().items() if not k.startswith("layers.1.")}
+    )
     ref, ref_hidden = one(seq, torch.arange(9))
     logits, hidden = tiny(seq, torch.arange(9), num_layers=1)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(logits, tiny(seq, torch.arange(9))[0], atol=1e-3)  # the second layer matters
+    assert not torch.allclose(
+        logits, tiny(seq, torch.arange(9))[0], atol=1e-3
+    )  # the second layer matters
     cache = tiny.new_cache(16, num_layers=1)
     assert cache.k.shape[0] == 1
     tiny(seq[:, :5], torch.arange(5), None, cache, num_layers=1)
@@ -140,11 +172,11 @@ def test_corrupted_cache_is_rebuilt(tmp_path, monkeypatch):
     digest = checkpoint._sha256(folder / "a.bin")
     (folder / "manifest.json").write_text(json.dumps({"a.bin": [5, digest]}))
     assert checkpoint.cache_is_valid(str(folder))
-    (folder / "a.bin").write_bytes(b"hellO")                      # same size, other bytes
+    (folder / "a.bin").write_bytes(b"hellO")  # same size, other bytes
     assert not checkpoint.cache_is_valid(str(folder))
-    (folder / "a.bin").write_bytes(b"hell")                       # truncated
+    (folder / "a.bin").write_bytes(b"hell")  # truncated
     assert not checkpoint.cache_is_valid(str(folder))
-    (folder / "manifest.json").unlink()                           # conversion died before the manifest
+    (folder / "manifest.json").unlink()  # conversion died before the manifest
     assert not checkpoint.cache_is_valid(str(folder))
 
 
@@ -159,31 +191,41 @@ def test_missing_model():
         checkpoint.load("/no/such/folder")
 
 
-# --- reduced precision -----------------------------------------------------------------------------
+# --- reduced precision
+# -----------------------------------------------------------------------------
+
 
 def test_rope_frequencies_stay_fp32():
     """Casting the model to bf16 must not round the rotary frequencies: rounded (8 mantissa bits,
     up to 0.33% off) they turn a position of 4,000 into angles up to 5.6 rad wrong. The model's
     bf16 cos/sin at long positions stay within bf16's own rounding of the exact values."""
-    cfg = tiny_config(rope_theta=10000.0, max_seq_len=8192, head_dim=64)  # 32 frequencies, as SmolLM2
+    cfg = tiny_config(
+        rope_theta=10000.0, max_seq_len=8192, head_dim=64
+    )  # 32 frequencies, as SmolLM2
     m = model_lib.Transformer(cfg).to(dtype=torch.bfloat16)
     assert m.rope.inv_freq.dtype == torch.float32
     torch.testing.assert_close(m.rope.inv_freq, model_lib.rope_frequencies(cfg), atol=0, rtol=0)
     positions = torch.arange(2000, 4001, 250)
-    exact = positions[:, None].double() * model_lib.rope_frequencies(cfg).double()            # (P, Dh/2)
-    cos, sin = m.rope(positions, torch.bfloat16)                                               # (1, 1, P, Dh)
+    exact = positions[:, None].double() * model_lib.rope_frequencies(cfg).double()  # (P, Dh/2)
+    cos, sin = m.rope(positions, torch.bfloat16)  # (1, 1, P, Dh)
     half = cfg.head_dim // 2
     assert (cos[0, 0, :, :half].double() - exact.cos()).abs().max() < 0.01
     assert (sin[0, 0, :, :half].double() - exact.sin()).abs().max() < 0.01
-    rounded = positions[:, None].double() * model_lib.rope_frequencies(cfg).bfloat16().double()  # what .to(bf16) did
-    assert (rounded.cos() - exact.cos()).abs().max() > 0.5                                     # the check can fail
+    rounded = (
+        positions[:, None].double() * model_lib.rope_frequencies(cfg).bfloat16().double()
+    )  # what .to(bf16) did
+    assert (rounded.cos() - exact.cos()).abs().max() > 0.5  # the check can fail
 
 
 def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
-    """`python checkpoint.py` runs main(): --help, --model, one line and exit code 2 on bad input."""
+    """`python checkpoint.py` runs main(): --help, --model, one line and exit code 2 on bad
+    input."""
+
     def one_line_error(words):
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, (
+            err
+        )
 
     with pytest.raises(SystemExit) as e:
         checkpoint.main(["--help"])
@@ -201,12 +243,25 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
     """The one-time conversion of the default model says so on stderr: stdout holds only what the
     scripts generate. (transformers' GGUF reading is replaced by the tiny model: the same calls.)"""
     import transformers
+
     real = transformers.AutoTokenizer.from_pretrained
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=True))
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir))
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda src, gguf_file, dtype: hf)
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=49152,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir)
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda src, gguf_file, dtype: hf
+    )
     checkpoint.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "converted"))
     out, err = capsys.readouterr()
     assert out == "" and "[model] converting model.gguf" in err
@@ -215,10 +270,13 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
 
 def test_a_model_folder_without_tokenizer_files_is_named(tmp_path, tiny_model_dir):
     import shutil
+
     folder = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_model_dir, folder)
     for f in folder.iterdir():
         if f.name.startswith("tokenizer"):
             f.unlink()
-    with pytest.raises(checkpoint.LoadError, match=r"no-tokenizer has no tokenizer \(tokenizer.json"):
+    with pytest.raises(
+        checkpoint.LoadError, match=r"no-tokenizer has no tokenizer \(tokenizer.json"
+    ):
         checkpoint.load(str(folder))

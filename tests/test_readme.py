@@ -5,6 +5,7 @@ cannot drift from the code. Research scripts (experiments/) parse at import and 
 
 Test: `python -m pytest -q tests/test_readme.py`.
 """
+
 import glob
 import importlib
 import os
@@ -14,7 +15,11 @@ import shlex
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READMES = ["README.md", "results/README.md", *sorted(os.path.relpath(f, ROOT) for f in glob.glob(f"{ROOT}/weights/*/README.md"))]
+READMES = [
+    "README.md",
+    "results/README.md",
+    *sorted(os.path.relpath(f, ROOT) for f in glob.glob(f"{ROOT}/weights/*/README.md")),
+]
 
 
 def commands(text):
@@ -46,18 +51,22 @@ def script_and_argv(words):
     """(the script's module name, its arguments) for python X.py / torchrun ... X.py, else None."""
     for i, word in enumerate(words):
         if word.endswith(".py") and words[0] in ("python", "torchrun") and "/" not in word:
-            return word[:-3], words[i + 1:]
+            return word[:-3], words[i + 1 :]
     return None
 
 
-CASES = [(readme, line, words) for readme in READMES
-         for line, words in commands(open(os.path.join(ROOT, readme), encoding="utf-8").read())
-         if script_and_argv(words)]
+CASES = [
+    (readme, line, words)
+    for readme in READMES
+    for line, words in commands(open(os.path.join(ROOT, readme), encoding="utf-8").read())
+    if script_and_argv(words)
+]
 
 
 def test_the_readmes_show_commands():
     assert len(CASES) > 30 and {"generate", "train", "bench", "joint", "export", "tree"} <= {
-        script_and_argv(w)[0] for _, _, w in CASES}
+        script_and_argv(w)[0] for _, _, w in CASES
+    }
 
 
 @pytest.mark.parametrize("readme, line, words", CASES, ids=[f"{r}: {l[:60]}" for r, l, _ in CASES])

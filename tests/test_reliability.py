@@ -5,6 +5,7 @@ same output through the command line, for plain and for speculative sampling.
 The Ctrl-C and seed tests run `python generate.py` in subprocesses (about 5 s each to load the
 default model); the cache test uses a tiny random model in-process.
 """
+
 import ast
 import os
 import signal
@@ -30,16 +31,30 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 def start_script(*argv):
     """`python generate.py argv` in the background, with Ctrl-C doing what it does in a terminal
     (a shell may have started us with SIGINT ignored, and children inherit that)."""
-    return subprocess.Popen([sys.executable, "generate.py", *map(str, argv)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "generate.py", *map(str, argv)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
+
 def test_ctrl_c_keeps_the_text_and_exits_130():
-    p = start_script("--prompt", "Tell me a very long story about a dragon and a lighthouse.",
-                     "--max-new-tokens", 4000, "--heads", "none", "--dtype", "fp32")
+    p = start_script(
+        "--prompt",
+        "Tell me a very long story about a dragon and a lighthouse.",
+        "--max-new-tokens",
+        4000,
+        "--heads",
+        "none",
+        "--dtype",
+        "fp32",
+    )
     watchdog = threading.Timer(180, p.kill)
     watchdog.start()
     try:
@@ -52,10 +67,13 @@ def test_ctrl_c_keeps_the_text_and_exits_130():
     out, err = (first + rest).decode("utf-8"), err.decode("utf-8")
     assert p.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    assert out.strip() and "new tokens" not in err  # the text so far is there; no stats: it did not finish
+    assert (
+        out.strip() and "new tokens" not in err
+    )  # the text so far is there; no stats: it did not finish
 
 
 # --- memory: the KV caches are allocated once ---------------------------------------------------
+
 
 def spy_on_caches(monkeypatch, owner):
     """Record every cache owner.new_cache() makes, with its storage pointers and shape at birth."""
@@ -65,6 +83,7 @@ def spy_on_caches(monkeypatch, owner):
         c = real(*a, **k)
         made.append((c, c.k.data_ptr(), c.v.data_ptr(), c.k.shape))
         return c
+
     monkeypatch.setattr(owner, "new_cache", new_cache)
     return made
 
@@ -92,7 +111,11 @@ def test_thousands_of_tokens_stay_in_the_preallocated_cache(monkeypatch):
 
 def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(vocab_size=12, max_seq_len=600)).eval().requires_grad_(False)
+    model = (
+        model_lib.Transformer(tiny_config(vocab_size=12, max_seq_len=600))
+        .eval()
+        .requires_grad_(False)
+    )
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), model).eval()
     tree = tree_lib.build(tree_lib.cartesian([3, 2]))
     made, made_heads = spy_on_caches(monkeypatch, model), spy_on_caches(monkeypatch, heads)
@@ -105,6 +128,7 @@ def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
 
 
 # --- safe loading -------------------------------------------------------------------------------
+
 
 def python_files():
     for folder, dirs, files in os.walk(ROOT):
@@ -124,14 +148,27 @@ def unsafe_calls(path):
             func, kw = node.func, {k.arg: k.value for k in node.keywords}
             if isinstance(func, ast.Name) and func.id in ("eval", "exec", "compile", "__import__"):
                 found.append(f"{where} {func.id}()")
-            if isinstance(func, ast.Attribute) and func.attr == "load" and ast.unparse(func.value) == "torch":
-                if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr == "load"
+                and ast.unparse(func.value) == "torch"
+            ):
+                if not (
+                    isinstance(kw.get("weights_only"), ast.Constant)
+                    and kw["weights_only"].value is True
+                ):
                     found.append(f"{where} torch.load without weights_only=True")
             for name in ("trust_remote_code", "allow_pickle"):
-                if name in kw and not (isinstance(kw[name], ast.Constant) and kw[name].value is False):
+                if name in kw and not (
+                    isinstance(kw[name], ast.Constant) and kw[name].value is False
+                ):
                     found.append(f"{where} {name}={ast.unparse(kw[name])}")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
             if any(n.split(".")[0] in ("pickle", "dill", "marshal") for n in names):
                 found.append(f"{where} imports {names}")
     return found
@@ -146,14 +183,21 @@ def test_nothing_loaded_can_run_code():
 
 def test_the_scan_catches_what_it_should(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch, pickle\nx = torch.load('a.pt')\ny = eval('1')\n"
-                   "z = f(trust_remote_code=True)\nw = torch.load('b.pt', weights_only=True)\nv = m.eval()\n")
+    bad.write_text(
+        "import torch, pickle\nx = torch.load('a.pt')\ny = eval('1')\n"
+        "z = f(trust_remote_code=True)\nw = torch.load('b.pt', weights_only=True)\nv = m.eval()\n"
+    )
     found = unsafe_calls(str(bad))
     assert [s.split(" ", 1)[1] for s in found] == [
-        "imports ['torch', 'pickle']", "torch.load without weights_only=True", "eval()", "trust_remote_code=True"]
+        "imports ['torch', 'pickle']",
+        "torch.load without weights_only=True",
+        "eval()",
+        "trust_remote_code=True",
+    ]
 
 
 # --- the same seed, the same output -------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def random_heads_dir(default_model, tmp_path_factory):
@@ -171,8 +215,18 @@ def random_heads_dir(default_model, tmp_path_factory):
 
 def test_same_seed_same_output_through_the_cli(random_heads_dir):
     """Two processes each for plain sampling and for speculative sampling, run pairwise at once."""
-    common = ["--prompt", "Name three colours 🎨 and a fruit.", "--temperature", 0.8, "--seed", 3,
-              "--max-new-tokens", 16, "--dtype", "fp32"]
+    common = [
+        "--prompt",
+        "Name three colours 🎨 and a fruit.",
+        "--temperature",
+        0.8,
+        "--seed",
+        3,
+        "--max-new-tokens",
+        16,
+        "--dtype",
+        "fp32",
+    ]
     for heads in ("none", random_heads_dir):
         runs = [start_script(*common, "--heads", heads) for _ in range(2)]
         results = [p.communicate(timeout=180) for p in runs]

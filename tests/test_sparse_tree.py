@@ -1,4 +1,5 @@
 """tuning.sparse and tuning.expected_tau: the greedy sparse-tree search against brute force."""
+
 import itertools
 import random
 
@@ -20,14 +21,24 @@ def random_acc(rng, heads, ranks, sort=True):
 
 def all_nodes(acc):
     """Every node the search may take: depth <= len(acc), rank < len(acc[depth-1])."""
-    return [p for d in range(1, len(acc) + 1) for p in itertools.product(*(range(len(a)) for a in acc[:d]))]
+    return [
+        p
+        for d in range(1, len(acc) + 1)
+        for p in itertools.product(*(range(len(a)) for a in acc[:d]))
+    ]
 
 
 def candidates(acc, taken):
-    """Brute force: nodes not taken whose parent is taken (or the root) and whose previous sibling is taken."""
+    """Brute force: nodes not taken whose parent is taken (or the root) and whose previous sibling
+    is taken."""
     taken = set(taken)
-    return [p for p in all_nodes(acc) if p not in taken and (len(p) == 1 or p[:-1] in taken)
-            and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in taken)]
+    return [
+        p
+        for p in all_nodes(acc)
+        if p not in taken
+        and (len(p) == 1 or p[:-1] in taken)
+        and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in taken)
+    ]
 
 
 def test_prefix_closed_and_sized():
@@ -37,9 +48,9 @@ def test_prefix_closed_and_sized():
         for budget in range(0, min(len(all_nodes(acc)), 40) + 1):
             paths = tuning.sparse(acc, budget)
             assert len(paths) == len(set(paths)) == budget
-            assert all(len(p) == 1 or p[:-1] in paths for p in paths)              # prefix-closed
+            assert all(len(p) == 1 or p[:-1] in paths for p in paths)  # prefix-closed
             assert all(p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths for p in paths)  # ranks 0..k-1
-            assert paths == T.build(paths).paths                                   # a valid, sorted tree
+            assert paths == T.build(paths).paths  # a valid, sorted tree
 
 
 def test_each_greedy_choice_is_the_likeliest_candidate():
@@ -62,8 +73,11 @@ def test_greedy_is_optimal_when_acceptance_falls_with_rank():
         acc = random_acc(rng, 2, 3)  # 3 + 9 = 12 possible nodes
         nodes = all_nodes(acc)
         for budget in range(1, 7):
-            best = max(tuning.expected_tau(acc, s) for s in itertools.combinations(nodes, budget)
-                       if all(len(p) == 1 or p[:-1] in s for p in s))
+            best = max(
+                tuning.expected_tau(acc, s)
+                for s in itertools.combinations(nodes, budget)
+                if all(len(p) == 1 or p[:-1] in s for p in s)
+            )
             assert tuning.expected_tau(acc, tuning.sparse(acc, budget)) == pytest.approx(best)
 
 
@@ -78,7 +92,9 @@ def test_expected_tau_is_monotone_in_the_budget():
 
 def test_expected_tau_by_hand():
     acc = [[0.5, 0.2], [0.4, 0.1]]
-    assert tuning.expected_tau(acc, [(0,), (1,), (0, 0)]) == pytest.approx(1 + 0.5 + 0.2 + 0.5 * 0.4)
+    assert tuning.expected_tau(acc, [(0,), (1,), (0, 0)]) == pytest.approx(
+        1 + 0.5 + 0.2 + 0.5 * 0.4
+    )
     assert tuning.expected_tau(acc, []) == 1.0
 
 
@@ -91,7 +107,7 @@ def test_chain_when_top1_dominates():
 def test_bad_input():
     acc = [[0.5, 0.2], [0.4]]
     with pytest.raises(ValueError):
-        tuning.sparse(acc, 5)           # only 2 + 2 = 4 nodes exist
+        tuning.sparse(acc, 5)  # only 2 + 2 = 4 nodes exist
     with pytest.raises(ValueError):
         tuning.sparse(acc, -1)
     for bad in ([], [[]], [[1.5]], [[0.5, "x"]], "0.5"):

@@ -1,13 +1,16 @@
 """Tests for train.py, on a tiny random base model and features it computed (CPU, seeded).
 
-A few steps lower the loss for every head kind, loss and loss implementation; the teacher and next-token losses equal
+A few steps lower the loss for every head kind, loss and loss implementation; the teacher and
+next-token losses equal
 values worked out by hand, and the teacher loss is smallest at the teacher's own probabilities,
 residual mass included; a run stopped by a crash (kill -9), by a crash between the checkpoint's
 two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an uninterrupted
 run; a NaN stops training at a named step and keeps the last good checkpoint; a malformed ShareGPT
 line is reported with its number; two CPU processes (gloo) train one set of heads with DDP.
-Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions, V vocabulary, k teacher top-k.
+Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions, V vocabulary, k teacher
+top-k.
 """
+
 import json
 import math
 import os
@@ -19,7 +22,6 @@ import pytest
 import torch
 
 import checkpoint as checkpoint_lib
-import cli
 import dataset as D
 import heads as heads_lib
 import kernels
@@ -32,6 +34,7 @@ V = 64  # tiny_config's vocabulary
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
 
 def tiny_base(seed=0):
     """A tiny random Llama whose LM head is scaled up 4x, so that its next-token distributions are
@@ -51,7 +54,9 @@ def features(tmp_path_factory):
     convs = []
     for _ in range(24):
         p, a = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((3, 9), (4, 13)))
-        convs.append((torch.randint(1, V, (p + a,), generator=g).tolist(), [False] * p + [True] * a))
+        convs.append(
+            (torch.randint(1, V, (p + a,), generator=g).tolist(), [False] * p + [True] * a)
+        )
     folder = str(tmp_path_factory.mktemp("data") / "features")
     D.features_of(base, convs, folder, top_k=8, batch_tokens=64)
     return base, folder
@@ -59,10 +64,31 @@ def features(tmp_path_factory):
 
 def args_for(out, *flags):
     """Command-line flags for a tiny run: 2 epochs of ~8 batches, a checkpoint after every step."""
-    return T.build_parser().parse_args(["--heads", "hydra++", "--num-heads", "2", "--kept-tokens", "32",
-                                        "--epochs", "2", "--batch-tokens", "48", "--lr", "3e-3",
-                                        "--save-every", "0", "--eval-every", "5", "--noise", "5",
-                                        "--out", str(out), *flags])
+    return T.build_parser().parse_args(
+        [
+            "--heads",
+            "hydra++",
+            "--num-heads",
+            "2",
+            "--kept-tokens",
+            "32",
+            "--epochs",
+            "2",
+            "--batch-tokens",
+            "48",
+            "--lr",
+            "3e-3",
+            "--save-every",
+            "0",
+            "--eval-every",
+            "5",
+            "--noise",
+            "5",
+            "--out",
+            str(out),
+            *flags,
+        ]
+    )
 
 
 def run(features, out, *flags):
@@ -82,6 +108,7 @@ def record_steps(monkeypatch, before=None):
         loss = real(forward, opt, batch, *a, **kw)
         done.append(batch["ids"].clone())
         return loss
+
     monkeypatch.setattr(T, "train_step", step)
     return done
 
@@ -116,13 +143,11 @@ class Crash(Exception):
 # --- losses -------------------------------------------------------------------------------------
 
 # Three predictions over a 4-token head vocabulary; each logits row is log q, so softmax(row) = q.
-Q = torch.tensor([[0.5, 0.25, 0.125, 0.125],
-                  [0.25, 0.25, 0.25, 0.25],
-                  [0.1, 0.2, 0.3, 0.4]])
-TOP_IDS = torch.tensor([[0, 2], [3, -1], [1, 2]])          # -1: a top-k token outside the heads' vocabulary
+Q = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]])
+TOP_IDS = torch.tensor([[0, 2], [3, -1], [1, 2]])  # -1: a top-k token outside the heads' vocabulary
 TOP_P = torch.tensor([[0.6, 0.3], [0.5, 0.25], [0.75, 0.25]])
-TARGET = torch.tensor([1, -1, 3])                           # data tokens; -1 is not kept
-J = torch.tensor([0, 1, 2])                                 # head - 1
+TARGET = torch.tensor([1, -1, 3])  # data tokens; -1 is not kept
+J = torch.tensor([0, 1, 2])  # head - 1
 
 
 def test_teacher_loss_by_hand():
@@ -130,14 +155,19 @@ def test_teacher_loss_by_hand():
     #   -(0.6 ln 0.5 + 0.3 ln 0.125 + 0.1 ln 0.375) = 0.4158883 + 0.6238325 + 0.0980829 = 1.1378037
     # row 1: token -1 is dropped; r = 1 - 0.75 = 0.25, head mass outside {3} = 0.75
     #   -(0.5 ln 0.25 + 0.25 ln 0.75) = 0.6931472 + 0.0719205 = 0.7650677
-    # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 = 1.5080716
+    # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 =
+    # 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
     assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
     # the batch loss is their mean: 3.4109430 / 3; the fused one's too, with z = log q through an
     # identity LM head, shared or one per head
-    assert math.isclose(T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6)
+    assert math.isclose(
+        T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6
+    )
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = kernels.fused_batch_loss("teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss(
+            "teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET
+        ).item()
         assert math.isclose(got, 1.1369810, abs_tol=1e-6)
 
 
@@ -145,17 +175,28 @@ def test_next_token_loss_by_hand():
     # -ln q(target): -ln 0.25 = 1.3862944; target -1 (not kept) counts 0; -ln 0.4 = 0.9162907
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
     assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
-    # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 + 0.4691408) / 3
-    assert math.isclose(T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 0.5260588, abs_tol=1e-6)
+    # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 +
+    # 0.4691408) / 3
+    assert math.isclose(
+        T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
+        0.5260588,
+        abs_tol=1e-6,
+    )
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = kernels.fused_batch_loss("next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        got = kernels.fused_batch_loss(
+            "next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET
+        ).item()
         assert math.isclose(got, 0.5260588, abs_tol=1e-6)
 
 
 def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residual():
-    # teacher: top-2 = {0: 0.6, 2: 0.3}, residual 0.1 spread over tokens 1 and 3 in some unrecorded way
+    # teacher: top-2 = {0: 0.6, 2: 0.3}, residual 0.1 spread over tokens 1 and 3 in some unrecorded
+    # way
     ids, p = torch.tensor([[0, 2]]), torch.tensor([[0.6, 0.3]])
-    for q in ([0.6, 0.05, 0.3, 0.05], [0.6, 0.1, 0.3, 0.0001]):   # any split of the residual is optimal
+    for q in (
+        [0.6, 0.05, 0.3, 0.05],
+        [0.6, 0.1, 0.3, 0.0001],
+    ):  # any split of the residual is optimal
         logits = torch.tensor([q]).log().requires_grad_()
         T.teacher_loss(logits, ids, p).sum().backward()
         assert logits.grad.abs().max() < 1e-4, logits.grad
@@ -164,7 +205,12 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
     assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
-    none = torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
+    none = (
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, 2, dtype=torch.long),
+        torch.zeros(0, 2),
+        torch.zeros(0, dtype=torch.long),
+    )
     assert T.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
     assert kernels.fused_batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), *none) == 0
 
@@ -187,10 +233,12 @@ def test_a_few_steps_lower_the_loss(features, kind, loss, impl):
 
 # --- checkpoints and resuming -------------------------------------------------------------------
 
+
 def crash_during_step(monkeypatch, n):
     def before(calls, batch):
         if calls == n:
             raise Crash
+
     return record_steps(monkeypatch, before), Crash
 
 
@@ -203,6 +251,7 @@ def crash_between_writes(monkeypatch, n):
         if saves[0] == n:
             raise Crash
         real(heads, folder)
+
     monkeypatch.setattr(checkpoint_lib, "save_heads", save)
     return record_steps(monkeypatch), Crash
 
@@ -211,49 +260,63 @@ def ctrl_c_during_step(monkeypatch, n):
     def before(calls, batch):
         if calls == n:
             os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the step
+
     return record_steps(monkeypatch, before), SystemExit
 
 
 @pytest.mark.parametrize("stop", [crash_during_step, crash_between_writes, ctrl_c_during_step])
 def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, stop):
     ref_batches, ref_state = reference
-    n = 11                                                          # in the second epoch
+    n = 11  # in the second epoch
     assert len(ref_batches) == ref_state["step"] > n
     with monkeypatch.context() as mp:
         done, raised = stop(mp, n)
         with pytest.raises(raised) as e:
             run(features, tmp_path)
     if raised is SystemExit:
-        assert e.value.code == 130                                  # Ctrl-C: checkpoint of the finished step, 130
+        assert e.value.code == 130  # Ctrl-C: checkpoint of the finished step, 130
     state = checkpoint(tmp_path)
-    assert state["step"] == len(done) in (n - 1, n)                 # the checkpoint is of the last step done
-    if stop is crash_between_writes:                                # the heads files lag state.pt by one step...
+    assert state["step"] == len(done) in (n - 1, n)  # the checkpoint is of the last step done
+    if stop is crash_between_writes:  # the heads files lag state.pt by one step...
         lagging = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
         assert not all(torch.equal(lagging[k], state["heads"][k]) for k in lagging)
-    after = record_steps(monkeypatch)                               # ...and resuming ignores them
+    after = record_steps(monkeypatch)  # ...and resuming ignores them
     run(features, tmp_path, "--resume")
     done = done + after
     assert len(done) == len(ref_batches)
-    assert all(torch.equal(a, b) for a, b in zip(done, ref_batches)), "the resumed run saw other batches"
+    assert all(torch.equal(a, b) for a, b in zip(done, ref_batches)), (
+        "the resumed run saw other batches"
+    )
     final = checkpoint(tmp_path)
     assert final["step"] == ref_state["step"]
     assert_same_weights(final["heads"], ref_state["heads"])
-    # the learning curve (held-out tau every 5 steps, tokens trained on) continues as if never stopped
+    # the learning curve (held-out tau every 5 steps, tokens trained on) continues as if never
+    # stopped
     assert final["progress"] == ref_state["progress"] and len(ref_state["progress"]["curve"]) >= 3
-    exported = {k: v.half().float() if v.is_floating_point() else v for k, v in ref_state["heads"].items()}
-    assert_same_weights(checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict(), exported)  # heads files: fp16
+    exported = {
+        k: v.half().float() if v.is_floating_point() else v for k, v in ref_state["heads"].items()
+    }
+    assert_same_weights(
+        checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict(), exported
+    )  # heads files: fp16
 
 
 def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), features[0])
-    T.save_checkpoint(str(tmp_path), heads, torch.optim.AdamW(heads.parameters()), 3,
-                      {"config": asdict(heads.cfg), "data": [24, 0]})
+    T.save_checkpoint(
+        str(tmp_path),
+        heads,
+        torch.optim.AdamW(heads.parameters()),
+        3,
+        {"config": asdict(heads.cfg), "data": [24, 0]},
+    )
     with pytest.raises(ValueError, match="other heads or data"):
         run(features, tmp_path, "--resume")
 
 
 def test_resume_refuses_a_checkpoint_of_another_number_of_processes(features, tmp_path):
-    # the processes set a step's batches and the schedule's length: resuming with others would not continue the run
+    # the processes set a step's batches and the schedule's length: resuming with others would not
+    # continue the run
     run(features, tmp_path, "--epochs", "1")
     state = T.read_checkpoint(str(tmp_path))
     assert state["flags"]["processes"] == 1 and isinstance(state["flags"]["bf16_products"], bool)
@@ -265,8 +328,9 @@ def test_resume_refuses_a_checkpoint_of_another_number_of_processes(features, tm
 
 def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_path, monkeypatch):
     def poison(calls, batch):
-        if calls == 5:                                              # NaN hidden states where heads predict
+        if calls == 5:  # NaN hidden states where heads predict
             batch["hidden"][batch["valid"].any(-1)] = float("nan")
+
     record_steps(monkeypatch, poison)
     with pytest.raises(FloatingPointError, match=r"step 5: loss nan.*last checkpoint \(step 4\)"):
         run(features, tmp_path)
@@ -275,46 +339,73 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_pat
     assert all(torch.isfinite(w).all() for w in state["heads"].values())
     exported = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
     half = {k: v.half().float() if v.is_floating_point() else v for k, v in state["heads"].items()}
-    assert_same_weights(exported, half)                             # nothing of step 5 reached the disk
+    assert_same_weights(exported, half)  # nothing of step 5 reached the disk
 
 
 # --- user data ----------------------------------------------------------------------------------
 
-GOOD = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello, friend!"}]}
+GOOD = {
+    "conversations": [
+        {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": "Hello, friend!"},
+    ]
+}
 
 
-@pytest.mark.parametrize("bad", [
-    '{"conversations": [{"from": "human", "value": "unterminated}',          # not JSON
-    '{"messages": []}',                                                      # no "conversations"
-    '{"conversations": []}',                                                 # empty
-    '{"conversations": [{"from": "robot", "value": "beep"}]}',              # unknown role
-    '{"conversations": [{"role": "user", "content": 42}]}',                 # content not text
-    '["a", "list"]',                                                         # not an object
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"conversations": [{"from": "human", "value": "unterminated}',  # not JSON
+        '{"messages": []}',  # no "conversations"
+        '{"conversations": []}',  # empty
+        '{"conversations": [{"from": "robot", "value": "beep"}]}',  # unknown role
+        '{"conversations": [{"role": "user", "content": 42}]}',  # content not text
+        '["a", "list"]',  # not an object
+    ],
+)
 def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_path, bad):
     _, tokenizer = default_model
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps(GOOD) + "\n\n" + bad + "\n" + json.dumps(GOOD) + "\n")
     with pytest.raises(ValueError, match=r"chats\.jsonl, line 3:"):
         D.read_sharegpt(str(path), tokenizer)
-    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({"conversations": [
-        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}) + "\n")
+    path.write_text(
+        json.dumps(GOOD)
+        + "\n\n"
+        + json.dumps(
+            {
+                "conversations": [
+                    {"role": "user", "content": "Hi there"},
+                    {"role": "assistant", "content": "Hello, friend!"},
+                ]
+            }
+        )
+        + "\n"
+    )
     (ids, loss), (ids2, loss2) = D.read_sharegpt(str(path), tokenizer)
-    assert (ids, loss) == (ids2, loss2)                             # from/value and role/content alike
-    # the assistant's tokens, from its first word (the template's header belongs to the prompt, as in decoding)
+    assert (ids, loss) == (ids2, loss2)  # from/value and role/content alike
+    # the assistant's tokens, from its first word (the template's header belongs to the prompt, as
+    # in decoding)
     assert tokenizer.decode([t for t, m in zip(ids, loss) if m]).startswith("Hello, friend!")
-    assert ids[:loss.index(True)] == cli.encode(tokenizer, "Hi there")
+    assert ids[: loss.index(True)] == checkpoint_lib.encode(tokenizer, "Hi there")
 
 
-def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(default_model, tmp_path, capsys):
+def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(
+    default_model, tmp_path, capsys
+):
     """The usual ShareGPT .json (one array), OpenAI-style {"messages": ...}, and --skip-bad, which
     leaves bad records out with a count instead of stopping at the first."""
     _, tokenizer = default_model
-    openai = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend!"}]}
+    openai = {
+        "messages": [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello, friend!"},
+        ]
+    }
     array = tmp_path / "chats.json"
     array.write_text(json.dumps([GOOD, openai], indent=2))
     first, second = D.read_sharegpt(str(array), tokenizer)
-    assert first == second                                          # the same conversation in both formats
+    assert first == second  # the same conversation in both formats
     array.write_text(json.dumps([GOOD, {"messages": "no"}]))
     with pytest.raises(ValueError, match=r"chats\.json, record 1: expected"):
         D.read_sharegpt(str(array), tokenizer)
@@ -322,7 +413,10 @@ def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(defau
     with pytest.raises(ValueError, match=r"not valid JSON at line 2"):
         D.read_sharegpt(str(array), tokenizer)
     lines = tmp_path / "chats.jsonl"
-    lines.write_text("\n".join([json.dumps(GOOD), "{not json", json.dumps(openai), '{"conversations": 3}']) + "\n")
+    lines.write_text(
+        "\n".join([json.dumps(GOOD), "{not json", json.dumps(openai), '{"conversations": 3}'])
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"line 2: not valid JSON"):
         D.read_sharegpt(str(lines), tokenizer)
     assert len(D.read_sharegpt(str(lines), tokenizer, skip_bad=True)) == 2
@@ -333,8 +427,36 @@ def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(defau
         D.read_sharegpt(str(lines), no_template)
 
 
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "narrator", "content": "Once"},
+                    {"role": "assistant", "content": "Hi"},
+                ]
+            },
+            'turn 1 has "role": "narrator", which is not a role here',
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Yo"}]},
+            'turn 2 has "from": "bot", which is not a role here',
+        ),
+    ],
+)
+def test_an_unknown_role_is_named_with_its_line_and_the_roles_accepted(tmp_path, record, words):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError) as e:
+        D.read_sharegpt(str(path), Template(lambda ms: "".join(m["content"] for m in ms)))
+    assert str(e.value).startswith(f"{path}, line 2: {words}"), e.value
+    assert "human, user, gpt, assistant, system" in str(e.value), e.value
+
+
 class Template:
     """A stand-in tokenizer: a chat template `render(messages) -> text`, one token per character."""
+
     chat_template = "render"
 
     def __init__(self, render):
@@ -351,13 +473,32 @@ def refuse(messages):
     raise Exception("Conversation roles must alternate\nuser/assistant")
 
 
-@pytest.mark.parametrize("render, words", [
-    (refuse, "the model's chat template refuses this conversation (Conversation roles must alternate user/assistant)"),
-    (lambda ms: "".join(m["content"] for m in ms[::-1]), "renders the earlier turns differently once turn 2 follows"),
-])
+@pytest.mark.parametrize(
+    "render, words",
+    [
+        (
+            refuse,
+            "the model's chat template refuses this conversation (Conversation roles must "
+            "alternate user/assistant)",
+        ),
+        (
+            lambda ms: "".join(m["content"] for m in ms[::-1]),
+            "renders the earlier turns differently once turn 2 follows",
+        ),
+    ],
+)
 def test_a_chat_template_that_cannot_split_turns_is_reported_with_the_line(tmp_path, render, words):
     path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "conversations": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo"},
+                ]
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"chats\.jsonl, line 1: ") as e:
         D.read_sharegpt(str(path), Template(render))
     assert words in str(e.value)
@@ -365,8 +506,15 @@ def test_a_chat_template_that_cannot_split_turns_is_reported_with_the_line(tmp_p
 
 # --- several processes --------------------------------------------------------------------------
 
+
 def ddp_worker(rank, port, folder, out, results):
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     assert T.init_distributed("cpu")[:2] == (rank, 2)
     mp = pytest.MonkeyPatch()
@@ -377,31 +525,41 @@ def ddp_worker(rank, port, folder, out, results):
 
 
 def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path):
-    """torchrun's setup by hand (fork, gloo): each rank takes every other batch of the single-process
+    """torchrun's setup by hand (fork, gloo): each rank takes every other batch of the
+    single-process
     order, DDP keeps the two ranks' heads identical, and only rank 0 writes the checkpoint."""
     ref_batches, ref_state = reference
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "heads"
-    torch.multiprocessing.start_processes(ddp_worker, args=(port, features[1], str(out), str(tmp_path)),
-                                          nprocs=2, start_method="fork")
+    torch.multiprocessing.start_processes(
+        ddp_worker, args=(port, features[1], str(out), str(tmp_path)), nprocs=2, start_method="fork"
+    )
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    per_epoch = len(ref_batches) // 2                               # single-process steps per epoch
+    per_epoch = len(ref_batches) // 2  # single-process steps per epoch
     for rank, r in enumerate((r0, r1)):
-        want = [ref_batches[e * per_epoch + 2 * i + rank] for e in range(2) for i in range(per_epoch // 2)]
-        assert len(r["done"]) == len(want) and all(torch.equal(a, b) for a, b in zip(r["done"], want))
+        want = [
+            ref_batches[e * per_epoch + 2 * i + rank]
+            for e in range(2)
+            for i in range(per_epoch // 2)
+        ]
+        assert len(r["done"]) == len(want) and all(
+            torch.equal(a, b) for a, b in zip(r["done"], want)
+        )
     assert_same_weights(r0["heads"], r1["heads"])
     state = checkpoint(out)
     assert state["step"] == len(r0["done"])
     assert_same_weights(state["heads"], r0["heads"])
-    assert state["heads"]["mlps.0.2.weight"].abs().sum() > 0     # trained: it starts at zero
+    assert state["heads"]["mlps.0.2.weight"].abs().sum() > 0  # trained: it starts at zero
 
 
 # --- the data stage's batched decoding ----------------------------------------------------------
 
+
 def plain_answers(model, prompts, max_new, stop):
     import generate
+
     return [generate.generate(model, p, max_new, eos_ids=stop).tokens for p in prompts]
 
 
@@ -411,53 +569,85 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
     features are what one forward over prompt + answer computes."""
     base = tiny_base()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, V, (int(torch.randint(2, 14, (), generator=g)),), generator=g).tolist() for _ in range(11)]
+    prompts = [
+        torch.randint(1, V, (int(torch.randint(2, 14, (), generator=g)),), generator=g).tolist()
+        for _ in range(11)
+    ]
     stop = {3, 7}
     got = {i: (a, f) for i, a, f in D.decode_batched(base, prompts, 12, stop, 4, top_k=5)}
     assert sorted(got) == list(range(11))
     want = plain_answers(base, prompts, 12, stop)
     assert [got[i][0] for i in range(11)] == want
-    assert any(len(a) < 12 for a in want) and any(len(a) == 12 for a in want)  # both ways to stop happen
+    assert any(len(a) < 12 for a in want) and any(
+        len(a) == 12 for a in want
+    )  # both ways to stop happen
     for i, p in enumerate(prompts):
         answer, f = got[i]
         ids = torch.tensor([p + answer])
         logits, hidden = base(ids[:, :-1], torch.arange(ids.shape[1] - 1))
-        torch.testing.assert_close(f["hidden"].float(), hidden[0], atol=2e-3, rtol=2e-3)  # stored in fp16
-        top = logits[0, len(p) - 1:].softmax(-1).topk(5)
+        torch.testing.assert_close(
+            f["hidden"].float(), hidden[0], atol=2e-3, rtol=2e-3
+        )  # stored in fp16
+        top = logits[0, len(p) - 1 :].softmax(-1).topk(5)
         assert torch.equal(f["top_ids"].long(), top.indices)
         torch.testing.assert_close(f["top_p"].float(), top.values, atol=1e-3, rtol=1e-3)
 
 
 def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model):
-    # a real model, where attending to a wrong slot changes the answer (a tiny random one barely notices)
+    # a real model, where attending to a wrong slot changes the answer (a tiny random one barely
+    # notices)
     model, tok = default_model
-    prompts = [cli.encode(tok, p) for p in ("What is the capital of France?", "Write a haiku about the sea.",
-                                            "Explain photosynthesis in two sentences.", "What is 15% of 240?",
-                                            "Name three primary colours.", "Say hello in German.", "What is 2 + 2?")]
+    prompts = [
+        checkpoint_lib.encode(tok, p)
+        for p in (
+            "What is the capital of France?",
+            "Write a haiku about the sea.",
+            "Explain photosynthesis in two sentences.",
+            "What is 15% of 240?",
+            "Name three primary colours.",
+            "Say hello in German.",
+            "What is 2 + 2?",
+        )
+    ]
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
-    got = {i: a for i, a, _ in D.decode_batched(model, prompts, 32, stop, 2)}  # short and long answers: refills
+    got = {
+        i: a for i, a, _ in D.decode_batched(model, prompts, 32, stop, 2)
+    }  # short and long answers: refills
     assert [got[i] for i in range(7)] == plain_answers(model, prompts, 32, stop)
 
 
 def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
-    """--export-conversations keeps ids and loss masks only; features_of over what read_conversations
+    """--export-conversations keeps ids and loss masks only; features_of over what
+    read_conversations
     returns reproduces the features of the data set it came from."""
     base, folder = features
     path = str(tmp_path / "convs.safetensors")
     n, tokens, answers = D.export_conversations(folder, path)
     data = D.load_data(folder)
-    assert (n, tokens, answers) == (len(data["offsets"]) - 1, len(data["ids"]), int(data["loss"].sum()))
-    assert os.path.getsize(path) < tokens * 8 + 4096            # ids and masks, no features
-    D.features_of(base, D.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64)
+    assert (n, tokens, answers) == (
+        len(data["offsets"]) - 1,
+        len(data["ids"]),
+        int(data["loss"].sum()),
+    )
+    assert os.path.getsize(path) < tokens * 8 + 4096  # ids and masks, no features
+    D.features_of(
+        base, D.read_conversations(path), str(tmp_path / "again"), top_k=8, batch_tokens=64
+    )
     again = D.load_data(str(tmp_path / "again"))
     for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], data[k]), k
-    for k in ("hidden", "top_ids", "top_p"):   # memory-mapped columns, read conversation by conversation
+    for k in (
+        "hidden",
+        "top_ids",
+        "top_p",
+    ):  # memory-mapped columns, read conversation by conversation
         for a, e in zip(data["offsets"][:-1].tolist(), data["offsets"][1:].tolist()):
             assert torch.equal(again[k][a:e], data[k][a:e]), k
 
 
-def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversations(features, tmp_path, capsys, monkeypatch):
+def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversations(
+    features, tmp_path, capsys, monkeypatch
+):
     """--continue-from: an empty self-distillation folder gets the file's conversations, prompts and
     features (equal to features_of's over the same conversations); a second call changes nothing; a
     seeding stopped in its second shard keeps the first and is completed; a folder of other data is
@@ -466,8 +656,10 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
     convs = D.load_data(folder)
     prompts = [f"prompt {i}" for i in range(len(convs["offsets"]) - 1)]
     named, plain = str(tmp_path / "named"), str(tmp_path / "plain.safetensors")
-    D.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
-    D.features_of(base, D.read_conversations(plain), named, top_k=8, batch_tokens=64, prompts=prompts)
+    D.export_conversations(folder, plain)  # a user's data set: no prompts recorded
+    D.features_of(
+        base, D.read_conversations(plain), named, top_k=8, batch_tokens=64, prompts=prompts
+    )
     assert D.folder_prompts(named) == prompts
     path = str(tmp_path / "convs.safetensors")
     D.export_conversations(named, path)
@@ -482,25 +674,30 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
         if len(calls) == 2:
             raise KeyboardInterrupt
         return features_of(*a, **k)
+
     with monkeypatch.context() as m:
         m.setattr(D, "features_of", stopped_in_the_second_shard)
         with pytest.raises(KeyboardInterrupt):
             D.continue_from(base, seeded, path, key, per_shard=2)
-    assert D.folder_prompts(seeded) == prompts[:2]              # the first shard was kept
-    D.continue_from(base, seeded, path, key, per_shard=2)       # the same call continues from it
+    assert D.folder_prompts(seeded) == prompts[:2]  # the first shard was kept
+    D.continue_from(base, seeded, path, key, per_shard=2)  # the same call continues from it
     again = D.load_data(seeded)
     assert D.folder_prompts(seeded) == prompts and not os.path.exists(seeded + ".seed")
     for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], convs[k]), k
     files = {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)}
-    D.continue_from(base, seeded, path, key)                    # already seeded: nothing is touched
+    D.continue_from(base, seeded, path, key)  # already seeded: nothing is touched
     assert {f: os.path.getmtime(os.path.join(seeded, f)) for f in os.listdir(seeded)} == files
-    for f in D.shards_in(seeded)[1:]:                          # a seeding cut short after one shard
+    for f in D.shards_in(seeded)[1:]:  # a seeding cut short after one shard
         os.remove(os.path.join(seeded, f))
     D.continue_from(base, seeded, path, key)
-    assert D.folder_prompts(seeded) == prompts and torch.equal(D.load_data(seeded)["ids"], convs["ids"])
+    assert D.folder_prompts(seeded) == prompts and torch.equal(
+        D.load_data(seeded)["ids"], convs["ids"]
+    )
     other = str(tmp_path / "other")
-    D.features_of(base, D.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3)
+    D.features_of(
+        base, D.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3
+    )
     with pytest.raises(T.UsageError, match="did not begin with these conversations"):
         D.continue_from(base, other, path, key)
     assert D.folder_prompts(other) == ["something else"] * 3
@@ -510,7 +707,7 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
 def test_continue_from_refuses_conversations_without_their_prompts(features, tmp_path):
     base, folder = features
     plain, seeded = str(tmp_path / "plain.safetensors"), str(tmp_path / "self_distill")
-    D.export_conversations(folder, plain)                       # a user's data set: no prompts recorded
+    D.export_conversations(folder, plain)  # a user's data set: no prompts recorded
     key = {"teacher_k": 8, "dim": base.cfg.dim}
     D.check_self_data(seeded, key)
     with pytest.raises(T.UsageError, match="no prompts recorded"):
@@ -529,10 +726,20 @@ def test_training_data_keeps_one_open_file_per_shard(features):
 
 
 def test_short_conversations_with_many_heads_have_no_valid_positions():
-    data = {"offsets": torch.tensor([0, 3]), "ids": torch.tensor([1, 2, 3]), "loss": torch.tensor([False, True, True]),
-            "hidden": torch.zeros(3, 4), "top_ids": torch.zeros(3, 2, dtype=torch.long), "top_p": torch.zeros(3, 2)}
-    batch = T.collate(data, [0], torch.arange(V), 5, "cpu")     # head j needs token t+1+j: none beyond head 1
-    assert batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0   # 3 positions padded to 16
+    data = {
+        "offsets": torch.tensor([0, 3]),
+        "ids": torch.tensor([1, 2, 3]),
+        "loss": torch.tensor([False, True, True]),
+        "hidden": torch.zeros(3, 4),
+        "top_ids": torch.zeros(3, 2, dtype=torch.long),
+        "top_p": torch.zeros(3, 2),
+    }
+    batch = T.collate(
+        data, [0], torch.arange(V), 5, "cpu"
+    )  # head j needs token t+1+j: none beyond head 1
+    assert (
+        batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0
+    )  # 3 positions padded to 16
     assert batch["valid"][0, :, 0].tolist() == [True] + [False] * 15
 
 
@@ -547,32 +754,48 @@ def test_exported_ids_are_two_bytes_when_the_vocabulary_fits(features, tmp_path)
     path = str(tmp_path / "convs.safetensors")
     n, tokens, _ = D.export_conversations(folder, path)
     from safetensors import safe_open
+
     with safe_open(path, "pt") as f:
         assert f.get_slice("ids").get_dtype() == "U16"
     assert os.path.getsize(path) < tokens * 3 + 8 * (n + 1) + 4096
     data = D.load_data(folder)
     bounds = data["offsets"].tolist()
-    assert [ids for ids, _ in D.read_conversations(path)] == [data["ids"][a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+    assert [ids for ids, _ in D.read_conversations(path)] == [
+        data["ids"][a:b].tolist() for a, b in zip(bounds, bounds[1:])
+    ]
 
 
 def test_prompt_diversity_counts_openings_and_repeated_phrases():
     d = D.prompt_diversity(["A b c d.", "a b C e", "x y z"])
-    # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5 distinct
+    # first words {a, x}: 2 of 3; openings {abc, xyz}: 2 of 3; trigrams abc bcd abc bce xyz: 4 of 5
+    # distinct
     assert d == dict(prompts=3, first_words=2 / 3, openings=2 / 3, distinct_trigrams=4 / 5)
     assert "66.7% distinct first words" in D.diversity_line(["A b c d.", "a b C e", "x y z"])
 
 
 def test_prompt_filter_compares_the_words_after_the_opener():
     f = D.PromptFilter(["Read the passage and answer the question.", "Read"])
-    long = "Read the passage and answer the question."       # seven words: the model's own words come after
+    long = (
+        "Read the passage and answer the question."  # seven words: the model's own words come after
+    )
     assert f.keep(f"{long} Bees dance to tell the hive where flowers grow. Why do they dance?")
-    assert f.keep(f"{long} The Nile floods each summer and farmers plant after it. When do they plant?")
-    assert not f.keep(f"{long} Bees dance to tell the hive about water. Who dances?")   # same six words after it
-    assert f.keep("An apple a day keeps the doctor away, they say.")             # no opener: its first six words
-    assert not f.keep("Everyone knows an apple a day keeps the doctor away, they say")  # 8 of 10 trigrams shared
-    assert f.keep("Read this: a very short one") and not f.keep("Hi")            # the shorter opener; under 3 words
+    assert f.keep(
+        f"{long} The Nile floods each summer and farmers plant after it. When do they plant?"
+    )
+    assert not f.keep(
+        f"{long} Bees dance to tell the hive about water. Who dances?"
+    )  # same six words after it
+    assert f.keep(
+        "An apple a day keeps the doctor away, they say."
+    )  # no opener: its first six words
+    assert not f.keep(
+        "Everyone knows an apple a day keeps the doctor away, they say"
+    )  # 8 of 10 trigrams shared
+    assert f.keep("Read this: a very short one") and not f.keep(
+        "Hi"
+    )  # the shorter opener; under 3 words
     assert (f.tried, f.rejected_duplicate) == (7, 2)
-    plain = D.PromptFilter()                                   # without openers: the first six words, as for any text
+    plain = D.PromptFilter()  # without openers: the first six words, as for any text
     assert plain.keep(f"{long} Bees dance.") and not plain.keep(f"{long} Nile floods.")
 
 
@@ -581,19 +804,24 @@ def test_tasks_behind_are_drawn_more():
     longest seed opener a prompt begins with."""
     import random
     from types import SimpleNamespace
+
     tasks = {"qa": ["Answer", "Answer this:"], "sum": ["Summarise"], "math": ["Solve"]}
     counts = D.task_counts(["Answer this: why?", "Answer me", "Summarise it", "Hello there"], tasks)
     assert counts == {"qa": 2, "sum": 1, "math": 0}
-    counts = {"qa": 99, "sum": 99, "math": 0}   # math weighs 1, the others 1/100 each
+    counts = {"qa": 99, "sum": 99, "math": 0}  # math weighs 1, the others 1/100 each
 
     class Tokenizer:
         def apply_chat_template(self, messages, tokenize=False):
             return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
         def __call__(self, text, add_special_tokens=False):
             return SimpleNamespace(input_ids=[ord(c) for c in text])
+
     rng = random.Random(0)
     openers = [D.seeded_prefix(Tokenizer(), rng, tasks, ["bees"], counts)[1] for _ in range(1000)]
-    assert 960 < openers.count("Solve") < 1000   # 1 / 1.02 = 98% expected; uniform draws would give a third
+    assert (
+        960 < openers.count("Solve") < 1000
+    )  # 1 / 1.02 = 98% expected; uniform draws would give a third
 
 
 @pytest.mark.parametrize("gen_batch", [2, 0])
@@ -605,33 +833,74 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
 
     class Tokenizer:  # a token t is the word f"w{t}"; 2 ends a turn
         eos_token_id, chat_template = 2, "<role>content"
+
         def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
-            return "".join(f"<{m['role']}>{m['content']}" for m in messages) if not tokenize else [1, 1, 1]
+            return (
+                "".join(f"<{m['role']}>{m['content']}" for m in messages)
+                if not tokenize
+                else [1, 1, 1]
+            )
+
         def __call__(self, text, add_special_tokens=False):
             return SimpleNamespace(input_ids=[1] * len(text.split()))
+
         def decode(self, ids, skip_special_tokens=True):
             return "".join(f" w{t}" for t in ids)
 
-    length = lambda i: 40 if i % 2 == 0 else 3   # candidate i writes this many words
+    length = lambda i: 40 if i % 2 == 0 else 3  # candidate i writes this many words
 
-    def decode_batched(model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0):
+    def decode_batched(
+        model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0
+    ):
         assert batch == 2
-        if not top_k:   # prompts: the short ones are done first
+        if not top_k:  # prompts: the short ones are done first
             for i in sorted(range(len(prompts)), key=length):
                 yield i, [1000 * i + j for j in range(length(i))] + [2], None
         else:
             for i in range(len(prompts)):
-                yield i, [5, 2], dict(hidden=torch.zeros(4, 8), top_ids=torch.zeros(2, top_k, dtype=torch.long),
-                                      top_p=torch.zeros(2, top_k))
+                yield (
+                    i,
+                    [5, 2],
+                    dict(
+                        hidden=torch.zeros(4, 8),
+                        top_ids=torch.zeros(2, top_k, dtype=torch.long),
+                        top_p=torch.zeros(2, top_k),
+                    ),
+                )
+
     monkeypatch.setattr(D, "decode_batched", decode_batched)
-    monkeypatch.setattr(D.kernels, "sizes", lambda device: D.kernels.Sizes(2 if torch.device(device).type == "cpu" else 64, 1))
+    monkeypatch.setattr(
+        D.kernels,
+        "sizes",
+        lambda device: D.kernels.Sizes(2 if torch.device(device).type == "cpu" else 64, 1),
+    )
     seeds = tmp_path / "seeds.json"
     seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
-    args = SimpleNamespace(num_prompts=6, gen_batch=gen_batch, seed=0, seeds=str(seeds), max_prompt_tokens=64,
-                           max_answer_tokens=8, answer_temperature=0.0, teacher_k=4)
-    D.self_distill(SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu"), Tokenizer(), str(tmp_path / "d"), args)
+    args = SimpleNamespace(
+        num_prompts=6,
+        gen_batch=gen_batch,
+        seed=0,
+        seeds=str(seeds),
+        max_prompt_tokens=64,
+        max_answer_tokens=8,
+        answer_temperature=0.0,
+        teacher_k=4,
+    )
+    D.self_distill(
+        SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu"),
+        Tokenizer(),
+        str(tmp_path / "d"),
+        args,
+    )
     kept = D.folder_prompts(str(tmp_path / "d"))
-    assert sorted(len(p.split()) for p in kept) == [5, 5, 5, 42, 42, 42]   # opener + 3 or 40 words, half each
+    assert sorted(len(p.split()) for p in kept) == [
+        5,
+        5,
+        5,
+        42,
+        42,
+        42,
+    ]  # opener + 3 or 40 words, half each
     assert len(set(kept)) == 6
 
 
@@ -648,16 +917,20 @@ def test_eval_json_keeps_the_learning_curve(features, tmp_path):
 def test_plot_curves_reads_eval_json_curves(features, tmp_path):
     import importlib.util
     import xml.dom.minidom
+
     out = tmp_path / "hydra++"
     run(features, out)
-    spec = importlib.util.spec_from_file_location("plot_curves", os.path.join(os.path.dirname(__file__), "..", "experiments", "plot_curves.py"))
+    spec = importlib.util.spec_from_file_location(
+        "plot_curves",
+        os.path.join(os.path.dirname(__file__), "..", "experiments", "plot_curves.py"),
+    )
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     curves = plot.read_curves(str(tmp_path))
     with open(out / "eval.json") as f:
         assert curves == {"hydra++": json.load(f)["curve"]}
     assert plot.table(curves).count("| hydra++ |") == len(curves["hydra++"])
-    xml.dom.minidom.parseString(plot.svg(curves))                  # well-formed
+    xml.dom.minidom.parseString(plot.svg(curves))  # well-formed
 
 
 def test_ablations_table_reads_each_run(features, tmp_path):
@@ -665,6 +938,7 @@ def test_ablations_table_reads_each_run(features, tmp_path):
     import subprocess
     import sys
     import xml.dom.minidom
+
     run(features, tmp_path / "run")
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ablations.py")
     spec = importlib.util.spec_from_file_location("ablations", script)
@@ -675,30 +949,57 @@ def test_ablations_table_reads_each_run(features, tmp_path):
         assert r["chain_tau"] == json.load(f)["chain_tau"] and r["kind"] == "hydra++"
     runs = {"K=2 (base)": r, "same again": r}
     assert abl.table(runs).count(f"| {r['chain_tau']:.3f} |") == 2
-    xml.dom.minidom.parseString(abl.svg(runs))                      # well-formed
-    bad = subprocess.run([sys.executable, script, str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "train that run first" in bad.stderr and not (tmp_path / "out.md").exists()
+    xml.dom.minidom.parseString(abl.svg(runs))  # well-formed
+    bad = subprocess.run(
+        [sys.executable, script, str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        bad.returncode == 2
+        and "train that run first" in bad.stderr
+        and not (tmp_path / "out.md").exists()
+    )
 
 
 def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features, tmp_path):
     """--export-conversations over an existing file: the same or grown data replaces it; a file
     of other conversations, or of another kind, is refused and left as it is."""
     from safetensors.torch import save_file
+
     base, folder = features
     path = str(tmp_path / "convs.safetensors")
     n, tokens, _ = D.export_conversations(folder, path)
     first = D.read_conversations(path)
-    save_file({"ids": torch.tensor([i for c, _ in first[:2] for i in c], dtype=torch.int32),
-               "loss": torch.tensor([m for _, l in first[:2] for m in l]),
-               "offsets": torch.tensor([0, len(first[0][0]), len(first[0][0]) + len(first[1][0])])}, path)
-    assert D.export_conversations(folder, path)[:2] == (n, tokens)      # two of them, grown to all: replaced
+    save_file(
+        {
+            "ids": torch.tensor([i for c, _ in first[:2] for i in c], dtype=torch.int32),
+            "loss": torch.tensor([m for _, l in first[:2] for m in l]),
+            "offsets": torch.tensor([0, len(first[0][0]), len(first[0][0]) + len(first[1][0])]),
+        },
+        path,
+    )
+    assert D.export_conversations(folder, path)[:2] == (
+        n,
+        tokens,
+    )  # two of them, grown to all: replaced
     assert D.read_conversations(path) == first
     other = str(tmp_path / "other.safetensors")
     ids, mask = first[1]
-    save_file({"ids": torch.tensor(ids, dtype=torch.int32), "loss": torch.tensor(mask), "offsets": torch.tensor([0, len(ids)])}, other)
+    save_file(
+        {
+            "ids": torch.tensor(ids, dtype=torch.int32),
+            "loss": torch.tensor(mask),
+            "offsets": torch.tensor([0, len(ids)]),
+        },
+        other,
+    )
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not safetensors")
-    for target, words in ((other, "it holds 1 conversations that the data in"), (str(junk), "that file is not a conversations file")):
+    for target, words in (
+        (other, "it holds 1 conversations that the data in"),
+        (str(junk), "that file is not a conversations file"),
+    ):
         before = open(target, "rb").read()
         with pytest.raises(D.UsageError, match=words):
             D.export_conversations(folder, target)
@@ -706,12 +1007,14 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
 
 
 def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp_path):
-    """experiments/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau that
+    """experiments/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau
+    that
     train.py measured on its own held-out split at the end of the run; bad input exits 2."""
     import importlib.util
     import subprocess
     import sys
     import xml.dom.minidom
+
     base, folder = features
     run(features, tmp_path / "run")
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "data_size.py")
@@ -723,21 +1026,30 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
         report = json.load(f)
     assert reports["a"]["chain_tau"] == pytest.approx(report["chain_tau"], abs=1e-3)
     assert ds.table(what, reports).count(f"| a | {reports['a']['chain_tau']:.3f} |") == 1
-    xml.dom.minidom.parseString(ds.ablations.svg(reports))            # well-formed
-    with pytest.raises(SystemExit):                                       # nothing held out after them all
+    xml.dom.minidom.parseString(ds.ablations.svg(reports))  # well-formed
+    with pytest.raises(SystemExit):  # nothing held out after them all
         ds.measure(base, D.load_data(folder), 24, [("a", str(tmp_path / "run"))])
-    bad = subprocess.run([sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()
+    bad = subprocess.run(
+        [sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        bad.returncode == 2
+        and "has no heads.json" in bad.stderr
+        and not (tmp_path / "out.md").exists()
+    )
 
 
 def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_path):
-    """experiments/tau_by_position.py: answer positions restart at each assistant turn; the window of
+    """experiments/tau_by_position.py: answer positions restart at each assistant turn; the window
+    of
     every position gives train.py's own held-out chain tau, and a window past every answer has no
     chain to count (tau 1); bad input exits 2."""
     import importlib.util
     import subprocess
     import sys
+
     base, folder = features
     run(features, tmp_path / "run", "--train-dtype", "fp32")
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "tau_by_position.py")
@@ -752,17 +1064,27 @@ def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_pa
         assert rows["a"][0]["chain_tau"] == pytest.approx(json.load(f)["chain_tau"], abs=1e-3)
     assert rows["a"][1]["chain_tau"] == 1.0 and rows["a"][1]["trees"][0] == 1.0
     assert tp.table(n, rows).count("| a | ") == 2
-    bad = subprocess.run([sys.executable, script, folder, str(tmp_path / "out.md"), f"x={tmp_path / 'nothing'}"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "has no heads.json" in bad.stderr and not (tmp_path / "out.md").exists()
+    bad = subprocess.run(
+        [sys.executable, script, folder, str(tmp_path / "out.md"), f"x={tmp_path / 'nothing'}"],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        bad.returncode == 2
+        and "has no heads.json" in bad.stderr
+        and not (tmp_path / "out.md").exists()
+    )
 
 
 def test_profile_train_refuses_bad_arguments(tmp_path):
     import subprocess
     import sys
+
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "profile_train.py")
-    for argv, words in (([str(tmp_path), "eagle"], "usage: python experiments/profile_train.py"),
-                        ([str(tmp_path / "nothing"), "hydra++"], "is not a folder")):
+    for argv, words in (
+        ([str(tmp_path), "eagle"], "usage: python experiments/profile_train.py"),
+        ([str(tmp_path / "nothing"), "hydra++"], "is not a folder"),
+    ):
         bad = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
         assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
 
@@ -772,10 +1094,16 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     The base's oneDNN-prepacked weights are opaque tensors that cannot be deep-copied: the copy is
     made without them (and prepacks its own), and the base keeps its kernels."""
     torch.manual_seed(0)
-    base = kernels.use(model_lib.Transformer(tiny_config()).eval().requires_grad_(False))  # prepacked
+    base = kernels.use(
+        model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    )  # prepacked
     fast = kernels.in_use(base)
     writer = T.data_model(base, "bf16")
-    assert writer.dtype == torch.bfloat16 and base.dtype == torch.float32 and kernels.in_use(base) == fast
+    assert (
+        writer.dtype == torch.bfloat16
+        and base.dtype == torch.float32
+        and kernels.in_use(base) == fast
+    )
     assert kernels.in_use(writer) == kernels.Kernels.choose("cpu", torch.bfloat16, 0)
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()

@@ -1,4 +1,5 @@
 """tree.py: the mask, index tensors and path helpers agree with each other on every tree."""
+
 import json
 import random
 
@@ -18,10 +19,14 @@ def check(t: T.Tree) -> None:
     # mask: j is i or an ancestor of i; ancestor-closed, diagonal, lower-triangular, root column
     assert t.mask.shape == (n, n) and t.mask.dtype == torch.bool
     mask = t.mask.tolist()
-    assert mask == [[path[i][:len(path[j])] == path[j] for j in range(n)] for i in range(n)]
+    assert mask == [[path[i][: len(path[j])] == path[j] for j in range(n)] for i in range(n)]
     anc = [{j for j in range(n) if mask[i][j]} for i in range(n)]
-    assert all(anc[j] <= anc[i] for i in range(n) for j in anc[i])  # mask[i,j], mask[j,k] => mask[i,k]
-    assert all(i in anc[i] and 0 in anc[i] and max(anc[i]) == i for i in range(n))  # diagonal, root, tril
+    assert all(
+        anc[j] <= anc[i] for i in range(n) for j in anc[i]
+    )  # mask[i,j], mask[j,k] => mask[i,k]
+    assert all(
+        i in anc[i] and 0 in anc[i] and max(anc[i]) == i for i in range(n)
+    )  # diagonal, root, tril
     # depth, parent, rank
     for x in (t.depth, t.parent, t.rank):
         assert x.shape == (n,) and x.dtype == torch.long
@@ -48,7 +53,9 @@ def check(t: T.Tree) -> None:
         assert nodes[0] == 0 and all(parent[b] == a for a, b in zip(nodes, nodes[1:]))
     # by_depth partitions the non-root nodes
     assert len(t.by_depth) == t.max_depth
-    assert [0] + torch.cat([torch.zeros(0, dtype=torch.long)] + t.by_depth).tolist() == list(range(n))
+    assert [0] + torch.cat([torch.zeros(0, dtype=torch.long)] + t.by_depth).tolist() == list(
+        range(n)
+    )
     for d, idx in enumerate(t.by_depth, start=1):
         assert all(depth[i] == d for i in idx.tolist())
 
@@ -105,7 +112,9 @@ def test_cartesian_counts():
     assert T.cartesian([]) == []
     t = T.build(T.cartesian([4, 3, 2]))
     check(t)
-    assert t.max_depth == 3 and len(t.retrieve) == 24 and [len(x) for x in t.by_depth] == [4, 12, 24]
+    assert (
+        t.max_depth == 3 and len(t.retrieve) == 24 and [len(x) for x in t.by_depth] == [4, 12, 24]
+    )
 
 
 def test_order_of_input_does_not_matter():
@@ -117,18 +126,21 @@ def test_order_of_input_does_not_matter():
 # --- invalid input ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("paths, words", [
-    ([(0, 1)], "(0,)"),                       # not prefix-closed
-    ([(0,), (0, 0, 1)], "(0, 0)"),
-    ([(0,), (0, -1)], "negative"),
-    ([()], "empty"),
-    ([(0,), (0,)], "twice"),
-    ([(0,), (0.0,)], "not a tuple of ints"),
-    ([(0,), (True,)], "not a tuple of ints"),
-    ([0, 1], "not a tuple of ints"),
-    ("0,1", "list of tuples"),
-    ([(r,) for r in range(T.MAX_NODES)], "MAX_NODES"),
-])
+@pytest.mark.parametrize(
+    "paths, words",
+    [
+        ([(0, 1)], "(0,)"),  # not prefix-closed
+        ([(0,), (0, 0, 1)], "(0, 0)"),
+        ([(0,), (0, -1)], "negative"),
+        ([()], "empty"),
+        ([(0,), (0,)], "twice"),
+        ([(0,), (0.0,)], "not a tuple of ints"),
+        ([(0,), (True,)], "not a tuple of ints"),
+        ([0, 1], "not a tuple of ints"),
+        ("0,1", "list of tuples"),
+        ([(r,) for r in range(T.MAX_NODES)], "MAX_NODES"),
+    ],
+)
 def test_build_rejects(paths, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         T.build(paths)
@@ -145,10 +157,23 @@ def test_largest_allowed_tree():
         T.cartesian([2, 0])
 
 
-@pytest.mark.parametrize("spec", [
-    "__import__('os')", "__import__('os').system('true')", "chain:", "chain:-1", "chain:2.5",
-    "cartesian:", "cartesian:4,,2", "4,3,-2", "[(0,), (0, 1)]", "", "no_such_tree.json", "medusa",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "__import__('os')",
+        "__import__('os').system('true')",
+        "chain:",
+        "chain:-1",
+        "chain:2.5",
+        "cartesian:",
+        "cartesian:4,,2",
+        "4,3,-2",
+        "[(0,), (0, 1)]",
+        "",
+        "no_such_tree.json",
+        "medusa",
+    ],
+)
 def test_parse_rejects(spec):
     with pytest.raises(ValueError):
         T.parse(spec)
@@ -173,13 +198,16 @@ def test_save_load_round_trip(tmp_path):
         assert T.parse(str(file)) == T.build(paths).paths
 
 
-@pytest.mark.parametrize("text, words", [
-    ('{"paths": [[0], [0, 1]', "Expecting"),          # malformed JSON
-    ('[[0], [0, 1]]', "JSON object"),                 # no "paths" key
-    ('{"paths": "[[0]]"}', "JSON object"),
-    ('{"paths": [[0, 1]]}', "no parent"),
-    ('{"paths": [["__import__(\'os\')"]]}', "not a tuple of ints"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"paths": [[0], [0, 1]', "Expecting"),  # malformed JSON
+        ("[[0], [0, 1]]", "JSON object"),  # no "paths" key
+        ('{"paths": "[[0]]"}', "JSON object"),
+        ('{"paths": [[0, 1]]}', "no parent"),
+        ('{"paths": [["__import__(\'os\')"]]}', "not a tuple of ints"),
+    ],
+)
 def test_load_rejects(tmp_path, text, words):
     file = tmp_path / "bad.json"
     file.write_text(text)
@@ -207,6 +235,7 @@ def test_random_trees():
 
 # --- as a script ----------------------------------------------------------------------------------
 
+
 def test_script_draws_a_tree_and_refuses_bad_arguments(capsys):
     """`python tree.py` runs main(): --help, --tree SPEC, one line and exit code 2 on bad input."""
     with pytest.raises(SystemExit) as e:
@@ -216,6 +245,9 @@ def test_script_draws_a_tree_and_refuses_bad_arguments(capsys):
     assert capsys.readouterr().out.startswith("tree: 3 nodes, depth 2, 1 leaves")
     assert T.main(["--tree", "chain:x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --tree: 'chain:x' is not a tree") and len(err.strip().splitlines()) == 1
+    assert (
+        err.startswith("error: --tree: 'chain:x' is not a tree")
+        and len(err.strip().splitlines()) == 1
+    )
     assert T.main(["extra"]) == 2
     assert capsys.readouterr().err.strip() == "error: unrecognized arguments: extra (see --help)"

@@ -3,8 +3,10 @@
 greedy and typical are compared with brute force over every root-to-node path of many random trees;
 speculative sampling (on a tree of top-k picks, and Leviathan's rule on a chain of sampled drafts)
 is checked to be lossless by comparing the empirical joint distribution of the first two emitted
-tokens with the exact one, and a deliberately broken residual rule must fail the same check. Run: `python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab.
+tokens with the exact one, and a deliberately broken residual rule must fail the same check. Run:
+`python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab.
 """
+
 import itertools
 import math
 import random
@@ -20,7 +22,8 @@ from verify import GREEDY_BELOW, greedy, leviathan, logits_to_probs, sample, spe
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The tensors here are tiny: extra OpenMP threads only add overhead, and stall on a busy CPU."""
+    """The tensors here are tiny: extra OpenMP threads only add overhead, and stall on a busy
+    CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -28,7 +31,8 @@ def one_thread():
 
 
 def random_paths(rng: random.Random, max_depth: int = 4, max_children: int = 3) -> list[tuple]:
-    """A random prefix-closed set of rank paths (ranks need not be contiguous, as in sparse trees)."""
+    """A random prefix-closed set of rank paths (ranks need not be contiguous, as in sparse
+    trees)."""
     paths, frontier = [], [()]
     for _ in range(max_depth):
         frontier = [p + (r,) for p in frontier for r in range(max_children) if rng.random() < 0.5]
@@ -82,8 +86,9 @@ def test_tiny_temperatures_are_greedy_not_nan():
     assert torch.isnan(torch.softmax(logits / 1e-40, -1)).any()  # what the threshold prevents
 
 
-@pytest.mark.parametrize("top_p, kept", [
-    (1.0, [0, 1, 2, 3]), (0.85, [0, 1, 2]), (0.75, [0, 1]), (0.4, [0]), (1e-6, [0])])
+@pytest.mark.parametrize(
+    "top_p, kept", [(1.0, [0, 1, 2, 3]), (0.85, [0, 1, 2]), (0.75, [0, 1]), (0.4, [0]), (1e-6, [0])]
+)
 def test_top_p_keeps_smallest_nucleus(top_p, kept):
     p = torch.tensor([0.3, 0.5, 0.05, 0.15])  # by rank: token 1, 0, 3, 2
     order = [1, 0, 3, 2]
@@ -111,7 +116,8 @@ def test_probs_sum_to_one_and_temperature_scales():
 
 
 def greedy_reference(logits, tokens, tree):
-    """Walk every root-to-node path; keep the deepest fully accepted one, lowest end index on ties."""
+    """Walk every root-to-node path; keep the deepest fully accepted one, lowest end index on
+    ties."""
     best = logits.argmax(-1).tolist()
     tok = tokens.tolist()
     accepted = [path for path in node_paths(tree) if all(tok[b] == best[a] for a, b in edges(path))]
@@ -129,7 +135,9 @@ def test_greedy_matches_brute_force_on_random_trees():
         best = logits.argmax(-1)
         # half the drafted tokens copy the parent's argmax, so long acceptances happen
         copy = [i > 0 and rng.random() < 0.5 for i in range(n)]
-        tokens = torch.tensor([int(best[tree.parent[i]]) if copy[i] else rng.randrange(vocab) for i in range(n)])
+        tokens = torch.tensor(
+            [int(best[tree.parent[i]]) if copy[i] else rng.randrange(vocab) for i in range(n)]
+        )
         nodes, bonus = greedy(logits, tokens, tree)
         want_nodes, want_bonus = greedy_reference(logits, tokens, tree)
         assert nodes.dtype == torch.long and nodes.tolist() == want_nodes and bonus == want_bonus
@@ -157,25 +165,38 @@ def test_greedy_chain_accepts_the_agreeing_prefix():
 
 
 def typical_reference(logits, tokens, tree, temperature):
-    """Every root-to-node path accepted by the formula; the longest, then the highest sum of log p."""
+    """Every root-to-node path accepted by the formula; the longest, then the highest sum of log
+    p."""
     rows = [softmax(r, temperature) for r in logits.tolist()]
     tok = tokens.tolist()
-    accepted = [path for path in node_paths(tree) if all(typical_ok(rows[a], tok[b]) for a, b in edges(path))]
-    return max(accepted, key=lambda path: (len(path), sum(math.log(rows[a][tok[b]]) for a, b in edges(path))))
+    accepted = [
+        path
+        for path in node_paths(tree)
+        if all(typical_ok(rows[a], tok[b]) for a, b in edges(path))
+    ]
+    return max(
+        accepted,
+        key=lambda path: (len(path), sum(math.log(rows[a][tok[b]]) for a, b in edges(path))),
+    )
 
 
-@pytest.mark.parametrize("p", [
-    [0.5, 0.3, 0.15, 0.05],                       # H = 1.14: threshold = eps = 0.09
-    [0.97, 0.01, 0.01, 0.01],                     # peaked: only the top token passes
-    [0.25] * 4,                                   # threshold = 0.3 * exp(-ln 4) = 0.075 < eps
-    [0.01] * 100,                                 # flat: 0.01 < eps, but > 0.3 * 0.01, so accepted
-    [0.6] + [0.4 / 99] * 99,                      # long tail below the threshold
-])
+@pytest.mark.parametrize(
+    "p",
+    [
+        [0.5, 0.3, 0.15, 0.05],  # H = 1.14: threshold = eps = 0.09
+        [0.97, 0.01, 0.01, 0.01],  # peaked: only the top token passes
+        [0.25] * 4,  # threshold = 0.3 * exp(-ln 4) = 0.075 < eps
+        [0.01] * 100,  # flat: 0.01 < eps, but > 0.3 * 0.01, so accepted
+        [0.6] + [0.4 / 99] * 99,  # long tail below the threshold
+    ],
+)
 def test_typical_accepts_exactly_by_the_formula(p):
     tree = build(chain(1))
     logits = torch.tensor([p, p]).log()  # (N, V)
     for x in range(len(p)):
-        nodes, _ = typical(logits, torch.tensor([0, x]), tree, 1.0, 1.0, generator=torch.Generator())
+        nodes, _ = typical(
+            logits, torch.tensor([0, x]), tree, 1.0, 1.0, generator=torch.Generator()
+        )
         assert (len(nodes) == 2) == typical_ok(p, x), f"token {x} with p={p[x]}"
 
 
@@ -186,11 +207,18 @@ def test_typical_prefers_longest_then_highest_log_p():
     tree = build(cartesian([3]))  # nodes 1, 2, 3 carry tokens 3, 1, 0
     logits = torch.stack([root, flat, flat, flat])  # (N, V)
     tokens = torch.tensor([0, 3, 1, 0])
-    assert typical(logits, tokens, tree, 1.0, 1.0)[0].tolist() == [0, 3]  # not node 2: log 0.5 > log 0.3
+    assert typical(logits, tokens, tree, 1.0, 1.0)[0].tolist() == [
+        0,
+        3,
+    ]  # not node 2: log 0.5 > log 0.3
     tree = build([(0,), (1,), (2,), (1, 0)])  # node 4 = (1, 0) hangs under node 2
     logits = torch.stack([root, flat, flat, flat, flat])  # (N, V)
     tokens = torch.tensor([0, 3, 1, 0, 2])
-    assert typical(logits, tokens, tree, 1.0, 1.0)[0].tolist() == [0, 2, 4]  # longer wins over log 0.5
+    assert typical(logits, tokens, tree, 1.0, 1.0)[0].tolist() == [
+        0,
+        2,
+        4,
+    ]  # longer wins over log 0.5
 
 
 def test_typical_matches_brute_force_and_samples_bonus():
@@ -202,7 +230,9 @@ def test_typical_matches_brute_force_and_samples_bonus():
         logits = 3 * torch.randn(n, vocab, generator=g)  # (N, V)
         # siblings carry distinct tokens, as top-k picks do
         picks = [rng.sample(range(vocab), vocab) for _ in range(n)]
-        tokens = torch.tensor([0] + [picks[tree.parent[i]][tree.rank[i]] for i in range(1, n)])  # (N,)
+        tokens = torch.tensor(
+            [0] + [picks[tree.parent[i]][tree.rank[i]] for i in range(1, n)]
+        )  # (N,)
         seeded = torch.Generator().manual_seed(trial)
         nodes, bonus = typical(logits, tokens, tree, temperature, top_p, generator=seeded)
         want = typical_reference(logits, tokens, tree, temperature)
@@ -232,7 +262,9 @@ def raw_logits(prefix: tuple) -> torch.Tensor:
 def draft_top2(prefix: tuple) -> list[int]:
     """A different model's two most likely tokens: deterministic top-k picks, often wrong."""
     seed = int("7" + "".join(str(t) for t in prefix))
-    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)).topk(2).indices.tolist()
+    return (
+        torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)).topk(2).indices.tolist()
+    )
 
 
 def one_step_inputs():
@@ -264,13 +296,16 @@ def joint_counts(verify, draws: int, temperature: float, top_p: float) -> torch.
 
 def exact_joint(temperature: float, top_p: float) -> torch.Tensor:
     """P(a, b) = q(a | ROOT) * q(b | ROOT, a), with q the base model's sampling distribution."""
+
     def q(prefix):
         return logits_to_probs(raw_logits(prefix), temperature, top_p)  # (V,)
+
     return torch.stack([q((ROOT,))[a] * q((ROOT, a)) for a in range(VOCAB)])  # (V, V)
 
 
 def chi_square(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    """Pearson's statistic over the cells the target can produce; anything else counts as infinite."""
+    """Pearson's statistic over the cells the target can produce; anything else counts as
+    infinite."""
     if (counts[joint == 0] > 0).any():
         return math.inf
     expected = joint[joint > 0] * counts.sum()
@@ -294,6 +329,7 @@ def test_speculative_is_lossless(temperature, top_p):
 
 def broken_speculative(mistake: str):
     """speculative() with one deliberate error in the residual rule (a local copy, for the test)."""
+
     def verify(logits, tokens, tree, temperature, top_p, generator):
         probs = logits_to_probs(logits, temperature, top_p)  # (N, V)
         nodes, residual = [0], probs[0].clone()
@@ -312,6 +348,7 @@ def broken_speculative(mistake: str):
             nodes.append(accepted)
             residual = probs[accepted].clone()
         return torch.tensor(nodes), int(sample(residual, generator))
+
     return verify
 
 
@@ -338,24 +375,39 @@ def test_speculative_rejects_a_duplicate_sibling_of_a_rejected_token():
 def draft_probs(prefix: tuple) -> torch.Tensor:
     """The draft model's p after `prefix`: fixed, unlike the base model's, at temperature 1."""
     seed = int("5" + "".join(str(t) for t in prefix))
-    return torch.softmax(1.5 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)), -1)  # (V,)
+    return torch.softmax(
+        1.5 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)), -1
+    )  # (V,)
 
 
 def chain_counts(rule, draws: int, temperature: float, top_p: float) -> torch.Tensor:
     """Counts of the first two emitted tokens when `rule` verifies a freshly sampled chain of 2."""
     g = torch.Generator().manual_seed(99)
-    logits = {p: raw_logits(p) for n in range(1, 4) for p in itertools.product(range(VOCAB), repeat=n) if p[0] == ROOT}
+    logits = {
+        p: raw_logits(p)
+        for n in range(1, 4)
+        for p in itertools.product(range(VOCAB), repeat=n)
+        if p[0] == ROOT
+    }
     p = {prefix: draft_probs(prefix) for prefix in logits}
     counts = torch.zeros(VOCAB, VOCAB)
     for _ in range(draws):
         x1 = int(sample(p[(ROOT,)], g))
         x2 = int(sample(p[(ROOT, x1)], g))
         prefixes = [(ROOT,), (ROOT, x1), (ROOT, x1, x2)]
-        nodes, bonus = rule(torch.stack([logits[q] for q in prefixes]), torch.tensor([ROOT, x1, x2]),
-                            torch.stack([p[q] for q in prefixes[:2]]), temperature, top_p, g)
-        emitted = [x1, x2][:len(nodes) - 1] + [bonus]
+        nodes, bonus = rule(
+            torch.stack([logits[q] for q in prefixes]),
+            torch.tensor([ROOT, x1, x2]),
+            torch.stack([p[q] for q in prefixes[:2]]),
+            temperature,
+            top_p,
+            g,
+        )
+        emitted = [x1, x2][: len(nodes) - 1] + [bonus]
         if len(emitted) == 1:
-            emitted.append(int(sample(logits_to_probs(logits[(ROOT, bonus)], temperature, top_p), g)))
+            emitted.append(
+                int(sample(logits_to_probs(logits[(ROOT, bonus)], temperature, top_p), g))
+            )
         counts[emitted[0], emitted[1]] += 1
     return counts
 
@@ -370,8 +422,9 @@ def test_leviathan_is_lossless(temperature, top_p):
 
 def test_leviathan_with_a_resample_from_q_fails_the_same_check():
     """On rejection, drawing from q instead of norm(max(0, q - p)) over-weights what p proposes."""
+
     def broken(logits, tokens, probs, temperature, top_p, generator):
-        q = logits_to_probs(logits, temperature, top_p)                       # (G+1, V)
+        q = logits_to_probs(logits, temperature, top_p)  # (G+1, V)
         for i, x in enumerate(tokens[1:].tolist()):
             if torch.rand((), generator=generator) * probs[i, x] >= q[i, x]:
                 return torch.arange(i + 1), int(sample(q[i], generator))
@@ -382,11 +435,18 @@ def test_leviathan_with_a_resample_from_q_fails_the_same_check():
 
 
 def test_leviathan_accepts_a_draft_the_base_model_likes_more():
-    """q(x) >= p(x): accepted whatever the uniform draw; all accepted: the bonus comes after the last."""
-    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])  # (G+1, V) peaked at 1, 2, 0
-    p = torch.full((2, 3), 1 / 3)                                              # (G, V)
+    """q(x) >= p(x): accepted whatever the uniform draw; all accepted: the bonus comes after the
+    last."""
+    logits = torch.tensor(
+        [[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]]
+    )  # (G+1, V) peaked at 1, 2, 0
+    p = torch.full((2, 3), 1 / 3)  # (G, V)
     for seed in range(20):
-        nodes, bonus = leviathan(logits, torch.tensor([0, 1, 2]), p, 1.0, 1.0, torch.Generator().manual_seed(seed))
+        nodes, bonus = leviathan(
+            logits, torch.tensor([0, 1, 2]), p, 1.0, 1.0, torch.Generator().manual_seed(seed)
+        )
         assert nodes.tolist() == [0, 1, 2] and bonus in (0, 1, 2)
-    nodes, bonus = leviathan(logits, torch.tensor([0, 1, 2]), p, 0.5, 1.0, torch.Generator().manual_seed(0))
+    nodes, bonus = leviathan(
+        logits, torch.tensor([0, 1, 2]), p, 0.5, 1.0, torch.Generator().manual_seed(0)
+    )
     assert nodes.tolist() == [0, 1, 2] and bonus == 0

@@ -1,0 +1,399 @@
+"""What a user may name on the command line, and what bench.py tuned beside the heads: the
+shipped heads and their kinds, --heads, --tree, --draft and the drafters they build, checked
+before a model loads where they can be. Used by generate.py, bench.py, tuning.py, joint.py and
+export.py; it imports the teaching files, never the scripts.
+
+    SHIPPED, JOINT_KINDS                         the heads trained for the default model
+    find_heads, heads_folder, load_heads         --heads: a kind's name, a folder, none or auto
+    parse_tree, load_tree                        --tree: a spec, or the tuned tree beside the heads
+    tuned_tree_file, tuned_parallel              the files bench.py --tune-* saved for a machine
+    DRAFT_DEFAULTS, parse_draft, draft_settings  --draft and the settings of its drafter
+    load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
+
+Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
+"""
+
+import json
+import os
+import re
+
+import torch
+
+import checkpoint
+import drafters as drafters_lib
+import heads as heads_lib
+import tree as tree_lib
+from cli import UsageError, notice
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
+
+JOINT_KINDS = (
+    "medusa-2",
+    "hydra++-2",
+)  # heads trained with the base model's last layers (joint.py)
+
+
+# --- heads: --heads -------------------------------------------------------------------------------
+
+
+def find_heads(name, flag="--heads"):
+    """--heads -> the folder to load heads from, or None (plain decoding). A kind's name is the
+    shipped heads of that kind; where none are shipped, a folder of that name (joint.py --out
+    medusa-2, say) is the user's own. Loads nothing."""
+    if name == "none":
+        return None
+    if name == "auto":
+        folder = os.path.join(SHIPPED, "hydra++")
+        return folder if os.path.isdir(folder) else None
+    if name in heads_lib.KINDS + JOINT_KINDS:
+        folder = os.path.join(SHIPPED, name)
+        if os.path.isdir(folder):
+            return folder
+        if os.path.isdir(name):
+            return name
+        how = (
+            f"joint.py --init {name.removesuffix('-2')} --out FOLDER"
+            if name in JOINT_KINDS
+            else f"train.py --heads {name} --out FOLDER"
+        )
+        raise UsageError(
+            f"{flag} {name}: no {name} heads are shipped in {SHIPPED}; train them with {how}, "
+            f"then pass {flag} FOLDER"
+        )
+    if os.path.isdir(name):
+        return name
+    raise UsageError(
+        f"{flag} {name}: not a heads folder nor one of none, auto, "
+        f"{', '.join(heads_lib.KINDS + JOINT_KINDS)}"
+    )
+
+
+def heads_folder(heads_dir, kind):
+    """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
+    train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name)
+    sub-folder;
+    or None. A joint kind (medusa-2) is heads of its frozen kind (medusa) with a LoRA delta."""
+    frozen = kind.removesuffix("-2")
+    for folder in (
+        heads_dir,
+        os.path.join(heads_dir, kind),
+        os.path.join(heads_dir, "heads-" + kind),
+    ):
+        try:
+            with open(os.path.join(folder, checkpoint.HEADS_CONFIG)) as f:
+                if json.load(f).get("kind") == frozen and checkpoint.has_delta(folder) == (
+                    kind != frozen
+                ):
+                    return folder
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def load_heads(name, model):
+    """--heads: none, auto, a shipped kind, or a folder. Returns (heads or None, their folder).
+    Heads trained jointly with the base model (joint.py) bring a LoRA delta: it is merged into the
+    model's weights here, so the model is changed from then on (a notice says how)."""
+    folder = find_heads(name)
+    if folder is None:
+        return None, None
+    try:
+        heads = checkpoint.load_heads(folder, model)
+        if checkpoint.has_delta(folder):
+            notice(
+                checkpoint.merge_delta(model, folder)
+                + "; --heads none decodes with the original model"
+            )
+        return heads, folder
+    except heads_lib.HeadsError as e:
+        if name == "auto":
+            return None, None  # shipped heads belong to the default model; another model runs plain
+        raise UsageError(f"--heads {name}: {e}") from None
+
+
+# --- trees: --tree, and the tuned files beside the heads ------------------------------------------
+
+
+def parse_tree(spec):
+    """--tree spec -> paths (tree.parse: data only, nothing in it is ever evaluated)."""
+    try:
+        return tree_lib.parse(spec)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--tree: {e}") from None
+
+
+def tuned_tree_file(folder, device, dtype, stem="tree", quant="none"):
+    """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
+    tree-cpu-float32.json (tree-cpu-float32-fp16.json with --quantize fp16): the best tree depends
+    on what a step of N tokens costs there (stem "parallel": where --tune-parallel saves jacobi's
+    and lookahead's settings)."""
+    name = f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}" + (
+        "" if quant == "none" else f"-{quant}"
+    )
+    return os.path.join(folder, name + ".json")
+
+
+def tuned_parallel(folder, model, kind):
+    """The settings bench.py --tune-parallel saved in `folder` for `kind` (jacobi or lookahead) on
+    this model, device and dtype, checked like the flags; {} if there are none."""
+    file = tuned_tree_file(folder, model.device, model.dtype, "parallel")
+    try:
+        with open(file, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved.get("model") != model.cfg.name or kind not in saved:
+            return {}
+        settings = {k: saved[kind][k] for k in DRAFT_DEFAULTS[kind]}
+    except OSError:
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise UsageError(
+            f"{file}: not a settings file of bench.py --tune-parallel; run it again or delete the "
+            "file"
+        ) from None
+    if not all(type(v) is int and v >= 1 for v in settings.values()):
+        raise UsageError(
+            f"{file}: {kind} settings {settings} are not all whole numbers >= 1; run bench.py "
+            "--tune-parallel again"
+        )
+    check_sizes(kind, settings, f"{file}: ")
+    return settings
+
+
+def expected_speedup(file):
+    """What bench.py --tune-tree expected of the tree in `file` against plain decoding, or None
+    (a tree file written by hand, or before the tuner recorded it)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f).get("expected_speedup")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def load_tree(spec, heads, heads_folder, quant="none"):
+    """--tree: a spec, or auto = the tree saved next to the heads (the one tuned for this device,
+    dtype and the base model's --quantize if there is one, else for the device and dtype, else
+    tree.json), else a chain as deep as the heads."""
+    if heads is None:
+        return None
+    weight = next(heads.parameters())
+    saved = None
+    if heads_folder:
+        tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype, quant=quant)
+        if not os.path.exists(tuned):
+            tuned = tuned_tree_file(heads_folder, weight.device, weight.dtype)
+        saved = tuned if os.path.exists(tuned) else os.path.join(heads_folder, "tree.json")
+    if spec != "auto":
+        paths = parse_tree(spec)
+    elif saved and os.path.exists(saved):
+        paths, spec = parse_tree(saved), saved
+        speedup = expected_speedup(saved)
+        if speedup is not None and speedup < 1:
+            notice(
+                f"{saved}: bench.py --tune-tree expected these heads at {speedup:.2f}x plain "
+                "decoding on "
+                "this machine; --heads none (plain decoding) is faster here"
+            )
+        if weight.device.type != "cpu" and saved != tuned:
+            notice(
+                f"no tree tuned for {weight.device.type} and "
+                f"{str(weight.dtype).removeprefix('torch.')} in {heads_folder}: "
+                f"using {os.path.basename(saved)}, tuned on a CPU; bench.py --tune-tree picks one "
+                "for this machine"
+            )
+    else:
+        paths = tree_lib.chain(heads.cfg.num_heads)
+    t = tree_lib.build(paths)
+    if t.max_depth > heads.cfg.num_heads:
+        raise UsageError(
+            f"--tree {spec}: depth {t.max_depth} needs {t.max_depth} heads, the heads have "
+            f"{heads.cfg.num_heads}; use a tree at most {heads.cfg.num_heads} deep"
+        )
+    vocab = heads.cfg.kept_tokens or heads.cfg.vocab_size
+    if t.num_nodes > 1 and int(t.rank.max()) >= vocab:
+        raise UsageError(
+            f"--tree {spec}: rank {int(t.rank.max())} asks a head for its "
+            f"top-{int(t.rank.max()) + 1} "
+            f"tokens, the heads predict {vocab}; use smaller ranks"
+        )
+    return t
+
+
+# --- drafters: --draft --------------------------------------------------------------------------
+# Everything that needs no model is checked before one loads: a typo costs a second, not a load.
+
+DRAFT_DEFAULTS = {
+    "lookup": {"gamma": 10, "ngram": 3, "matches": 1},
+    "layers": {"gamma": 4},
+    "model": {"gamma": 4},
+    "jacobi": {"gamma": 4},
+    "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
+    "pass": {"gamma": 2, "guesses": 2},
+}
+
+PARALLEL = (
+    "jacobi",
+    "lookahead",
+    "pass",
+)  # the model drafts for itself at nodes it computes but never verifies
+
+
+def parse_draft(spec):
+    """--draft -> (kind, arg): kind is heads, lookup, heads+lookup, layers, model, jacobi, lookahead
+    or pass;
+    arg is N for layers:N, the [LA] tokens' folder for pass[:FOLDER] (the shipped ones without)."""
+    if spec == "pass" or spec.startswith("pass:"):
+        folder = spec[5:] or os.path.join(SHIPPED, "pass")
+        if not os.path.isfile(os.path.join(folder, checkpoint.TOKENS_CONFIG)):
+            raise UsageError(
+                f"--draft {spec}: no [LA] tokens in {folder}; train them with pass_tokens.py "
+                "--out FOLDER, then --draft pass:FOLDER"
+            )
+        return "pass", folder
+    if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):
+        if int(m[1]) < 1:
+            raise UsageError(
+                f"--draft {spec}: N is how many of the model's first layers draft, at least 1; "
+                "use layers:1 or more"
+            )
+        return "layers", int(m[1])
+    if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
+        return spec, None
+    raise UsageError(
+        f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a "
+        "number), model, jacobi, lookahead or pass[:FOLDER]"
+    )
+
+
+def check_sizes(kind, settings, where):
+    """The drafter's settings (as given by `where`) fit one forward of at most MAX_NODES nodes."""
+    if (
+        kind in ("lookup", "heads+lookup")
+        and settings["gamma"] * settings["matches"] >= tree_lib.MAX_NODES
+    ):
+        raise UsageError(
+            f"{where}gamma {settings['gamma']} x {where}matches {settings['matches']}: the lookup "
+            "tree would be "
+            f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values"
+        )
+    if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
+        raise UsageError(
+            f"{where}gamma {settings['gamma']}: the chain would be over "
+            f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma"
+        )
+    nodes = (
+        (settings["gamma"] + settings["guesses"]) * (settings["gamma"] + 1) if kind == "pass" else 0
+    )  # PaSS.max_nodes
+    if nodes > tree_lib.MAX_NODES:
+        raise UsageError(
+            f"{where}gamma {settings['gamma']}, {where}guesses {settings['guesses']}: a step "
+            "would compute "
+            f"{nodes} nodes, over MAX_NODES={tree_lib.MAX_NODES}; use smaller values"
+        )
+    if kind == "lookahead":
+        w, n, g = settings["window"], settings["ngram"], settings["guesses"]
+        if n < 2:
+            raise UsageError(
+                f"{where}ngram {n}: lookahead's n-grams are a first token and at least one more; "
+                f"use {where}ngram 2 or more"
+            )
+        if (
+            1 + g * (n - 1) + (w - 1) + (n - 2) * w > tree_lib.MAX_NODES
+        ):  # drafters.Lookahead.max_nodes
+            raise UsageError(
+                f"{where}window {w}, {where}ngram {n}, {where}guesses {g}: a step would compute "
+                f"{(w - 1) + (n - 2) * w} "
+                f"window nodes and verify up to {g * (n - 1)}, over "
+                f"MAX_NODES={tree_lib.MAX_NODES}; use smaller values"
+            )
+
+
+def draft_settings(kind, spec, given):
+    """The settings of --draft `spec` (of `kind`): `given`, the flags among --gamma, --ngram,
+    --matches, --window and --guesses that were set, over DRAFT_DEFAULTS; checks that each given
+    flag is one the drafter takes and that together they fit a step. Loads nothing."""
+    takes = DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
+    for k, v in given.items():
+        if k not in takes:
+            users = [
+                {"lookup": "lookup, heads+lookup", "layers": "layers:N"}.get(d, d)
+                for d, t in DRAFT_DEFAULTS.items()
+                if k in t
+            ]
+            users = ", ".join(users[:-1]) + " and " + users[-1] if len(users) > 1 else users[0]
+            raise UsageError(f"--{k} does not apply to --draft {spec} (only to {users}); drop it")
+        if v < 1:
+            raise UsageError(f"--{k} {v}: must be at least 1")
+    settings = takes | given
+    check_sizes(kind, settings, "--")
+    return settings
+
+
+def load_draft_model(name, model, tokenizer, device, dtype):
+    """--draft-model: a Llama-family model whose vocabulary is the base model's, token for token."""
+    try:
+        draft_model, draft_tokenizer = checkpoint.load(name, device, dtype)
+    except checkpoint.LoadError as e:
+        raise UsageError(f"--draft-model {name}: {e}") from None
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs or draft_model.cfg.vocab_size != model.cfg.vocab_size:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise UsageError(
+            f"--draft-model {name}: its vocabulary differs from the model's ({len(theirs)} "
+            f"against {len(ours)} "
+            f"tokens, {differ} entries differ; embeddings of {draft_model.cfg.vocab_size} against "
+            f"{model.cfg.vocab_size} rows); use a draft model with the same tokenizer"
+        )
+    return draft_model
+
+
+def pass_drafter(folder, gamma, guesses, model):
+    """--draft pass: the [LA] tokens in `folder`, trained for this model: `guesses` first tokens, a
+    chain of gamma."""
+    try:
+        embeddings = checkpoint.load_tokens(folder, model)
+    except heads_lib.HeadsError as e:
+        raise UsageError(f"--draft pass: {e}") from None
+    if gamma > len(embeddings):
+        raise UsageError(
+            f"--gamma {gamma}: {folder} holds {len(embeddings)} [LA] tokens, so pass drafts at "
+            f"most {len(embeddings)} a step; "
+            f"use --gamma {len(embeddings)} or fewer"
+        )
+    return drafters_lib.PaSS(model, embeddings, gamma, guesses)
+
+
+def make_drafter(
+    kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator
+):
+    """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
+    greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
+    dev = model.device
+    if kind == "heads":
+        return (
+            drafters_lib.HeadsDrafter(heads, tree) if heads is not None else drafters_lib.Plain(dev)
+        )
+    if kind == "lookup":
+        return drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
+    if kind == "heads+lookup":
+        return drafters_lib.heads_and_lookup(
+            drafters_lib.HeadsDrafter(heads, tree),
+            settings["gamma"],
+            settings["ngram"],
+            settings["matches"],
+            dev,
+        )
+    if kind == "layers":
+        return drafters_lib.ModelDrafter(
+            model, settings["gamma"], temperature, top_p, generator, arg, f"layers:{arg}"
+        )
+    if kind == "jacobi":
+        return drafters_lib.Jacobi(settings["gamma"], dev)
+    if kind == "lookahead":
+        return drafters_lib.Lookahead(
+            settings["window"], settings["ngram"], settings["guesses"], dev
+        )
+    if kind == "pass":
+        return pass_drafter(arg, settings["gamma"], settings["guesses"], model)
+    return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
