@@ -347,9 +347,8 @@ def load_llama_cpp(name, device, context):
 
 def in_llama_cpp(llm, eos):
     """llama.cpp's greedy decoding of the same prompt ids (the chat template applied by
-    checkpoint.encode,
-    no BOS added). Its cache is reset first: it would otherwise skip the prefill of a prompt it has
-    seen, and ours pays it every run."""
+    checkpoint.encode, no BOS added). Its cache is reset first: it would otherwise skip the prefill
+    of a prompt it has seen, and ours pays it every run."""
 
     def run(ids, max_new, seed):
         llm.reset()
@@ -364,9 +363,8 @@ def in_llama_cpp(llm, eos):
 
 def layers_setting(args, model):
     """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model,
-    device
-    and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU; else
-    half the layers."""
+    device and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU;
+    else half the layers."""
     on = lambda device, dtype: catalog.tuned_tree_file(args.heads_dir, device, dtype, "layers")
     cpu = [
         on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)

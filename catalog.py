@@ -22,6 +22,7 @@ import torch
 import checkpoint
 import drafters as drafters_lib
 import heads as heads_lib
+import kernels
 import tree as tree_lib
 from cli import UsageError, notice
 
@@ -124,13 +125,18 @@ def parse_tree(spec):
 
 
 def tuned_tree_file(folder, device, dtype, stem="tree", quant="none"):
-    """Where bench.py --tune-tree saves the tree it chose for a device and dtype, e.g.
-    tree-cpu-float32.json (tree-cpu-float32-fp16.json with --quantize fp16): the best tree depends
-    on what a step of N tokens costs there (stem "parallel": where --tune-parallel saves jacobi's
-    and lookahead's settings)."""
-    name = f"{stem}-{torch.device(device).type}-{str(dtype).removeprefix('torch.')}" + (
-        "" if quant == "none" else f"-{quant}"
-    )
+    """Where bench.py --tune-tree saves the tree it chose for this machine, e.g.
+    tree-cpu-avx2-bfloat16.json (tree-cpu-avx2-float32-fp16.json with --quantize fp16): the best
+    tree depends on what a step of N tokens costs there, so on a CPU the file names the kernels.c
+    path it runs (kernels.native_path(); "generic" where none does) besides the device and dtype.
+    Stem "parallel": where --tune-parallel saves jacobi's, lookahead's and pass's settings;
+    "layers": --tune-layers'."""
+    where = torch.device(device).type
+    if where == "cpu":
+        where += "-" + (kernels.native_path() or "generic")
+    name = f"{stem}-{where}-{str(dtype).removeprefix('torch.')}"
+    if quant != "none":
+        name += f"-{quant}"
     return os.path.join(folder, name + ".json")
 
 

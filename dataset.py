@@ -66,9 +66,8 @@ def decode_batched(
     """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
     after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
     are recorded (as features_of records them): hidden (T-1, D) at every position but the last of
-    prompt + answer,
-    top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities before each
-    answer token. Else features is None."""
+    prompt + answer, top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities
+    before each answer token. Else features is None."""
     dev, D = model.device, model.cfg.dim
     stop = torch.tensor(sorted(stop_ids), device=dev)
     waiting = sorted(
@@ -359,10 +358,9 @@ def self_distill(model, tokenizer, folder, args):
     """Grow the data set in `folder` to args.num_prompts conversations: the model writes prompts
     (Magpie, seeded from args.seeds), they are filtered, and it answers them greedily, its features
     recorded as it goes. One shard per batch (args.gen_batch rows; 0: kernels.sizes's for the
-    device),
-    each written whole or not at all: a run that stops loses at most the conversations in flight,
-    and the next run continues from the shards on disk (its random draws seeded by how many there
-    are)."""
+    device), each written whole or not at all: a run that stops loses at most the conversations in
+    flight, and the next run continues from the shards on disk (its random draws seeded by how many
+    there are)."""
     import random
 
     os.makedirs(folder, exist_ok=True)
@@ -810,13 +808,10 @@ def conversation_prompts(path):
 
 def continue_from(model, folder, path, key, per_shard=128):
     """--continue-from FILE: an empty self-distillation folder begins with FILE's conversations,
-    their
-    features computed in one pass (shards of 128 conversations, as self_distill writes them, each
-    moved
-    into the folder when it is written), so a
-    new machine continues the committed data instead of writing it again. A folder that already
-    begins with them is left as it is (or completed, if a stop cut the seeding short); one that
-    holds other data is refused."""
+    their features computed in one pass (shards of 128 conversations, as self_distill writes them,
+    each moved into the folder when it is written), so a new machine continues the committed data
+    instead of writing it again. A folder that already begins with them is left as it is (or
+    completed, if a stop cut the seeding short); one that holds other data is refused."""
     prompts, have = conversation_prompts(path), folder_prompts(folder)
     if "" in prompts:
         raise UsageError(

@@ -351,15 +351,14 @@ class ModelDrafter:
     temperature 0, else sampled from its own p = logits_to_probs(logits, temperature, top_p), which
     the Draft carries for verify.leviathan.
 
-    KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted,
-    in order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the
-    start, later the last draft x_G when it was accepted (it was drafted but never fed).
-    draft(root), root being the base model's bonus token, feeds pending + [root] in one forward and
-    x_1..x_{G-1} one
+    KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted, in
+    order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the start,
+    later the last draft x_G when it was accepted (it was drafted but never fed). draft(root), root
+    being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
     by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
-    index check, a device sync on a GPU) so that the next one attends to them. accept() cuts
-    length back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the
-    next forward overwrites before anything reads it."""
+    index check, a device sync on a GPU) so that the next one attends to them. accept() cuts length
+    back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the next
+    forward overwrites before anything reads it."""
 
     def __init__(
         self,
@@ -485,9 +484,8 @@ def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
     hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
     results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone
-    while
-    it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing is
-    mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
+    while it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing
+    is mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
     size, lookup's nodes taking the place of their last ones, the heads keeping at least 4 (the
     floor), so that the small tuned CPU trees stay whole or nearly and larger ones are trimmed."""
     lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))

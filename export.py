@@ -17,9 +17,8 @@ math of heads.MedusaHeads, so the export renames tensors and writes the config:
 Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), and joint heads
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
-    python export.py --heads medusa --out medusa-vllm
-    vllm serve BASE --speculative-config '{"method": "medusa", "model": "medusa-vllm",
-    "num_speculative_tokens": 3}'
+    python export.py --heads medusa --out medusa-vllm vllm serve BASE --speculative-config
+    '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
 
 BASE is the model the heads were trained on (for the shipped heads, the folder that
 checkpoint.resolve("default") converts into ~/.cache/specdec). Test: `python -m pytest -q

@@ -235,8 +235,8 @@ def build_parser():
         default="auto",
         help='with heads: chain:N | cartesian:4,3,2 | a tree JSON file {"paths": [[0], [0, 1], '
         "...]}, at most as deep as there are heads; auto = the tree saved with the heads "
-        "(tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device and dtype, "
-        "else tree.json), else a chain as deep as the heads",
+        "(tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device, CPU path and "
+        "dtype, else tree.json), else a chain as deep as the heads",
     )
     p.add_argument(
         "--draft-model",

@@ -13,14 +13,12 @@ the model it was:
 
     L = L_distill(base) + lambda_0(step) * sum_k lambda^k L_teacher(head k)
 
-To fit a CPU only the last --layers decoder layers are adapted: the residual stream entering them
-is computed once per run, with the teacher's top-k, so a training step runs those layers and the
-heads, not the whole model. The result is a heads folder with lora.safetensors and lora.json
-beside the heads: catalog.load_heads merges the delta into the base model's weights at load
-(decoding
-costs nothing more), so `--heads FOLDER` decodes with the adapted model and `--heads none` is the
-original one. Greedy speculative decoding is lossless against the adapted model
-(tests/test_joint.py).
+To fit a CPU only the last --layers decoder layers are adapted: the residual stream entering them is
+computed once per run, with the teacher's top-k, so a training step runs those layers and the heads,
+not the whole model. The result is a heads folder with lora.safetensors and lora.json beside the
+heads: catalog.load_heads merges the delta into the base model's weights at load (decoding costs
+nothing more), so `--heads FOLDER` decodes with the adapted model and `--heads none` is the original
+one. Greedy speculative decoding is lossless against the adapted model (tests/test_joint.py).
 
     python joint.py --init weights/smollm2-135m-instruct/medusa --out medusa-2
 
@@ -79,8 +77,7 @@ class LoRA(nn.Module):
 
 class Adapted(nn.Module):
     """The base model's last `num_layers` decoder layers with LoRA on every projection, and its
-    final
-    norm: the residual stream entering them (B, T, D) -> the final hidden state (B, T, D)."""
+    final norm: the residual stream entering them (B, T, D) -> the final hidden state (B, T, D)."""
 
     def __init__(self, base, num_layers: int, rank: int, alpha: float):
         super().__init__()

@@ -2,15 +2,13 @@
 PaSS (Monea et al. 2023): K learned [LA] tokens with which the base model drafts for itself.
 
 Appended after a sequence x_1..x_t at positions t+1..t+K, the frozen model's outputs at
-[LA]_1..[LA]_K
-are trained to be x_{t+2}..x_{t+K+1} (its output at x_t is x_{t+1} itself). Only the K embeddings
-(K x D numbers) learn; drafters.PaSS decodes with them, `generate.py --draft pass`.
+[LA]_1..[LA]_K are trained to be x_{t+2}..x_{t+K+1} (its output at x_t is x_{t+1} itself). Only the
+K embeddings (K x D numbers) learn; drafters.PaSS decodes with them, `generate.py --draft pass`.
 
 Training reads the self-distilled conversations (the base model's own greedy answers). A
-conversation
-of T tokens runs through the model once into a KV cache, without a gradient (nothing there depends
-on
-the embeddings); then the [LA] groups of many cut points c in its answer run as one batch of rows:
+conversation of T tokens runs through the model once into a KV cache, without a gradient (nothing
+there depends on the embeddings); then the [LA] groups of many cut points c in its answer run as one
+batch of rows:
 
     row (c, j), j = 1..K:  at position c + j, sees cache slots 0..c and rows (c, 1..j);
                            loss: cross-entropy against x_{c+j+1}

@@ -311,25 +311,21 @@ def teacher_loss(logits, top_ids, top_p):
     the token is not kept); top_p (M, k) their probabilities. -> (M,)
 
     Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is
-    spread
-    over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
+    spread over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
 
         L = - sum_i p_i log q_i  -  r log(1 - sum_i q_i)          (i over the teacher's top-k)
 
     This is the exact cross-entropy once the other tokens are lumped together, and it is smallest
     where the head gives each top-k token the teacher's probability and mass r to the rest. It is
     preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is
-    sure
-    the next token is among its k when it is not: where the teacher hesitates (large r) the head
-    would
-    be pushed hardest to crush every other token, learning overconfidence exactly where drafts are
-    rarely accepted, and its probabilities would stop meaning "chance the base model says this"
-    (which a confidence-based tree, or speculative sampling with the heads as the draft, needs).
-    Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head cannot say
-    them,
-    so its best is then the teacher's distribution renormalised over the outcomes it can say.
-    1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e. r = 0 in
-    fp16.
+    sure the next token is among its k when it is not: where the teacher hesitates (large r) the
+    head would be pushed hardest to crush every other token, learning overconfidence exactly where
+    drafts are rarely accepted, and its probabilities would stop meaning "chance the base model says
+    this" (which a confidence-based tree, or speculative sampling with the heads as the draft,
+    needs). Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head
+    cannot say them, so its best is then the teacher's distribution renormalised over the outcomes
+    it can say. 1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e.
+    r = 0 in fp16.
     """
     logq = logits.float().log_softmax(-1)  # (M, V')
     kept = top_ids >= 0  # (M, k)
@@ -465,10 +461,9 @@ def logits_of(heads, z, j):
 
 class TrainForward(nn.Module):
     """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only
-    of
-    what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
-    loss_impl: "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
+    of what runs inside the forward of the module it wraps, and training uses more of the heads than
+    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train). loss_impl:
+    "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
 
     def __init__(self, heads, loss_impl="fused"):
         super().__init__()
@@ -1128,9 +1123,8 @@ def model_path(name):
 
 def setup(args, digest, device, made):
     """The model, the heads folder and the data folder this run uses: (model, tokenizer, out,
-    writer,
-    key, folder). The writer is the model that writes the data and computes the features. Folders
-    it creates are added to `made`."""
+    writer, key, folder). The writer is the model that writes the data and computes the features.
+    Folders it creates are added to `made`."""
     model, tokenizer = checkpoint.load(model_path(args.model), device, torch.float32)
     check_model_args(args, model)
     work = args.work or os.path.join(

@@ -750,8 +750,7 @@ def trained_tokens(folder, model) -> int:
 
 def tuned_drafter(kind, folder, model):
     """bench.py's jacobi, lookahead or pass method: at the setting --tune-parallel saved in `folder`
-    for
-    this model and machine, else at generate.py's defaults; and a note that says which."""
+    for this model and machine, else at generate.py's defaults; and a note that says which."""
     tuned = catalog.tuned_parallel(folder, model, kind)
     d = make(kind, catalog.DRAFT_DEFAULTS[kind] | tuned, model, folder)
     return d, d.name + (

@@ -31,8 +31,7 @@ from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 def measure(model, data, first_fresh, runs, seed=0):
     """(a line saying what was measured, {label: evaluate's report}) for (label, heads folder)
-    pairs,
-    all on the same held-out conversations."""
+    pairs, all on the same held-out conversations."""
     held_out, _ = train.split(len(data["offsets"]) - 1, seed)
     convs = sorted(c for c in held_out if c >= first_fresh)
     if not convs:

@@ -1,7 +1,7 @@
 """Where a training step's time goes: times 20 steps of train.train_step on real features (after 4
 warm-up ones), then profiles one with FLOP counting, and prints the FLOPs, the share of time in
-matrix products and
-their rate next to a large square product's on the same cores (the machine's practical peak).
+matrix products and their rate next to a large square product's on the same cores (the machine's
+practical peak).
 
     python experiments/profile_train.py /work/data/smollm2/self_distill hydra++
 

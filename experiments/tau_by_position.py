@@ -35,8 +35,7 @@ WINDOWS = [(0, 16), (16, 64), (0, 64), (64, 1 << 30), (0, 1 << 30)]  # answer po
 
 def answer_positions(loss):
     """(N,) bool, True on assistant tokens -> (N,) long: each token's position in its answer (its
-    run
-    of assistant tokens; a run never crosses conversations, which start with a system or user
+    run of assistant tokens; a run never crosses conversations, which start with a system or user
     turn)."""
     idx = torch.arange(len(loss))
     starts = loss & ~torch.cat([torch.zeros(1, dtype=torch.bool), loss[:-1]])

@@ -55,8 +55,8 @@ def default_model():
 
 def save_tiny_model(folder, seed=0, **config):
     """A tiny random Llama saved as a transformers folder (config.json, safetensors) with the
-    default
-    model's tokenizer, so that the scripts load it like any model, in well under a second."""
+    default model's tokenizer, so that the scripts load it like any model, in well under a
+    second."""
     import json
     import shutil
     from safetensors.torch import save_file

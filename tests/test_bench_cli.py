@@ -1,6 +1,5 @@
 """bench.py's command line on bad input: one line on stderr, "error: <what> ...; <fix>", exit code
-2,
-no traceback, before the model loads where it can (an output folder that cannot be written is
+2, no traceback, before the model loads where it can (an output folder that cannot be written is
 found before the run, not after an hour of measuring); Ctrl-C prints what was measured so far and
 exits 130.
 
@@ -11,6 +10,7 @@ random Llama saved to a folder (conftest.tiny_model_dir); Ctrl-C runs `python be
 import ctypes
 import json
 import os
+import pathlib
 import shutil
 import sys
 import types
@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 
+import catalog
 import checkpoint
 import cli
 import bench as B
@@ -250,7 +251,7 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
         "fp32",
     )
     assert code == 0, err
-    saved = folder / "tree-cpu-float32.json"
+    saved = pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32))
     assert json.loads(saved.read_text())["expected_speedup"] == pytest.approx(1.02 / 2, abs=1e-3)
     assert tree_lib.load(str(saved)) == [(0,)]
     lines = [line for line in err.splitlines() if "plain decoding is faster" in line]
@@ -346,7 +347,9 @@ def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_pa
     ]
     code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
     assert code == 0, err
-    saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
+    saved = json.loads(
+        open(catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, "parallel")).read()
+    )
     assert set(saved["jacobi"]) == {"gamma"} and set(saved["lookahead"]) == {
         "window",
         "ngram",
@@ -507,8 +510,7 @@ def test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp(
 def fake_llama_cpp(reply):
     """A stand-in for llama-cpp-python: Llama records how it was made and the prompts it was given,
     and its greedy generate() yields `reply` then 0s; llama_model_quantize records its call and
-    writes
-    the file."""
+    writes the file."""
     made, prompts, quantized = [], [], []
 
     class Llama:
@@ -555,10 +557,9 @@ def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(
     default_is_tiny, capsys, monkeypatch, tmp_path, tiny_model_dir
 ):
     """llama.cpp-f16 decodes a GGUF file llama.cpp's quantiser wrote once into the cache,
-    llama.cpp-q4_1
-    the shipped file; both get the prompts' ids in the chat template (checkpoint.encode), greedy,
-    torch's
-    threads, stop at EOS, and bench says how many replies keep plain decoding's."""
+    llama.cpp-q4_1 the shipped file; both get the prompts' ids in the chat template
+    (checkpoint.encode), greedy, torch's threads, stop at EOS, and bench says how many replies keep
+    plain decoding's."""
     fake, made, prompts, quantized = fake_llama_cpp([7, 2])  # 2: the model's EOS
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     shipped = tmp_path / "shipped.Q4_1.gguf"

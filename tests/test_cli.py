@@ -2,10 +2,9 @@
 with "error:" and names the problem and the fix, exit code 2, and no traceback.
 
 Most cases call generate.cli_main(argv) in-process: the checks that need no model run with
-model.load
-replaced by a tripwire (they must fail before the model loads), the rest with model.load answering
-from the session's default model (a real load per case would take minutes). A few cases run
-`python generate.py` in a subprocess, to check the real entry point: exit code, stderr, stdout.
+model.load replaced by a tripwire (they must fail before the model loads), the rest with model.load
+answering from the session's default model (a real load per case would take minutes). A few cases
+run `python generate.py` in a subprocess, to check the real entry point: exit code, stderr, stdout.
 """
 
 import json

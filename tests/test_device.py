@@ -14,11 +14,14 @@ tensors copied to the device a step, an attention mask where SDPA's flash kernel
 the settings tuned per device (the 'layers' file, with a notice when a GPU falls back to a CPU's).
 """
 
+import os
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+import catalog
 import drafters
 import generate as G
 import heads as heads_lib
@@ -334,8 +337,8 @@ def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_o
         cfg=SimpleNamespace(name="m", n_layers=8), device=torch.device(device), dtype=dtype
     )
     args = SimpleNamespace(heads_dir=str(tmp_path))
-    tuned("layers-cpu-bfloat16.json", 3)
-    tuned("layers-cpu-float32.json", 5)
+    tuned(os.path.basename(catalog.tuned_tree_file("", "cpu", torch.bfloat16, "layers")), 3)
+    tuned(os.path.basename(catalog.tuned_tree_file("", "cpu", torch.float32, "layers")), 5)
     assert bench.layers_setting(args, model("cpu", torch.float32))[0] == 5
     assert bench.layers_setting(args, model("cpu", torch.bfloat16))[0] == 3
     assert capsys.readouterr().err == ""

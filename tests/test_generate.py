@@ -15,6 +15,7 @@ import cli
 import drafters
 import generate as G
 import heads as heads_lib
+import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -279,20 +280,24 @@ def test_a_tuned_tree_expected_to_lose_says_plain_decoding_is_faster(tiny, tmp_p
         ) == warned
 
 
-def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_path):
-    """--tree auto: tree-cpu-float32.json (what bench.py --tune-tree writes on a CPU in fp32) wins
-    over the shipped tree.json; heads in another dtype, or no tuned file, read tree.json."""
+def test_tree_auto_prefers_the_tree_tuned_for_this_device_and_dtype(tiny, tmp_path, monkeypatch):
+    """--tree auto: tree-cpu-PATH-float32.json (what bench.py --tune-tree writes on a CPU in fp32,
+    PATH the kernels.c path it ran) wins over the shipped tree.json; heads in another dtype, on
+    another CPU path, or no tuned file, read tree.json."""
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
     tree_lib.save([[0], [1]], tmp_path / "tree.json")
+    path = kernels.native_path() or "generic"
     assert catalog.tuned_tree_file(tmp_path, "cpu", torch.float32) == str(
-        tmp_path / "tree-cpu-float32.json"
+        tmp_path / f"tree-cpu-{path}-float32.json"
     )
+    tree_lib.save([[0], [0, 0]], str(tmp_path / "tree-cpu-some-other-path-float32.json"))
+    assert catalog.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (1,)]
     tree_lib.save([[0], [0, 0]], catalog.tuned_tree_file(tmp_path, "cpu", torch.float32))
     assert catalog.load_tree("auto", heads, str(tmp_path)).paths == [(0,), (0, 0)]
     assert catalog.load_tree("auto", heads.to(torch.bfloat16), str(tmp_path)).paths == [(0,), (1,)]
     heads.float()  # --quantize fp16: its own tuned tree first, then the dtype's
     assert catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, quant="fp16") == str(
-        tmp_path / "tree-cpu-float32-fp16.json"
+        tmp_path / f"tree-cpu-{path}-float32-fp16.json"
     )
     assert catalog.load_tree("auto", heads, str(tmp_path), "fp16").paths == [(0,), (0, 0)]
     tree_lib.save(

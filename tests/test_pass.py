@@ -121,8 +121,7 @@ def test_greedy_equals_plain(K, guesses):
 
 def self_distilled(model, n, seed=0):
     """n conversations: 3 random tokens and 5, then the model's own greedy answer of 20 (a tiny
-    random
-    model with tied embeddings repeats its last token: 5 5 5 ..., what [LA] tokens can learn
+    random model with tied embeddings repeats its last token: 5 5 5 ..., what [LA] tokens can learn
     alone)."""
     g = torch.Generator().manual_seed(seed)
     convs = []
@@ -280,7 +279,9 @@ def test_bench_tunes_pass_where_it_finds_tokens_for_the_model_and_then_uses_them
     assert code == 0 and "| pass | gamma 2 guesses 2 |" in out and "| pass | gamma 3" not in out, (
         err
     )  # at most the 2 trained
-    saved = json.loads((tmp_path / "parallel-cpu-float32.json").read_text())
+    saved = json.loads(
+        open(catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, "parallel")).read()
+    )
     code, out, err = run_bench(capsys, *common, "--methods", "pass", "--repeats", 1)
     assert (
         code == 0

@@ -1,14 +1,13 @@
 """Tests for train.py, on a tiny random base model and features it computed (CPU, seeded).
 
 A few steps lower the loss for every head kind, loss and loss implementation; the teacher and
-next-token losses equal
-values worked out by hand, and the teacher loss is smallest at the teacher's own probabilities,
-residual mass included; a run stopped by a crash (kill -9), by a crash between the checkpoint's
-two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an uninterrupted
-run; a NaN stops training at a named step and keeps the last good checkpoint; a malformed ShareGPT
-line is reported with its number; two CPU processes (gloo) train one set of heads with DDP.
-Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions, V vocabulary, k teacher
-top-k.
+next-token losses equal values worked out by hand, and the teacher loss is smallest at the teacher's
+own probabilities, residual mass included; a run stopped by a crash (kill -9), by a crash between
+the checkpoint's two writes, or by Ctrl-C (exit 130) resumes to the very batches and weights of an
+uninterrupted run; a NaN stops training at a named step and keeps the last good checkpoint; a
+malformed ShareGPT line is reported with its number; two CPU processes (gloo) train one set of heads
+with DDP. Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions, V vocabulary, k
+teacher top-k.
 """
 
 import json
@@ -526,8 +525,8 @@ def ddp_worker(rank, port, folder, out, results):
 
 def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path):
     """torchrun's setup by hand (fork, gloo): each rank takes every other batch of the
-    single-process
-    order, DDP keeps the two ranks' heads identical, and only rank 0 writes the checkpoint."""
+    single-process order, DDP keeps the two ranks' heads identical, and only rank 0 writes the
+    checkpoint."""
     ref_batches, ref_state = reference
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -618,8 +617,7 @@ def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model
 
 def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
     """--export-conversations keeps ids and loss masks only; features_of over what
-    read_conversations
-    returns reproduces the features of the data set it came from."""
+    read_conversations returns reproduces the features of the data set it came from."""
     base, folder = features
     path = str(tmp_path / "convs.safetensors")
     n, tokens, answers = D.export_conversations(folder, path)
@@ -1008,8 +1006,7 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
 
 def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp_path):
     """experiments/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau
-    that
-    train.py measured on its own held-out split at the end of the run; bad input exits 2."""
+    that train.py measured on its own held-out split at the end of the run; bad input exits 2."""
     import importlib.util
     import subprocess
     import sys
@@ -1043,8 +1040,7 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
 
 def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_path):
     """experiments/tau_by_position.py: answer positions restart at each assistant turn; the window
-    of
-    every position gives train.py's own held-out chain tau, and a window past every answer has no
+    of every position gives train.py's own held-out chain tau, and a window past every answer has no
     chain to count (tau 1); bad input exits 2."""
     import importlib.util
     import subprocess

@@ -5,9 +5,8 @@ or damaged; --resume refuses flags other than the checkpoint's; Ctrl-C while the
 own data keeps the shards written and exits 130.
 
 Most cases call train.cli_main(argv) in-process, with model.load replaced by a tripwire (checks that
-must
-fail before the model loads) or on a tiny random Llama saved to a folder (conftest.tiny_model_dir);
-two run `python train.py` in a subprocess, as a user meets it.
+must fail before the model loads) or on a tiny random Llama saved to a folder
+(conftest.tiny_model_dir); two run `python train.py` in a subprocess, as a user meets it.
 """
 
 import io
