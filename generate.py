@@ -12,6 +12,7 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
     python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
+    python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -22,13 +23,18 @@ One decode loop, generate(), serves every method. Each step:
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
 A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
 drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
+The loop runs B sequences side by side (generate_batch; generate() is one): each row drafts its own
+tree, padded to the batch's node count; one forward scores them all, at positions that are the
+row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
+leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
 
-Contracts (tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
-token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
-one-token step round differently, so near-ties can flip); speculative sampling samples from the
-base model's own distribution. The command line (flags, checks, printing, main) is the last
-section of this file (tests/test_cli.py).
-Shapes: N tree nodes, D hidden, V vocabulary.
+Contracts (tests/test_generate.py, tests/test_drafters.py, tests/test_batch.py): greedy speculative
+output is token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree
+step and a one-token step round differently, so near-ties can flip); speculative sampling samples
+from the base model's own distribution; a row of a batch is its prompt decoded alone (greedy, fp32)
+or, sampled, decoded alone with its own generator. The command line (flags, checks, printing,
+main) is the last section of this file (tests/test_cli.py).
+Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
 
 import json
@@ -296,6 +302,7 @@ def generate(
 # stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
+BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
 
 
 def build_parser():
@@ -306,6 +313,14 @@ def build_parser():
         "--prompts", help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt'
     )
     p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="with --prompts: decode this many prompts side by side, one forward of the base "
+        "model for all (--draft heads, lookup or heads+lookup); each reply is printed whole, "
+        "marked with its id, and sampled from its own generator, seeded --seed + its line's index",
+    )
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # the model and the drafter
@@ -471,7 +486,9 @@ def flags_without_effect(args, parser):
         ignored.append("--verify has no effect without a drafter (--heads none)")
     if args.raw and args.system is not None:
         ignored.append("--system has no effect with --raw (no chat template)")
-    if args.show and args.quiet:
+    if args.show and args.batch_size > 1:
+        ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
+    elif args.show and args.quiet:
         ignored.append("--show has no effect with --quiet (no text is printed)")
     elif args.show and not sys.stdout.isatty():
         ignored.append(
@@ -520,6 +537,13 @@ def check_args(args, parser):
     }
     settings = catalog.draft_settings(kind, args.draft, given)
     check_drafter_flags(kind, args.draft, args.heads, args.tree, args.draft_model)
+    if args.batch_size < 1:
+        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.batch_size > 1 and kind not in BATCHING:
+        raise cli.UsageError(
+            f"--draft {args.draft} decodes one prompt at a time; drop --batch-size or use --draft "
+            "heads, lookup or heads+lookup"
+        )
     if args.out:
         cli.writable_file("--out", args.out, "replies.jsonl")
         if (
@@ -745,6 +769,12 @@ def main(args):
     cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    batch_size = min(args.batch_size, len(prompts))
+    if batch_size < args.batch_size:
+        cli.notice(
+            f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
+            f"{len(prompts)} prompt{'s' * (len(prompts) > 1)}; decoding {batch_size} at a time"
+        )
     show = (
         args.show and sys.stdout.isatty()
     )  # colour codes only on a terminal, never into a file or a pipe
@@ -803,41 +833,72 @@ def main(args):
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(legend_line(drafter), file=sys.stderr)
     total = Result()
-    try:
-        for pid, ids, max_new_tokens in encoded:
-            printer = None if args.quiet else Printer(tokenizer, show)
-            r = generate(
-                model,
-                ids,
-                max_new_tokens,
-                drafter,
-                args.verify,
-                temperature,
-                args.top_p,
-                generator,
-                eos,
-                printer,
-            )
-            if printer:
-                print()
-            print(stats_line(r, drafter.max_depth), file=sys.stderr)
-            total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
-            total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
-            if writer:
-                writer.write(
-                    json.dumps(
-                        {
-                            "id": pid,
-                            "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                            "token_ids": r.tokens,
-                            "new_tokens": len(r.tokens),
-                            "steps": r.steps,
-                            "seconds": round(r.seconds, 4),
-                        }
-                    )
-                    + "\n"
+
+    def finish(pid, r):  # statistics, the totals and the --out line of one reply
+        print(stats_line(r, drafter.max_depth), file=sys.stderr)
+        total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
+        total.steps = total.steps + r.steps
+        if writer:
+            writer.write(
+                json.dumps(
+                    {
+                        "id": pid,
+                        "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                        "token_ids": r.tokens,
+                        "new_tokens": len(r.tokens),
+                        "steps": r.steps,
+                        "seconds": round(r.seconds, 4),
+                        "stopped": r.stopped,
+                    }
                 )
-                writer.flush()
+                + "\n"
+            )
+            writer.flush()
+
+    try:
+        for i in range(0, len(encoded), batch_size):
+            batch = encoded[i : i + batch_size]
+            t0 = time.perf_counter()
+            if batch_size == 1:  # streamed, one generator through every prompt
+                (pid, ids, max_new_tokens) = batch[0]
+                printer = None if args.quiet else Printer(tokenizer, show)
+                results = [
+                    generate(
+                        model,
+                        ids,
+                        max_new_tokens,
+                        drafter,
+                        args.verify,
+                        temperature,
+                        args.top_p,
+                        generator,
+                        eos,
+                        printer,
+                    )
+                ]
+                if printer:
+                    print()
+            else:  # printed whole; prompt i samples from its own generator, seeded seed + i
+                results = generate_batch(
+                    model,
+                    [ids for _, ids, _ in batch],
+                    [n for _, _, n in batch],
+                    drafter,
+                    args.verify,
+                    temperature,
+                    args.top_p,
+                    [
+                        torch.Generator(device=device).manual_seed(args.seed + i + j)
+                        for j in range(len(batch))
+                    ],
+                    eos,
+                )
+                if not args.quiet:
+                    for (pid, _, _), r in zip(batch, results):
+                        print(f"[{pid}] " + tokenizer.decode(r.tokens, skip_special_tokens=True))
+            total.seconds += time.perf_counter() - t0  # the batch's wall time: rows overlap
+            for (pid, _, _), r in zip(batch, results):
+                finish(pid, r)
     finally:
         if writer:
             writer.close()
