@@ -247,8 +247,9 @@ def generate_batch(
                 [d.tokens[nodes], nodes]
             ).tolist()  # the root and accepted drafts, their nodes
             steps.append((nodes, bonus, kept, path))
-        cache.keep(*[path for _, _, _, path in steps])  # row b: its prompt and emitted tokens but
-        finished = set()  # the bonus in slots [0, lengths[b])
+        # row b's slots [0, lengths[b]): its prompt and every emitted token but the bonus
+        cache.keep(*[path for _, _, _, path in steps])
+        finished = set()
         for b, (row, d, (nodes, bonus, kept, path)) in enumerate(zip(rows, drafts, steps)):
             out = row.out
             out.steps += 1
