@@ -237,10 +237,10 @@ def generate_batch(
         tokens, mask, depth = pad_drafts(drafts)  # (B, N), (B, N, N) | None, (B, N)
         # (B, N): row b's length + the node's depth; one row's length is a number, the batch's
         # lengths come from the host (a copy a step on a GPU, which one row does without)
-        lengths = (
+        row_lengths = (
             cache.length if len(rows) == 1 else torch.tensor(cache.lengths, device=dev)[:, None]
         )
-        positions = lengths + depth  # (B, N)
+        positions = row_lengths + depth  # (B, N)
         logits, hidden = model(
             tokens, positions, mask, cache, extra=drafts[0].extra
         )  # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone

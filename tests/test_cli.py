@@ -1132,8 +1132,9 @@ def test_a_batch_larger_than_the_prompts_is_clamped_with_a_notice(capsys, tmp_pa
     prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "yo"])
     code, out, err = run_cli(
         capsys, "--model", tiny_model_dir, "--heads", "none", "--prompts", prompts,
-        "--max-new-tokens", 3, "--batch-size", 8,
+        "--max-new-tokens", 3, "--batch-size", 8, "--show",
     )  # fmt: skip
     assert code == 0, err
     assert "notice: --batch-size 8: there are only 2 prompts; decoding 2 at a time" in err
+    assert "notice: --show has no effect with --batch-size (replies are printed whole" in err
     assert out.startswith("[p0] ") and "\n[p1] " in out
