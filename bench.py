@@ -8,6 +8,7 @@ machine.
                                                              eval/prompts.jsonl
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
+    python bench.py --batch-size 4 --methods plain,hydra++ --limit 8   # 4 prompts at a time too
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers'
                                                              assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine ->
@@ -121,6 +122,14 @@ def build_parser():
         " run when named (plain always runs: it is the baseline)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="also decode the prompts this many at a time (generate.generate_batch) with the "
+        "methods that batch (plain, the heads, lookup, hydra++-lookup): total and mean "
+        "per-sequence tokens/s beside the one-at-a-time row",
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -252,6 +261,8 @@ class Method:
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
     # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 or int4 weights
     adapted: bool = False
+    # run_batch(list of ids, max_new, first seed) -> Results, or None: it does not batch
+    batch: Callable | None = None
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -270,6 +281,28 @@ def ours(model, drafter, verify, temperature, eos):
         return r.tokens, r.steps, r.accepted
 
     return run
+
+
+def ours_batched(model, drafter, verify, temperature, eos):
+    """A batch of prompts through generate.generate_batch: row j samples from seed + j, as the
+    one-at-a-time run samples prompt i from seed + i."""
+
+    def run_batch(prompts, max_new, seed):
+        return generate.generate_batch(
+            model,
+            prompts,
+            [max_new] * len(prompts),
+            drafter,
+            verify,
+            temperature,
+            generators=[
+                torch.Generator(device=model.device).manual_seed(seed + j)
+                for j in range(len(prompts))
+            ],
+            eos_ids=eos,
+        )
+
+    return run_batch
 
 
 def load_hf(name, device, dtype):
@@ -445,7 +478,12 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
     look = catalog.DRAFT_DEFAULTS["lookup"]
     for name in wanted:
         if name == "plain":
-            methods[name] = Method(name, ours(model, None, "greedy", 0.0, eos), greedy=True)
+            methods[name] = Method(
+                name,
+                ours(model, None, "greedy", 0.0, eos),
+                greedy=True,
+                batch=ours_batched(model, None, "greedy", 0.0, eos),
+            )
         elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
@@ -483,7 +521,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
         elif name == "lookup":
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
+                name,
+                ours(model, d, "greedy", 0.0, eos),
+                greedy=True,
+                depth=d.max_depth,
+                batch=ours_batched(model, d, "greedy", 0.0, eos),
             )
             notes.append(d.name)
         elif name == "layers":
@@ -577,6 +619,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 greedy=verify == "greedy",
                 depth=d.max_depth,
                 adapted=base is not model,
+                batch=ours_batched(base, d, verify, temperature, eos),
             )
             if not variant:
                 notes.append(
@@ -632,6 +675,64 @@ def measure(methods, prompts, args, device):
         ) from None
     bar.close()
     return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
+
+
+def measure_batched(methods, prompts, args, device):
+    """Each method that batches decodes the prompts --batch-size at a time: per method, total
+    tokens/s (new tokens over the batches' wall time, the median over repeats per batch), mean
+    per-sequence tokens/s (a row's tokens over the time until it ended), the time of a step (a
+    batch's wall time over its forward passes) and whether every reply equals the one-at-a-time
+    one (greedy)."""
+    B, res = args.batch_size, {}
+    batches = [prompts[i : i + B] for i in range(0, len(prompts), B)]
+    for name, m in methods.items():
+        if m.batch is None:
+            continue
+        m.batch([ids for _, _, ids in batches[0]], min(16, args.max_new_tokens), args.seed)  # warm
+        seconds, outs = [], []
+        for k, batch in enumerate(batches):
+            times = []
+            for _ in range(args.repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                out = m.batch([ids for _, _, ids in batch], args.max_new_tokens, args.seed + k * B)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            seconds.append(statistics.median(times))
+            outs.append(out)
+        rows = [r for out in outs for r in out]
+        tokens = sum(len(r.tokens) for r in rows)
+        res[name] = {
+            "batch_size": B,
+            "tokens_per_s": tokens / max(sum(seconds), 1e-9),
+            "per_sequence_tokens_per_s": statistics.mean(
+                len(r.tokens) / max(r.seconds, 1e-9) for r in rows
+            ),
+            "step_ms": 1000 * sum(seconds) / sum(max(r.steps for r in out) for out in outs),
+            "replies": [r.tokens for r in rows],
+        }
+    return res
+
+
+def batched_table(res, batched, mach):
+    """Beside each method's one-at-a-time row, its --batch-size row."""
+    lines = [
+        machine_line(mach),
+        "",
+        "| method | batch | total tokens/s | mean per-sequence tokens/s | step ms | "
+        "same replies as batch 1 |",
+        "|---|---:|---:|---:|---:|:---:|",
+    ]
+    for name, b in batched.items():
+        r = res[name]
+        alone = statistics.mean(p["new_tokens"] / max(p["seconds"], 1e-9) for p in r["per_prompt"])
+        lines.append(f"| {name} | 1 | {r['tokens_per_s']:.1f} | {alone:.1f} | - | - |")
+        lines.append(
+            f"| {name} | {b['batch_size']} | {b['tokens_per_s']:.1f} | "
+            f"{b['per_sequence_tokens_per_s']:.1f} | {b['step_ms']:.1f} | "
+            f"{'yes' if b['same'] else 'NO'} |"
+        )
+    return "\n".join(lines)
 
 
 def summary(idx, secs, outs, plain):
@@ -800,6 +901,8 @@ def check_args(args):
             "--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be "
             "at least 1"
         )
+    if args.batch_size < 1:
+        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.limit < 0:
         raise cli.UsageError(
             f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts"
@@ -920,6 +1023,12 @@ def main(args):
     dtype = cli.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
+    if args.batch_size > len(rows):
+        cli.notice(
+            f"--batch-size {args.batch_size}: there are only {len(rows)} prompts; decoding "
+            f"{len(rows)} at a time"
+        )
+        args.batch_size = len(rows)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels_lib.quantize(model, args.quantize)
@@ -1001,9 +1110,15 @@ def main(args):
             file=sys.stderr,
         )
         return 130
+    batched = {}
+    if args.batch_size > 1:
+        batched = measure_batched(methods, prompts, args, device)
+        for name, b in batched.items():
+            b["same"] = b.pop("replies") == [out[0] for out in outs[name]]
+        print("\n" + batched_table(res, batched, mach))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": mach, "methods": res}, f, indent=1)
+            json.dump({"machine": mach, "methods": res, "batched": batched}, f, indent=1)
     if args.plots:
         plot_bench(res, mach, args.plots)
     return 0

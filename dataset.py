@@ -206,7 +206,7 @@ def decode_batched(
             logits, hidden = model(
                 nxt[:, None], positions, None, cache, key_mask=key_mask[:, : slot + 1]
             )
-            cache.keep([0])
+            cache.keep(*[[0]] * len(nxt))  # every row its one new token
             if top_k:
                 hid[:, slot] = hidden[:, 0].half()
             rows_alive = (conv >= 0).nonzero()[:, 0]

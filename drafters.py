@@ -23,11 +23,15 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
                                           its
                                           logits (N, V) at every node of the step, kept or not
     d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
+    d.row()                               (drafters that batch: plain, heads, lookup, heads+lookup)
+                                          a drafter for one more sequence of a batch: the same
+                                          heads, tree and settings, its own state (start() makes it)
 
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
 """
 
+import copy
 import itertools
 from collections import Counter
 from dataclasses import dataclass
@@ -212,6 +216,11 @@ class HeadsDrafter:
         self.max_nodes = tree.num_nodes
         self.max_depth = tree.max_depth
 
+    def row(
+        self,
+    ):  # start() makes the state (h, Hydra++'s prefix cache): a shallow copy shares none
+        return copy.copy(self)
+
     def start(self, prompt, hidden, max_len):
         self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
         self.h = self.heads.context(
@@ -237,6 +246,9 @@ class Plain:
 
     def __init__(self, device):
         self.shapes = Shapes(device)
+
+    def row(self):
+        return self
 
     def start(self, prompt, hidden, max_len):
         pass
@@ -282,6 +294,9 @@ class Lookup:
         self.legend = ["base model", "lookup"]
         self.max_nodes = 1 + gamma * matches
         self.max_depth = gamma
+
+    def row(self):  # start() makes the state (the text, its index): a shallow copy shares none
+        return copy.copy(self)
 
     def start(self, prompt, hidden, max_len):
         self.text = []  # the committed text
@@ -456,6 +471,11 @@ class HeadsPlusLookup:
         self.legend = heads.legend + lookup.legend[1:]
         self.max_nodes = heads.max_nodes + lookup.max_nodes - 1
         self.max_depth = max(heads.max_depth, lookup.max_depth)
+
+    def row(self):
+        pair = copy.copy(self)
+        pair.heads, pair.lookup = self.heads.row(), self.lookup.row()
+        return pair
 
     def start(self, prompt, hidden, max_len):
         self.heads.start(prompt, hidden, max_len)

@@ -12,6 +12,7 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
     python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
+    python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -22,13 +23,18 @@ One decode loop, generate(), serves every method. Each step:
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
 A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
 drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
+The loop runs B sequences side by side (generate_batch; generate() is one): each row drafts its own
+tree, padded to the batch's node count; one forward scores them all, at positions that are the
+row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
+leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
 
-Contracts (tests/test_generate.py, tests/test_drafters.py): greedy speculative output is
-token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree step and a
-one-token step round differently, so near-ties can flip); speculative sampling samples from the
-base model's own distribution. The command line (flags, checks, printing, main) is the last
-section of this file (tests/test_cli.py).
-Shapes: N tree nodes, D hidden, V vocabulary.
+Contracts (tests/test_generate.py, tests/test_drafters.py, tests/test_batch.py): greedy speculative
+output is token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree
+step and a one-token step round differently, so near-ties can flip); speculative sampling samples
+from the base model's own distribution; a row of a batch is its prompt decoded alone (greedy, fp32)
+or, sampled, decoded alone with its own generator. The command line (flags, checks, printing,
+main) is the last section of this file (tests/test_cli.py).
+Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
 
 import json
@@ -39,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 import catalog
 import checkpoint
@@ -92,7 +99,180 @@ def choose_verifier(verify, temperature, top_p, generator):
     return sample
 
 
+def pad_drafts(drafts):
+    """The rows' drafts as one batch of N nodes, N = the largest draft's: tokens (B, N), mask
+    (B, N, N) or None (every draft is its root alone: causal), depth (B, N). A row with fewer nodes
+    is padded with token 0 at depth 0 that sees only itself: the verifiers read a row's first
+    d.candidates nodes alone, so a padding node is computed and never kept."""
+    N = max(len(d.tokens) for d in drafts)
+    tokens = torch.stack([F.pad(d.tokens, (0, N - len(d.tokens))) for d in drafts])  # (B, N)
+    depth = torch.stack([F.pad(d.depth, (0, N - len(d.depth))) for d in drafts])  # (B, N)
+    if N == 1:
+        return tokens, None, depth
+    masks = []
+    for d in drafts:
+        mask = torch.eye(N, dtype=torch.bool, device=d.tokens.device)  # (N, N)
+        if d.mask is not None:
+            mask[: len(d.mask), : len(d.mask)] = d.mask
+        masks.append(mask)
+    return tokens, torch.stack(masks), depth  # (B, N), (B, N, N), (B, N)
+
+
+@dataclass
+class Row:
+    """One sequence of a batch while it decodes: its reply so far and what decodes it."""
+
+    index: int  # its place among the prompts
+    limit: int  # its max_new_tokens
+    drafter: object  # its own (drafter.row()), or the drafter itself when it decodes alone
+    verifier: object  # choose_verifier's, on the row's own generator
+    out: Result = field(default_factory=Result)
+    root: int = 0  # the last emitted token, not yet in the cache
+
+
 @torch.inference_mode()
+def generate_batch(
+    model,
+    prompts,
+    max_new_tokens,
+    drafter=None,
+    verify="auto",
+    temperature=0.0,
+    top_p=1.0,
+    generators=None,
+    eos_ids=(),
+    on_tokens=None,
+) -> list:
+    """Decode B prompts (lists of ids) side by side, up to max_new_tokens[b] new tokens each,
+    verifying what `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding);
+    a Result per prompt. Every step each row drafts its own tree (drafter.row(): its own state),
+    one forward of the base model scores all of them (pad_drafts; the KV cache keeps a length per
+    row), each row verifies its own tree on its own generator (generators[b], so that a row's draws
+    do not depend on its batch mates) and keeps its own path. A row that ends leaves the batch.
+    on_tokens(b, new_ids, sources) is called as tokens are produced; a source indexes
+    drafter.legend."""
+    dev, B = model.device, len(prompts)
+    drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
+    generators = generators if generators is not None else [None] * B
+    assert len(max_new_tokens) == len(generators) == B, "one max_new_tokens, one generator a row"
+    if B > 1 and not hasattr(drafter, "row"):
+        raise ValueError(
+            f"{drafter.name}: this drafter decodes one prompt at a time; plain, heads, lookup "
+            "and heads+lookup batch"
+        )
+    for prompt, n in zip(prompts, max_new_tokens):
+        if not prompt or len(prompt) + n > model.cfg.max_seq_len:
+            raise ValueError(
+                f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
+                f"{model.cfg.max_seq_len}, got {len(prompt)} + {n}"
+            )
+    for generator in generators:
+        if generator is not None and generator.device.type != torch.device(dev).type:
+            raise ValueError(
+                f"the generator is on {generator.device}, the model on {dev}: sampling needs a "
+                f"generator made on the model's device, torch.Generator(device={str(dev)!r})"
+            )
+    eos_ids = set(eos_ids)
+    rows = [
+        Row(
+            b,
+            n,
+            drafter if B == 1 else drafter.row(),
+            choose_verifier(verify, temperature, top_p, g),
+        )
+        for b, (n, g) in enumerate(zip(max_new_tokens, generators))
+    ]
+    results = [row.out for row in rows]  # in the prompts' order; rows leave `rows` as they end
+    t0 = time.perf_counter()
+
+    def emit(row, new, sources):  # append, stop at EOS or the length limit; True when done
+        out = row.out
+        new, sources = new[: row.limit - len(out.tokens)], sources[: row.limit - len(out.tokens)]
+        for i, t in enumerate(new):
+            if t in eos_ids:
+                new, sources, out.stopped = new[: i + 1], sources[: i + 1], "eos"
+                break
+        out.tokens += new
+        out.sources += sources
+        if on_tokens:
+            on_tokens(row.index, new, sources)
+        if not out.stopped and len(out.tokens) >= row.limit:
+            out.stopped = "length"
+        if out.stopped:
+            out.seconds = time.perf_counter() - t0
+        return bool(out.stopped)
+
+    def drop_finished(rows, finished):  # finished rows stop costing: out of the cache and the batch
+        alive = [i for i, r in enumerate(rows) if i not in finished]
+        if finished and alive:
+            cache.select_rows(alive)
+        return [rows[i] for i in alive]
+
+    # prefill: the prompts right-padded into one forward (causal: no prompt sees the padding after
+    # it); each row's logits at its last prompt token give its first token
+    lengths = [len(p) for p in prompts]
+    L = max(lengths)
+    max_len = max(n + r.limit for n, r in zip(lengths, rows)) + drafter.max_nodes
+    cache = model.new_cache(max_len, batch=B)
+    padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=dev)  # (B, L)
+    _, hidden = model(padded, torch.arange(L, device=dev), None, cache, last_only=True)  # (B, L, D)
+    last = hidden[torch.arange(B, device=dev), torch.tensor(lengths, device=dev) - 1]  # (B, D)
+    logits = model.lm_head(last)  # (B, V)
+    cache.keep(*[range(n) for n in lengths])  # row b: slots [0, len(prompt b)), the padding after
+    finished = set()
+    for b, (row, prompt, generator) in enumerate(zip(rows, prompts, generators)):
+        row.drafter.start(prompt, hidden[b : b + 1, : len(prompt)], max_len)
+        probs = verify_lib.logits_to_probs(logits[b].float(), temperature, top_p)  # (V,)
+        if verify_lib.is_greedy(temperature):
+            row.root = int(probs.argmax())
+        else:
+            row.root = int(verify_lib.sample(probs, generator))
+        row.out.steps = 1
+        if emit(row, [row.root], [0]):
+            finished.add(b)
+    rows = drop_finished(rows, finished)
+
+    while rows:
+        drafts = [row.drafter.draft(row.root) for row in rows]  # tokens (N_b,), tree, ...
+        tokens, mask, depth = pad_drafts(drafts)  # (B, N), (B, N, N) | None, (B, N)
+        # (B, N): row b's length + the node's depth; one row's length is a number, the batch's
+        # lengths come from the host (a copy a step on a GPU, which one row does without)
+        row_lengths = (
+            cache.length if len(rows) == 1 else torch.tensor(cache.lengths, device=dev)[:, None]
+        )
+        positions = row_lengths + depth  # (B, N)
+        logits, hidden = model(
+            tokens, positions, mask, cache, extra=drafts[0].extra
+        )  # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone
+        steps = []
+        for b, (row, d) in enumerate(zip(rows, drafts)):
+            n = d.candidates  # the row's tree; nodes after it are computed only, or padding
+            nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
+            kept, path = torch.stack(
+                [d.tokens[nodes], nodes]
+            ).tolist()  # the root and accepted drafts, their nodes
+            steps.append((nodes, bonus, kept, path))
+        # row b's slots [0, lengths[b]): its prompt and every emitted token but the bonus
+        cache.keep(*[path for _, _, _, path in steps])
+        finished = set()
+        for b, (row, d, (nodes, bonus, kept, path)) in enumerate(zip(rows, drafts, steps)):
+            out = row.out
+            out.steps += 1
+            before = len(out.tokens)
+            if emit(row, kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0]):
+                finished.add(b)
+            out.accepted.append(
+                min(len(nodes) - 1, len(out.tokens) - before)
+            )  # drafts emitted (EOS, length)
+            if b not in finished:
+                row.drafter.accept(
+                    kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
+                )
+            row.root = bonus
+        rows = drop_finished(rows, finished)
+    return results
+
+
 def generate(
     model,
     prompt,
@@ -105,85 +285,21 @@ def generate(
     eos_ids=(),
     on_tokens=None,
 ) -> Result:
-    """Decode up to max_new_tokens after `prompt` (list of ids), verifying what `drafter`
-    proposes (HeadsDrafter or one of drafters.py; None = plain decoding). on_tokens(new_ids,
-    sources) is called as tokens are produced; a source indexes drafter.legend."""
-    dev = model.device
-    drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
-    if not prompt or len(prompt) + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(
-            f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
-            f"{model.cfg.max_seq_len}, got {len(prompt)} + {max_new_tokens}"
-        )
-    if generator is not None and generator.device.type != torch.device(dev).type:
-        raise ValueError(
-            f"the generator is on {generator.device}, the model on {dev}: sampling needs a "
-            "generator "
-            f"made on the model's device, torch.Generator(device={str(dev)!r})"
-        )
-    verifier = choose_verifier(verify, temperature, top_p, generator)
-    eos_ids = set(eos_ids)
-    out = Result()
-    t0 = time.perf_counter()
-
-    def emit(new, sources):  # append, stop at EOS or the length limit; True when done
-        new, sources = (
-            new[: max_new_tokens - len(out.tokens)],
-            sources[: max_new_tokens - len(out.tokens)],
-        )
-        for i, t in enumerate(new):
-            if t in eos_ids:
-                new, sources, out.stopped = new[: i + 1], sources[: i + 1], "eos"
-                break
-        out.tokens += new
-        out.sources += sources
-        if on_tokens:
-            on_tokens(new, sources)
-        if not out.stopped and len(out.tokens) >= max_new_tokens:
-            out.stopped = "length"
-        return bool(out.stopped)
-
-    # prefill: the prompt in one forward; its last logits give the first token
-    max_len = len(prompt) + max_new_tokens + drafter.max_nodes
-    cache = model.new_cache(max_len)
-    positions = torch.arange(len(prompt), device=dev)
-    logits, hidden = model(
-        torch.tensor([prompt], device=dev), positions, None, cache, last_only=True
-    )
-    cache.keep(range(len(prompt)))
-    drafter.start(prompt, hidden, max_len)
-    probs = verify_lib.logits_to_probs(logits[0, -1].float(), temperature, top_p)  # (V,)
-    root = (
-        int(probs.argmax())
-        if verify_lib.is_greedy(temperature)
-        else int(verify_lib.sample(probs, generator))
-    )
-    out.steps = 1
-    done = emit([root], [0])
-
-    while not done:
-        d = drafter.draft(root)  # tokens (N,), tree, ...
-        positions = cache.length + d.depth  # (N,)
-        logits, hidden = model(
-            d.tokens[None], positions, d.mask, cache, extra=d.extra
-        )  # (1, N, V), (1, N, D)
-        n = d.candidates  # the tree; nodes after it are computed only
-        nodes, bonus = verifier(logits[0, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
-        kept, path = torch.stack(
-            [d.tokens[nodes], nodes]
-        ).tolist()  # the root and accepted drafts, their nodes
-        cache.keep(path)  # slots [0, length): the prompt and every emitted token but the bonus
-        out.steps += 1
-        before = len(out.tokens)
-        done = emit(kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0])
-        out.accepted.append(
-            min(len(nodes) - 1, len(out.tokens) - before)
-        )  # drafts emitted (EOS, length)
-        if not done:
-            drafter.accept(kept, hidden[:, nodes], positions[nodes], logits[0])
-        root = bonus
-    out.seconds = time.perf_counter() - t0
-    return out
+    """Decode up to max_new_tokens after `prompt` (list of ids): generate_batch with one row.
+    on_tokens(new_ids, sources) is called as tokens are produced."""
+    stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
+    return generate_batch(
+        model,
+        [prompt],
+        [max_new_tokens],
+        drafter,
+        verify,
+        temperature,
+        top_p,
+        [generator],
+        eos_ids,
+        stream,
+    )[0]
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -192,6 +308,7 @@ def generate(
 # stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
+BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
 
 
 def build_parser():
@@ -202,6 +319,14 @@ def build_parser():
         "--prompts", help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt'
     )
     p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="with --prompts: decode this many prompts side by side, one forward of the base "
+        "model for all (--draft heads, lookup or heads+lookup); each reply is printed whole, "
+        "marked with its id, and sampled from its own generator, seeded --seed + its line's index",
+    )
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # the model and the drafter
@@ -367,7 +492,9 @@ def flags_without_effect(args, parser):
         ignored.append("--verify has no effect without a drafter (--heads none)")
     if args.raw and args.system is not None:
         ignored.append("--system has no effect with --raw (no chat template)")
-    if args.show and args.quiet:
+    if args.show and args.batch_size > 1:
+        ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
+    elif args.show and args.quiet:
         ignored.append("--show has no effect with --quiet (no text is printed)")
     elif args.show and not sys.stdout.isatty():
         ignored.append(
@@ -416,6 +543,13 @@ def check_args(args, parser):
     }
     settings = catalog.draft_settings(kind, args.draft, given)
     check_drafter_flags(kind, args.draft, args.heads, args.tree, args.draft_model)
+    if args.batch_size < 1:
+        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.batch_size > 1 and kind not in BATCHING:
+        raise cli.UsageError(
+            f"--draft {args.draft} decodes one prompt at a time; drop --batch-size or use --draft "
+            "heads, lookup or heads+lookup"
+        )
     if args.out:
         cli.writable_file("--out", args.out, "replies.jsonl")
         if (
@@ -641,6 +775,12 @@ def main(args):
     cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    batch_size = min(args.batch_size, len(prompts))
+    if batch_size < args.batch_size:
+        cli.notice(
+            f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
+            f"{len(prompts)} prompt{'s' * (len(prompts) > 1)}; decoding {batch_size} at a time"
+        )
     show = (
         args.show and sys.stdout.isatty()
     )  # colour codes only on a terminal, never into a file or a pipe
@@ -699,41 +839,72 @@ def main(args):
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(legend_line(drafter), file=sys.stderr)
     total = Result()
-    try:
-        for pid, ids, max_new_tokens in encoded:
-            printer = None if args.quiet else Printer(tokenizer, show)
-            r = generate(
-                model,
-                ids,
-                max_new_tokens,
-                drafter,
-                args.verify,
-                temperature,
-                args.top_p,
-                generator,
-                eos,
-                printer,
-            )
-            if printer:
-                print()
-            print(stats_line(r, drafter.max_depth), file=sys.stderr)
-            total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
-            total.steps, total.seconds = total.steps + r.steps, total.seconds + r.seconds
-            if writer:
-                writer.write(
-                    json.dumps(
-                        {
-                            "id": pid,
-                            "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                            "token_ids": r.tokens,
-                            "new_tokens": len(r.tokens),
-                            "steps": r.steps,
-                            "seconds": round(r.seconds, 4),
-                        }
-                    )
-                    + "\n"
+
+    def finish(pid, r):  # statistics, the totals and the --out line of one reply
+        print(stats_line(r, drafter.max_depth), file=sys.stderr)
+        total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
+        total.steps = total.steps + r.steps
+        if writer:
+            writer.write(
+                json.dumps(
+                    {
+                        "id": pid,
+                        "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                        "token_ids": r.tokens,
+                        "new_tokens": len(r.tokens),
+                        "steps": r.steps,
+                        "seconds": round(r.seconds, 4),
+                        "stopped": r.stopped,
+                    }
                 )
-                writer.flush()
+                + "\n"
+            )
+            writer.flush()
+
+    try:
+        for i in range(0, len(encoded), batch_size):
+            batch = encoded[i : i + batch_size]
+            t0 = time.perf_counter()
+            if batch_size == 1:  # streamed, one generator through every prompt
+                (pid, ids, max_new_tokens) = batch[0]
+                printer = None if args.quiet else Printer(tokenizer, show)
+                results = [
+                    generate(
+                        model,
+                        ids,
+                        max_new_tokens,
+                        drafter,
+                        args.verify,
+                        temperature,
+                        args.top_p,
+                        generator,
+                        eos,
+                        printer,
+                    )
+                ]
+                if printer:
+                    print()
+            else:  # printed whole; prompt i samples from its own generator, seeded seed + i
+                results = generate_batch(
+                    model,
+                    [ids for _, ids, _ in batch],
+                    [n for _, _, n in batch],
+                    drafter,
+                    args.verify,
+                    temperature,
+                    args.top_p,
+                    [
+                        torch.Generator(device=device).manual_seed(args.seed + i + j)
+                        for j in range(len(batch))
+                    ],
+                    eos,
+                )
+                if not args.quiet:
+                    for (pid, _, _), r in zip(batch, results):
+                        print(f"[{pid}] " + tokenizer.decode(r.tokens, skip_special_tokens=True))
+            total.seconds += time.perf_counter() - t0  # the batch's wall time: rows overlap
+            for (pid, _, _), r in zip(batch, results):
+                finish(pid, r)
     finally:
         if writer:
             writer.close()

@@ -6,6 +6,7 @@ forward pass that takes an explicit tree attention mask.
     cache = model.new_cache(max_len=2048)
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
     cache.keep(idx)                                          # commit the accepted new entries
+                                                              (one index list per batch row)
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
@@ -118,43 +119,71 @@ class Rope(nn.Module):
 
 
 class KVCache:
-    """Pre-allocated keys and values for every layer.
+    """Pre-allocated keys and values for every layer, for B sequences side by side (rows).
 
-    Invariant: slots [0, length) hold the keys/values of the accepted sequence, in order, for
-    positions 0..length-1. A forward pass of T new tokens writes them to slots [length, length+T)
-    and attends over [0, length+T); it does not move `length`. The caller then commits with
-    keep(idx): the new entries idx (indices into those T, ascending, e.g. the accepted tree path)
-    are copied to slots [length, length+len(idx)) and length grows by len(idx). Everything at or
-    beyond `length` is garbage left by rejected tree nodes and by nodes that were computed but
-    never verified (lookahead's window, drafters.Draft.candidates): harmless, because no forward
-    reads a slot >= length before overwriting it.
+    Invariant: row b's slots [0, lengths[b]) hold the keys/values of its accepted sequence, in
+    order, for positions 0..lengths[b]-1. Rows are right-padded: a shorter row's slots from
+    lengths[b] on are free. A forward pass of T new tokens writes them to the same slots
+    [length, length+T) in every row, length = max(lengths) (one slice for the whole batch), and
+    row b attends over its [0, lengths[b]) and those T (the forward hides the gap
+    [lengths[b], length) from it); it does not move the lengths. The caller then commits with
+    keep(idx_0, ..., idx_B-1): row b's new entries idx_b (indices into those T, ascending, e.g.
+    its accepted tree path) are copied to its slots [lengths[b], lengths[b]+len(idx_b)) and
+    lengths[b] grows by len(idx_b). Everything at or beyond a row's length is garbage left by
+    rejected tree nodes, by nodes that were computed but never verified (lookahead's window,
+    drafters.Draft.candidates) and by the gap: harmless, because no forward lets a row read a slot
+    >= its length before overwriting it. With B = 1 there is no gap: length is the row's length.
     """
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
+        self.lengths = [0] * batch  # per row, on the host: no wait for the device to read them
         self.max_len = max_len
 
-    def keep(self, idx):
-        """Commit new entries idx (list or 1-D tensor, ascending) right after the prefix: accepted
-        nodes only, never a node that was computed but not verified."""
-        n, start = len(idx), self.length
-        if isinstance(idx, torch.Tensor):
-            in_place = torch.equal(idx, torch.arange(n, device=idx.device))
-        else:
-            in_place = list(idx) == list(range(n))  # known on the host: no wait for the device
-        if not in_place:  # a plain step keeps 0..n-1 where they are
-            src = start + torch.as_tensor(idx, device=self.k.device)
-            self.k[:, :, :, start : start + n] = self.k[:, :, :, src]
-            self.v[:, :, :, start : start + n] = self.v[:, :, :, src]
-        self.length += n
+    @property
+    def length(self):
+        """Where the next forward writes its new tokens, in every row: the longest row's length."""
+        return max(self.lengths)
+
+    @length.setter
+    def length(self, n):  # every row holds n (a drafter's cache, cut back or moved on by hand)
+        self.lengths = [n] * len(self.lengths)
+
+    def keep(self, *idx):
+        """Commit row b's new entries idx[b] (list or 1-D tensor, ascending) right after its
+        prefix: accepted nodes only, never a node that was computed but not verified."""
+        assert len(idx) == len(self.lengths), f"{len(self.lengths)} rows, {len(idx)} paths"
+        start = self.length  # the slot of new entry 0, in every row
+        for b, row in enumerate(idx):
+            n, to = len(row), self.lengths[b]
+            if isinstance(row, torch.Tensor):
+                in_place = to == start and torch.equal(row, torch.arange(n, device=row.device))
+            else:  # known on the host: no wait for the device
+                in_place = to == start and list(row) == list(range(n))
+            if not in_place:  # a plain step of a row with no gap keeps 0..n-1 where they are
+                src = start + torch.as_tensor(row, device=self.k.device)
+                self.k[:, b, :, to : to + n] = self.k[:, b, :, src]
+                self.v[:, b, :, to : to + n] = self.v[:, b, :, src]
+            self.lengths[b] += n
 
     def select_rows(self, rows):
-        """Keep only the batch rows `rows` (a batch that drops its finished rows)."""
+        """Keep only the rows `rows` (list of row indices): a batch drops its finished sequences,
+        so that they stop costing."""
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
+        self.lengths = [self.lengths[b] for b in rows]
+
+    def key_mask(self, T):
+        """(B, length+T) bool: the slots each row may read in a forward of T new tokens (its own
+        prefix and the new ones, not the gap); None when no row has a gap."""
+        start = self.length
+        if all(n == start for n in self.lengths):
+            return None
+        slots = torch.arange(start + T, device=self.k.device)  # (S,)
+        lengths = torch.tensor(self.lengths, device=self.k.device)[:, None]  # (B, 1)
+        return (slots < lengths) | (slots >= start)  # (B, S)
 
 
 # --- the transformer ---------------------------------------------------------------------------
@@ -332,7 +361,9 @@ class Transformer(nn.Module):
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. Rows may be nodes that are computed but never verified (a lookahead window): the
         mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots
-        [cache.length, +T), see keep()) or None.
+        [cache.length, +T) of every row, see keep(); rows shorter than cache.length see only their
+        own prefix) or None. key_mask (B, S): the slots each row may read, where the cache does not
+        say it (a left-padded batch).
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. num_layers: run only the first layers, then
@@ -343,6 +374,8 @@ class Transformer(nn.Module):
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
         cos, sin = self.rope(positions, self.dtype)
+        if key_mask is None and cache is not None:
+            key_mask = cache.key_mask(T)  # (B, S) or None: the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # None: every layer

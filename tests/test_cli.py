@@ -1079,3 +1079,61 @@ def test_a_model_without_a_chat_template_is_said_so(capsys, tmp_path, tiny_model
         "fp32",
     )
     assert code == 0 and "notice: the model's tokenizer has no chat template" in err, err
+
+
+def write_prompts(path, texts):
+    path.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts))
+    )
+    return path
+
+
+@pytest.mark.parametrize("draft", ["heads", "lookup"])
+def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_model_dir, draft):
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        ["hi", "a longer prompt, with words", "b", "say it again: say it", "x y"],
+    )
+    got = {}
+    for size in (1, 3):
+        out = tmp_path / f"{size}.jsonl"
+        code, stdout, err = run_cli(
+            capsys, "--model", tiny_model_dir, "--draft", draft, "--prompts", prompts,
+            "--max-new-tokens", 9, "--batch-size", size, "--out", out,
+        )  # fmt: skip
+        assert code == 0, err
+        got[size] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["id"] for r in got[size]] == ["p0", "p1", "p2", "p3", "p4"]  # the input's order
+        assert all(r["stopped"] in ("eos", "length") for r in got[size])
+    assert [r["token_ids"] for r in got[1]] == [r["token_ids"] for r in got[3]]
+    assert [line.split("]")[0] for line in stdout.splitlines()] == [f"[p{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--batch-size", "0"], ["--batch-size 0", "at least 1"]),
+        (["--batch-size", "-3"], ["--batch-size -3", "at least 1"]),
+        (["--batch-size", "2", "--draft", "jacobi"], ["--draft jacobi", "one prompt at a time"]),
+        (["--batch-size", "2", "--draft", "layers:1"], ["drop --batch-size"]),
+    ],
+)
+def test_a_batch_size_that_cannot_be_gets_one_line(capsys, tmp_path, tiny_model_dir, argv, words):
+    prompts, out = write_prompts(tmp_path / "p.jsonl", ["hi", "yo"]), tmp_path / "out.jsonl"
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out, *argv
+    )
+    check_one_line_error(code, err, *words)
+    assert not out.exists()
+
+
+def test_a_batch_larger_than_the_prompts_is_clamped_with_a_notice(capsys, tmp_path, tiny_model_dir):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "yo"])
+    code, out, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--heads", "none", "--prompts", prompts,
+        "--max-new-tokens", 3, "--batch-size", 8, "--show",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "notice: --batch-size 8: there are only 2 prompts; decoding 2 at a time" in err
+    assert "notice: --show has no effect with --batch-size (replies are printed whole" in err
+    assert out.startswith("[p0] ") and "\n[p1] " in out

@@ -1,0 +1,129 @@
+"""generate_batch's contracts: a row of a batch is the reply its prompt gets alone, token for token
+(greedy, fp32), for every drafter that batches, prompts of different lengths and rows that end at
+different steps; a sampled row depends on its own seed only; a drafter that cannot batch is
+refused."""
+
+import pytest
+import torch
+
+import drafters
+import generate as G
+import model as model_lib
+import tree as tree_lib
+from conftest import tiny_config
+from test_generate import random_heads
+
+# prompts of 3 to 13 tokens; with EOS = 11 the rows end at different steps (after 40, 13, 3 (EOS),
+# 1, 25 and 40 new tokens): each row's cache length drifts from its mates'
+PROMPTS = [
+    torch.randint(0, 12, (3 + 2 * s,), generator=torch.Generator().manual_seed(s)).tolist()
+    for s in range(6)
+]
+LIMITS = [40, 13, 33, 1, 25, 40]
+EOS = {11}
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+
+
+def make_drafter(name, model):
+    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
+    if name == "plain":
+        return drafters.Plain("cpu")
+    if name in ("medusa", "hydra", "hydra++"):
+        return drafters.HeadsDrafter(random_heads(model, name), tree)
+    if name == "lookup":
+        return drafters.Lookup(4, 3, 3, "cpu")
+    heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
+    return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
+
+
+BATCHING = ["plain", "medusa", "hydra", "hydra++", "lookup", "heads+lookup"]
+
+
+@pytest.mark.parametrize("name", BATCHING)
+def test_every_row_of_a_greedy_batch_is_its_prompt_decoded_alone(small, name):
+    alone = [
+        G.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
+        for p, n in zip(PROMPTS, LIMITS)
+    ]
+    batch = G.generate_batch(small, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS)
+    for a, b in zip(alone, batch):
+        assert b.tokens == a.tokens and b.stopped == a.stopped
+        assert b.steps == a.steps and b.accepted == a.accepted and b.sources == a.sources
+    stops = {(len(r.tokens), r.stopped) for r in batch}
+    assert len(stops) > 2, "the rows should end at different steps, for different reasons"
+    assert {r.stopped for r in batch} == {"eos", "length"}
+    if name != "plain":
+        assert sum(sum(r.accepted) for r in batch) > 0, "no draft accepted: no tree was exercised"
+
+
+def test_a_row_finishing_leaves_the_batch_and_the_cache(small, monkeypatch):
+    """Finished rows stop costing: each forward carries only the rows still decoding."""
+    rows_seen, forward = [], small.forward
+    monkeypatch.setattr(
+        small,
+        "forward",
+        lambda tokens, *a, **k: rows_seen.append(len(tokens)) or forward(tokens, *a, **k),
+    )
+    G.generate_batch(small, PROMPTS, LIMITS, None)
+    assert rows_seen[0] == len(PROMPTS) and rows_seen[1] == len(PROMPTS) - 1  # LIMITS[3] == 1
+    assert rows_seen == sorted(rows_seen, reverse=True) and rows_seen[-1] == 2  # two of 40
+    assert len(rows_seen) == max(LIMITS)  # the prefill, then one plain step a token
+
+
+@pytest.mark.parametrize("verify", ["sample", "typical"])
+@pytest.mark.parametrize("name", ["plain", "hydra++", "heads+lookup"])
+def test_a_sampled_row_depends_on_its_own_seed_only(small, name, verify):
+    def seeded(s):
+        return torch.Generator().manual_seed(s)
+
+    alone = [
+        G.generate(small, p, n, make_drafter(name, small), verify, 0.9, 0.95, seeded(s)).tokens
+        for s, (p, n) in enumerate(zip(PROMPTS, LIMITS))
+    ]
+    batch = G.generate_batch(
+        small,
+        PROMPTS,
+        LIMITS,
+        make_drafter(name, small),
+        verify,
+        0.9,
+        0.95,
+        [seeded(s) for s in range(len(PROMPTS))],
+    )
+    assert [r.tokens for r in batch] == alone
+
+
+def test_a_drafter_that_cannot_batch_is_refused(small):
+    with pytest.raises(ValueError, match="decodes one prompt at a time"):
+        G.generate_batch(small, PROMPTS[:2], LIMITS[:2], drafters.Jacobi(3, "cpu"))
+    one = G.generate_batch(small, PROMPTS[:1], LIMITS[:1], drafters.Jacobi(3, "cpu"))
+    assert one[0].tokens == G.generate(small, PROMPTS[0], LIMITS[0]).tokens
+
+
+def test_the_cache_holds_each_rows_sequence_after_ragged_steps(small):
+    """Row b's slots [0, lengths[b]) equal a fresh forward over its prompt and reply, whatever its
+    batch mates accepted (the gap between rows' lengths is never kept)."""
+    cache = small.new_cache(64, batch=3)
+    seqs = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    width = max(map(len, seqs))
+    padded = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # (3, 4)
+    small(padded, torch.arange(width), None, cache)
+    cache.keep(*[range(len(s)) for s in seqs])
+    assert cache.lengths == [4, 2, 3] and cache.length == 4
+    new = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])  # (3, 3) a chain in every row
+    small(new, torch.tensor(cache.lengths)[:, None] + torch.arange(3), None, cache)
+    paths = [[0, 1], [0, 1, 2], [0]]  # ragged acceptance: rows 1 and 2 copy across their gap
+    cache.keep(*paths)
+    for b, (s, path) in enumerate(zip(seqs, paths)):
+        want = s + new[b, path].tolist()
+        fresh = small.new_cache(16)
+        small(torch.tensor([want]), torch.arange(len(want)), None, fresh)
+        n = cache.lengths[b]
+        assert n == len(want)
+        assert torch.allclose(cache.k[:, b, :, :n], fresh.k[:, 0, :, :n], atol=1e-5)
+        assert torch.allclose(cache.v[:, b, :, :n], fresh.v[:, 0, :, :n], atol=1e-5)
