@@ -1020,7 +1020,7 @@ def main(args):
     device = cli.pick_device(args.device)
     if device == "cpu":
         cli.use_threads(args.threads)
-    dtype = cli.pick_dtype(args.dtype, device, args.quantize)
+    dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
     if args.batch_size > len(rows):

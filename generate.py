@@ -771,7 +771,7 @@ def main(args):
     kind, arg, settings = check_args(args, build_parser())
     given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
     device = cli.pick_device(args.device)
-    dtype = cli.pick_dtype(args.dtype, device, args.quantize)
+    dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
@@ -831,6 +831,8 @@ def main(args):
     writer = open_output(args.out)
     weights = "" if args.quantize == "none" else f", {args.quantize} weights"
     on = f", {threads} thread{'s' * (threads != 1)}" if threads else ""
+    if device == "cpu" and kernels.native_library() is None:  # what runs instead, and why
+        on += f"; kernels.c off: {kernels.native_reason()}"
     print(
         f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, "
         f"{drafter.name}{on}]",

@@ -1,145 +1,117 @@
-/* The bf16 decode step in C: kernels.py's twins for a few rows on a CPU with AVX512-BF16.
+/* The bf16 decode step in C: kernels.py's twins for a few rows, on x86 (AVX512-BF16 or AVX2) and
+   on ARM (NEON).
 
-   kernels.py compiles this file once per machine (cc -O3 -mavx512bf16 -fopenmp, into the cache
-   folder) and calls it through ctypes: linear_bf16 (kernels.NativeWeight, F.linear's twin),
-   attend_bf16 (kernels.attend_native, model.attend's) and block_bf16 (kernels.block_native,
-   model.Block's), in that order below.
+   kernels.py compiles this file once per machine and path (cc -O3 -fopenmp plus the path's flags,
+   into the cache folder) and calls it through ctypes: linear_bf16 (kernels.NativeWeight,
+   F.linear's twin), attend_bf16 (kernels.attend_native, model.attend's) and block_bf16
+   (kernels.block_native, model.Block's), in that order below, after a few vector helpers per
+   instruction set.
 
    Why: a decode step multiplies one row (plain decoding) or a tree's few rows by every weight of
    the model, so its time is the time to read the weights. PyTorch's CPU products (oneDNN, fbgemm)
    stream them well below the memory's speed for one row, and re-read them, or run out of
-   arithmetic, for a few; and each layer's ~40 small PyTorch operations cost as much again
-   (results/kernels-cpu.md). Here every weight is read once per call and multiplied into up to 8
-   rows with AVX512-BF16's dot product (two bf16 products and a sum into fp32 per lane, 32 an
-   instruction): for 1 to 8 rows the call costs about what reading the weight costs.
+   arithmetic, for a few; on a CPU without native bf16 (AVX2) its bf16 products are emulated and
+   tens of times slower than fp32's; and each layer's ~40 small PyTorch operations cost as much
+   again (results/kernels-cpu.md). Here every weight is read from memory once per call and
+   multiplied into up to 8 rows: for 1 to 8 rows the call costs about what reading the weight
+   costs.
 
    y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
-   product with an add post-op). Weight-only int8 (--quantize int8) reads half the bytes: each
-   int8 is widened to bf16 exactly in registers, and the sum scaled by its output's scale.
+   product with an add post-op). A bf16 number is the top half of an fp32 one, so it is widened
+   exactly by a 16-bit shift in registers; AVX512-BF16 instead multiplies pairs of bf16 directly
+   (two products and a sum into fp32 per lane). Weight-only int8 (--quantize int8) reads half the
+   bytes: each int8 is widened exactly in registers, and the sum scaled by its output's scale.
 
    Every row is computed alone, in the same order whatever M is: a row's result is the same bits
-   whether it comes alone or with others, so a tree's rows get exactly what plain decoding gets
-   (compiled with -ffp-contract=off, so that no compiler choice of fused multiply-adds differs
-   between the code for 1 row and for 8).
+   whether it comes alone or with others, so a tree's rows get exactly what plain decoding gets.
+   The multiply-adds are explicit fused ones, and the file is compiled with -ffp-contract=off, so
+   that no compiler choice of fused multiply-adds differs between the code for 1 row and for 8.
+   (Each path rounds its own way: the bits are the same within a path, not across paths.)
 
    The weight is packed (NativeWeight in kernels.py) as (N/16, K/2, 16, 2): for each block of 16
-   outputs, for each pair of inputs, the 16 outputs' two weights side by side, which is the
-   operand order of _mm512_dpbf16_ps; a block of 16 outputs is one contiguous stream. */
-#include <immintrin.h>
+   outputs, for each pair of inputs, the 16 outputs' two weights side by side (the operand order
+   of AVX512-BF16's dot product); a block of 16 outputs is one contiguous stream. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef uint16_t bf16;
-enum { ROWS = 8, BLOCKS = 2 };   /* rows and 16-output blocks a tile keeps in 16 registers */
 
-static inline __m512 widen(__mmask16 keep, const bf16 *p) {   /* the kept of 16 bf16 -> fp32 (others 0) */
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+/* --- the vector layer: the few operations the kernels below are written in, per instruction set.
+   V holds VL fp32 numbers; P holds VL pairs of numbers (2 VL bf16), the operand of dot2:
+   dot2(acc, a, b)[i] = acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]. Loads and stores take a count n
+   of numbers (the rest read as 0, or left alone). ACCS: how many accumulators a tile of
+   linear_bf16 keeps in registers, as many as leave room for its weights. */
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define ISA "avx512-bf16"
+enum { VL = 16, ACCS = 16 };    /* of 32 registers */
+typedef __m512 V;
+typedef __m512bh P;            /* 32 bf16: the hardware multiplies pairs of them */
+
+static inline __mmask16 first16(int n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
+static inline __mmask32 first32(int n) { return n >= 32 ? ~0u : (__mmask32)((1u << n) - 1); }
+static inline V vzero(void) { return _mm512_setzero_ps(); }
+static inline V vset(float a) { return _mm512_set1_ps(a); }
+static inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+static inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+static inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+static inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+static inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+static inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }     /* a b + c */
+static inline V vfnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }   /* c - a b */
+static inline V vround(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline V vpow2(V p, V n) { return _mm512_scalef_ps(p, n); }             /* p 2^n */
+static inline float hsum(V a) { return _mm512_reduce_add_ps(a); }
+static inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
+static inline V first(V a, int n, float fill) {   /* a's first n numbers, then fill */
+  return _mm512_mask_mov_ps(vset(fill), first16(n), a);
 }
-
-/* 32 weights of the packed stream at element i (16 outputs' pair of inputs) as bf16: as they are,
-   or int8 ones widened (exactly: every integer of int8 is a bf16). */
-static inline __m512bh weights32(const void *w, long i, const int int8) {
-  if (!int8) return (__m512bh)_mm512_loadu_si512((const bf16 *)w + i);
-  __m256i q = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + i));
+static inline V loadf(const float *p, int n) { return _mm512_maskz_loadu_ps(first16(n), p); }
+static inline void storef(float *p, int n, V a) { _mm512_mask_storeu_ps(p, first16(n), a); }
+static inline V from_bits(__m256i b) {   /* 16 bf16 -> fp32: each the top half of its fp32 */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+static inline V widen(const bf16 *p, int n) {
+  return from_bits(_mm256_maskz_loadu_epi16(first16(n), p));
+}
+static inline void narrow(bf16 *p, int n, V a) {   /* to bf16: round to nearest even */
+  _mm256_mask_storeu_epi16(p, first16(n), (__m256i)_mm512_cvtneps_pbh(a));
+}
+/* fp32 -> bf16 -> fp32: one rounding, as a bf16 tensor holds it */
+static inline V round16(V a) { return from_bits((__m256i)_mm512_cvtneps_pbh(a)); }
+static inline P pairs_all(const bf16 *p) { return (P)_mm512_loadu_si512(p); }
+static inline P pairs(const bf16 *p, int n) { return (P)_mm512_maskz_loadu_epi16(first32(n), p); }
+static inline P pairs_int8(const int8_t *p) {   /* every integer of int8 is a bf16: exact */
+  __m256i q = _mm256_loadu_si256((const __m256i *)p);
   __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
   __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);                       /* lo's 16 numbers first, then hi's */
+  return _mm512_cvtne2ps_pbh(hi, lo);                        /* lo's 16 numbers first, then hi's */
 }
-
-/* rows x[0..m) times the two blocks starting at output n0, written to y (row stride N). */
-static inline __attribute__((always_inline)) void tile(
-    const bf16 *x, const int m, int K, const void *w, const int int8, const float *scale, int n0, int N,
-    const bf16 *bias, const bf16 *add, bf16 *y) {
-  __m512 acc[ROWS][BLOCKS];
-  for (int r = 0; r < m; r++)
-    for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();
-  for (int k = 0; k < K; k += 2) {
-    __m512bh wk[BLOCKS];
-    for (int b = 0; b < BLOCKS; b++) {
-      long i = (long)n0 * K + ((long)b * K + k) * 16;       /* block b's pair k */
-      _mm_prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2), _MM_HINT_T0);  /* 1024 weights ahead */
-      wk[b] = weights32(w, i, int8);
-    }
-    for (int r = 0; r < m; r++) {
-      __m512bh xk = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (long)r * K + k));  /* x[r, k:k+2] */
-      for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xk, wk[b]);
-    }
-  }
-  for (int r = 0; r < m; r++)
-    for (int b = 0; b < BLOCKS; b++) {
-      int n = n0 + 16 * b;
-      if (n >= N) break;
-      __mmask16 keep = N - n >= 16 ? 0xffff : (__mmask16)((1u << (N - n)) - 1);   /* the last block's outputs */
-      __m512 v = acc[r][b];
-      if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(keep, scale + n));
-      if (bias) v = _mm512_add_ps(v, widen(keep, bias + n));
-      if (add) v = _mm512_add_ps(v, widen(keep, add + (long)r * N + n));
-      _mm256_mask_storeu_epi16(y + (long)r * N + n, keep, (__m256i)_mm512_cvtneps_pbh(v));
-    }
+static inline P pair_bcast(const bf16 *p) {   /* p[0], p[1] as every pair */
+  int32_t b;
+  memcpy(&b, p, 4);
+  return (P)_mm512_set1_epi32(b);
 }
-
-/* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros): bf16,
-   or int8 where scale (N,) is given, the weight then being scale[n] * w[n, :] (kernels.int8_weight);
-   K even; bias (N,) and add (M, N) may be NULL. The outputs are shared out among the threads,
-   each block of 32 read once. */
-void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N, const bf16 *bias,
-                 const bf16 *add, bf16 *y) {
-  #pragma omp parallel for schedule(static)
-  for (int n0 = 0; n0 < N; n0 += 16 * BLOCKS)
-    for (int r0 = 0; r0 < M; r0 += ROWS) {
-      const bf16 *xr = x + (long)r0 * K, *ar = add ? add + (long)r0 * N : 0;
-      bf16 *yr = y + (long)r0 * N;
-      int m = M - r0 < ROWS ? M - r0 : ROWS;
-#define TILE(m) (scale ? tile(xr, m, K, w, 1, scale, n0, N, bias, ar, yr) : tile(xr, m, K, w, 0, NULL, n0, N, bias, ar, yr))
-      switch (m) {   /* m and the weights' type known when compiled: the accumulators in registers */
-        case 1: TILE(1); break;
-        case 2: TILE(2); break;
-        case 3: TILE(3); break;
-        case 4: TILE(4); break;
-        case 5: TILE(5); break;
-        case 6: TILE(6); break;
-        case 7: TILE(7); break;
-        default: TILE(8); break;
-      }
-#undef TILE
-    }
+static inline V dot2(V acc, P a, P b) { return _mm512_dpbf16_ps(acc, a, b); }
+/* 2 VL bf16 as their even-numbered and odd-numbered halves, and back, rounded */
+static inline void halves(const bf16 *p, int n, V *even, V *odd) {
+  __m512i pair = _mm512_maskz_loadu_epi16(first32(n), p);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));
 }
-
-/* Attention for a few queries in C: the twin of model.attend for bf16 on a CPU, one batch row.
-
-   Each query is computed alone: its visible keys are listed in order first, then scores, their
-   softmax and the weighted sum of values run over that list in the same order whatever the mask
-   or the other queries are. A tree's node therefore gets the bits plain decoding gets at the same
-   place (same keys, same order), which SDPA, whose kernel depends on the number of queries and the
-   mask, does not give. Scores and sums in fp32, the output rounded to bf16 once. */
-
-static inline __m512 exp16(__m512 x) {   /* e^x, 16 at a time: 2^n e^r, |r| <= ln2/2, degree-6 polynomial */
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+static inline void store_halves(bf16 *p, int n, V even, V odd) {
+  __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  __m512i e = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(even));
+  __m512i o = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(odd));
+  _mm512_mask_storeu_epi16(p, first32(n), _mm512_permutex2var_epi16(e, order, o));
 }
-
-static inline __mmask16 lanes(int c, int Dh) {   /* the lanes of chunk c (16 numbers) inside Dh */
-  return 16 * (c + 1) <= Dh ? 0xffff : (__mmask16)((1u << (Dh - 16 * c)) - 1);
-}
-
-static inline __mmask32 lanes32(int c, int Dh) {   /* the bf16 lanes of chunk c (32 numbers) inside Dh */
-  return 32 * (c + 1) <= Dh ? 0xffffffffu : (__mmask32)((1u << (Dh - 32 * c)) - 1);
-}
-
 /* r[i] = the sum of v[i]'s 16 numbers, for 16 vectors at once: a fixed tree of shuffles and adds
    (a quarter of the work of 16 horizontal sums). */
-static inline __m512 sum16(const __m512 v[16]) {
+static inline V sums(const V v[16]) {
   __m512 w[8], x[4], z[2];
   for (int i = 0; i < 8; i++)        /* per 128 bits: v2i's pair sums, v2i+1's, interleaved */
     w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -153,63 +125,356 @@ static inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+/* a macro: GCC drops a function whose only effect is a prefetch */
+#define prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
-/* query t of head h: y[t, h] (row stride H Dh). keys, p: scratch for S ints and S + 16 floats.
-   Scores: AVX512-BF16 dot products of q with 16 keys, summed across lanes by sum16. Values: a
-   bf16 pair read as one 32-bit lane is two fp32 numbers, its high half masked (odd dimension)
-   and shifted up (even): accumulated apart, interleaved back at the end. Every sum runs over the
-   visible keys in their order, so a query's result does not depend on the others. */
-static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
-                       const uint8_t *mask, float scale, bf16 *y, int h, int t, int *keys, float *p) {
-  int g = h / (H / Hkv), n = 0, chunks = (Dh + 31) / 32;
+#elif defined(__AVX2__) && defined(__FMA__)
+/* No bf16 arithmetic: bf16 widened to fp32 by a shift, fp32 fused multiply-adds, 8 lanes. P is
+   two fp32 vectors, the pairs' first numbers and their second: dot2 is two multiply-adds. */
+#include <immintrin.h>
+#define ISA "avx2"
+enum { VL = 8, ACCS = 8 };      /* of 16 registers */
+typedef __m256 V;
+typedef struct { __m256 even, odd; } P;
+
+static inline V vzero(void) { return _mm256_setzero_ps(); }
+static inline V vset(float a) { return _mm256_set1_ps(a); }
+static inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+static inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+static inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+static inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+static inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline V vfnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline V vround(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline V vpow2(V p, V n) {   /* p 2^n: n added to p's exponent (exp_ keeps it in range) */
+  __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
+}
+static inline float hsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float hmax(V a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline V first(V a, int n, float fill) {
+  __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_blendv_ps(vset(fill), a, _mm256_castsi256_ps(in));
+}
+static inline V loadf_all(const float *p) { return _mm256_loadu_ps(p); }
+static inline void storef_all(float *p, V a) { _mm256_storeu_ps(p, a); }
+static inline V widen_all(const bf16 *p) {   /* 8 bf16 -> fp32: each the top half of its fp32 */
+  __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+}
+static inline __m256i bf16_bits(V a) {   /* each lane's bf16, rounded to nearest even */
+  __m256i b = _mm256_castps_si256(a), one = _mm256_set1_epi32(1);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);              /* ties go to even */
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, odd), _mm256_set1_epi32(0x7fff));
+  r = _mm256_srli_epi32(r, 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);                 /* NaN stays NaN */
+}
+static inline void narrow_all(bf16 *p, V a) {
+  __m256i b = bf16_bits(a);   /* the 8 low halves, packed */
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128((__m128i *)p, packed);
+}
+static inline V round16(V a) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a), 16)); }
+static inline P split(__m256i pair) {   /* 8 pairs of bf16 -> their first numbers, their second */
+  return (P){_mm256_castsi256_ps(_mm256_slli_epi32(pair, 16)),
+             _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32((int)0xffff0000u)))};
+}
+static inline P pairs_all(const bf16 *p) { return split(_mm256_loadu_si256((const __m256i *)p)); }
+static inline P pairs_int8(const int8_t *p) {   /* 16 int8 as 8 pairs of int16, then fp32 */
+  __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+  __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(q, 16), 16), odd = _mm256_srai_epi32(q, 16);
+  return (P){_mm256_cvtepi32_ps(even), _mm256_cvtepi32_ps(odd)};
+}
+static inline P pair_bcast(const bf16 *p) {
+  int32_t b;
+  memcpy(&b, p, 4);
+  return split(_mm256_set1_epi32(b));
+}
+static inline V dot2(V acc, P a, P b) {   /* the first numbers of the pairs, then the second */
+  return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, acc));
+}
+static inline void store_halves_all(bf16 *p, V even, V odd) {
+  __m256i b = _mm256_or_si256(bf16_bits(even), _mm256_slli_epi32(bf16_bits(odd), 16));
+  _mm256_storeu_si256((__m256i *)p, b);
+}
+static inline V sums(const V v[8]) {   /* r[i] = the sum of v[i]'s 8 numbers: a fixed tree */
+  __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#define prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+/* As AVX2's, 4 lanes: bf16 widened by a shift, fp32 fused multiply-adds. */
+#include <arm_neon.h>
+#define ISA "neon"
+enum { VL = 4, ACCS = 24 };     /* of 32 registers */
+typedef float32x4_t V;
+typedef struct { float32x4_t even, odd; } P;
+
+static inline V vzero(void) { return vdupq_n_f32(0); }
+static inline V vset(float a) { return vdupq_n_f32(a); }
+static inline V vadd(V a, V b) { return vaddq_f32(a, b); }
+static inline V vsub(V a, V b) { return vsubq_f32(a, b); }
+static inline V vmul(V a, V b) { return vmulq_f32(a, b); }
+static inline V vdiv(V a, V b) { return vdivq_f32(a, b); }
+static inline V vmax(V a, V b) { return vmaxq_f32(a, b); }
+static inline V vfma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
+static inline V vfnma(V a, V b, V c) { return vfmsq_f32(c, a, b); }
+static inline V vround(V a) { return vrndnq_f32(a); }
+static inline V vpow2(V p, V n) {
+  int32x4_t exponent = vshlq_n_s32(vcvtq_s32_f32(n), 23);
+  return vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_f32(p), exponent));
+}
+static inline float hsum(V a) { return vaddvq_f32(a); }
+static inline float hmax(V a) { return vmaxvq_f32(a); }
+static inline V first(V a, int n, float fill) {
+  const int32_t lane[4] = {0, 1, 2, 3};
+  return vbslq_f32(vcltq_s32(vld1q_s32(lane), vdupq_n_s32(n)), a, vset(fill));
+}
+static inline V loadf_all(const float *p) { return vld1q_f32(p); }
+static inline void storef_all(float *p, V a) { vst1q_f32(p, a); }
+static inline V widen_all(const bf16 *p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+static inline uint32x4_t bf16_bits(V a) {   /* each lane's bf16, rounded to nearest even */
+  uint32x4_t b = vreinterpretq_u32_f32(a), odd = vandq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(1));
+  uint32x4_t r = vshrq_n_u32(vaddq_u32(b, vaddq_u32(odd, vdupq_n_u32(0x7fff))), 16);
+  return vbslq_u32(vceqq_f32(a, a), r, vdupq_n_u32(0x7fc0));                   /* NaN stays NaN */
+}
+static inline void narrow_all(bf16 *p, V a) { vst1_u16(p, vmovn_u32(bf16_bits(a))); }
+static inline V round16(V a) { return vreinterpretq_f32_u32(vshlq_n_u32(bf16_bits(a), 16)); }
+static inline P split(uint32x4_t pair) {
+  uint32x4_t even = vshlq_n_u32(pair, 16), odd = vandq_u32(pair, vdupq_n_u32(0xffff0000u));
+  return (P){vreinterpretq_f32_u32(even), vreinterpretq_f32_u32(odd)};
+}
+static inline P pairs_all(const bf16 *p) { return split(vreinterpretq_u32_u16(vld1q_u16(p))); }
+static inline P pairs_int8(const int8_t *p) {
+  int32x4_t q = vreinterpretq_s32_s16(vmovl_s8(vld1_s8(p)));
+  return (P){vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(q, 16), 16)), vcvtq_f32_s32(vshrq_n_s32(q, 16))};
+}
+static inline P pair_bcast(const bf16 *p) {
+  uint32_t b;
+  memcpy(&b, p, 4);
+  return split(vdupq_n_u32(b));
+}
+static inline V dot2(V acc, P a, P b) {
+  return vfmaq_f32(vfmaq_f32(acc, a.even, b.even), a.odd, b.odd);
+}
+static inline void store_halves_all(bf16 *p, V even, V odd) {
+  vst1q_u16(p, vreinterpretq_u16_u32(vorrq_u32(bf16_bits(even), vshlq_n_u32(bf16_bits(odd), 16))));
+}
+static inline V sums(const V v[4]) {
+  return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+}
+#define prefetch(p) __builtin_prefetch(p)
+
+#else
+#error "kernels.c needs AVX512-BF16, AVX2 with FMA, or NEON on aarch64"
+#endif
+
+#if !defined(__AVX512BF16__)
+/* Loads and stores of n < VL numbers, through a vector's worth of scratch (AVX512 masks them). */
+static inline V loadf(const float *p, int n) {
+  if (n >= VL) return loadf_all(p);
+  float t[VL] = {0};
+  memcpy(t, p, sizeof(float) * n);
+  return loadf_all(t);
+}
+static inline void storef(float *p, int n, V a) {
+  if (n >= VL) { storef_all(p, a); return; }
+  float t[VL];
+  storef_all(t, a);
+  memcpy(p, t, sizeof(float) * n);
+}
+static inline V widen(const bf16 *p, int n) {
+  if (n >= VL) return widen_all(p);
+  bf16 t[VL] = {0};
+  memcpy(t, p, sizeof(bf16) * n);
+  return widen_all(t);
+}
+static inline void narrow(bf16 *p, int n, V a) {
+  if (n >= VL) { narrow_all(p, a); return; }
+  bf16 t[VL];
+  narrow_all(t, a);
+  memcpy(p, t, sizeof(bf16) * n);
+}
+static inline P pairs(const bf16 *p, int n) {
+  if (n >= 2 * VL) return pairs_all(p);
+  bf16 t[2 * VL] = {0};
+  memcpy(t, p, sizeof(bf16) * n);
+  return pairs_all(t);
+}
+static inline void halves(const bf16 *p, int n, V *even, V *odd) {
+  P h = pairs(p, n);
+  *even = h.even, *odd = h.odd;
+}
+static inline void store_halves(bf16 *p, int n, V even, V odd) {
+  if (n >= 2 * VL) { store_halves_all(p, even, odd); return; }
+  bf16 t[2 * VL];
+  store_halves_all(t, even, odd);
+  memcpy(p, t, sizeof(bf16) * n);
+}
+#endif
+
+const char *kernels_isa(void) { return ISA; }   /* which of the paths above this build runs */
+
+/* --- the product of a few rows --------------------------------------------------------------- */
+
+enum { BLOCK = 16, PER = BLOCK / VL, ROWS = 8 };   /* a packed block's outputs, its vectors; rows */
+
+/* rows x[0..m) times the nb blocks starting at output n0, written to y (row stride N). The
+   accumulators acc[r][v] stay in registers: m and nb are constants where this is inlined. */
+static inline __attribute__((always_inline)) void tile(
+    const bf16 *x, const int m, const int nb, int K, const void *w, const int int8,
+    const float *scale, int n0, int N, const bf16 *bias, const bf16 *add, bf16 *y) {
+  V acc[ROWS][2 * PER];
+  const int nv = nb * PER;
+  for (int r = 0; r < m; r++)
+    for (int v = 0; v < nv; v++) acc[r][v] = vzero();
+  for (int k = 0; k < K; k += 2) {
+    P wk[2 * PER];
+    for (int v = 0; v < nv; v++) {                   /* block v / PER's pair k, its part v % PER */
+      long i = ((long)n0 + BLOCK * (v / PER)) * K + (long)k * BLOCK + 2 * VL * (v % PER);
+      if (v % PER == 0) prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2));   /* 1024 ahead */
+      wk[v] = int8 ? pairs_int8((const int8_t *)w + i) : pairs_all((const bf16 *)w + i);
+    }
+    for (int r = 0; r < m; r++) {
+      P xk = pair_bcast(x + (long)r * K + k);                 /* x[r, k:k+2] */
+      for (int v = 0; v < nv; v++) acc[r][v] = dot2(acc[r][v], xk, wk[v]);
+    }
+  }
+  for (int r = 0; r < m; r++)
+    for (int v = 0; v < nv; v++) {
+      int n = n0 + BLOCK * (v / PER) + VL * (v % PER), kept = N - n < VL ? N - n : VL;
+      if (kept <= 0) break;                                   /* past the last output */
+      V s = acc[r][v];
+      if (scale) s = vmul(s, loadf(scale + n, kept));
+      if (bias) s = vadd(s, widen(bias + n, kept));
+      if (add) s = vadd(s, widen(add + (long)r * N + n, kept));
+      narrow(y + (long)r * N + n, kept, s);
+    }
+}
+
+/* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros): bf16,
+   or int8 where scale (N,) is given, the weight then being scale[n] * w[n, :] (kernels.int8_weight);
+   K even; bias (N,) and add (M, N) may be NULL. The threads share out the outputs, 32 at a time;
+   each group of 32 is read from memory once, by up to 8 rows at a time, then from the caches. */
+void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N, const bf16 *bias,
+                 const bf16 *add, bf16 *y) {
+  #pragma omp parallel for schedule(static)
+  for (int n0 = 0; n0 < N; n0 += 2 * BLOCK)
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+      const bf16 *xr = x + (long)r0 * K, *ar = add ? add + (long)r0 * N : 0;
+      bf16 *yr = y + (long)r0 * N;
+      int m = M - r0 < ROWS ? M - r0 : ROWS;
+/* m rows over both blocks: together where their accumulators fit in ACCS registers, else in turn */
+#define NB(m) (2 * (m) * PER <= ACCS ? 2 : 1)
+#define TILE(m) for (int b = 0; b < 2; b += NB(m)) {                                          \
+        if (scale) tile(xr, m, NB(m), K, w, 1, scale, n0 + BLOCK * b, N, bias, ar, yr);      \
+        else tile(xr, m, NB(m), K, w, 0, NULL, n0 + BLOCK * b, N, bias, ar, yr);             \
+      }
+      switch (m) {   /* m, nb, the weights' type known when compiled: accumulators in registers */
+        case 1: TILE(1); break;
+        case 2: TILE(2); break;
+        case 3: TILE(3); break;
+        case 4: TILE(4); break;
+        case 5: TILE(5); break;
+        case 6: TILE(6); break;
+        case 7: TILE(7); break;
+        default: TILE(8); break;
+      }
+#undef TILE
+#undef NB
+    }
+}
+
+/* --- attention ---------------------------------------------------------------------------------
+   The attention of a few queries: the twin of model.attend for bf16 on a CPU, one batch row.
+
+   Each query is computed alone: its visible keys are listed in order first, then scores, their
+   softmax and the weighted sum of values run over that list in the same order whatever the mask
+   or the other queries are. A tree's node therefore gets the bits plain decoding gets at the same
+   place (same keys, same order), which SDPA, whose kernel depends on the number of queries and the
+   mask, does not give. Scores and sums in fp32, the output rounded to bf16 once. */
+
+static inline V exp_(V x) {   /* e^x: 2^n e^r, |r| <= ln2/2, degree-6 polynomial */
+  x = vmax(x, vset(-87.f));
+  V n = vround(vmul(x, vset(1.44269504f)));
+  V r = vfnma(n, vset(0.693145752f), x);
+  r = vfnma(n, vset(1.42860677e-6f), r);
+  V p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  return vpow2(p, n);
+}
+
+/* even, odd += weight times a value row's 2 VL numbers from vj (n of them): its even-numbered ones
+   and its odd-numbered ones. */
+static inline void weigh(const bf16 *vj, int n, float weight, V *even, V *odd) {
+  V ev, od;
+  halves(vj, n, &ev, &od);
+  *even = vfma(vset(weight), ev, *even);
+  *odd = vfma(vset(weight), od, *odd);
+}
+
+/* query t of head h: y[t, h] (row stride H Dh), over its n visible keys, in order (keys). p:
+   scratch for n + VL floats. Scores: dot2 of q with VL keys at a time, summed across lanes by sums(). Values: each pair of
+   a value row's numbers split into its first (even dimension) and second (odd), accumulated apart
+   and put back in order at the end. Every sum runs over the visible keys in their order, so a
+   query's result does not depend on the others. */
+static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, long head,
+                       const int *keys, int n, float scale, bf16 *y, int h, int t, float *p) {
+  enum { CHUNKS = 256 / (2 * VL) };                      /* 2 VL numbers of a head (Dh <= 256) */
+  int g = h / (H / Hkv), chunks = (Dh + 2 * VL - 1) / (2 * VL);
   const bf16 *kh = k + g * head, *vh = v + g * head;
-  for (int s = 0; s < S; s++)
-    if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
-  __m512bh qv[8];
-  for (int c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(lanes32(c, Dh), q + ((long)h * T + t) * Dh + 32 * c);
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int j0 = 0; j0 < n; j0 += 16) {                    /* scores, 16 keys at a time */
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) {
-      acc[i] = _mm512_setzero_ps();
-      if (j0 + i >= n) continue;
-      const bf16 *kj = kh + (long)keys[j0 + i] * Dh;
-      for (int c = 0; c < chunks; c++)
-        acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(lanes32(c, Dh), kj + 32 * c));
+  P qv[CHUNKS];
+  const bf16 *qt = q + ((long)h * T + t) * Dh;
+  for (int c = 0; c < chunks; c++) qv[c] = pairs(qt + 2 * VL * c, Dh - 2 * VL * c);
+  V top = vset(-INFINITY);
+  for (int j0 = 0; j0 < n; j0 += VL) {                    /* scores, VL keys at a time */
+    const bf16 *kj[VL];
+    V acc[VL];
+    for (int i = 0; i < VL; i++) {                        /* past the last key, any key: dropped below */
+      kj[i] = kh + (long)keys[j0 + i < n ? j0 + i : j0] * Dh;
+      acc[i] = vzero();
     }
-    __mmask16 in = n - j0 >= 16 ? 0xffff : (__mmask16)((1u << (n - j0)) - 1);
-    __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(p + j0, in, sc);
-    top = _mm512_mask_max_ps(top, in, top, sc);
+    for (int c = 0; c < chunks; c++)                      /* the VL keys side by side: VL sums in flight */
+      for (int i = 0; i < VL; i++) acc[i] = dot2(acc[i], qv[c], pairs(kj[i] + 2 * VL * c, Dh - 2 * VL * c));
+    V sc = first(vmul(sums(acc), vset(scale)), n - j0, -INFINITY);
+    storef(p + j0, n - j0, sc);
+    top = vmax(top, sc);
   }
-  __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
-  for (int j = 0; j < n; j += 16) {                       /* e^(score - max), 16 keys at a time */
-    __mmask16 in = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-    __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), most)));
-    _mm512_mask_storeu_ps(p + j, in, e);
-    total = _mm512_add_ps(total, e);
+  V most = vset(hmax(top)), total = vzero();
+  for (int j = 0; j < n; j += VL) {                       /* e^(score - max), VL keys at a time */
+    V e = first(exp_(vsub(loadf(p + j, n - j), most)), n - j, 0);
+    storef(p + j, n - j, e);
+    total = vadd(total, e);
   }
-  __m512 even[2][8], odd[2][8];
-  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-  for (int c = 0; c < chunks; c++) even[0][c] = odd[0][c] = even[1][c] = odd[1][c] = _mm512_setzero_ps();
-  for (int j = 0; j < n; j++) {                           /* the values, weighed */
-    const bf16 *vj = vh + (long)keys[j] * Dh;
-    __m512 pj = _mm512_set1_ps(p[j]);
-    int a = j & 1;                                        /* two sums, alternate keys: twice the multiply-adds in flight */
-    for (int c = 0; c < chunks; c++) {
-      __m512i pair = _mm512_maskz_loadu_epi16(lanes32(c, Dh), vj + 32 * c);
-      even[a][c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), even[a][c]);
-      odd[a][c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(pair, high)), odd[a][c]);
-    }
-  }
-  for (int c = 0; c < chunks; c++) even[0][c] = _mm512_add_ps(even[0][c], even[1][c]), odd[0][c] = _mm512_add_ps(odd[0][c], odd[1][c]);
-  __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);   /* even 0, odd 0, even 1, ... */
-  for (int c = 0; c < chunks; c++) {
-    __m512i e = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(even[0][c], inv)));
-    __m512i o = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(odd[0][c], inv)));
-    _mm512_mask_storeu_epi16(y + ((long)t * H + h) * Dh + 32 * c, lanes32(c, Dh), _mm512_permutex2var_epi16(e, order, o));
+  V inv = vset(1.f / hsum(total));
+  for (int c = 0; c < chunks; c++) {                      /* the values, weighed: 2 VL numbers a pass */
+    const bf16 *vc = vh + 2 * VL * c;
+    int j = 0, kept = Dh - 2 * VL * c;
+    V even[2] = {vzero(), vzero()}, odd[2] = {vzero(), vzero()};
+    for (; j + 1 < n; j += 2)                             /* two sums, alternate keys: twice as many in flight */
+      for (int a = 0; a < 2; a++) weigh(vc + (long)keys[j + a] * Dh, kept, p[j + a], &even[a], &odd[a]);
+    if (j < n) weigh(vc + (long)keys[j] * Dh, kept, p[j], &even[0], &odd[0]);
+    store_halves(y + ((long)t * H + h) * Dh + 2 * VL * c, kept,
+                 vmul(vadd(even[0], even[1]), inv), vmul(vadd(odd[0], odd[1]), inv));
   }
 }
 
@@ -223,21 +488,32 @@ int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *
   #pragma omp parallel
   {
     int *keys = malloc(sizeof(int) * S);
-    float *p = malloc(sizeof(float) * (S + 16));
+    float *p = malloc(sizeof(float) * (S + VL));
     if (!keys || !p) {
       #pragma omp atomic write
       failed = 1;
     }
+    int listed = -1, n = 0;                               /* the query whose visible keys are listed */
     #pragma omp for schedule(static)
-    for (int ht = 0; ht < H * T; ht++)
-      if (keys && p) attend_one(q, H, T, Dh, k, v, Hkv, S, head, mask, scale, y, ht / T, ht % T, keys, p);
+    for (int th = 0; th < T * H; th++) {
+      int t = th / H, h = th % H;
+      if (!keys || !p) continue;
+      if (t != listed) {                                  /* query t's visible keys, in order */
+        n = 0;
+        for (int s = 0; s < S; s++)
+          if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
+        listed = t;
+      }
+      attend_one(q, H, T, Dh, k, v, Hkv, head, keys, n, scale, y, h, t, p);
+    }
     free(keys);
     free(p);
   }
   return failed ? -1 : 0;
 }
 
-/* One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of one sequence in
+/* --- a decoder layer ---------------------------------------------------------------------------
+   One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of one sequence in
    bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v biases and
    Qwen3's q/k norms.
    One call a layer instead of some forty PyTorch operations, each a trip through its dispatcher:
@@ -245,55 +521,42 @@ int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *
    readable layer is here, in its order, rounded to bf16 where it rounds, and every row is
    computed alone, as above. */
 
-static inline __m512 round16(__m512 v) {   /* fp32 -> bf16 -> fp32: one rounding, as a bf16 tensor holds it */
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-static inline void store16(bf16 *p, __mmask16 keep, __m512 v) {
-  _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 /* y (T, D) = model.RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), each row alone. */
 static void rms_norm(const bf16 *x, int T, int D, const bf16 *weight, float eps, bf16 *y) {
   for (int t = 0; t < T; t++) {
     const bf16 *xt = x + (long)t * D;
-    __m512 ss = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) {
-      __m512 v = widen(lanes(d / 16, D), xt + d);
-      ss = _mm512_fmadd_ps(v, v, ss);
+    V ss = vzero();
+    for (int d = 0; d < D; d += VL) {
+      V a = widen(xt + d, D - d);
+      ss = vfma(a, a, ss);
     }
-    __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / D + eps));
-    for (int d = 0; d < D; d += 16) {
-      __mmask16 keep = lanes(d / 16, D);
-      store16(y + (long)t * D + d, keep, _mm512_mul_ps(widen(keep, weight + d), round16(_mm512_mul_ps(widen(keep, xt + d), r))));
+    V r = vset(1.f / sqrtf(hsum(ss) / D + eps));
+    for (int d = 0; d < D; d += VL) {
+      V normed = round16(vmul(widen(xt + d, D - d), r));
+      narrow(y + (long)t * D + d, D - d, vmul(widen(weight + d, D - d), normed));
     }
   }
 }
 
 /* model.apply_rope on one head's row x (Dh): x cos + rotate_half(x) sin, rounded as bf16 tensors
    round each product and the sum; written to out. rotate_half(x)[d] = -x[d + Dh/2] in the first
-   half, x[d - Dh/2] in the second. */
+   half, x[d - Dh/2] in the second: each chunk of the first half and its partner in the second. */
 static void rope_row(const bf16 *x, const bf16 *cos, const bf16 *sin, int Dh, bf16 *out) {
   int half = Dh / 2;
-  if (half % 16 == 0) {   /* whole chunks of 16 in each half */
-    for (int d = 0; d < Dh; d += 16) {
-      __m512 rot = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), widen(0xffff, x + d + half)) : widen(0xffff, x + d - half);
-      __m512 a = round16(_mm512_mul_ps(widen(0xffff, x + d), widen(0xffff, cos + d)));
-      __m512 b = round16(_mm512_mul_ps(rot, widen(0xffff, sin + d)));
-      store16(out + d, 0xffff, _mm512_add_ps(a, b));
-    }
-    return;
-  }
-  for (int d = 0; d < Dh; d++) {   /* the same, one number at a time */
-    float xd = widen(1, x + d)[0], c = widen(1, cos + d)[0], s = widen(1, sin + d)[0];
-    float rot = d < half ? -widen(1, x + d + half)[0] : widen(1, x + d - half)[0];
-    float a = round16(_mm512_set1_ps(xd * c))[0], b = round16(_mm512_set1_ps(rot * s))[0];
-    store16(out + d, 1, _mm512_set1_ps(a + b));
+  for (int d = 0; d < half; d += VL) {
+    int n = half - d;
+    V lo = widen(x + d, n), hi = widen(x + half + d, n);
+    V a = round16(vmul(lo, widen(cos + d, n)));
+    V b = round16(vmul(vsub(vzero(), hi), widen(sin + d, n)));
+    narrow(out + d, n, vadd(a, b));
+    a = round16(vmul(hi, widen(cos + half + d, n)));
+    b = round16(vmul(lo, widen(sin + half + d, n)));
+    narrow(out + half + d, n, vadd(a, b));
   }
 }
 
-static inline __m512 sigmoid16(__m512 x) {   /* 1 / (1 + e^-x) */
-  return _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+static inline V sigmoid(V x) {   /* 1 / (1 + e^-x) */
+  return vdiv(vset(1.f), vadd(vset(1.f), exp_(vsub(vzero(), x))));
 }
 
 /* The gated MLP's middle: act (T, F) = bf16(bf16(a(gate)) * up) for gu (T, 2F) = [gate | up]; a
@@ -301,12 +564,12 @@ static inline __m512 sigmoid16(__m512 x) {   /* 1 / (1 + e^-x) */
    0.044715 x^3)), which is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GeGLU: Gemma). */
 static void gated(const bf16 *gu, int T, int F, int gelu, bf16 *act) {
   for (int t = 0; t < T; t++)
-    for (int f = 0; f < F; f += 16) {
-      __mmask16 keep = lanes(f / 16, F);
-      __m512 g = widen(keep, gu + (long)t * 2 * F + f), u = widen(keep, gu + (long)t * 2 * F + F + f);
-      __m512 z = g;
-      if (gelu) z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216f), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-      store16(act + (long)t * F + f, keep, _mm512_mul_ps(round16(_mm512_mul_ps(g, sigmoid16(z))), u));
+    for (int f = 0; f < F; f += VL) {
+      int n = F - f;
+      V g = widen(gu + (long)t * 2 * F + f, n), u = widen(gu + (long)t * 2 * F + F + f, n);
+      V z = g;
+      if (gelu) z = vmul(vset(1.5957691216f), vfma(vmul(vset(0.044715f), g), vmul(g, g), g));
+      narrow(act + (long)t * F + f, n, vmul(round16(vmul(g, sigmoid(z))), u));
     }
 }
 

@@ -2,37 +2,49 @@
 The fast CPU paths, each the twin of a readable function or layer in model.py, heads.py or
 train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: use().
 
-    kernels.use(model)                   # the twins Kernels.choose() picks for the model's device and dtype
+    kernels.use(model)                   # the twins Kernels.choose() picks for the model's device
+                                         and dtype
     kernels.use(model, Kernels())        # back to the readable layers
     kernels.in_use(model)                # -> the Kernels in use
     loss = fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype)   # training's loss
-    kernels.sizes(device)                # batch and block sizes for the device (CPU: measured; GPU: guessed)
+    kernels.sizes(device)                # batch and block sizes for the device (CPU: measured; GPU:
+                                         guessed)
 
     readable                                        fast twin (here)
-    nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of the weight,
-                                                    kernels.c's for bf16 (NativeWeight), or an fp16, int8 or
+    nn.Linear                                       PackedLinear: through a oneDNN-prepacked copy of
+                                                    the weight,
+                                                    kernels.c's for bf16 (NativeWeight), or an fp16,
+                                                    int8 or
                                                     int4 one (quantize(): other numbers)
-    model.Attention.project: three products         FastAttention.project: one prepacked product for q, k, v, biases
-    model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for a batch;
-                                                    attend_native: kernels.c, a step or a tree in bf16
+    model.Attention.project: three products         FastAttention.project: one prepacked product for
+                                                    q, k, v, biases
+    model.attend: SDPA                              attend: fp32 SDPA for one query, two matmuls for
+                                                    a batch;
+                                                    attend_native: kernels.c, a step or a tree in
+                                                    bf16
     model.MLP.gate_up: two products                 FastMLP.gate_up: one prepacked product
-    model.RMSNorm: eight small ops                  FastRMSNorm: one layer norm (of [x, -x]), rms_norm()
-    model.apply_rope: on q, then on k               FastAttention.forward: q and k rotated at once, rope()
+    model.RMSNorm: eight small ops                  FastRMSNorm: one layer norm (of [x, -x]),
+                                                    rms_norm()
+    model.apply_rope: on q, then on k               FastAttention.forward: q and k rotated at once,
+                                                    rope()
     model.Block: x + o_proj(..), x + down_proj(..)  FastBlock: each residual add inside its product;
-                                                    block_native: kernels.c, the whole layer in one call
+                                                    block_native: kernels.c, the whole layer in one
+                                                    call
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
-    train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of rows
+    train.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of
+                                                    rows
 
 use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
 prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin replaces products
 (project, gate_up) and attend(); with Kernels.glue, also the small ops between the products
 (norms, rope, the q/k/v views, the residual adds), each a trip through PyTorch's dispatcher: most
 of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
-kernels.c (beside this file, compiled once per machine where the CPU has AVX512-BF16) holds three
-of them in C, for bf16: the product of a few rows, reading the weight once; the attention of a few
-queries; and a whole decoder layer built from them, one call instead of some forty PyTorch
-operations. Each computes every row alone, so in bf16 a tree's nodes get exactly what plain
-decoding gets: greedy speculative decoding is token-identical to plain greedy in bf16 too.
+kernels.c (beside this file, compiled once per machine for its CPU: AVX512-BF16, AVX2 or NEON;
+native_path()) holds three of them in C, for bf16: the product of a few rows, reading the weight
+once; the attention of a few queries; and a whole decoder layer built from them, one call instead
+of some forty PyTorch operations. Each computes every row alone, so in bf16 a tree's nodes get
+exactly what plain decoding gets: greedy speculative decoding is token-identical to plain greedy
+in bf16 too. Where it runs, bf16 runs through it, whether PyTorch's bf16 is native here or not.
 Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
 checkpoint.load and checkpoint.load_heads end with use(), so whatever loads a model or heads runs
 the twins.
@@ -46,12 +58,14 @@ Test: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens
 H query heads, Hkv key/value heads, Dh head size, D hidden, M predictions, V' head vocabulary,
 k teacher top-k, R rows of a block.
 """
+
 import ctypes
 import functools
 import hashlib
 import itertools
 import math
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -70,19 +84,31 @@ import model
 # F.linear on a few rows misses oneDNN's fast path, in bf16 and (through MKL) in fp32; oneDNN's
 # product on a weight reordered once into its blocked layout runs near the memory bandwidth. So on
 # every CPU the linear layers are prepacked (fp32, and bf16 where it is native), and the bf16
-# attention path is added where bf16 is native. The prepacked weights are a second copy of every
-# linear layer's weight, made only where it fits in free memory.
+# attention path is added where bf16 is native. Where kernels.c runs, every bf16 product, the
+# attention of a step and whole decoder layers go through it instead, bf16 native to oneDNN or not
+# (on AVX2, PyTorch's bf16 products are emulated: tens of times slower than fp32's). The prepacked
+# weights are a second copy of every linear layer's weight, made only where it fits in free memory.
+
 
 @dataclass(frozen=True)
 class Kernels:
-    attention: str = "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
-    packed: bool = False     # linear layers run through oneDNN-prepacked copies of their weights
-    quant: str = "none"      # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
-    glue: bool = False       # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
-    native: bool = False     # bf16 products through kernels.c (NativeWeight), not oneDNN
+    attention: str = (
+        "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
+    )
+    packed: bool = False  # linear layers run through oneDNN-prepacked copies of their weights
+    # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
+    quant: str = "none"
+    glue: bool = (
+        False  # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
+    )
+    native: bool = False  # bf16 products through kernels.c (NativeWeight), not oneDNN
 
     @property
-    def product(self) -> str:  # whose product the prepacked linears run: "fp16" (fbgemm), "c", "c-int8" (kernels.c) or "onednn"
+    def product(
+        self,
+        # whose product the prepacked linears run: "fp16" (fbgemm), "c", "c-int8" (kernels.c) or
+        # "onednn"
+    ) -> str:
         if self.quant == "fp16":
             return "fp16"
         if self.native:
@@ -97,14 +123,42 @@ class Kernels:
             return Kernels(attention="expanded-kv")
         if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return Kernels()
-        bf16_kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        if dtype == torch.bfloat16 and not bf16_kernels:
-            return Kernels()  # bf16 is emulated on this CPU: nothing here is faster
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-        packed = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                  and 2 * weight_bytes < free)
-        native = packed and dtype == torch.bfloat16 and native_library() is not None
-        return Kernels(attention="cpu-bf16" if dtype == torch.bfloat16 else "sdpa", packed=packed, glue=True, native=native)
+        bf16 = dtype == torch.bfloat16
+        native = bf16 and native_library() is not None
+        mkldnn = torch.backends.mkldnn
+        onednn = mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        if bf16 and not native and not (onednn and onednn_bf16()):
+            return Kernels()  # bf16 emulated here, and no kernels.c: nothing here is faster
+        free = (
+            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if hasattr(os, "sysconf")
+            else 0
+        )
+        fits = 2 * weight_bytes < free
+        return Kernels(
+            attention="cpu-bf16" if bf16 else "sdpa",
+            packed=fits and (native or onednn),
+            glue=True,
+            native=native and fits,
+        )
+
+
+@functools.cache
+def onednn_bf16():
+    """Whether oneDNN, PyTorch's CPU products, multiplies bf16 natively here (AVX512-BF16, AMX);
+    where not (AVX2), PyTorch's bf16 products are emulated, tens of times slower than fp32's
+    (pytorch/pytorch#146508)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pick_dtype(name, device, quantize="none"):
+    """--dtype for decoding: cli.pick_dtype's, but auto on a CPU is bf16 wherever a bf16 step is
+    fast (kernels.c runs, or oneDNN multiplies bf16 natively) and fp32 elsewhere, and under
+    --quantize fp16 (fp16 weights take fp32 rows)."""
+    if name == "auto" and torch.device(device).type == "cpu":
+        fast = native_library() is not None or onednn_bf16()
+        return torch.bfloat16 if fast and quantize != "fp16" else torch.float32
+    return cli.pick_dtype(name, device, quantize)
 
 
 # --- sizes of work, per device -------------------------------------------------------------------
@@ -113,10 +167,11 @@ class Kernels:
 # the time of fewer, so its sizes are larger: guesses, not measured (no GPU has run this code yet);
 # bench on one and set them here.
 
+
 @dataclass(frozen=True)
 class Sizes:
-    gen_batch: int   # rows train.py's data stage decodes together (--gen-batch 0)
-    loss_rows: int   # rows in a block of FusedHeadLoss; a CPU's block of logits stays in its caches
+    gen_batch: int  # rows train.py's data stage decodes together (--gen-batch 0)
+    loss_rows: int  # rows in a block of FusedHeadLoss; a CPU's block of logits stays in its caches
 
 
 def sizes(device) -> Sizes:
@@ -127,55 +182,179 @@ def sizes(device) -> Sizes:
 
 
 # --- linear layers: kernels.c's product, for bf16 ------------------------------------------------
-# kernels.c multiplies a few bf16 rows by a weight it reads once, with AVX512-BF16's dot product:
-# from 1 to 64 rows faster than oneDNN's prepacked product, and a row's result the same bits
-# whatever rows share the call (results/kernels-cpu.md). It is compiled here once per machine into
-# the cache folder (about a second), and skipped where it cannot be: another CPU, no C compiler.
+# kernels.c multiplies a few bf16 rows by a weight it reads once: from 1 to 64 rows faster than
+# oneDNN's prepacked product, and a row's result the same bits whatever rows share the call
+# (results/kernels-cpu.md). Its paths, one per instruction set: AVX512-BF16 (bf16 pairs multiplied
+# in hardware), AVX2 with FMA (bf16 widened to fp32 by a shift in registers; where PyTorch's own
+# bf16 products are emulated, tens of times slower than fp32's) and NEON (64-bit ARM). The best
+# path this CPU runs is compiled here once per machine into the cache folder (about a second);
+# SPECDEC_KERNELS=avx512-bf16|avx2|neon|off forces one (SPECDEC_NO_C=1 is off). Where none runs
+# (another CPU, no C compiler), PyTorch's kernels do; native_reason() says why.
 
 # -ffp-contract=off: the arithmetic as written, no multiply and add fused where the compiler finds
 # them (it would differ between the code compiled for 1 row and for 8, and so would a row's bits).
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
-CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
-
-
-def cpu_has(flag):
-    """Whether this CPU lists `flag` (Linux's /proc/cpuinfo; elsewhere: no)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:  # not Linux
-        return False
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+PATHS = {  # best first: the CPU features a path needs (as /proc/cpuinfo names them), its flags
+    "avx512-bf16": (
+        {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+    ),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    "neon": (set(), []),  # every 64-bit ARM CPU has it, and its compilers' default targets it
+}
+ARM = ("aarch64", "arm64")
 
 
 @functools.cache
-def native_library():
-    """kernels.c compiled for this machine and loaded (ctypes), or None where this CPU lacks
-    AVX512-BF16 or no C compiler builds it (then the products stay oneDNN's, with one notice)."""
-    if not cpu_has("avx512_bf16") or os.environ.get("SPECDEC_NO_C") == "1":
-        return None
+def cpu_flags():
+    """This CPU's features as Linux's /proc/cpuinfo lists them (x86's flags, ARM's Features);
+    none elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:  # not Linux
+        pass
+    return frozenset()
+
+
+def runnable_paths():
+    """The kernels.c paths this CPU executes, best first."""
+    arm = platform.machine().lower() in ARM
+    return [
+        path
+        for path, (needs, _) in PATHS.items()
+        if (path == "neon") == arm and needs <= cpu_flags()
+    ]
+
+
+def forced_path():
+    """SPECDEC_KERNELS's path ("" where unset; SPECDEC_NO_C=1 is "off")."""
+    if os.environ.get("SPECDEC_NO_C") == "1":
+        return "off"
+    return os.environ.get("SPECDEC_KERNELS", "").strip().lower()
+
+
+def native_choice():
+    """(the kernels.c path to run, None) or (None, why none, in one line): the forced path where
+    this CPU runs it, else the best this CPU runs."""
+    forced, runnable = forced_path(), runnable_paths()
+    if forced == "off":
+        return None, "turned off (SPECDEC_KERNELS=off or SPECDEC_NO_C=1)"
+    if forced and forced not in PATHS:
+        return None, f"SPECDEC_KERNELS={forced} is none of {', '.join(PATHS)}, off"
+    if forced and forced not in runnable:
+        runs = ", ".join(runnable) or "none"
+        return None, f"SPECDEC_KERNELS={forced}: this CPU cannot run it (it runs: {runs})"
+    if not runnable:
+        return None, f"this CPU ({platform.machine()}) has none of AVX512-BF16, AVX2 with FMA, NEON"
+    return forced or runnable[0], None
+
+
+def native_path():
+    """The kernels.c path chosen for this process: "avx512-bf16", "avx2", "neon", or None (see
+    native_choice; whether it builds is native_library's answer)."""
+    return native_choice()[0]
+
+
+def build_command(path, out):
+    """The command that compiles kernels.c's `path` into the library `out` (CC: the compiler)."""
+    return [os.environ.get("CC", "cc"), *CFLAGS, *PATHS[path][1], SOURCE, "-o", out]
+
+
+def library_file(path):
+    """Where kernels.c's `path` is built for this machine: the name keys the source, the command,
+    torch and the CPU, so that a home folder shared by two machines keeps a build for each."""
     with open(SOURCE, "rb") as f:
         source = f.read()
-    compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, torch.__version__]).encode()).hexdigest()[:16]
-    path = os.path.join(cli.cache_root(), f"kernels-{key}.so")
+    key = [*build_command(path, ""), torch.__version__, platform.machine(), *sorted(cpu_flags())]
+    digest = hashlib.sha256(source + " ".join(key).encode()).hexdigest()[:16]
+    return os.path.join(cli.cache_root(), f"kernels-{path}-{digest}.so")
+
+
+@functools.cache
+def native():
+    """(kernels.c built for native_path() and loaded through ctypes, None), or (None, why not in
+    one line). A forced path this CPU cannot run, or a build that fails, says so in one notice;
+    then PyTorch's kernels run, never an illegal instruction."""
+    path, why = native_choice()
+    if path is None:
+        if forced_path() not in ("", "off"):  # asked for, not to be had
+            print(f"notice: {why}; PyTorch's kernels run", file=sys.stderr)
+        return None, why
+    built = library_file(path)
     try:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            partial = f"{path}.{os.getpid()}.partial"
-            subprocess.run([compiler, *CFLAGS, SOURCE, "-o", partial], check=True, capture_output=True, timeout=120)
-            os.replace(partial, path)  # whole, or not there: a concurrent build writes its own
-        lib = ctypes.CDLL(path)
+        if not os.path.exists(built):
+            os.makedirs(os.path.dirname(built), exist_ok=True)
+            partial = f"{built}.{os.getpid()}.partial"
+            subprocess.run(
+                build_command(path, partial), check=True, capture_output=True, timeout=120
+            )
+            os.replace(partial, built)  # whole, or not there: a concurrent build writes its own
+        lib = ctypes.CDLL(built)
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or str(e).encode()
-        print(f"notice: kernels.c not built here ({detail.decode(errors='replace').strip()[:120]}); "
-              "products through oneDNN", file=sys.stderr)
-        return None
+        said = (getattr(e, "stderr", None) or b"").decode(errors="replace").splitlines()
+        errors = [line for line in said if "error" in line]  # the compiler's first error
+        if isinstance(e, subprocess.CalledProcessError):
+            errors.append(f"{e.cmd[0]} exited with {e.returncode}")
+        why = f"kernels.c not built here ({(errors or [str(e)])[0].strip()[:120]})"
+        print(f"notice: {why}; PyTorch's kernels run", file=sys.stderr)
+        return None, why
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.kernels_isa.argtypes, lib.kernels_isa.restype = [], ctypes.c_char_p
+    assert lib.kernels_isa().decode() == path, f"{built} is not kernels.c's {path} path"
     lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], None
-    lib.attend_bf16.argtypes, lib.attend_bf16.restype = [p, i, i, i, p, p, i, i, ctypes.c_long, p, f, p], i
-    lib.block_bf16.argtypes = [p, i, i, p, p, f, p, p, p, p, p, i, i, i, p, p, p, p, ctypes.c_long, i, p, p, p, p, p, i, p, p, i, p]
+    lib.attend_bf16.argtypes, lib.attend_bf16.restype = (
+        [p, i, i, i, p, p, i, i, ctypes.c_long, p, f, p],
+        i,
+    )
+    lib.block_bf16.argtypes = [
+        p,
+        i,
+        i,
+        p,
+        p,
+        f,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i,
+        i,
+        i,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_long,
+        i,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i,
+        p,
+        p,
+        i,
+        p,
+    ]
     lib.block_bf16.restype = i
-    return lib
+    return lib, None
+
+
+def native_library():
+    """kernels.c for this process (native()), or None: then PyTorch's kernels run."""
+    return native()[0]
+
+
+def native_reason():
+    """Why no kernels.c path runs here, in one line (for a banner), or None where one runs."""
+    return native()[1]
 
 
 def address(t):
@@ -191,29 +370,49 @@ class NativeWeight:
 
     def __init__(self, weight, int8=False):
         N, K = weight.shape
-        assert self.fits(weight), "kernels.c takes bf16 weights on the CPU with an even number of inputs"
+        assert self.fits(weight), (
+            "kernels.c takes bf16 weights on the CPU with an even number of inputs"
+        )
         q, scale = int8_weight(weight) if int8 else (weight, None)
         padded = torch.zeros(bucket(N, 32), K, dtype=q.dtype)
         padded[:N] = q
-        self.packed, self.out = padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous(), N  # (N'/16, K/2, 16, 2)
-        self.scale = None if scale is None else scale.float()                                   # (out,) fp32
+        self.packed, self.out = (
+            padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous(),
+            N,
+        )  # (N'/16, K/2, 16, 2)
+        self.scale = None if scale is None else scale.float()  # (out,) fp32
 
     @staticmethod
     def fits(weight):
-        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 2 == 0
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and weight.shape[-1] % 2 == 0
+        )
 
     def __call__(self, x, bias=None, add=None):
         K = x.shape[-1]
         assert x.dtype == torch.bfloat16, f"kernels.c multiplies bf16 rows, got {x.dtype}"
-        x2 = x.reshape(-1, K).contiguous()                                          # (rows, in)
-        y = torch.empty(*x.shape[:-1], self.out, dtype=torch.bfloat16)             # (..., out)
+        x2 = x.reshape(-1, K).contiguous()  # (rows, in)
+        y = torch.empty(*x.shape[:-1], self.out, dtype=torch.bfloat16)  # (..., out)
         if add is not None:
             add = add.to(torch.bfloat16).contiguous()
-            assert add.shape == y.shape, f"add {tuple(add.shape)} is not the output's {tuple(y.shape)}"
+            assert add.shape == y.shape, (
+                f"add {tuple(add.shape)} is not the output's {tuple(y.shape)}"
+            )
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        native_library().linear_bf16(address(x2), len(x2), K, address(self.packed), address(self.scale), self.out,
-                                     address(bias), address(add), address(y))
+        native_library().linear_bf16(
+            address(x2),
+            len(x2),
+            K,
+            address(self.packed),
+            address(self.scale),
+            self.out,
+            address(bias),
+            address(add),
+            address(y),
+        )
         return y
 
 
@@ -225,6 +424,7 @@ class NativeWeight:
 # fp16's normal range (6e-5). Whether a row's result is the same bits whatever rows share its call
 # depends on the CPU: with AVX-512 it is; on AVX2 fbgemm sums some row counts in another order, so
 # there a tree's rows and plain decoding's may round apart (fp16_rows_alone() tries it).
+
 
 @torch.no_grad()  # a copy of the weights' values, not a step of any autograd graph
 def prepack(*weights, product="onednn"):
@@ -240,10 +440,11 @@ def prepack(*weights, product="onednn"):
 
 def linear(x, packed, bias=None, add=None):
     """F.linear(x, weight, bias) through the prepacked copy of weight (no autograd); with `add`, a
-    tensor of the output's shape, add + F.linear(x, weight, bias) in the same call (a oneDNN post-op)."""
-    if isinstance(packed, NativeWeight):                                # kernels.c: bf16 in and out
+    tensor of the output's shape, add + F.linear(x, weight, bias) in the same call (a oneDNN
+    post-op)."""
+    if isinstance(packed, NativeWeight):  # kernels.c: bf16 in and out
         return packed(x, bias, add)
-    if not isinstance(packed, torch.Tensor):                            # fbgemm's fp16: fp32 in and out
+    if not isinstance(packed, torch.Tensor):  # fbgemm's fp16: fp32 in and out
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)
         y = (y if bias is None else y + bias).to(x.dtype)
         return y if add is None else add + y
@@ -268,8 +469,9 @@ def fp16_rows_alone() -> bool:
 
 @torch.no_grad()
 def int8_weight(weight):
-    """Weight-only int8, one scale per output channel: weight ~ scale[:, None] * q, q in [-127, 127]."""
-    scale = weight.float().abs().amax(1).clamp(min=1e-12) / 127                      # (out,)
+    """Weight-only int8, one scale per output channel: weight ~ scale[:, None] * q, q in [-127,
+    127]."""
+    scale = weight.float().abs().amax(1).clamp(min=1e-12) / 127  # (out,)
     return (weight.float() / scale[:, None]).round().to(torch.int8), scale.to(weight.dtype)
 
 
@@ -278,10 +480,12 @@ def int4_weight(weight, group=32):
     """Weight-only int4 (gpt-fast's), a scale and a zero per `group` inputs of an output channel:
     weight ~ (q - 8) * scale + zero, q in [0, 15] -> q (out, in), scale_zero (in/group, out, 2)."""
     N, K = weight.shape
-    w = weight.float().view(N, K // group, group)                               # (out, in/group, group)
-    low, scale = w.amin(-1), (w.amax(-1) - w.amin(-1)).clamp(min=1e-6) / 15      # (out, in/group) each
+    w = weight.float().view(N, K // group, group)  # (out, in/group, group)
+    low, scale = w.amin(-1), (w.amax(-1) - w.amin(-1)).clamp(min=1e-6) / 15  # (out, in/group) each
     q = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view(N, K)
-    return q, torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(weight.dtype)
+    return q, torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(
+        weight.dtype
+    )
 
 
 def int4_pack(q):
@@ -290,39 +494,52 @@ def int4_pack(q):
 
 
 def int4_fits(weight, group=32):
-    """Whether the CPU's int4 kernel takes this (out, in) weight: out a multiple of 16, in of group."""
+    """Whether the CPU's int4 kernel takes this (out, in) weight: out a multiple of 16, in of
+    group."""
     return weight.shape[0] % 16 == 0 and weight.shape[1] % group == 0
 
 
 def widen(q, scale):
-    """The weight that int8_weight's (q, scale) or int4_weight's (q, scale_zero) stands for (out, in)."""
-    if scale.dim() == 1:                                                        # int8: (out,)
+    """The weight that int8_weight's (q, scale) or int4_weight's (q, scale_zero) stands for (out,
+    in)."""
+    if scale.dim() == 1:  # int8: (out,)
         return q.to(scale.dtype) * scale[:, None]
-    s, zero = scale.float().transpose(0, 1).unbind(-1)                          # (out, in/group) each
-    return ((q.float().view(*s.shape, -1) - 8) * s[..., None] + zero[..., None]).view(q.shape).to(scale.dtype)
+    s, zero = scale.float().transpose(0, 1).unbind(-1)  # (out, in/group) each
+    return (
+        ((q.float().view(*s.shape, -1) - 8) * s[..., None] + zero[..., None])
+        .view(q.shape)
+        .to(scale.dtype)
+    )
 
 
 def quantized_linear(x, q, scale, bias=None):
-    """F.linear(x, widen(q, scale), bias): on a CPU one kernel that reads the quantized weight (int8:
-    half the bytes of bf16; int4: a quarter, q as int4_pack() left it); elsewhere it is widened first
+    """F.linear(x, widen(q, scale), bias): on a CPU one kernel that reads the quantized weight
+    (int8:
+    half the bytes of bf16; int4: a quarter, q as int4_pack() left it); elsewhere it is widened
+    first
     (correct, not faster)."""
     if x.device.type != "cpu":
         return F.linear(x, widen(q, scale).to(x.dtype), bias)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()                                  # (rows, in)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
     if scale.dim() == 1:
         y = torch._weight_int8pack_mm(x2, q, scale)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, q, x.shape[-1] // len(scale), scale)
-    y = y.view(*x.shape[:-1], -1)                                                 # (..., out)
+    y = y.view(*x.shape[:-1], -1)  # (..., out)
     return y if bias is None else y + bias
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear's twin: the product through a prepacked copy of the weight, or an fp16, int8 or int4 one."""
+    """nn.Linear's twin: the product through a prepacked copy of the weight, or an fp16, int8 or
+    int4 one."""
 
     @staticmethod
     def wanted(layer, kernels):
-        return kernels.packed or kernels.quant == "int8" or (kernels.quant == "int4" and int4_fits(layer.weight))
+        return (
+            kernels.packed
+            or kernels.quant == "int8"
+            or (kernels.quant == "int4" and int4_fits(layer.weight))
+        )
 
     def prepare(self, kernels):
         self.kernels = kernels
@@ -337,7 +554,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x):
         if torch.is_grad_enabled():
             return super().forward(x)
-        if isinstance(self.packed, tuple):                                  # int8_weight's or int4_weight's
+        if isinstance(self.packed, tuple):  # int8_weight's or int4_weight's
             return quantized_linear(x, *self.packed, self.bias)
         return linear(x, self.packed, self.bias)
 
@@ -346,6 +563,7 @@ class PackedLinear(nn.Linear):
 # On a CPU F.rms_norm is no single kernel: it runs model.RMSNorm's eight ops. F.layer_norm is one:
 # the layer norm of [x, -x] (mean 0, variance mean(x^2)) is RMSNorm's x * rsqrt(mean(x^2) + eps).
 # apply_rope's rotate-half is a roll by Dh/2 with the first half negated: the sign moves onto sin.
+
 
 def rms_norm(x, weight2, eps):
     """model.RMSNorm's twin: x (..., D), weight2 the norm's weight twice (2D,), or None for no
@@ -357,7 +575,7 @@ def rms_norm(x, weight2, eps):
 def rope(x, cos, sin, sign):
     """model.apply_rope's twin, for q and k at once: x (B, H+Hkv, T, Dh); cos, sin (B|1, 1, T, Dh);
     sign (Dh,) -1 then +1. The same products and sum, so the same bits in any dtype."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * (sin * sign)               # (B, H+Hkv, T, Dh)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * (sin * sign)  # (B, H+Hkv, T, Dh)
 
 
 class FastRMSNorm(model.RMSNorm):
@@ -378,14 +596,18 @@ class FastRMSNorm(model.RMSNorm):
 
 # --- attention -----------------------------------------------------------------------------------
 
+
 def attend(q, k, v, mask):
     """model.attend's twin for bf16 on a CPU. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask
     (B|1, 1, T, S) bool or None -> (B, H, T, Dh)."""
     B, H, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if B == 1 and T == 1:                # one decode step: SDPA's fp32 kernel is faster than its bf16 one
+    # one decode step: SDPA's fp32 kernel beats its bf16 one; where bf16 is emulated, so does all
+    if (B == 1 and T == 1) or not onednn_bf16():
         return model.attend(q.float(), k.float(), v.float(), mask).to(q.dtype)
-    if B == 1 or B * H * T * S > 2 ** 25:  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
+    if (
+        B == 1 or B * H * T * S > 2**25
+    ):  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
         return model.attend(q, k, v, mask)
     # batches (train.py's data stage): the G = H / Hkv query heads of a key/value head become G*T
     # rows of one matrix product in bf16; softmax in fp32 (as SDPA does inside, minus the blocking).
@@ -393,12 +615,20 @@ def attend(q, k, v, mask):
     # slower than a copy to contiguous memory followed by the product.
     G = H // Hkv
     if mask is None and T > 1:  # causal, as model.attend's is_causal: nothing cached, S = T
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]   # (1, 1, T, S)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[
+            None, None
+        ]  # (1, 1, T, S)
     k, v = k.contiguous(), v.contiguous()
-    scores = (q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)).float() * Dh ** -0.5  # (B, Hkv, G*T, S)
+    scores = (
+        q.reshape(B, Hkv, G * T, Dh) @ k.transpose(-1, -2)
+    ).float() * Dh**-0.5  # (B, Hkv, G*T, S)
     if mask is not None:
-        scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, :, None], -math.inf).view(B, Hkv, G * T, S)
-    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)                      # (B, H, T, Dh)
+        scores = (
+            scores.view(B, Hkv, G, T, S)
+            .masked_fill(~mask[:, :, None], -math.inf)
+            .view(B, Hkv, G * T, S)
+        )
+    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, T, Dh)  # (B, H, T, Dh)
 
 
 def attend_native(q, k, v, mask):
@@ -407,21 +637,46 @@ def attend_native(q, k, v, mask):
     -> (1, H, T, Dh). Each query alone: a tree's node gets plain decoding's bits."""
     _, H, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    assert k.stride() == v.stride() and k.stride()[2:] == (Dh, 1), "k and v: rows of Dh side by side, as the cache holds them"
+    assert k.stride() == v.stride() and k.stride()[2:] == (Dh, 1), (
+        "k and v: rows of Dh side by side, as the cache holds them"
+    )
     q = q.contiguous()
-    visible = None if mask is None else mask.reshape(T, S).contiguous()                 # (T, S) bool: one byte each
-    y = torch.empty(1, T, H, Dh, dtype=q.dtype)                                         # (1, T, H, Dh)
-    failed = native_library().attend_bf16(address(q), H, T, Dh, address(k), address(v), Hkv, S, k.stride(1),
-                                          address(visible), Dh ** -0.5, address(y))
+    visible = (
+        None if mask is None else mask.reshape(T, S).contiguous()
+    )  # (T, S) bool: one byte each
+    y = torch.empty(1, T, H, Dh, dtype=q.dtype)  # (1, T, H, Dh)
+    failed = native_library().attend_bf16(
+        address(q),
+        H,
+        T,
+        Dh,
+        address(k),
+        address(v),
+        Hkv,
+        S,
+        k.stride(1),
+        address(visible),
+        Dh**-0.5,
+        address(y),
+    )
     if failed:
         raise MemoryError(f"attention over {S} keys: no scratch memory")
-    return y.transpose(1, 2)                                                            # (1, H, T, Dh)
+    return y.transpose(1, 2)  # (1, H, T, Dh)
 
 
 def native_attends(q, k, v, mask):
     """Whether attend_native takes these: one batch row, a decode step or a tree (not a prefill),
     Dh even and at most 256, k and v with the cache's layout."""
-    return (q.shape[0] == 1 and q.shape[2] <= 64 and q.dtype == torch.bfloat16 and q.shape[-1] <= 256 and q.shape[-1] % 2 == 0 and k.stride() == v.stride() and k.stride()[2:] == (q.shape[-1], 1) and (mask is None or mask.shape[0] == 1))
+    return (
+        q.shape[0] == 1
+        and q.shape[2] <= 64
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 2 == 0
+        and k.stride() == v.stride()
+        and k.stride()[2:] == (q.shape[-1], 1)
+        and (mask is None or mask.shape[0] == 1)
+    )
 
 
 def attend_expanded(q, k, v, mask):
@@ -432,7 +687,9 @@ def attend_expanded(q, k, v, mask):
     if mask is None or k.shape[1] == q.shape[1]:
         return model.attend(q, k, v, mask)
     G = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask
+    )
 
 
 class FastAttention(model.Attention):
@@ -440,6 +697,7 @@ class FastAttention(model.Attention):
     attend() above where the kernels say "cpu-bf16". With Kernels.glue, its forward also views
     q, k and v out of that product at once, rotates q and k together, and can add the residual
     inside o_proj's product (FastBlock)."""
+
     FUSED = ("q_proj", "k_proj", "v_proj")  # packed here together, not each on its own
 
     @staticmethod
@@ -448,12 +706,26 @@ class FastAttention(model.Attention):
 
     def prepare(self, kernels):
         self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
-        bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None  # Qwen2's
-        self.packed = (prepack(*(p.weight for p in qkv), product=kernels.product), bias) if kernels.packed else None
-        self.rotary = None  # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
+        bias = (
+            torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None
+        )  # Qwen2's
+        self.packed = (
+            (prepack(*(p.weight for p in qkv), product=kernels.product), bias)
+            if kernels.packed
+            else None
+        )
+        # rope()'s sign (Dh,); Qwen3's: q_norm's weight on q's heads, k_norm's on k's (H+Hkv, 1, Dh)
+        self.rotary = None
         if kernels.glue and kernels.packed:
             sign = torch.tensor([-1, 1]).repeat_interleave(c.head_dim // 2).to(self.q_proj.weight)
-            norms = (self.q_norm.weight.expand(c.n_heads, -1), self.k_norm.weight.expand(c.n_kv_heads, -1)) if c.qk_norm else ()
+            norms = (
+                (
+                    self.q_norm.weight.expand(c.n_heads, -1),
+                    self.k_norm.weight.expand(c.n_kv_heads, -1),
+                )
+                if c.qk_norm
+                else ()
+            )
             self.rotary = sign, torch.cat(norms).detach()[:, None] if norms else None
 
     def forward(self, x, cos, sin, attn_mask, kv, residual=None):
@@ -464,39 +736,45 @@ class FastAttention(model.Attention):
         B, T, _ = x.shape
         (sign, qk_weight), c = self.rotary, self.cfg
         H, Hkv = c.n_heads, c.n_kv_heads
-        qkv = linear(x, *self.packed).view(B, T, H + 2 * Hkv, c.head_dim).transpose(1, 2)  # (B, H+2Hkv, T, Dh)
-        qk, v = qkv.split([H + Hkv, Hkv], 1)                          # (B, H+Hkv, T, Dh), (B, Hkv, T, Dh)
+        qkv = (
+            linear(x, *self.packed).view(B, T, H + 2 * Hkv, c.head_dim).transpose(1, 2)
+        )  # (B, H+2Hkv, T, Dh)
+        qk, v = qkv.split([H + Hkv, Hkv], 1)  # (B, H+Hkv, T, Dh), (B, Hkv, T, Dh)
         if qk_weight is not None:
-            qk = rms_norm(qk, None, c.norm_eps) * qk_weight           # q_norm(q), k_norm(k)
-        q, k = rope(qk, cos, sin, sign).split([H, Hkv], 1)            # (B, H, T, Dh), (B, Hkv, T, Dh)
+            qk = rms_norm(qk, None, c.norm_eps) * qk_weight  # q_norm(q), k_norm(k)
+        q, k = rope(qk, cos, sin, sign).split([H, Hkv], 1)  # (B, H, T, Dh), (B, Hkv, T, Dh)
         if kv is not None:  # as model.Attention: the new entries after the prefix, then all of it
             k_cache, v_cache, start = kv
-            k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
-            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]     # (B, Hkv, S, Dh)
+            k_cache[:, :, start : start + T], v_cache[:, :, start : start + T] = k, v
+            k, v = k_cache[:, :, : start + T], v_cache[:, :, : start + T]  # (B, Hkv, S, Dh)
         y = self.attend(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, H * c.head_dim)
-        return linear(y, self.o_proj.packed, None, residual)                  # (B, T, D)
+        return linear(y, self.o_proj.packed, None, residual)  # (B, T, D)
 
     def project(self, x):
         if self.packed is None or torch.is_grad_enabled():
             return super().project(x)
         c = self.cfg
-        return linear(x, *self.packed).split([c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1)
+        return linear(x, *self.packed).split(
+            [c.n_heads * c.head_dim] + 2 * [c.n_kv_heads * c.head_dim], -1
+        )
 
     def attend(self, q, k, v, mask):
         if self.kernels.attention == "expanded-kv":
-            return attend_expanded(q, k, v, mask)                              # (B, H, T, Dh)
+            return attend_expanded(q, k, v, mask)  # (B, H, T, Dh)
         if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
             return super().attend(q, k, v, mask)
         if self.kernels.native and native_attends(q, k, v, mask):
-            return attend_native(q, k, v, mask)                                # (1, H, T, Dh)
-        return attend(q, k, v, mask)                                           # (B, H, T, Dh)
+            return attend_native(q, k, v, mask)  # (1, H, T, Dh)
+        return attend(q, k, v, mask)  # (B, H, T, Dh)
 
 
 # --- the MLP, the decoder layer and the heads' LM head -------------------------------------------
 
+
 class FastMLP(model.MLP):
     """model.MLP's twin: gate and up out of one prepacked product; the residual added inside the
     down product (FastBlock)."""
+
     FUSED = ("gate_proj", "up_proj")
 
     @staticmethod
@@ -504,19 +782,22 @@ class FastMLP(model.MLP):
         return kernels.packed
 
     def prepare(self, kernels):
-        self.kernels, self.packed = kernels, prepack(self.gate_proj.weight, self.up_proj.weight, product=kernels.product)
+        self.kernels, self.packed = (
+            kernels,
+            prepack(self.gate_proj.weight, self.up_proj.weight, product=kernels.product),
+        )
 
     def gate_up(self, x):
         if torch.is_grad_enabled():
             return super().gate_up(x)
-        return linear(x, self.packed).chunk(2, dim=-1)                       # (B, T, hidden_dim) each
+        return linear(x, self.packed).chunk(2, dim=-1)  # (B, T, hidden_dim) each
 
     def forward(self, x, residual=None):
         """model.MLP.forward's twin; with `residual` (B, T, D), residual + the output."""
         if residual is None or torch.is_grad_enabled():
             return super().forward(x) if residual is None else residual + super().forward(x)
         gate, up = self.gate_up(x)
-        return linear(self.act(gate) * up, self.down_proj.packed, None, residual)   # (B, T, D)
+        return linear(self.act(gate) * up, self.down_proj.packed, None, residual)  # (B, T, D)
 
 
 def block_native(block, x, cos, sin, mask, kv):
@@ -528,17 +809,47 @@ def block_native(block, x, cos, sin, mask, kv):
     (wqkv, bias), (k_cache, v_cache, start) = attn.packed, kv
     wo, wgu, wdown = attn.o_proj.packed, mlp.packed, mlp.down_proj.packed
     T, D = x.shape[1], x.shape[2]
-    x, out = x.contiguous(), torch.empty_like(x)                                      # (1, T, D) each
-    cos, sin = cos.reshape(T, c.head_dim).contiguous(), sin.reshape(T, c.head_dim).contiguous()  # (T, Dh)
-    visible = None if mask is None else mask.reshape(T, start + T).contiguous()       # (T, S) bool
+    x, out = x.contiguous(), torch.empty_like(x)  # (1, T, D) each
+    cos, sin = (
+        cos.reshape(T, c.head_dim).contiguous(),
+        sin.reshape(T, c.head_dim).contiguous(),
+    )  # (T, Dh)
+    visible = None if mask is None else mask.reshape(T, start + T).contiguous()  # (T, S) bool
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    norms = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)   # Qwen3's, over each head
+    norms = (
+        (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
+    )  # Qwen3's, over each head
     failed = native_library().block_bf16(
-        address(x), T, D, address(block.input_layernorm.weight), address(block.post_attention_layernorm.weight),
-        block.input_layernorm.eps, address(wqkv.packed), address(wqkv.scale), address(bias), *map(address, norms),
-        c.n_heads, c.n_kv_heads, c.head_dim, address(cos), address(sin), address(k_cache), address(v_cache),
-        k_cache.stride(1), start, address(visible), address(wo.packed), address(wo.scale), address(wgu.packed),
-        address(wgu.scale), c.hidden_dim, address(wdown.packed), address(wdown.scale), c.activation != "silu", address(out))
+        address(x),
+        T,
+        D,
+        address(block.input_layernorm.weight),
+        address(block.post_attention_layernorm.weight),
+        block.input_layernorm.eps,
+        address(wqkv.packed),
+        address(wqkv.scale),
+        address(bias),
+        *map(address, norms),
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        address(cos),
+        address(sin),
+        address(k_cache),
+        address(v_cache),
+        k_cache.stride(1),
+        start,
+        address(visible),
+        address(wo.packed),
+        address(wo.scale),
+        address(wgu.packed),
+        address(wgu.scale),
+        c.hidden_dim,
+        address(wdown.packed),
+        address(wdown.scale),
+        c.activation != "silu",
+        address(out),
+    )
     if failed:
         raise MemoryError("a decoder layer in kernels.c: no scratch memory")
     return out
@@ -548,12 +859,26 @@ def native_block_takes(block, x, mask, kv):
     """Whether block_native computes this layer's forward: every product on kernels.c, one batch row
     of at most 64 new tokens, the cache's layout, SwiGLU or GeGLU, heads of at most 256."""
     c = block.self_attn.cfg
-    products = (block.self_attn.packed[0] if block.self_attn.packed else None, block.self_attn.o_proj.__dict__.get("packed"),
-                block.mlp.__dict__.get("packed"), block.mlp.down_proj.__dict__.get("packed"))
-    return (kv is not None and x.shape[0] == 1 and x.shape[1] <= 64 and x.dtype == torch.bfloat16
-            and c.activation in ("silu", "gelu_pytorch_tanh") and c.head_dim <= 256 and c.head_dim % 2 == 0
-            and all(isinstance(p, NativeWeight) for p in products) and block.input_layernorm.weight.dtype == torch.bfloat16
-            and kv[0].stride() == kv[1].stride() and kv[0].stride()[2:] == (c.head_dim, 1) and (mask is None or mask.shape[0] == 1))
+    products = (
+        block.self_attn.packed[0] if block.self_attn.packed else None,
+        block.self_attn.o_proj.__dict__.get("packed"),
+        block.mlp.__dict__.get("packed"),
+        block.mlp.down_proj.__dict__.get("packed"),
+    )
+    return (
+        kv is not None
+        and x.shape[0] == 1
+        and x.shape[1] <= 64
+        and x.dtype == torch.bfloat16
+        and c.activation in ("silu", "gelu_pytorch_tanh")
+        and c.head_dim <= 256
+        and c.head_dim % 2 == 0
+        and all(isinstance(p, NativeWeight) for p in products)
+        and block.input_layernorm.weight.dtype == torch.bfloat16
+        and kv[0].stride() == kv[1].stride()
+        and kv[0].stride()[2:] == (c.head_dim, 1)
+        and (mask is None or mask.shape[0] == 1)
+    )
 
 
 class FastBlock(model.Block):
@@ -572,9 +897,9 @@ class FastBlock(model.Block):
         if torch.is_grad_enabled():
             return super().forward(x, cos, sin, attn_mask, kv)
         if self.kernels.native and native_block_takes(self, x, attn_mask, kv):
-            return block_native(self, x, cos, sin, attn_mask, kv)                      # (1, T, D)
+            return block_native(self, x, cos, sin, attn_mask, kv)  # (1, T, D)
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)                  # (B, T, D)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)  # (B, T, D)
 
 
 class FastLMHead(heads.LMHead):
@@ -590,13 +915,19 @@ class FastLMHead(heads.LMHead):
     def forward(self, z, d=None):
         if torch.is_grad_enabled():
             return super().forward(z, d)
-        return linear(z, self.packed)                                          # (..., V')
+        return linear(z, self.packed)  # (..., V')
 
 
 # --- switching a module's layers -----------------------------------------------------------------
 
-TWINS = {nn.Linear: PackedLinear, model.Attention: FastAttention, model.MLP: FastMLP, heads.LMHead: FastLMHead,
-         model.RMSNorm: FastRMSNorm, model.Block: FastBlock}
+TWINS = {
+    nn.Linear: PackedLinear,
+    model.Attention: FastAttention,
+    model.MLP: FastMLP,
+    heads.LMHead: FastLMHead,
+    model.RMSNorm: FastRMSNorm,
+    model.Block: FastBlock,
+}
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 
 
@@ -609,11 +940,16 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
     """Swap every layer inside `module` that has a twin (the base model: decoder layers, attention,
     MLPs, norms, linear layers, LM head; heads: their linear layers, norms, LM head and Hydra++'s
     decoder layer) to `kernels`, prepacked from the weights as they are now; None: Kernels.choose
-    for the module's device and dtype. Kernels(): the readable classes. A kernel this build or machine lacks falls back to
-    the readable path with one notice on stderr, never a crash. Returns the module."""
-    tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+    for the module's device and dtype. Kernels(): the readable classes. A kernel this build or
+    machine lacks falls back to the readable path with one notice on stderr, never a crash. Returns
+    the module."""
+    tensors = [
+        t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()
+    ]
     if kernels is None and tensors:
-        kernels = Kernels.choose(tensors[0].device, tensors[0].dtype, sum(t.numel() * t.element_size() for t in tensors))
+        kernels = Kernels.choose(
+            tensors[0].device, tensors[0].dtype, sum(t.numel() * t.element_size() for t in tensors)
+        )
     kernels = kernels or Kernels()
     try:
         fused = set()  # layers that a twin above them already packed, with others, into one product
@@ -626,13 +962,18 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
             if twin is not None and id(m) not in fused and twin.wanted(m, kernels):
                 m.__class__ = twin
                 m.prepare(kernels)
-                fused.update(id(getattr(m, name)) for name in getattr(twin, "FUSED", ()) if kernels.packed)
+                fused.update(
+                    id(getattr(m, name)) for name in getattr(twin, "FUSED", ()) if kernels.packed
+                )
         return module
     except (RuntimeError, AttributeError) as e:
         if kernels == Kernels():
             raise
-        print(f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using the readable path",
-              file=sys.stderr)
+        print(
+            f"notice: fast kernels unavailable here ({type(e).__name__}: {str(e)[:80]}); using "
+            "the readable path",
+            file=sys.stderr,
+        )
         return use(module, Kernels())
 
 
@@ -644,14 +985,28 @@ def quantize(module: nn.Module, quant: str) -> nn.Module:
     (int4_fits) stays readable. A CPU's kernels: off the CPU, int8 and int4 are widened first
     (correct, not faster) and fp16 is refused. Returns the module."""
     if quant == "fp16" and any(p.device.type != "cpu" for p in module.parameters()):
-        raise ValueError("fp16 weights run through fbgemm, a CPU kernel; on a GPU, use fp16 as the dtype")
+        raise ValueError(
+            "fp16 weights run through fbgemm, a CPU kernel; on a GPU, use fp16 as the dtype"
+        )
     chosen = in_use(module)
-    c_int8 = quant == "int8" and chosen.native and all(NativeWeight.fits(m.weight) for m in module.modules()
-                                                       if isinstance(m, nn.Linear))  # kernels.c's int8: fused products, whole layers
-    return use(module, replace(chosen, packed=quant == "fp16" or c_int8, quant=quant, native=chosen.native and quant in ("none", "int8")))
+    c_int8 = (
+        quant == "int8"
+        and chosen.native
+        and all(NativeWeight.fits(m.weight) for m in module.modules() if isinstance(m, nn.Linear))
+    )  # kernels.c's int8: fused products, whole layers
+    return use(
+        module,
+        replace(
+            chosen,
+            packed=quant == "fp16" or c_int8,
+            quant=quant,
+            native=chosen.native and quant in ("none", "int8"),
+        ),
+    )
 
 
 # --- the training loss ---------------------------------------------------------------------------
+
 
 def bucket(n, size):
     """n rounded up to a multiple of size. oneDNN (the CPU's matrix products) builds a kernel for
@@ -666,15 +1021,16 @@ class FusedHeadLoss(torch.autograd.Function):
     pass, the same numbers as autograd through the readable pair, with the gradient written out.
 
     Through autograd the (M, V') logits and their gradient are whole tensors, each written and read
-    several times, and allocated anew every step. Here R rows at a time (R = sizes(device).loss_rows)
-    go through the LM head, their loss and its gradient while the block's logits sit in cache, and
-    the gradients of z (and of W, if it trains) are formed there and then; backward only scales them
-    by the one number it receives (the sum is a scalar). With q = softmax(logits), s = sum_i q_i
-    over the teacher's top-k, P = sum_i p_i, r its residual mass and w = r / (1 - s),
-    differentiating the formula of teacher_loss gives
+    several times, and allocated anew every step. Here R rows at a time (R =
+    sizes(device).loss_rows) go through the LM head, their loss and its gradient while the block's
+    logits sit in cache, and the gradients of z (and of W, if it trains) are formed there and then;
+    backward only scales them by the one number it receives (the sum is a scalar). With q =
+    softmax(logits), s = sum_i q_i over the teacher's top-k, P = sum_i p_i, r its residual mass and
+    w = r / (1 - s), differentiating the formula of teacher_loss gives
 
         dL/dlogit_v = q_v (P - w s)  +  [v in top-k] (w q_v - p_v)      then  dL/dz = (dL/dlogits) W
-                                                                              dL/dW = (dL/dlogits)^T z
+                                                                              dL/dW = (dL/dlogits)^T
+                                                                              z
 
     a dense term (a scaled softmax) and k sparse ones. w = 0 where 1 - s is clamped at 1e-6, as
     autograd through the clamp has it. The products run in `dtype` (bf16 where training uses it),
@@ -686,33 +1042,47 @@ class FusedHeadLoss(torch.autograd.Function):
         want_z, want_w = ctx.needs_input_grad[:2]
         with torch.autocast(z.device.type, enabled=False):
             R = sizes(z.device).loss_rows
-            M, extra = len(z), bucket(len(z), R) - len(z)                     # whole blocks: one product shape
-            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])  # rows that weigh 0
+            M, extra = len(z), bucket(len(z), R) - len(z)  # whole blocks: one product shape
+            pad = lambda x, value: torch.cat(
+                [x, x.new_full((extra, *x.shape[1:]), value)]
+            )  # rows that weigh 0
             z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
-            grad_z = torch.empty_like(z) if want_z else None                 # (M + extra, D)
+            grad_z = torch.empty_like(z) if want_z else None  # (M + extra, D)
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
             total = torch.zeros((), device=z.device)
             w_ = weight.detach().to(dtype)
             for a in range(0, len(z), R):
                 rows = slice(a, a + R)
-                zb = z[rows].detach().to(dtype)                               # (R, D)
-                logits = (zb @ w_.T).float()                                  # (R, V')
-                lse = logits.logsumexp(-1)                                    # (R,)
-                kept = top_ids[rows] >= 0                                     # (R, k)
+                zb = z[rows].detach().to(dtype)  # (R, D)
+                logits = (zb @ w_.T).float()  # (R, V')
+                lse = logits.logsumexp(-1)  # (R,)
+                kept = top_ids[rows] >= 0  # (R, k)
                 ids = top_ids[rows].clamp(min=0)
-                picked = (logits.gather(1, ids) - lse[:, None]) * kept        # (R, k) log q_i, 0 if not kept
-                q = picked.exp() * kept                                       # (R, k)
-                p = top_p[rows].float() * kept                                # (R, k)
-                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)       # (R,) teacher mass beyond its top-k
-                rest_q = 1 - q.sum(-1)                                        # (R,) head mass beyond them
+                picked = (
+                    logits.gather(1, ids) - lse[:, None]
+                ) * kept  # (R, k) log q_i, 0 if not kept
+                q = picked.exp() * kept  # (R, k)
+                p = top_p[rows].float() * kept  # (R, k)
+                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(
+                    min=0
+                )  # (R,) teacher mass beyond its top-k
+                rest_q = 1 - q.sum(-1)  # (R,) head mass beyond them
                 loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
-                sc = scale[rows]                                              # (R,)
+                sc = scale[rows]  # (R,)
                 total += (sc * loss).sum()
                 if not (want_z or want_w):
                     continue
-                w = torch.where(rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q))
-                g = logits.sub_(lse[:, None]).exp_().mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
-                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)  # (R, V') dL/dlogits
+                w = torch.where(
+                    rest_q >= 1e-6, rest_p / rest_q.clamp(min=1e-6), torch.zeros_like(rest_q)
+                )
+                g = (
+                    logits.sub_(lse[:, None])
+                    .exp_()
+                    .mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
+                )
+                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(
+                    dtype
+                )  # (R, V') dL/dlogits
                 if want_z:
                     grad_z[rows] = g @ w_
                 if want_w:
@@ -723,8 +1093,14 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_z, grad_w = ctx.saved_tensors
-        return (None if grad_z is None else grad_total * grad_z, None if grad_w is None else grad_total * grad_w,
-                None, None, None, None)
+        return (
+            None if grad_z is None else grad_total * grad_z,
+            None if grad_w is None else grad_total * grad_w,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
@@ -739,7 +1115,9 @@ def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.flo
     else:
         ids, p = target[:, None], torch.ones(len(z), 1, device=z.device)
         scale = 0.8 ** (j + 1).float() / M
-    if weight.dim() == 2:   # one matrix for every head
+    if weight.dim() == 2:  # one matrix for every head
         return FusedHeadLoss.apply(z, weight, ids, p, scale, dtype)
-    return sum(FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
-               for d in range(len(weight)))
+    return sum(
+        FusedHeadLoss.apply(z[j == d], weight[d], ids[j == d], p[j == d], scale[j == d], dtype)
+        for d in range(len(weight))
+    )

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
+import kernels  # noqa: E402
 import catalog  # noqa: E402
 import cli  # noqa: E402
 import drafters as D  # noqa: E402
@@ -69,7 +70,7 @@ p.add_argument(
 args = p.parse_args()
 
 device = cli.pick_device("auto")
-model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, kernels.pick_dtype("auto", device))
 heads, folder = catalog.load_heads("hydra++", model)
 tree = catalog.load_tree("auto", heads, folder)
 variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: D.HeadsDrafter(heads, tree)}

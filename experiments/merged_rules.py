@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
+import kernels  # noqa: E402
 import catalog  # noqa: E402
 import cli  # noqa: E402
 import drafters as D  # noqa: E402
@@ -33,7 +34,7 @@ p.add_argument("--json")
 args = p.parse_args()
 
 device = cli.pick_device("auto")
-model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, kernels.pick_dtype("auto", device))
 heads, folder = catalog.load_heads("hydra++", model)
 tree = catalog.load_tree("auto", heads, folder)
 dev, look = model.device, catalog.DRAFT_DEFAULTS["lookup"]

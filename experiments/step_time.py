@@ -35,7 +35,7 @@ p.add_argument("--max-new-tokens", type=int, default=64)
 args = p.parse_args()
 
 device = cli.pick_device("auto")
-model, tok = checkpoint.load(checkpoint.DEFAULT, device, cli.pick_dtype("auto", device))
+model, tok = checkpoint.load(checkpoint.DEFAULT, device, K.pick_dtype("auto", device))
 floor = tuning.distance_to_floor(model, device)
 print(tuning.machine_line(tuning.machine(device, model.dtype, **floor)) + "\n")
 

@@ -5,17 +5,20 @@ One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (
 tree, a batch with a key mask, a prefill; Llama-, Qwen2- and Qwen3-like), FastMLP and model.MLP
 (SwiGLU, GeGLU), FastLMHead and heads.LMHead, the whole model fast and readable (fp32 to rounding,
 bf16 as close to fp32 as the readable path is), fused_batch_loss and train.batch_loss (value and
-both gradients). Also: use() swaps layers in place
-and back (same parameters, same state_dict); the loaders apply it; a kernel this build lacks falls
-back with one notice; off the CPU none of the fast paths is reached. kernels.c (bf16): its product
-(bf16 and int8 weights), attention and decoder layer against the readable ones, each row's bits
-the same alone as with others, and greedy speculative decoding equal to plain in bf16 through it.
-Cases this CPU lacks (no oneDNN prepacking, no native bf16, kernels.c not built) are skipped with
-the reason.
-Run: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S keys, D hidden,
-M predictions, V vocabulary, k teacher top-k.
+both gradients). Also: use() swaps layers in place and back (same parameters, same state_dict); the
+loaders apply it; a kernel this build lacks falls back with one notice; off the CPU none of the fast
+paths is reached. kernels.c (bf16): its product (bf16 and int8 weights), attention and decoder layer
+against the readable ones, each row's bits the same alone as with others, and greedy speculative
+decoding equal to plain in bf16 through it. Cases this CPU lacks (no oneDNN prepacking, no native
+bf16, kernels.c not built) are skipped with the reason. Run: `python -m pytest -q
+tests/test_kernels.py`. Shapes: B batch, T new tokens, S keys, D hidden, M predictions, V
+vocabulary, k teacher top-k.
 """
-from dataclasses import replace
+
+import os
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -30,13 +33,27 @@ import tree as tree_lib
 from conftest import tiny_config
 from kernels import Kernels, block_native
 
-PACKED = Kernels.choose("cpu", torch.float32, 0).packed          # oneDNN prepacking in this torch build
-BF16 = Kernels.choose("cpu", torch.bfloat16, 0)                   # Kernels() where bf16 is emulated here
+PACKED = Kernels.choose("cpu", torch.float32, 0).packed  # oneDNN prepacking in this torch build
+ONEDNN_BF16 = PACKED and kernels.onednn_bf16()  # oneDNN's bf16 native here
+BF16 = Kernels.choose("cpu", torch.bfloat16, 0)  # Kernels(): no fast bf16 here
 needs_packing = pytest.mark.skipif(not PACKED, reason="this torch build has no oneDNN prepacking")
-needs_bf16 = pytest.mark.skipif(BF16 == Kernels(), reason="this CPU has no native bf16 kernels")
-FAST = Kernels(attention="cpu-bf16", packed=PACKED, glue=True)  # every twin this build can run
-NATIVE = kernels.native_library() is not None                     # kernels.c built: AVX512-BF16 and a C compiler
-needs_c = pytest.mark.skipif(not NATIVE, reason="kernels.c is not built here (no AVX512-BF16 or no C compiler)")
+needs_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no native bf16 on this CPU")
+FAST = Kernels(attention="cpu-bf16", packed=PACKED, glue=True)  # every oneDNN twin this build runs
+C = Kernels(attention="cpu-bf16", packed=True, glue=True, native=True)  # kernels.c's twins
+
+
+@pytest.fixture(params=kernels.runnable_paths() or [None], ids=str)
+def native_path(request, monkeypatch):
+    """kernels.c forced onto each path this CPU executes in turn (SPECDEC_KERNELS); skipped where
+    it has none, or where the path does not build (no C compiler)."""
+    if request.param is None:
+        pytest.skip("kernels.c has no path for this CPU")
+    monkeypatch.setenv("SPECDEC_KERNELS", request.param)
+    kernels.native.cache_clear()
+    if kernels.native_library() is None:
+        pytest.skip(f"kernels.c's {request.param} path not built here: {kernels.native_reason()}")
+    yield request.param
+    kernels.native.cache_clear()  # the next test sees the path its own environment picks
 
 
 def close_as_readable(fast, readable, exact):
@@ -47,34 +64,50 @@ def close_as_readable(fast, readable, exact):
 
 # --- choosing and switching ---------------------------------------------------------------------
 
+
 def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     """CUDA (and any device but the CPU) keeps the readable path: Kernels.choose answers Kernels()
     without asking oneDNN anything, and use() on a model there swaps nothing and prepacks nothing;
-    a forward there with CUDA's kernels (expanded-kv attention, int8 or int4 weights) reaches no CPU kernel."""
+    a forward there with CUDA's kernels (expanded-kv attention, int8 or int4 weights) reaches no CPU
+    kernel."""
+
     def unreachable(*a, **k):
         raise AssertionError("a CPU-only fast path was reached")
+
     for name in ("prepack", "linear", "attend", "rms_norm", "rope"):
         monkeypatch.setattr(kernels, name, unreachable)
     monkeypatch.setattr(torch, "_weight_int8pack_mm", unreachable)
     monkeypatch.setattr(kernels, "int4_pack", unreachable)
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
-    cuda = Kernels(attention="expanded-kv")                  # the one GPU twin: attention that keeps SDPA's fused kernels
+    cuda = Kernels(
+        attention="expanded-kv"
+    )  # the one GPU twin: attention that keeps SDPA's fused kernels
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert Kernels.choose("cuda", dtype) == Kernels.choose(torch.device("cuda", 1), dtype, 10 ** 9) == cuda
+        assert (
+            Kernels.choose("cuda", dtype)
+            == Kernels.choose(torch.device("cuda", 1), dtype, 10**9)
+            == cuda
+        )
         assert Kernels.choose("meta", dtype) == Kernels()
     with torch.device("meta"):
         meta = model_lib.Transformer(tiny_config())
     for m in (meta, meta.to(torch.bfloat16)):
         kernels.use(m)
-        assert kernels.in_use(m) == Kernels() and not any(type(x) in kernels.READABLE for x in m.modules())
-        kernels.use(m, cuda)                                 # as on a GPU: only the attention layers swap
-        assert {type(x) for x in m.modules() if type(x) in kernels.READABLE} == {kernels.FastAttention}
+        assert kernels.in_use(m) == Kernels() and not any(
+            type(x) in kernels.READABLE for x in m.modules()
+        )
+        kernels.use(m, cuda)  # as on a GPU: only the attention layers swap
+        assert {type(x) for x in m.modules() if type(x) in kernels.READABLE} == {
+            kernels.FastAttention
+        }
         forward_as_on_a_gpu(m)
-        for quant in ("int8", "int4"):                       # quantized weights off the CPU: widened, no CPU kernel
+        for quant in ("int8", "int4"):  # quantized weights off the CPU: widened, no CPU kernel
             kernels.quantize(m, quant)
             forward_as_on_a_gpu(m)
-        with pytest.raises(ValueError, match="a CPU kernel"):  # fbgemm's fp16 product: refused off the CPU
+        with pytest.raises(
+            ValueError, match="a CPU kernel"
+        ):  # fbgemm's fp16 product: refused off the CPU
             kernels.quantize(m, "fp16")
         kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
@@ -102,7 +135,9 @@ def test_use_swaps_in_place_and_kernels_restores_the_readable_classes(tiny):
         assert {k: v.data_ptr() for k, v in module.state_dict().items()} == storage
         assert any(type(m) in kernels.READABLE for m in module.modules())
         kernels.use(module, Kernels())
-        assert [type(m) for m in module.modules()] == classes and kernels.in_use(module) == Kernels()
+        assert [type(m) for m in module.modules()] == classes and kernels.in_use(
+            module
+        ) == Kernels()
         assert not any({"packed", "kernels", "rotary"} & set(vars(m)) for m in module.modules())
         assert {k: v.data_ptr() for k, v in module.state_dict().items()} == storage
 
@@ -113,31 +148,43 @@ def test_fused_products_are_packed_once(tiny):
     kernels.use(tiny, Kernels(packed=True))
     attn, mlp = tiny.layers[0].self_attn, tiny.layers[0].mlp
     assert type(attn) is kernels.FastAttention and type(mlp) is kernels.FastMLP
-    assert all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    assert all(
+        type(m) is nn.Linear
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    )
     assert all(type(m) is kernels.PackedLinear for m in (attn.o_proj, mlp.down_proj, tiny.lm_head))
 
 
 def test_loaders_run_the_kernels_chosen_for_the_device_and_dtype(tiny_model_dir, tmp_path):
     model, _ = checkpoint.load(tiny_model_dir)
     assert kernels.in_use(model) == Kernels.choose("cpu", torch.float32, 0)
-    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path)
-    assert kernels.in_use(checkpoint.load_heads(tmp_path, model)) == Kernels.choose("cpu", torch.float32, 0)
+    checkpoint.save_heads(
+        heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model), tmp_path
+    )
+    assert kernels.in_use(checkpoint.load_heads(tmp_path, model)) == Kernels.choose(
+        "cpu", torch.float32, 0
+    )
 
 
 def test_missing_fast_kernel_falls_back_to_the_readable_path(tiny, monkeypatch, capsys):
     """A kernel this build lacks: one notice on stderr, the readable path, the same logits."""
+
     def missing(*weights, product="onednn"):
         raise RuntimeError("no oneDNN here")
+
     monkeypatch.setattr(kernels, "prepack", missing)
     tokens = torch.randint(0, 64, (1, 6))
     ref = tiny(tokens, torch.arange(6))[0]
     kernels.use(tiny, Kernels(attention="cpu-bf16", packed=True))
-    assert kernels.in_use(tiny) == Kernels() and not any(type(m) in kernels.READABLE for m in tiny.modules())
+    assert kernels.in_use(tiny) == Kernels() and not any(
+        type(m) in kernels.READABLE for m in tiny.modules()
+    )
     assert capsys.readouterr().err.count("notice: fast kernels unavailable") == 1
     torch.testing.assert_close(tiny(tokens, torch.arange(6))[0], ref)
 
 
 # --- the pairs -----------------------------------------------------------------------------------
+
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
@@ -145,7 +192,10 @@ def test_packed_linear_equals_nn_linear(dtype):
     torch.manual_seed(0)
     for bias in (False, True):
         layer = nn.Linear(48, 40, bias=bias).to(dtype)
-        xs = [torch.randn(1, 48, dtype=dtype), torch.randn(3, 5, 48, dtype=dtype)]       # (1, D), (B, T, D)
+        xs = [
+            torch.randn(1, 48, dtype=dtype),
+            torch.randn(3, 5, 48, dtype=dtype),
+        ]  # (1, D), (B, T, D)
         with torch.inference_mode():
             want = [layer(x) for x in xs]
             kernels.use(layer, Kernels(packed=True))
@@ -154,7 +204,9 @@ def test_packed_linear_equals_nn_linear(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
-        x = torch.randn(2, 48, dtype=dtype, requires_grad=True)  # under autograd: nn.Linear's product
+        x = torch.randn(
+            2, 48, dtype=dtype, requires_grad=True
+        )  # under autograd: nn.Linear's product
         layer(x).sum().backward()
         torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, -1))
 
@@ -166,33 +218,40 @@ def test_attend_equals_model_attend(B, T, S):
     torch.manual_seed(0)
     q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8)
     masks = [None, torch.rand(B, 1, T, S) > 0.3]
-    masks[1][..., -1] = True                                  # every query sees at least one key
+    masks[1][..., -1] = True  # every query sees at least one key
     for mask in masks:
-        torch.testing.assert_close(kernels.attend(q, k, v, mask), model_lib.attend(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            kernels.attend(q, k, v, mask), model_lib.attend(q, k, v, mask), atol=1e-5, rtol=1e-5
+        )
 
 
-@needs_c
-@pytest.mark.parametrize("T,S,tree", [(1, 9, False), (1, 40, False), (6, 6, False), (7, 30, True), (20, 50, True)])
-def test_kernels_c_attention_is_model_attend_and_each_query_alone(T, S, tree):
+@pytest.mark.parametrize(
+    "T,S,tree", [(1, 9, False), (1, 40, False), (6, 6, False), (7, 30, True), (20, 50, True)]
+)
+def test_kernels_c_attention_is_model_attend_and_each_query_alone(T, S, tree, native_path):
     """kernels.attend_native: model.attend in bf16 (a decode step, a causal block, a tree after a
     cached prefix) on the cache's views (rows spaced by the cache's length), and each query the
     same bits alone as with the others: the nodes a plain step would see, in the same order."""
     torch.manual_seed(0)
-    H, Hkv, Dh, slots = 6, 2, 24, 64                                              # Dh: a chunk and a half
-    q = torch.randn(1, H, T, Dh).bfloat16()                                       # (1, H, T, Dh)
-    k_cache, v_cache = torch.randn(2, 1, Hkv, slots, Dh).bfloat16()               # (1, Hkv, slots, Dh) each
-    k, v = k_cache[:, :, :S], v_cache[:, :, :S]                                   # (1, Hkv, S, Dh) views
+    H, Hkv, Dh, slots = 6, 2, 24, 64  # Dh: a chunk and a half
+    q = torch.randn(1, H, T, Dh).bfloat16()  # (1, H, T, Dh)
+    k_cache, v_cache = torch.randn(2, 1, Hkv, slots, Dh).bfloat16()  # (1, Hkv, slots, Dh) each
+    k, v = k_cache[:, :, :S], v_cache[:, :, :S]  # (1, Hkv, S, Dh) views
     mask = None
     if tree:  # the prefix, then each node sees itself and some earlier nodes
         nodes = (torch.rand(T, T) > 0.5).tril() | torch.eye(T, dtype=torch.bool)
-        mask = torch.cat([torch.ones(T, S - T, dtype=torch.bool), nodes], 1)[None, None]   # (1, 1, T, S)
-    got = kernels.attend_native(q, k, v, mask)                                    # (1, H, T, Dh)
+        mask = torch.cat([torch.ones(T, S - T, dtype=torch.bool), nodes], 1)[
+            None, None
+        ]  # (1, 1, T, S)
+    got = kernels.attend_native(q, k, v, mask)  # (1, H, T, Dh)
     want = model_lib.attend(q.float(), k.float(), v.float(), mask)
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -7)
-    for t in range(T):  # query t alone, as a plain step sees it: the keys it sees side by side, no mask
-        seen = torch.arange(S) <= S - T + t if mask is None else mask[0, 0, t]          # (S,) bool
-        alone = kernels.attend_native(q[:, :, t:t + 1], k[:, :, seen], v[:, :, seen], None)
-        assert torch.equal(alone, got[:, :, t:t + 1])
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
+    for t in range(
+        T
+    ):  # query t alone, as a plain step sees it: the keys it sees side by side, no mask
+        seen = torch.arange(S) <= S - T + t if mask is None else mask[0, 0, t]  # (S,) bool
+        alone = kernels.attend_native(q[:, :, t : t + 1], k[:, :, seen], v[:, :, seen], None)
+        assert torch.equal(alone, got[:, :, t : t + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,10 +260,12 @@ def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
     bf16 within one ulp (it rounds once where the readable rounds twice), for a hidden state and
     for heads; under autograd the readable forward. rope() on q and k at once: apply_rope's bits."""
     torch.manual_seed(0)
-    for shape in ((3, 5, 48), (2, 6, 4, 16)):                                        # (B, T, D), (B, H, T, Dh)
+    for shape in ((3, 5, 48), (2, 6, 4, 16)):  # (B, T, D), (B, H, T, Dh)
         norm = model_lib.RMSNorm(shape[-1], 1e-5).to(dtype)
         nn.init.normal_(norm.weight, 1, 0.3)
-        x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(dtype)   # rows of every scale
+        x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(
+            dtype
+        )  # rows of every scale
         want = norm(x)
         kernels.use(norm, Kernels(glue=True))
         assert type(norm) is kernels.FastRMSNorm
@@ -214,22 +275,40 @@ def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
         else:  # each value the readable one or one of its two bf16 neighbours
             inf = torch.full_like(want, float("inf"))
-            assert ((got == want) | (got == torch.nextafter(want, inf)) | (got == torch.nextafter(want, -inf))).all()
-        torch.testing.assert_close(norm(x.requires_grad_()), want, atol=0, rtol=0)     # autograd: the readable one
+            assert (
+                (got == want)
+                | (got == torch.nextafter(want, inf))
+                | (got == torch.nextafter(want, -inf))
+            ).all()
+        torch.testing.assert_close(
+            norm(x.requires_grad_()), want, atol=0, rtol=0
+        )  # autograd: the readable one
     cfg = tiny_config(head_dim=16)
-    cos, sin = model_lib.Rope(cfg)(torch.tensor([3, 700, 2000]), dtype)              # (1, 1, T, Dh)
+    cos, sin = model_lib.Rope(cfg)(torch.tensor([3, 700, 2000]), dtype)  # (1, 1, T, Dh)
     q, k = torch.randn(2, 4, 3, 16, dtype=dtype), torch.randn(2, 2, 3, 16, dtype=dtype)
     sign = torch.tensor([-1, 1]).repeat_interleave(8).to(dtype)
     q2, k2 = kernels.rope(torch.cat([q, k], 1), cos, sin, sign).split([4, 2], 1)
-    assert torch.equal(q2, model_lib.apply_rope(q, cos, sin)) and torch.equal(k2, model_lib.apply_rope(k, cos, sin))
+    assert torch.equal(q2, model_lib.apply_rope(q, cos, sin)) and torch.equal(
+        k2, model_lib.apply_rope(k, cos, sin)
+    )
 
 
-CASES = {"decode step": (1, 1, 8, False), "tree": (1, 5, 8, False), "batch with key mask": (3, 1, 8, True),
-         "prefill": (1, 12, 0, False), "no cache": (2, 6, None, False)}  # B, T, cached keys (None: no cache), key mask
-# what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H (Qwen3)
-FAMILY = {"llama-like": {}, "qwen2-like": {"qkv_bias": True}, "qwen3-like": {"qk_norm": True, "head_dim": 16},
-          "gemma-like": {"activation": "gelu_pytorch_tanh"},
-          "llama-like, Dh 32": {"head_dim": 32}}  # kernels.c rotates whole chunks of 16 where Dh/2 is a multiple of 16
+CASES = {
+    "decode step": (1, 1, 8, False),
+    "tree": (1, 5, 8, False),
+    "batch with key mask": (3, 1, 8, True),
+    "prefill": (1, 12, 0, False),
+    "no cache": (2, 6, None, False),
+}  # B, T, cached keys (None: no cache), key mask
+# what model.py computes beyond Llama: q/k/v biases (Qwen2); q/k norms, heads wider than D / H
+# (Qwen3)
+FAMILY = {
+    "llama-like": {},
+    "qwen2-like": {"qkv_bias": True},
+    "qwen3-like": {"qk_norm": True, "head_dim": 16},
+    "gemma-like": {"activation": "gelu_pytorch_tanh"},
+    "llama-like, Dh 32": {"head_dim": 32},
+}  # kernels.c rotates whole chunks of 16 where Dh/2 is a multiple of 16
 
 
 def spread_norms(module):
@@ -241,27 +320,21 @@ def spread_norms(module):
     return module
 
 
-@pytest.mark.parametrize("family", FAMILY)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
-@pytest.mark.parametrize("readable", [model_lib.Attention, model_lib.Block])
-def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype, family, monkeypatch):
-    """One attention layer over a KV cache: FastAttention (fused q/k/v and their biases, o_proj
-    prepacked, attend() above, q and k normed and rotated at once) gives model.Attention's output,
-    q/k norms and wide heads included; one decoder layer: FastBlock (its norms and residual adds
-    too) gives model.Block's. With the cache written as the readable layer writes it. In bf16 also
-    through kernels.c, whose block_native runs the whole layer where it takes it (one batch row
-    over a cache): each family here."""
+def layer_case(readable, case, family):
+    """model.Attention or model.Block of `family`, random, and run(dtype, kernels) -> the layer's
+    output and its cache after one forward of `case` through those kernels, flattened (fp32)."""
     B, T, start, padded = CASES[case]
     cfg = tiny_config(**FAMILY[family])
     torch.manual_seed(0)
     layer = spread_norms(readable(cfg))
-    x = torch.randn(B, T, cfg.dim)                                                     # (B, T, D)
+    x = torch.randn(B, T, cfg.dim)  # (B, T, D)
     cos, sin = model_lib.Rope(cfg)(torch.arange(start or 0, (start or 0) + T))
-    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None   # (5, 5)
+    tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None  # (5, 5)
     key_mask = torch.rand(B, start + T) > 0.3 if padded else None
     mask = model_lib.attention_mask(T, start or 0, tree, key_mask, x.device)
-    cache = torch.randn(2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim)          # k, v: prefix, then slots
+    cache = torch.randn(
+        2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim
+    )  # k, v: prefix, then slots
 
     def run(to, kernels_=Kernels()):
         m = readable(cfg).to(to)
@@ -271,27 +344,54 @@ def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype,
         k, v = cache.to(to).clone()
         with torch.inference_mode():
             y = m(x.to(to), cos.to(to), sin.to(to), mask, None if start is None else (k, v, start))
-        return torch.cat([y.float().flatten(), k.float().flatten(), v.float().flatten()])   # the output, the cache
+        return torch.cat(
+            [y.float().flatten(), k.float().flatten(), v.float().flatten()]
+        )  # the output, the cache
+
+    return run
+
+
+@pytest.mark.parametrize("family", FAMILY)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+@pytest.mark.parametrize("readable", [model_lib.Attention, model_lib.Block])
+def test_fast_attention_and_block_equal_the_readable_ones(readable, case, dtype, family):
+    """One attention layer over a KV cache: FastAttention (fused q/k/v and their biases, o_proj
+    prepacked, attend() above, q and k normed and rotated at once) gives model.Attention's output,
+    q/k norms and wide heads included; one decoder layer: FastBlock (its norms and residual adds
+    too) gives model.Block's. With the cache written as the readable layer writes it."""
+    run = layer_case(readable, case, family)
     exact = run(torch.float32)
     if dtype == torch.float32:
         torch.testing.assert_close(run(torch.float32, FAST), exact, atol=1e-5, rtol=1e-5)
     else:
         close_as_readable(run(dtype, FAST), run(dtype), exact)
-    if dtype == torch.bfloat16 and NATIVE:
-        calls = []
-        monkeypatch.setattr(kernels, "block_native", lambda *a: calls.append(1) or block_native(*a))
-        close_as_readable(run(dtype, replace(FAST, native=True)), run(dtype), exact)
-        assert len(calls) == (readable is model_lib.Block and B == 1 and start is not None)
+
+
+@pytest.mark.parametrize("family", FAMILY)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("readable", [model_lib.Attention, model_lib.Block])
+def test_kernels_c_attention_and_block_equal_the_readable_ones(
+    readable, case, family, native_path, monkeypatch
+):
+    """The same layers in bf16 through kernels.c: its products, its attention, and block_native,
+    the whole layer in one call where it takes it (one batch row over a cache), for each family."""
+    run, (B, _, start, _) = layer_case(readable, case, family), CASES[case]
+    calls = []
+    monkeypatch.setattr(kernels, "block_native", lambda *a: calls.append(1) or block_native(*a))
+    close_as_readable(run(torch.bfloat16, C), run(torch.bfloat16), run(torch.float32))
+    assert len(calls) == (readable is model_lib.Block and B == 1 and start is not None)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @needs_packing
 def test_fast_mlp_equals_mlp(dtype, activation):
-    """SwiGLU and Gemma's GeGLU: the twin fuses the products, the activation is the readable one's."""
+    """SwiGLU and Gemma's GeGLU: the twin fuses the products, the activation is the readable
+    one's."""
     torch.manual_seed(0)
     mlp = model_lib.MLP(tiny_config(activation=activation)).to(dtype)
-    x = torch.randn(2, 3, 32, dtype=dtype)                                                 # (B, T, D)
+    x = torch.randn(2, 3, 32, dtype=dtype)  # (B, T, D)
     with torch.inference_mode():
         want = mlp(x)
         kernels.use(mlp, Kernels(packed=True))
@@ -309,7 +409,7 @@ def test_fast_lm_head_equals_lm_head(tiny, kept):
     ids = torch.arange(0, 64, 3) if kept else None
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), tiny, ids)
     own = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2, own_lm_head=True), tiny, ids)
-    z = torch.randn(5, 32)                                                                 # (P, D)
+    z = torch.randn(5, 32)  # (P, D)
     with torch.inference_mode():
         want = heads.project(z, 1)
         kernels.use(heads, Kernels(packed=True))
@@ -318,7 +418,7 @@ def test_fast_lm_head_equals_lm_head(tiny, kept):
         torch.testing.assert_close(heads.project(z, 1), want, atol=1e-5, rtol=1e-5)
 
 
-@needs_bf16
+@pytest.mark.skipif(BF16 == Kernels(), reason="no fast bf16 kernels on this CPU")
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
 def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
     """checkpoint.load_heads prepacks every layer a drafting step runs (the MLPs' linear layers,
@@ -337,18 +437,25 @@ def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
     if BF16.packed:
         mlps = loaded.blocks if kind == "medusa" else loaded.mlps
         assert type(loaded.lm_head) is kernels.FastLMHead
-        assert all(type(m) is kernels.PackedLinear for m in mlps.modules() if isinstance(m, nn.Linear))
+        assert all(
+            type(m) is kernels.PackedLinear for m in mlps.modules() if isinstance(m, nn.Linear)
+        )
     h, path = torch.randn(1, 5, 32).bfloat16(), torch.tensor([[3, 5], [7, 1]])
 
     def outputs():
-        context = loaded.context(h, torch.arange(5))                                     # (1, 5, D)
-        return [context.float()] + [loaded.project(loaded.head(d, context[:, -1], path[:, :d]), d).float() for d in (1, 2)]
+        context = loaded.context(h, torch.arange(5))  # (1, 5, D)
+        return [context.float()] + [
+            loaded.project(loaded.head(d, context[:, -1], path[:, :d]), d).float() for d in (1, 2)
+        ]
+
     with torch.inference_mode():
         fast = outputs()
         kernels.use(loaded, Kernels())
         readable = outputs()
-        stale = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base, torch.arange(0, 64, 2))
-        stale = stale.context(h, torch.arange(5)).float()                             # zero-initialised
+        stale = heads_lib.build(
+            heads_lib.HeadsConfig(kind, num_heads=2), base, torch.arange(0, 64, 2)
+        )
+        stale = stale.context(h, torch.arange(5)).float()  # zero-initialised
     for f, r in zip(fast, readable):
         assert (f - r).abs().max() < 0.05 * r.abs().max(), (f - r).abs().max()
     if kind == "hydra++":  # a layer prepacked from the zero-initialised weights would be far off
@@ -357,12 +464,16 @@ def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
 
 # --- the whole model -----------------------------------------------------------------------------
 
+
 def operations(fn):
     """How many operations fn() sends through PyTorch's dispatcher (not those they call inside)."""
     ops = ("aten::", "mkldnn::")
     with torch.profiler.profile() as p:
         fn()
-    return sum(e.name.startswith(ops) and not (e.cpu_parent and e.cpu_parent.name.startswith(ops)) for e in p.events())
+    return sum(
+        e.name.startswith(ops) and not (e.cpu_parent and e.cpu_parent.name.startswith(ops))
+        for e in p.events()
+    )
 
 
 @needs_packing
@@ -379,8 +490,9 @@ def test_a_decode_step_runs_a_third_fewer_operations_a_layer_through_the_twins(t
         with torch.inference_mode():
             tiny(torch.ones(1, 8, dtype=torch.long), torch.arange(8), None, cache)
             cache.keep(range(8))
-            per_layer[name] = (operations(lambda: tiny(tokens, positions, None, cache))
-                               - operations(lambda: tiny(tokens, positions, None, cache, num_layers=1)))
+            per_layer[name] = operations(lambda: tiny(tokens, positions, None, cache)) - operations(
+                lambda: tiny(tokens, positions, None, cache, num_layers=1)
+            )
     assert per_layer["fast"] <= 2 / 3 * per_layer["readable"], per_layer
 
 
@@ -391,7 +503,11 @@ def test_prepacked_fp32_linears_match_the_readable_path(family):
     oneDNN is there) give the readable path's logits to fp32 rounding, for a prefix, a tree and a
     padded batch."""
     torch.manual_seed(0)
-    tiny = spread_norms(model_lib.Transformer(tiny_config(**FAMILY[family]))).eval().requires_grad_(False)
+    tiny = (
+        spread_norms(model_lib.Transformer(tiny_config(**FAMILY[family])))
+        .eval()
+        .requires_grad_(False)
+    )
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
     tokens = torch.randint(0, 64, (2, 12))
     key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
@@ -403,15 +519,18 @@ def test_prepacked_fp32_linears_match_the_readable_path(family):
             assert (type(tiny.lm_head) is kernels.PackedLinear) == k.packed
             cache = tiny.new_cache(32, batch=2)
             prefix, _ = tiny(tokens, torch.arange(12), None, cache, key_mask=key_mask[:, :12])
-            cache.keep(range(12))
-            logits, _ = tiny(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask)
+            cache.keep(range(12), range(12))
+            logits, _ = tiny(
+                tokens[:, : tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask
+            )
             out[name] = torch.cat([prefix, logits], 1)
     torch.testing.assert_close(out["packed"], out["readable"], atol=1e-5, rtol=1e-5)
 
 
 def test_fast_kernels_match_readable_path_in_bf16(tiny):
-    """The bf16 forward with the fast kernels (prepacked linears where this CPU has them) stays
-    as close to the fp32 result as the readable bf16 path does: same prefix, tree and batch."""
+    """The bf16 forward with the fast kernels Kernels.choose picks here (kernels.c, or oneDNN's
+    prepacked linears where bf16 is native to it) stays as close to the fp32 result as the
+    readable bf16 path does: same prefix, tree and batch."""
     tiny32 = tiny
     tiny16 = model_lib.Transformer(tiny.cfg).eval().requires_grad_(False)
     tiny16.load_state_dict(tiny32.state_dict())
@@ -420,14 +539,14 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
     tokens = torch.randint(0, 64, (2, 12))
     with torch.inference_mode():
         errors = {}
-        for name, k in (("readable", Kernels()), ("fast", Kernels(attention="cpu-bf16", packed=BF16.packed, glue=True))):
+        for name, k in (("readable", Kernels()), ("fast", BF16)):
             kernels.use(tiny16, k)
             out = []
             for m in (tiny32, tiny16):
                 cache = m.new_cache(32, batch=2)
                 m(tokens, torch.arange(12), None, cache)
-                cache.keep(range(12))
-                logits, _ = m(tokens[:, :tree.num_nodes], 12 + tree.depth, tree.mask, cache)
+                cache.keep(range(12), range(12))
+                logits, _ = m(tokens[:, : tree.num_nodes], 12 + tree.depth, tree.mask, cache)
                 out.append(logits.float())
             errors[name] = (out[0] - out[1]).abs().max().item()
     assert errors["fast"] < 2 * errors["readable"] + 0.05, errors
@@ -435,31 +554,34 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
 
 # --- the training loss ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["teacher", "next-token"])
 def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dtype):
-    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head (shared,
-    or one per head), products in `dtype`: the value and the gradients of z and of the LM head."""
+    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head
+    (shared, or one per head), products in `dtype`: the value and the gradients of z and of the LM
+    head."""
     # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
     # (-1), some rows whose teacher puts all its mass in its top-k (r = 0), one whose head puts all
-    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p = 1)
+    # its mass there too (1 - s below the 1e-6 clamp), and both losses: teacher and next-token (p =
+    # 1)
     g = torch.Generator().manual_seed(0)
     M, D, V, k = 600, 24, 300, 5
     assert M > 2 * kernels.sizes("cpu").loss_rows and M % kernels.sizes("cpu").loss_rows
     z = torch.randn(M, D, generator=g)
     weight = torch.randn(V, D, generator=g) * 0.6
-    z[:, 0] = 0                                                     # dimension 0 is row 7's alone:
+    z[:, 0] = 0  # dimension 0 is row 7's alone:
     z[7] = 0
-    z[7, 0] = 40                                                    # its logits are 40 weight[:, 0]:
+    z[7, 0] = 40  # its logits are 40 weight[:, 0]:
     weight[:, 0] = -1
-    weight[:k, 0] = 0                                               # 0 on tokens 0..4, -40 elsewhere
+    weight[:k, 0] = 0  # 0 on tokens 0..4, -40 elsewhere
     ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(M)])
     ids[7] = torch.arange(k)
     ids[torch.rand(M, k, generator=g) < 0.1] = -1
     p = torch.rand(M, k, generator=g).softmax(-1) * torch.rand(M, 1, generator=g)
-    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)                 # r = 0
+    p[::3] = p[::3] / p[::3].sum(-1, keepdim=True)  # r = 0
     target = torch.randint(-1, V, (M,), generator=g)
-    j = torch.randint(0, 3, (M,), generator=g)                      # head - 1
+    j = torch.randint(0, 3, (M,), generator=g)  # head - 1
     per_head = weight.repeat(3, 1, 1)
     per_head[..., 1:] += 0.1 * torch.randn(3, V, D - 1, generator=g)  # column 0 (row 7's) the same
 
@@ -467,18 +589,21 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
         if w_.dim() == 2:
             return z_.to(dtype) @ w_.to(dtype).T
         return (z_.to(dtype)[:, None] @ w_.to(dtype)[j].transpose(-1, -2))[:, 0]
+
     for w in (weight, per_head):
         za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
         want = T.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
-        (want * 3).backward()                                       # any upstream gradient
+        (want * 3).backward()  # any upstream gradient
         zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
         got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)
         (got * 3).backward()
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
         for mine, readable_grad in ((zb.grad, za.grad), (wb.grad, wa.grad)):
-            if dtype == torch.float32:                              # the same sums in another order
+            if dtype == torch.float32:  # the same sums in another order
                 torch.testing.assert_close(mine, readable_grad, atol=1e-6, rtol=1e-4)
-            else:  # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare in norm
+            # bf16 roundings of dL/dlogits (1 ulp of a -1 is 0.008) differ here and there: compare
+            # in norm
+            else:
                 assert (mine - readable_grad).norm() < 1e-2 * readable_grad.norm()
         # a frozen LM head gets no gradient and needs none
         zc = z.clone().requires_grad_()
@@ -493,12 +618,18 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
     and its fused twin, on a collated batch of Hydra++ heads: the same loss and weight gradients."""
     g = torch.Generator().manual_seed(0)
     n, kept = 24, torch.arange(0, 64, 2)
-    data = dict(offsets=torch.tensor([0, 11, n]), ids=torch.randint(1, 64, (n,), generator=g),
-                loss=torch.rand(n, generator=g) > 0.3, hidden=torch.randn(n, 32, generator=g).half(),
-                top_ids=torch.randint(0, 64, (n, 4), generator=g),
-                top_p=(torch.rand(n, 4, generator=g).softmax(-1) * 0.9).half())
+    data = dict(
+        offsets=torch.tensor([0, 11, n]),
+        ids=torch.randint(1, 64, (n,), generator=g),
+        loss=torch.rand(n, generator=g) > 0.3,
+        hidden=torch.randn(n, 32, generator=g).half(),
+        top_ids=torch.randint(0, 64, (n, 4), generator=g),
+        top_p=(torch.rand(n, 4, generator=g).softmax(-1) * 0.9).half(),
+    )
     batch = T.collate(data, [0, 1], T.to_kept_map(kept, 64), 3, "cpu")
-    heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=3, own_lm_head=own), tiny, kept).train()
+    heads = heads_lib.build(
+        heads_lib.HeadsConfig("hydra++", num_heads=3, own_lm_head=own), tiny, kept
+    ).train()
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
@@ -515,24 +646,30 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
 
 # --- weight-only int8 and int4 -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_is_the_product_with_its_dequantized_weight(dtype):
     """int8 and int4: each weight within half a step of the layer's, the CPU kernel's product that
     of x with widen()'s weight (to fp32 rounding, or bf16's)."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 48).to(dtype)
-    x = torch.randn(2, 3, 64, dtype=dtype)                                    # (B, T, in)
+    x = torch.randn(2, 3, 64, dtype=dtype)  # (B, T, in)
     q8, scale = kernels.int8_weight(layer.weight)
     q4, scale_zero = kernels.int4_weight(layer.weight)
     assert q8.dtype == torch.int8 and q8.abs().max() <= 127
     assert q4.shape == (48, 64) and q4.max() <= 15 and scale_zero.shape == (64 // 32, 48, 2)
-    step4 = scale_zero[..., 0].T.repeat_interleave(32, 1)                      # (48, 64) each weight's scale
-    for q, s, packed, step in ((q8, scale, q8, scale[:, None]), (q4, scale_zero, kernels.int4_pack(q4), step4)):
-        w = kernels.widen(q, s).float()                                        # (48, 64)
-        rounding = 2 * torch.finfo(dtype).eps * layer.weight.abs().max().float()   # of scale, zero and w in dtype
+    step4 = scale_zero[..., 0].T.repeat_interleave(32, 1)  # (48, 64) each weight's scale
+    for q, s, packed, step in (
+        (q8, scale, q8, scale[:, None]),
+        (q4, scale_zero, kernels.int4_pack(q4), step4),
+    ):
+        w = kernels.widen(q, s).float()  # (48, 64)
+        rounding = (
+            2 * torch.finfo(dtype).eps * layer.weight.abs().max().float()
+        )  # of scale, zero and w in dtype
         assert ((w - layer.weight.float()).abs() <= 0.51 * step.float() + rounding).all()
         with torch.no_grad():
-            got = kernels.quantized_linear(x, packed, s, layer.bias).float()   # (B, T, 48)
+            got = kernels.quantized_linear(x, packed, s, layer.bias).float()  # (B, T, 48)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(got, x.float() @ w.T + layer.bias.float(), atol=tol, rtol=tol)
 
@@ -545,22 +682,26 @@ def test_fp16_weights_multiply_in_fp32_and_rows_alone_where_the_cpu_says():
     torch.manual_seed(0)
     w, bias = torch.randn(96, 64) * 0.1, torch.randn(96)
     packed = kernels.prepack(w[:40], w[40:], product="fp16")
-    x = torch.randn(1, 70, 64)                                                # (B, T, in)
+    x = torch.randn(1, 70, 64)  # (B, T, in)
     with torch.no_grad():
-        y = kernels.linear(x, packed, bias, add=torch.ones(1, 70, 96))        # (B, T, out)
+        y = kernels.linear(x, packed, bias, add=torch.ones(1, 70, 96))  # (B, T, out)
         torch.testing.assert_close(y, 1 + x @ w.half().float().T + bias, atol=1e-5, rtol=1e-5)
         whole = kernels.linear(x, packed)
-        alone = [torch.equal(kernels.linear(x[:, a:b], packed), whole[:, a:b])
-                 for a in (0, 3) for b in range(a + 1, 70)]
+        alone = [
+            torch.equal(kernels.linear(x[:, a:b], packed), whole[:, a:b])
+            for a in (0, 3)
+            for b in range(a + 1, 70)
+        ]
         assert all(alone) == kernels.fp16_rows_alone()
         got = kernels.linear(x.bfloat16(), packed)
         assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), x.bfloat16().float() @ w.half().float().T, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(
+            got.float(), x.bfloat16().float() @ w.half().float().T, atol=1e-2, rtol=1e-2
+        )
 
 
-@needs_c
 @pytest.mark.parametrize("product", ["c", "c-int8"])
-def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product):
+def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product, native_path):
     """kernels.c: bf16 rows times a bf16 weight (or int8_weight's, widened), exact products summed
     in fp32, bias and `add` inside the one rounding to bf16; outputs not a multiple of its blocks
     (100); a row's result the same bits whatever rows share the call, from 1 row to more than its
@@ -568,52 +709,108 @@ def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product):
     torch.manual_seed(0)
     w, bias = (torch.randn(100, 64) * 0.1).bfloat16(), torch.randn(100).bfloat16()
     packed = kernels.prepack(w[:40], w[40:], product=product)
-    assert isinstance(packed, kernels.NativeWeight) and (packed.scale is not None) == (product == "c-int8")
-    x, add = torch.randn(1, 70, 64).bfloat16(), torch.randn(1, 70, 100).bfloat16()      # (B, T, in), (B, T, out)
+    assert isinstance(packed, kernels.NativeWeight) and (packed.scale is not None) == (
+        product == "c-int8"
+    )
+    x, add = (
+        torch.randn(1, 70, 64).bfloat16(),
+        torch.randn(1, 70, 100).bfloat16(),
+    )  # (B, T, in), (B, T, out)
     with torch.no_grad():
-        y = kernels.linear(x, packed, bias, add)                                         # (B, T, out)
+        y = kernels.linear(x, packed, bias, add)  # (B, T, out)
         assert y.dtype == torch.bfloat16 and y.shape == (1, 70, 100)
         if product == "c-int8":  # the weight int8 stands for, unrounded: q * scale
             q, scale = kernels.int8_weight(w)
             w = q.float() * scale.float()[:, None]
         want = x.float() @ w.float().T + bias.float() + add.float()
-        torch.testing.assert_close(y.float(), want, atol=1e-3, rtol=2 ** -8)             # one bf16 rounding
-        assert (y.float() - want).abs().max() > 0                                        # it is bf16, not fp32
-        for a, b in ((0, 1), (3, 8), (9, 25), (60, 70)):
+        torch.testing.assert_close(y.float(), want, atol=1e-3, rtol=2**-8)  # one bf16 rounding
+        assert (y.float() - want).abs().max() > 0  # it is bf16, not fp32
+        for a, b in [(0, 1), (3, 8), (9, 25), (60, 70)] + [(0, n) for n in range(2, 17)]:
             assert torch.equal(kernels.linear(x[:, a:b], packed, bias, add[:, a:b]), y[:, a:b])
-        assert torch.equal(kernels.linear(x, packed), kernels.linear(x[0], packed)[None])  # any leading shape
+        assert torch.equal(
+            kernels.linear(x, packed), kernels.linear(x[0], packed)[None]
+        )  # any leading shape
 
 
-def test_kernels_c_is_chosen_for_bf16_only_where_it_builds(monkeypatch, tmp_path, capsys):
-    """Kernels.choose runs kernels.c's product for bf16 where it built, never for fp32; a compiler
-    that fails gives one notice and oneDNN's products, never a crash; SPECDEC_NO_C=1 turns it off."""
-    assert Kernels.choose("cpu", torch.bfloat16, 0).native == (NATIVE and BF16 != Kernels())
+def test_kernels_c_runs_each_path_this_cpu_executes_and_only_for_bf16(native_path):
+    """Forced onto a path (SPECDEC_KERNELS), kernels.c builds that path's code, and Kernels.choose
+    runs it for bf16, never for fp32; native_reason() is None."""
+    assert kernels.native_path() == native_path and kernels.native_reason() is None
+    assert kernels.native_library().kernels_isa().decode() == native_path
+    assert Kernels.choose("cpu", torch.bfloat16, 0) == C
     assert not Kernels.choose("cpu", torch.float32, 0).native
+
+
+def test_kernels_c_off_or_not_to_be_had_leaves_pytorch_one_notice(monkeypatch, tmp_path, capsys):
+    """A path this CPU cannot run, forced (avx512-bf16 without AVX512-BF16; NEON on x86): one
+    notice, no build, PyTorch's kernels, never its code. A compiler that fails: one notice,
+    nothing half-written left. Turned off (SPECDEC_KERNELS=off, SPECDEC_NO_C=1): no notice, not
+    even tried. native_reason() says why in each case."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(kernels, "cpu_has", lambda flag: True)
-    kernels.native_library.cache_clear()
+    runnable = kernels.runnable_paths()
+    foreign = next(p for p in ("avx512-bf16", "neon", "avx2") if p not in runnable)
+    cases = [
+        ({"SPECDEC_KERNELS": foreign}, "this CPU cannot run it", 1),
+        ({"SPECDEC_KERNELS": "sse"}, "is none of", 1),
+        ({"SPECDEC_KERNELS": "off"}, "turned off", 0),
+        ({"SPECDEC_NO_C": "1", "CC": "false"}, "turned off", 0),
+    ]
+    if runnable:
+        cases.append(({"SPECDEC_KERNELS": runnable[0], "CC": "false"}, "(false exited with 1)", 1))
     try:
-        assert kernels.native_library() is None
-        assert capsys.readouterr().err.count("notice: kernels.c not built here") == 1
-        assert not Kernels.choose("cpu", torch.bfloat16, 0).native
-        kernels.native_library.cache_clear()
-        monkeypatch.setenv("SPECDEC_NO_C", "1")                      # turned off: not even tried, no notice
-        assert kernels.native_library() is None and capsys.readouterr().err == ""
+        for env, why, notices in cases:
+            with monkeypatch.context() as m:
+                for name, value in env.items():
+                    m.setenv(name, value)
+                kernels.native.cache_clear()
+                assert kernels.native_library() is None and why in kernels.native_reason()
+                assert not Kernels.choose("cpu", torch.bfloat16, 0).native
+                kernels.native_library()  # asked again: no second notice
+                assert capsys.readouterr().err.count("notice: ") == notices, env
     finally:
-        kernels.native_library.cache_clear()
-    assert list(tmp_path.iterdir()) == []                          # no partial library left behind
+        kernels.native.cache_clear()
+    assert list(tmp_path.iterdir()) == []  # no library, whole or partial
 
 
-@needs_c
-@needs_bf16
+def test_each_path_and_cpu_keeps_its_own_build(monkeypatch):
+    """The cached library's name keys the path and the CPU's features (besides the source, the
+    compiler and its flags, torch): a home folder shared by two machines never loads the other's."""
+    names = {path: kernels.library_file(path) for path in kernels.PATHS}
+    assert len(set(names.values())) == len(names)
+    assert all(path in name for path, name in names.items())
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.PATHS["avx2"][0])  # another CPU
+    assert all(kernels.library_file(path) != name for path, name in names.items())
+
+
+@pytest.mark.parametrize("path", kernels.PATHS)
+def test_every_path_compiles(path, tmp_path, monkeypatch):
+    """Each path's code compiles with its flags, whatever this CPU runs: the x86 ones with an x86
+    C compiler (gcc takes -mavx512bf16 on any x86 CPU), NEON with an aarch64 one (here or a cross
+    compiler, aarch64-linux-gnu-gcc); skipped where no such compiler is installed."""
+    arm = platform.machine().lower() in kernels.ARM
+    compiler = os.environ.get("CC", "cc") if (path == "neon") == arm else None
+    if path == "neon" and not arm:
+        compiler = "aarch64-linux-gnu-gcc"
+    if compiler is None or shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler for {path} here")
+    monkeypatch.setenv("CC", compiler)
+    out = tmp_path / f"kernels-{path}.so"
+    subprocess.run(
+        kernels.build_command(path, str(out)), check=True, capture_output=True, timeout=300
+    )
+    assert f"{path}\0".encode() in out.read_bytes()  # kernels_isa(): that path's code, built
+
+
 @pytest.mark.parametrize("quant", ["none", "int8"])
-def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plainly(quant):
+def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plainly(
+    quant, native_path
+):
     """kernels.c's rows and queries do not depend on each other: in bf16, a tree step's products
     and attention give each node what a plain step gives it, and greedy speculative decoding keeps
     plain greedy's tokens."""
     import drafters
     import generate
+
     steps = {"plain": 0, "spec": 0}
     for seed in range(10):  # (through oneDNN and SDPA, 1 of these 10 differs)
         torch.manual_seed(seed)
@@ -625,20 +822,29 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
         kernels.use(base), kernels.use(heads)
         if quant != "none":
             kernels.quantize(base, quant)
-        assert kernels.in_use(base).native and isinstance(base.layers[0].mlp.packed, kernels.NativeWeight)
+        assert kernels.in_use(base).native and isinstance(
+            base.layers[0].mlp.packed, kernels.NativeWeight
+        )
         assert (base.layers[0].mlp.packed.scale is not None) == (quant == "int8")
         plain = generate.generate(base, [3, 4, 5], 40)
-        spec = generate.generate(base, [3, 4, 5], 40, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
+        spec = generate.generate(
+            base,
+            [3, 4, 5],
+            40,
+            drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))),
+        )
         assert spec.tokens == plain.tokens
         steps["plain"], steps["spec"] = steps["plain"] + plain.steps, steps["spec"] + spec.steps
-    assert steps["spec"] < steps["plain"]                  # the heads' guesses were taken
+    assert steps["spec"] < steps["plain"]  # the heads' guesses were taken
 
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
-    """Quantised weights change the model a little; the lossless contract holds against that model."""
+    """Quantised weights change the model a little; the lossless contract holds against that
+    model."""
     import drafters
     import generate
+
     torch.manual_seed(0)
     base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), base)
@@ -648,20 +854,30 @@ def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     readable = generate.generate(base, [3, 4, 5], 20)
     kernels.quantize(base, quant)
     assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).quant == quant
-    assert (type(base.layers[0].mlp) is kernels.FastMLP) == (quant == "fp16")  # fp16 keeps the fused products
-    assert torch.equal(base.lm_head.weight, before)                          # the weights themselves stay
+    assert (type(base.layers[0].mlp) is kernels.FastMLP) == (
+        quant == "fp16"
+    )  # fp16 keeps the fused products
+    assert torch.equal(base.lm_head.weight, before)  # the weights themselves stay
     plain = generate.generate(base, [3, 4, 5], 20)
-    spec = generate.generate(base, [3, 4, 5], 20, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))))
+    spec = generate.generate(
+        base,
+        [3, 4, 5],
+        20,
+        drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2]))),
+    )
     assert spec.tokens == plain.tokens and plain.tokens[:3] == readable.tokens[:3]
     kernels.use(base, kernels.Kernels())
     assert type(base.lm_head) is nn.Linear
 
 
 def test_a_layer_the_int4_kernel_does_not_take_stays_readable():
-    """The CPU's int4 kernel wants out a multiple of 16 and in of the group (32): a 72-token vocabulary's LM head stays nn.Linear."""
+    """The CPU's int4 kernel wants out a multiple of 16 and in of the group (32): a 72-token
+    vocabulary's LM head stays nn.Linear."""
     m = model_lib.Transformer(tiny_config(vocab_size=72, tie_embeddings=True)).eval()
     kernels.quantize(m, "int4")
-    assert type(m.lm_head) is nn.Linear and type(m.layers[0].self_attn.q_proj) is kernels.PackedLinear
+    assert (
+        type(m.lm_head) is nn.Linear and type(m.layers[0].self_attn.q_proj) is kernels.PackedLinear
+    )
     with torch.no_grad():
         m(torch.ones(1, 3, dtype=torch.long), torch.arange(3), None, m.new_cache(8))
 
@@ -675,5 +891,11 @@ def test_expanded_kv_attention_equals_the_readable_one_with_every_kind_of_mask(t
     tree[3, 1] = False
     key_mask = torch.ones(B, S, dtype=torch.bool)
     key_mask[1, :2] = False
-    for mask in (None, model_lib.attention_mask(T, S - T, tree, None, "cpu"), model_lib.attention_mask(T, S - T, None, key_mask, "cpu")):
-        torch.testing.assert_close(kernels.attend_expanded(q, k, v, mask), model_lib.attend(q, k, v, mask))
+    for mask in (
+        None,
+        model_lib.attention_mask(T, S - T, tree, None, "cpu"),
+        model_lib.attention_mask(T, S - T, None, key_mask, "cpu"),
+    ):
+        torch.testing.assert_close(
+            kernels.attend_expanded(q, k, v, mask), model_lib.attend(q, k, v, mask)
+        )
