@@ -451,21 +451,7 @@ def test_methods_all_runs_llama_cpp_where_installed(default_is_tiny, capsys, mon
     installed and the model is the default one."""
     fake, made, _, _ = fake_llama_cpp([7, 2])
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    code, out, err = run_bench(
-        capsys,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        1,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        2,
-        "--dtype",
-        "fp32",
-        "--heads-dir",
-        tmp_path,
-    )
+    code, out, err = run_bench(capsys, *one_prompt(tmp_path))
     assert code == 0 and "| plain |" in out, err
     for name in B.LLAMA_CPP:
         assert f"| {name} |" in out, out
@@ -487,26 +473,20 @@ def test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp(
     default_is_tiny, capsys, monkeypatch, tmp_path
 ):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    code, out, err = run_bench(
-        capsys,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        1,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        2,
-        "--dtype",
-        "fp32",
-        "--heads-dir",
-        tmp_path,
-    )
+    code, out, err = run_bench(capsys, *one_prompt(tmp_path))
     assert code == 0 and "| lookup |" in out and "llama.cpp" not in out, err
     assert (
         "llama.cpp-f16, llama.cpp-q8_0, llama.cpp-q4_1: not run (they need llama-cpp-python: "
         "pip install llama-cpp-python)"
     ) in err
+
+
+def one_prompt(tmp_path):
+    """The flags of a benchmark of one prompt, two new tokens, fp32, heads from tmp_path."""
+    return (
+        f"--prompts {prompts_file(tmp_path)} --limit 1 --repeats 1 --max-new-tokens 2 "
+        f"--dtype fp32 --heads-dir {tmp_path}"
+    ).split()
 
 
 def fake_llama_cpp(reply):
