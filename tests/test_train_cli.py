@@ -240,14 +240,7 @@ def test_resume_with_other_flags_is_refused_or_noticed(
 ):
     chats, out = conversations(tmp_path / "chats.jsonl"), tmp_path / "heads"
     common = [
-        "--model",
-        tiny_model_dir,
-        "--data",
-        chats,
-        "--work",
-        tmp_path,
-        "--out",
-        out,
+        *f"--model {tiny_model_dir} --data {chats} --work {tmp_path} --out {out}".split(),
         *TINY_RUN,
     ]
     code, _, err = run_train(capsys, *common)
@@ -340,14 +333,7 @@ def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(
     else."""
     chats, out = conversations(tmp_path / "chats.jsonl"), tmp_path / "heads"
     common = [
-        "--model",
-        tiny_model_dir,
-        "--data",
-        chats,
-        "--work",
-        tmp_path,
-        "--out",
-        out,
+        *f"--model {tiny_model_dir} --data {chats} --work {tmp_path} --out {out}".split(),
         *TINY_RUN,
     ]
     assert run_train(capsys, *common)[0] == 0
