@@ -73,12 +73,10 @@ from tuning import (
 import verify as verify_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-QUANTIZED = tuple(
-    f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++")
-)  # on a quantized copy of the model (--quantize's)
-LLAMA_CPP = tuple(
-    f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS
-)  # llama.cpp on the default model's GGUF files
+# on a quantized copy of the model (--quantize's)
+QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++"))
+# llama.cpp on the default model's GGUF files
+LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)
 METHODS = (
     "plain",
     "hf",
@@ -465,9 +463,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
         raise cli.UsageError(
             f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
         )
-    asked = (
-        set() if args.methods == "all" else set(wanted)
-    )  # named: a missing one is an error, not a skip
+    # named: a missing one is an error, not a skip
+    asked = set() if args.methods == "all" else set(wanted)
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
     methods, notes, hf, loaded = {}, [], None, {}
     if args.methods == "all" and args.model == checkpoint.DEFAULT and llama_cpp_module() is None:

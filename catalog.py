@@ -29,10 +29,11 @@ from cli import UsageError, notice
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
 
+# heads trained with the base model's last layers (joint.py)
 JOINT_KINDS = (
     "medusa-2",
     "hydra++-2",
-)  # heads trained with the base model's last layers (joint.py)
+)
 
 
 # --- heads: --heads -------------------------------------------------------------------------------
@@ -238,11 +239,12 @@ DRAFT_DEFAULTS = {
     "pass": {"gamma": 2, "guesses": 2},
 }
 
+# the model drafts for itself at nodes it computes but never verifies
 PARALLEL = (
     "jacobi",
     "lookahead",
     "pass",
-)  # the model drafts for itself at nodes it computes but never verifies
+)
 
 
 def parse_draft(spec):

@@ -131,9 +131,8 @@ def config_from_hf(hf: dict, name: str) -> Config:
             "field 'eos_token_id' must be a token id, a list of them or null, got "
             f"{hf.get('eos_token_id')!r}"
         )
-    tie = hf.get(
-        "tie_word_embeddings", arch == "gemma"
-    )  # absent: the family's default (transformers omits it so)
+    # absent: the family's default (transformers omits it so)
+    tie = hf.get("tie_word_embeddings", arch == "gemma")
     if not isinstance(tie, bool):
         raise LoadError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
@@ -143,9 +142,8 @@ def config_from_hf(hf: dict, name: str) -> Config:
                 "qwen2's on q, k, v)"
             )
     act = hf.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma" else "silu")
-    act = (
-        "gelu_pytorch_tanh" if arch == "gemma" and act == "gelu" else act
-    )  # as transformers reads Gemma's "gelu"
+    # as transformers reads Gemma's "gelu"
+    act = "gelu_pytorch_tanh" if arch == "gemma" and act == "gelu" else act
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise LoadError(
             f"activation (hidden_act) {act!r} is not supported (supported: silu, gelu_pytorch_tanh)"
@@ -154,9 +152,8 @@ def config_from_hf(hf: dict, name: str) -> Config:
     if (
         hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False
     ):  # Mistral, Phi-3; Qwen if on
-        context = min(
-            context, _positive(hf, "sliding_window")
-        )  # exact: no token reaches past its window
+        # exact: no token reaches past its window
+        context = min(context, _positive(hf, "sliding_window"))
     granite_multipliers(hf)  # checked before any weight is read
     return Config(
         vocab_size=_positive(hf, "vocab_size"),
@@ -600,9 +597,8 @@ def merge_delta(model, folder):
         weight = model.layers[int(layer)].get_submodule(path).weight
         delta = scale * tensors[key + ".B"].float() @ tensors[key + ".A"].float()  # (out, in)
         weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
-    kernels.use(
-        model
-    )  # the fast kernels' copies of the weights are made again from the merged ones
+    # the fast kernels' copies of the weights are made again from the merged ones
+    kernels.use(model)
     return (
         f"the base model's layers {cfg['first_layer']}-{model.cfg.n_layers - 1} adapted by the "
         f"heads' LoRA delta (rank {cfg['rank']})"

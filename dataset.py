@@ -70,9 +70,8 @@ def decode_batched(
     before each answer token. Else features is None."""
     dev, D = model.device, model.cfg.dim
     stop = torch.tensor(sorted(stop_ids), device=dev)
-    waiting = sorted(
-        range(len(prompts)), key=lambda i: -len(prompts[i])
-    )  # longest first: pop() takes the shortest
+    # longest first: pop() takes the shortest
+    waiting = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     while waiting:
         rows = [waiting.pop() for _ in range(min(batch, len(waiting)))][::-1]
         L = max(len(prompts[i]) for i in rows)
@@ -81,16 +80,13 @@ def decode_batched(
         cache = model.new_cache(capacity, batch=B)
         key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)  # (B, S)
         conv = torch.tensor(rows, device=dev)  # (B,) prompt index of each row, -1 = done
-        start = torch.zeros(
-            B, dtype=torch.long, device=dev
-        )  # (B,) slot of the row's first prompt token
+        # (B,) slot of the row's first prompt token
+        start = torch.zeros(B, dtype=torch.long, device=dev)
         plen = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) prompt lengths
-        tokens = torch.zeros(
-            B, capacity, dtype=torch.long, device=dev
-        )  # (B, S) every row's ids by slot
-        hid = (
-            torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None
-        )  # (B, S, D)
+        # (B, S) every row's ids by slot
+        tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)
+        # (B, S, D)
+        hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None
         teacher_ids = (
             torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None
         )  # (B, S, k)
@@ -108,9 +104,8 @@ def decode_batched(
                 ids[r, Lr - len(p) :], km[r, Lr - len(p) :] = torch.tensor(p, device=dev), True
             positions = (km.long().cumsum(1) - 1).clamp(min=0)  # (r, Lr)
             sub = model.new_cache(Lr, batch=len(idx))
-            logits, hidden = model(
-                ids, positions, None, sub, key_mask=km, last_only=True
-            )  # (r, 1, V), (r, Lr, D)
+            # (r, 1, V), (r, Lr, D)
+            logits, hidden = model(ids, positions, None, sub, key_mask=km, last_only=True)
             cache.k[:, idx, :, end - Lr : end], cache.v[:, idx, :, end - Lr : end] = sub.k, sub.v
             key_mask[idx] = False
             key_mask[idx, end - Lr : end] = km
@@ -225,9 +220,8 @@ class PromptFilter:
     prompts keeps each check proportional to the prompt, not the data."""
 
     def __init__(self, openers=()):
-        self.openers = sorted(
-            {tuple(normalise(o)) for o in openers}, key=len, reverse=True
-        )  # longest first
+        # longest first
+        self.openers = sorted({tuple(normalise(o)) for o in openers}, key=len, reverse=True)
         self.heads, self.grams, self.index = set(), [], {}
         self.tried = self.rejected_duplicate = 0
 
@@ -643,9 +637,8 @@ def conversation_tokens(messages, tokenizer, where):
 
     for i, m in enumerate(messages):  # render turn by turn, so each token knows its speaker
         if m["role"] == "assistant" and i > 0:
-            extend(
-                i, False, generation_prompt=True
-            )  # the assistant's header is the prompt's, as in decoding
+            # the assistant's header is the prompt's, as in decoding
+            extend(i, False, generation_prompt=True)
         extend(i + 1, m["role"] == "assistant")
     return ids, loss
 
@@ -1100,9 +1093,8 @@ def check_self_data(folder, key):
         with open(os.path.join(folder, KEY_FILE)) as f:
             saved = json.load(f)["key"]
     except (OSError, ValueError, KeyError, TypeError):
-        saved = (
-            None  # none yet, or written by an older train.py: the shards' shapes are checked below
-        )
+        # none yet, or written by an older train.py: the shards' shapes are checked below
+        saved = None
     if saved is not None and (differ := key_differences(saved, key)):
         raise UsageError(
             f"the self-distilled data in {folder} was made with other settings "

@@ -52,23 +52,16 @@ import verify as verify_lib
 
 @dataclass
 class Draft:
-    tokens: (
-        torch.Tensor
-    )  # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
+    # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
+    tokens: torch.Tensor
     tree: tree_lib.Tree  # the candidates, nodes [0, tree.num_nodes), its tensors on the device
-    mask: (
-        torch.Tensor | None
-    )  # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
+    # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
+    mask: torch.Tensor | None
     depth: torch.Tensor  # (N,) on the device: node i sits at position prefix + depth[i]
-    source: (
-        list  # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
-    )
-    probs: torch.Tensor | None = (
-        None  # (N-1, V) a chain of sampled drafts: the p each was drawn from
-    )
-    extra: torch.Tensor | None = (
-        None  # (K, D) the embeddings of token ids past the vocabulary (PaSS)
-    )
+    # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
+    source: list
+    probs: torch.Tensor | None = None  # (N-1, V) sampled drafts: the p each was drawn from
+    extra: torch.Tensor | None = None  # (K, D) embeddings of token ids past the vocabulary (PaSS)
 
     @property
     def candidates(self) -> int:
@@ -123,9 +116,8 @@ class Shapes:
         tree, mask, depth = self(nodes)
         tokens = [root] + [nodes[p][0] for p in tree.paths] + list(computed)
         source = [0] + [nodes[p][1] for p in tree.paths]
-        return Draft(
-            torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs
-        )  # (N,)
+        # (N,)
+        return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs)
 
 
 def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
@@ -179,9 +171,8 @@ def draft_plan(tree):
     plan = []
     for d, nodes in enumerate(tree.by_depth, start=1):
         parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
-        paths = (
-            tree.mask[parents].nonzero()[:, 1].view(len(parents), d)
-        )  # ancestors, in depth order
+        # ancestors, in depth order
+        paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)
         plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
     return plan
 
@@ -208,9 +199,8 @@ class HeadsDrafter:
         self.plan = draft_plan(self.tree)
         self.depth = self.tree.depth
         self.mask = self.tree.mask if tree.num_nodes > 1 else None
-        self.source = (
-            tree.depth.tolist()
-        )  # node i is head depth[i]'s guess; the root (0) the base model's
+        # node i is head depth[i]'s guess; the root (0) the base model's
+        self.source = tree.depth.tolist()
         self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
         self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
         self.max_nodes = tree.num_nodes
@@ -409,9 +399,8 @@ class ModelDrafter:
         """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or
         None."""
         n = tokens.shape[1]
-        positions = torch.arange(
-            self.cache.length, self.cache.length + n, device=tokens.device
-        )  # (T,)
+        # (T,)
+        positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)
         logits, _ = self.model(
             tokens, positions, None, self.cache, last_only=True, num_layers=self.num_layers
         )

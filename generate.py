@@ -62,9 +62,8 @@ import verify as verify_lib
 @dataclass
 class Result:
     tokens: list = field(default_factory=list)  # generated ids (EOS included if reached)
-    sources: list = field(
-        default_factory=list
-    )  # per token: who proposed it, an index into drafter.legend (0 = the base model)
+    # per token: who proposed it, an index into drafter.legend (0 = the base model)
+    sources: list = field(default_factory=list)
     accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
     steps: int = 0  # base forward passes, the prefill included
     seconds: float = 0.0
@@ -241,9 +240,8 @@ def generate_batch(
             cache.length if len(rows) == 1 else torch.tensor(cache.lengths, device=dev)[:, None]
         )
         positions = row_lengths + depth  # (B, N)
-        logits, hidden = model(
-            tokens, positions, mask, cache, extra=drafts[0].extra
-        )  # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone
+        # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone
+        logits, hidden = model(tokens, positions, mask, cache, extra=drafts[0].extra)
         steps = []
         for b, (row, d) in enumerate(zip(rows, drafts)):
             n = d.candidates  # the row's tree; nodes after it are computed only, or padding
@@ -261,9 +259,8 @@ def generate_batch(
             before = len(out.tokens)
             if emit(row, kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0]):
                 finished.add(b)
-            out.accepted.append(
-                min(len(nodes) - 1, len(out.tokens) - before)
-            )  # drafts emitted (EOS, length)
+            # drafts emitted (EOS, length)
+            out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))
             if b not in finished:
                 row.drafter.accept(
                     kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
@@ -781,14 +778,11 @@ def main(args):
             f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
             f"{len(prompts)} prompt{'s' * (len(prompts) > 1)}; decoding {batch_size} at a time"
         )
-    show = (
-        args.show and sys.stdout.isatty()
-    )  # colour codes only on a terminal, never into a file or a pipe
+    # colour codes only on a terminal, never into a file or a pipe
+    show = args.show and sys.stdout.isatty()
     temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
-    sampled = temperature > 0 and args.verify in (
-        "auto",
-        "sample",
-    )  # drafts for Leviathan's rule, else greedy ones
+    # drafts for Leviathan's rule, else greedy ones
+    sampled = temperature > 0 and args.verify in ("auto", "sample")
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
@@ -926,7 +920,6 @@ def cli_main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.stdout.reconfigure(
-        errors="replace"
-    )  # a terminal that cannot show a character gets '?', not a crash
+    # a terminal that cannot show a character gets '?', not a crash
+    sys.stdout.reconfigure(errors="replace")
     sys.exit(cli_main())

@@ -52,12 +52,10 @@ class HeadsConfig:
     num_layers: int = 1  # residual blocks per Medusa head / hidden layers of each Hydra MLP
     dim: int = 0  # D of the base model (build() fills it in)
     vocab_size: int = 0  # V of the base model (build() fills it in)
-    own_lm_head: bool = (
-        False  # False: the base LM head, frozen, shared; True: a trainable copy per head (Medusa-1)
-    )
-    kept_tokens: int = (
-        0  # 0: full vocabulary; else heads predict over this many token ids (buffer kept_ids)
-    )
+    # False: the base LM head, frozen, shared; True: a trainable copy per head (Medusa-1)
+    own_lm_head: bool = False
+    # 0: the full vocabulary; else heads predict over this many token ids (buffer kept_ids)
+    kept_tokens: int = 0
     base_name: str = ""  # identity of the base model (model.cfg.name)
     base_fingerprint: str = ""  # model.lm_head_fingerprint(base): heads refuse another base model
 
@@ -134,9 +132,8 @@ class MedusaHeads(nn.Module):
         )
         if at is not None:
             h = h[at]  # (N, D)
-        return torch.stack(
-            [blocks(h) for blocks in self.blocks], dim=-2
-        )  # (B, T, K, D) | (N, K, D)
+        # (B, T, K, D) | (N, K, D)
+        return torch.stack([blocks(h) for blocks in self.blocks], dim=-2)
 
     def project(self, z, d=None):
         return self.lm_head(z, d)  # (..., V')
@@ -208,9 +205,8 @@ class HydraHeads(nn.Module):
             hydra_mlp((k + 1) * cfg.dim, cfg.dim, cfg.num_layers)
             for k in range(1, cfg.num_heads + 1)
         )
-        self.register_buffer(
-            "embed", base.embed_tokens.weight.detach(), persistent=False
-        )  # (V, D) frozen
+        # (V, D) frozen
+        self.register_buffer("embed", base.embed_tokens.weight.detach(), persistent=False)
         self.lm_head = LMHead(base, cfg.num_heads, cfg.own_lm_head, kept_ids)
         self.register_buffer("kept_ids", kept_ids)  # (V',) or None; saved
 

@@ -65,9 +65,8 @@ class LoRA(nn.Module):
     def __init__(self, linear: nn.Linear, rank: int, alpha: float):
         super().__init__()
         self.linear = linear.requires_grad_(False)
-        self.A = nn.Parameter(
-            torch.randn(rank, linear.in_features) / math.sqrt(linear.in_features)
-        )  # (r, in)
+        # (r, in)
+        self.A = nn.Parameter(torch.randn(rank, linear.in_features) / math.sqrt(linear.in_features))
         self.B = nn.Parameter(torch.zeros(linear.out_features, rank))  # (out, r)
         self.scale = alpha / rank
 
@@ -103,9 +102,8 @@ class Adapted(nn.Module):
         T = x.shape[1]
         positions = torch.arange(T, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
-        mask = model_lib.attention_mask(
-            T, 0, None, None, x.device
-        )  # causal; right padding is never seen
+        # causal; right padding is never seen
+        mask = model_lib.attention_mask(T, 0, None, None, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, None)
         return self.norm(x)  # (B, T, D)
@@ -296,9 +294,8 @@ def run(args):
             "--kept-tokens"
         )
     convs = dataset.read_conversations(args.data)
-    held_out, train_convs = train.split(
-        len(convs), args.seed
-    )  # train.py's split: --init's heads never saw held_out
+    # train.py's split: --init's heads never saw held_out
+    held_out, train_convs = train.split(len(convs), args.seed)
     held_out, train_convs = held_out[: args.eval_conversations], train_convs[: args.conversations]
     first = base.cfg.n_layers - args.layers
     writer = train.data_model(base, args.dtype)

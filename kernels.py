@@ -92,15 +92,13 @@ import model
 
 @dataclass(frozen=True)
 class Kernels:
-    attention: str = (
-        "sdpa"  # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
-    )
+    # "sdpa": model.attend | "cpu-bf16": attend() | "expanded-kv": attend_expanded()
+    attention: str = "sdpa"
     packed: bool = False  # linear layers run through oneDNN-prepacked copies of their weights
     # "fp16" | "int8" | "int4": linear layers run through such copies of their weights (quantize)
     quant: str = "none"
-    glue: bool = (
-        False  # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
-    )
+    # fewer small ops a layer: FastRMSNorm, q and k rotated at once, FastBlock's adds
+    glue: bool = False
     native: bool = False  # bf16 products through kernels.c (NativeWeight), not oneDNN
 
     @property
@@ -376,10 +374,11 @@ class NativeWeight:
         q, scale = int8_weight(weight) if int8 else (weight, None)
         padded = torch.zeros(bucket(N, 32), K, dtype=q.dtype)
         padded[:N] = q
+        # (N'/16, K/2, 16, 2)
         self.packed, self.out = (
             padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous(),
             N,
-        )  # (N'/16, K/2, 16, 2)
+        )
         self.scale = None if scale is None else scale.float()  # (out,) fp32
 
     @staticmethod
@@ -641,9 +640,8 @@ def attend_native(q, k, v, mask):
         "k and v: rows of Dh side by side, as the cache holds them"
     )
     q = q.contiguous()
-    visible = (
-        None if mask is None else mask.reshape(T, S).contiguous()
-    )  # (T, S) bool: one byte each
+    # (T, S) bool: one byte each
+    visible = None if mask is None else mask.reshape(T, S).contiguous()
     y = torch.empty(1, T, H, Dh, dtype=q.dtype)  # (1, T, H, Dh)
     failed = native_library().attend_bf16(
         address(q),
@@ -706,9 +704,8 @@ class FastAttention(model.Attention):
 
     def prepare(self, kernels):
         self.kernels, qkv, c = kernels, (self.q_proj, self.k_proj, self.v_proj), self.cfg
-        bias = (
-            torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None
-        )  # Qwen2's
+        # Qwen2's
+        bias = torch.cat([p.bias for p in qkv]).detach() if self.q_proj.bias is not None else None
         self.packed = (
             (prepack(*(p.weight for p in qkv), product=kernels.product), bias)
             if kernels.packed
@@ -736,9 +733,8 @@ class FastAttention(model.Attention):
         B, T, _ = x.shape
         (sign, qk_weight), c = self.rotary, self.cfg
         H, Hkv = c.n_heads, c.n_kv_heads
-        qkv = (
-            linear(x, *self.packed).view(B, T, H + 2 * Hkv, c.head_dim).transpose(1, 2)
-        )  # (B, H+2Hkv, T, Dh)
+        # (B, H+2Hkv, T, Dh)
+        qkv = linear(x, *self.packed).view(B, T, H + 2 * Hkv, c.head_dim).transpose(1, 2)
         qk, v = qkv.split([H + Hkv, Hkv], 1)  # (B, H+Hkv, T, Dh), (B, Hkv, T, Dh)
         if qk_weight is not None:
             qk = rms_norm(qk, None, c.norm_eps) * qk_weight  # q_norm(q), k_norm(k)
@@ -810,15 +806,15 @@ def block_native(block, x, cos, sin, mask, kv):
     wo, wgu, wdown = attn.o_proj.packed, mlp.packed, mlp.down_proj.packed
     T, D = x.shape[1], x.shape[2]
     x, out = x.contiguous(), torch.empty_like(x)  # (1, T, D) each
+    # (T, Dh)
     cos, sin = (
         cos.reshape(T, c.head_dim).contiguous(),
         sin.reshape(T, c.head_dim).contiguous(),
-    )  # (T, Dh)
+    )
     visible = None if mask is None else mask.reshape(T, start + T).contiguous()  # (T, S) bool
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    norms = (
-        (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
-    )  # Qwen3's, over each head
+    # Qwen3's, over each head
+    norms = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
     failed = native_library().block_bf16(
         address(x),
         T,
@@ -1043,9 +1039,8 @@ class FusedHeadLoss(torch.autograd.Function):
         with torch.autocast(z.device.type, enabled=False):
             R = sizes(z.device).loss_rows
             M, extra = len(z), bucket(len(z), R) - len(z)  # whole blocks: one product shape
-            pad = lambda x, value: torch.cat(
-                [x, x.new_full((extra, *x.shape[1:]), value)]
-            )  # rows that weigh 0
+            # rows that weigh 0
+            pad = lambda x, value: torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
             z, top_ids, top_p, scale = pad(z, 0), pad(top_ids, -1), pad(top_p, 0), pad(scale, 0)
             grad_z = torch.empty_like(z) if want_z else None  # (M + extra, D)
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # (V', D)
@@ -1063,9 +1058,8 @@ class FusedHeadLoss(torch.autograd.Function):
                 ) * kept  # (R, k) log q_i, 0 if not kept
                 q = picked.exp() * kept  # (R, k)
                 p = top_p[rows].float() * kept  # (R, k)
-                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(
-                    min=0
-                )  # (R,) teacher mass beyond its top-k
+                # (R,) teacher mass beyond its top-k
+                rest_p = (1 - top_p[rows].float().sum(-1)).clamp(min=0)
                 rest_q = 1 - q.sum(-1)  # (R,) head mass beyond them
                 loss = -(p * picked).sum(-1) - rest_p * rest_q.clamp(min=1e-6).log()
                 sc = scale[rows]  # (R,)
@@ -1080,9 +1074,8 @@ class FusedHeadLoss(torch.autograd.Function):
                     .exp_()
                     .mul_((sc * (p.sum(-1) - w * q.sum(-1)))[:, None])
                 )
-                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(
-                    dtype
-                )  # (R, V') dL/dlogits
+                # (R, V') dL/dlogits
+                g = g.scatter_add_(1, ids, sc[:, None] * (w[:, None] * q - p)).to(dtype)
                 if want_z:
                     grad_z[rows] = g @ w_
                 if want_w:

@@ -108,9 +108,8 @@ class Rope(nn.Module):
     def forward(self, positions, dtype=torch.float32):
         """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles computed in
         fp32."""
-        angles = (
-            positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq
-        )  # (B, 1, T, Dh/2)
+        # (B, 1, T, Dh/2)
+        angles = positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)  # (B, 1, T, Dh)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -64,11 +64,12 @@ def la_logits(model, ids, cuts, extra):
     cos, sin = model.rope(cut + 1 + j, model.dtype)
     x = extra.to(model.dtype).repeat(M, 1)[None]  # (1, MK, D)
     for i, layer in enumerate(model.layers):
+        # its own tensor: the write must not touch what backward reads
         kv = (
             cache.k[i].clone(),
             cache.v[i].clone(),
             T,
-        )  # its own tensor: the write must not touch what backward reads
+        )
         x = layer(x, cos, sin, sees[None, None], kv)
     return model.lm_head(model.norm(x)).view(M, K, -1)
 
@@ -83,9 +84,8 @@ def evaluate(model, convs, extra, stride):
         cuts, targets = cuts_of(ids, loss, K, stride, 0)
         whole = (targets >= 0).all(1)
         if whole.any():
-            right = (
-                la_logits(model, ids, cuts[whole], extra).argmax(-1).cpu() == targets[whole]
-            )  # (M, K)
+            # (M, K)
+            right = la_logits(model, ids, cuts[whole], extra).argmax(-1).cpu() == targets[whole]
             hits, chain, n = (
                 hits + right.sum(0),
                 chain + right.cumprod(1).sum().item(),
@@ -106,9 +106,8 @@ def run(args):
     if device.type == "cpu":
         cli.use_threads(args.threads)
     model, _ = checkpoint.load(args.model, device, cli.pick_dtype(args.dtype, device.type))
-    kernels.use(
-        model.requires_grad_(False), kernels.Kernels()
-    )  # the readable path: it has a backward
+    # the readable path: it has a backward
+    kernels.use(model.requires_grad_(False), kernels.Kernels())
     convs = dataset.read_conversations(args.data)
     held_out, trained = train.split(len(convs), args.seed)  # train.py's split
     held_out, trained = (

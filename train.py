@@ -405,9 +405,8 @@ def collate(data, convs, to_kept, K, device):
     for j in range(1, K + 1):
         n = max(T - 1 - j, 0)  # none when the batch is that short
         valid[:, :n, j - 1] = loss[:, 1 + j : 1 + j + n]
-    pinned = (
-        torch.device(device).type == "cuda"
-    )  # page-locked host memory: the copies overlap the GPU's work
+    # page-locked host memory: the copies overlap the GPU's work
+    pinned = torch.device(device).type == "cuda"
     move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)
     return dict(
         ids=move(ids),
@@ -544,11 +543,12 @@ STATE = "state.pt"
 # heads.json's base_name is how --model was typed or what the model's config calls itself, not
 # which model it is: a resumed run is checked against base_fingerprint and the weights' digest.
 NOT_COMPARED = ("base_name",)
+# the new value is used (epochs: the schedule stretches)
 RESUME_MAY_CHANGE = (
     "eval_every",
     "save_every",
     "epochs",
-)  # the new value is used (epochs: the schedule stretches)
+)
 NOT_RECORDED = (
     "resume",
     "overwrite",
@@ -826,9 +826,8 @@ def train(model, data, out, args):
     lengths = data["offsets"].diff()
     in_train = torch.zeros(n_conv, dtype=torch.bool)
     in_train[train_convs] = True
-    position = torch.arange(len(data["ids"])) - data["offsets"][:-1].repeat_interleave(
-        lengths
-    )  # within its conversation
+    # within its conversation
+    position = torch.arange(len(data["ids"])) - data["offsets"][:-1].repeat_interleave(lengths)
     if not (
         data["loss"] & (position >= 2) & in_train.repeat_interleave(lengths)
     ).any():  # head 1 at t predicts t+2
@@ -891,9 +890,8 @@ def train(model, data, out, args):
             if world > 1:
                 dist.all_reduce(n_tokens)
             progress["tokens"] += int(n_tokens)
-            rate = (progress["tokens"] - tokens0) / (
-                time.time() - t0
-            )  # assistant tokens/s, all ranks
+            # assistant tokens/s, all ranks
+            rate = (progress["tokens"] - tokens0) / (time.time() - t0)
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.3f}, {rate:.0f} tok/s")
             signum = torch.tensor([stop.signum], device=device)
@@ -973,13 +971,11 @@ def data_model(model, dtype):
     dtype = pick_dtype(dtype, model.device.type)
     if dtype == model.dtype:
         return model
-    fast = kernels.in_use(
-        model
-    )  # oneDNN's prepacked weights cannot be deep-copied: copy without them,
+    # oneDNN's prepacked weights cannot be deep-copied: copy without them,
+    fast = kernels.in_use(model)
     kernels.use(model, kernels.Kernels())
-    writer = kernels.use(
-        copy.deepcopy(model).to(dtype=dtype)
-    )  # with the copy's own kernels for its dtype
+    # with the copy's own kernels for its dtype
+    writer = kernels.use(copy.deepcopy(model).to(dtype=dtype))
     kernels.use(model, fast)
     return writer
 
@@ -1017,9 +1013,8 @@ def check_args(args):
             "--export-conversations", args.export_conversations, "conversations.safetensors"
         )
         if os.path.exists(args.export_conversations):
-            dataset.exported_already(
-                args.export_conversations
-            )  # only a conversations file may be replaced (grown)
+            # only a conversations file may be replaced (grown)
+            dataset.exported_already(args.export_conversations)
     if args.continue_from is not None:
         if args.data != "self":
             raise UsageError(
@@ -1027,9 +1022,8 @@ def check_args(args):
                 "--data self, "
                 "or train on the file itself with --data FILE"
             )
-        dataset.read_conversations(
-            args.continue_from, "--continue-from"
-        )  # a UsageError if it is not a conversations file
+        # a UsageError if it is not a conversations file
+        dataset.read_conversations(args.continue_from, "--continue-from")
     if args.out is not None:
         check_out(args.out, args)
     default = build_parser().get_default
@@ -1201,9 +1195,8 @@ def build_data(args, tokenizer, writer, key, folder):
 
 
 def main(args):
-    made = cli.new_folders(
-        args.work, args.out
-    )  # check_args makes them, to find an unwritable one now
+    # check_args makes them, to find an unwritable one now
+    made = cli.new_folders(args.work, args.out)
     try:
         return train_main(args, made)
     finally:

@@ -38,9 +38,8 @@ from dataclasses import dataclass, replace
 import torch
 
 MAX_NODES = 1024  # root included; the (N, N) mask and one forward over N tokens must stay small
-MAX_RANK = (
-    2**31
-)  # a rank is a top-k index, below any vocabulary size (catalog.load_tree checks the heads')
+# a rank is a top-k index, below any vocabulary size (catalog.load_tree checks the heads')
+MAX_RANK = 2**31
 
 Path = tuple[int, ...]
 

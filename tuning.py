@@ -804,9 +804,8 @@ def tune_parallel(args, model, prompts, eos, machine):
         if n not in times:
             ids = torch.full((1, n), prefix[-1], device=dev)  # (1, n)
             at = len(prefix) + torch.arange(n, device=dev)  # (n,)
-            mask = (
-                torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None
-            )  # (n, n)
+            # (n, n)
+            mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None
             samples = []
             for _ in range(args.tune_repeats + 1):  # the first is a warm-up
                 sync()

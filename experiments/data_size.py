@@ -69,12 +69,13 @@ def table(what, reports):
     return "\n".join(lines) + "\n"
 
 
+# what a wrong folder raises
 BAD_INPUT = (
     OSError,
     ValueError,
     heads_lib.HeadsError,
     checkpoint.LoadError,
-)  # what a wrong folder raises
+)
 
 
 def checked_runs(features, pairs):

@@ -38,9 +38,8 @@ class DynamicTree(D.HeadsDrafter):
         frontier, expanded = [(0.0, (), [root])], []  # (log p of the path, path, tokens root..node)
         for d in range(1, self.heads.cfg.num_heads + 1):
             z = self.heads.head(d, self.h, torch.tensor([f[2] for f in frontier]))  # (P|1, D)
-            top = torch.log_softmax(self.heads.project(z, d).float(), -1).topk(
-                self.topk
-            )  # (P|1, k)
+            # (P|1, k)
+            top = torch.log_softmax(self.heads.project(z, d).float(), -1).topk(self.topk)
             ids = self.heads.full_ids(top.indices).expand(len(frontier), -1).tolist()
             logp = top.values.expand(len(frontier), -1).tolist()
             children = [

@@ -68,9 +68,8 @@ def features(base):
         top_p[-1] = 0  # the last position's next token is not in the data
         cols["ids"].append(torch.tensor(ids))
         cols["loss"].append(torch.tensor(loss, dtype=torch.bool))
-        cols["hidden"].append(
-            torch.cat([hidden[0]] + [caught[l][0] for l in LAYERS], -1).half()
-        )  # (T, 4D)
+        # (T, 4D)
+        cols["hidden"].append(torch.cat([hidden[0]] + [caught[l][0] for l in LAYERS], -1).half())
         cols["top_ids"].append(top.indices)
         cols["top_p"].append(top_p.half())
     for h in hooks:

@@ -50,9 +50,8 @@ def measure(model, data, runs, seed=0, bf16=True):
     rows = {}
     for label, folder in runs:
         heads = checkpoint.load_heads(folder, model).eval()
-        kernels.use(
-            heads, kernels.Kernels()
-        )  # the readable path: fp32 prepacked weights refuse bf16 autocast
+        # the readable path: fp32 prepacked weights refuse bf16 autocast
+        kernels.use(heads, kernels.Kernels())
         saved = os.path.join(folder, "tree.json")
         shipped = (
             tree_lib.load(saved) if os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)

@@ -317,13 +317,11 @@ def test_a_kind_not_shipped_is_the_folder_of_that_name(tmp_path, monkeypatch):
         catalog.find_heads("medusa-2")
     (tmp_path / "medusa-2").mkdir()
     assert catalog.find_heads("medusa-2") == "medusa-2"
-    assert catalog.find_heads("hydra++") == os.path.join(
-        catalog.SHIPPED, "hydra++"
-    )  # shipped: the kind's name wins
+    # shipped: the kind's name wins
+    assert catalog.find_heads("hydra++") == os.path.join(catalog.SHIPPED, "hydra++")
     (tmp_path / "hydra++").mkdir()
-    assert catalog.find_heads("hydra++") == os.path.join(
-        catalog.SHIPPED, "hydra++"
-    )  # still the shipped ones
+    # still the shipped ones
+    assert catalog.find_heads("hydra++") == os.path.join(catalog.SHIPPED, "hydra++")
     monkeypatch.setattr(catalog, "SHIPPED", str(tmp_path / "nothing-shipped"))
     with pytest.raises(
         cli.UsageError,
@@ -424,9 +422,8 @@ def test_tree_that_does_not_fit_the_heads(loaded, capsys, tmp_path, heads_dir):
         "top-60001",
         f"the heads predict {loaded[0].cfg.vocab_size}",
     )
-    folder = copy_heads(
-        heads_dir, tmp_path / "h"
-    )  # --tree auto reads the tree.json saved with the heads
+    # --tree auto reads the tree.json saved with the heads
+    folder = copy_heads(heads_dir, tmp_path / "h")
     (folder / "tree.json").write_text('{"paths": [[0], [0, 0, 1]]}')
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--heads", folder)[::2], "tree.json", "no parent"
@@ -641,9 +638,8 @@ def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(
     put back after.)"""
     chosen = kernels.in_use(loaded[0])
     try:
-        plain, err = reply_ids(
-            capsys, tmp_path, "--heads", "none", "--quantize", "fp16"
-        )  # auto dtype: fp32
+        # auto dtype: fp32
+        plain, err = reply_ids(capsys, tmp_path, "--heads", "none", "--quantize", "fp16")
         assert "on cpu, float32, fp16 weights, heads: none" in err
         assert ("may part from plain greedy output" in err) != kernels.fp16_rows_alone()
         if kernels.fp16_rows_alone():
@@ -675,9 +671,8 @@ def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(
 def test_every_drafter_through_the_cli_gives_plain_greedy_output(
     loaded, capsys, tmp_path, heads_dir
 ):
-    folder = tiny_llama_folder(
-        capsys, tmp_path / "same", loaded[1]
-    )  # random weights, the model's tokenizer
+    # random weights, the model's tokenizer
+    folder = tiny_llama_folder(capsys, tmp_path / "same", loaded[1])
     plain, _ = reply_ids(capsys, tmp_path, "--heads", "none")
     for argv, words in [
         (
@@ -1012,9 +1007,8 @@ def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
         "--system has no effect with --raw",
     ):
         assert f"notice: {words}" in err
-    assert (
-        "notice" not in out and len(out.strip().splitlines()) <= 1
-    )  # stdout: only the generated text
+    # stdout: only the generated text
+    assert "notice" not in out and len(out.strip().splitlines()) <= 1
     code, out, err = run_cli(
         capsys,
         "--model",
@@ -1051,9 +1045,8 @@ def test_colour_codes_only_on_a_terminal(capsys, monkeypatch, tmp_path, tiny_mod
     assert "\033[" not in out + err and "notice: --show colours only a terminal" in err
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     code, out, err = run_cli(capsys, *argv)
-    assert (
-        code == 0 and "\033[" in out and "notice: --show" not in err
-    )  # the tiny model repeats: drafts are accepted
+    # the tiny model repeats: drafts are accepted
+    assert code == 0 and "\033[" in out and "notice: --show" not in err
 
 
 def test_a_model_without_a_chat_template_is_said_so(capsys, tmp_path, tiny_model_dir):

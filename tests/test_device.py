@@ -175,9 +175,8 @@ def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
 def test_a_generator_on_another_device_is_named_before_decoding():
     import model as model_lib
 
-    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to(
-        "meta"
-    )  # a device that is not the generator's
+    # a device that is not the generator's
+    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")
     with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
         G.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
 
@@ -222,9 +221,8 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     drafter = drafters.HeadsDrafter(heads, tree) if heads else None
     temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
-    G.generate(
-        small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g
-    )  # warm-up: trees built once
+    # warm-up: trees built once
+    G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
     with SyncCounter() as count:
         r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
     assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
@@ -260,9 +258,8 @@ def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
     temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
     with HostToDevice() as copies:
         for drafter in (drafters.HeadsDrafter(heads, tree), drafters.Plain("cpu")):
-            G.generate(
-                small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g
-            )  # Plain builds its tree here
+            # Plain builds its tree here
+            G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
             before = copies.n
             r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
             assert copies.n == before, (

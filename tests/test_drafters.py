@@ -188,9 +188,8 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
         d = drafter(name, model, gamma=4) if name != "lookup" else D.Lookup(10, 3, 1, "cpu")
     r = G.generate(model, prompt, 24, d, eos_ids=eos)
     assert r.tokens == plain.tokens and r.stopped == "eos"
-    assert (
-        sum(r.accepted) > 0 or name == "jacobi"
-    )  # Jacobi's guesses are rarely right on a real model: the tiny ones test it
+    # Jacobi's guesses are rarely right on a real model: the tiny ones test it
+    assert sum(r.accepted) > 0 or name == "jacobi"
     if "lookup" in name:  # the reply copies the prompt: lookup's chain is accepted whole
         assert max(r.accepted) >= 8 and r.steps <= 4, (r.accepted, r.steps)
 
@@ -255,10 +254,8 @@ def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
 def test_a_step_without_a_lookup_match_ends_the_copying_streak():
     lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
     lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
-    (
-        lk.draft(1),
-        lk.accept([1, 2, 3, 4, 6], None, None, None),
-    )  # the whole chain at full length: copying
+    # the whole chain at full length: copying
+    (lk.draft(1), lk.accept([1, 2, 3, 4, 6], None, None, None))
     assert lk.copying and lk.length == 4
     assert lk.draft(8).tokens.tolist() == [8]  # no match: nothing proposed ...
     lk.accept([8], None, None, None)
@@ -302,9 +299,8 @@ def test_lookup_accepts_long_runs_when_the_answer_is_in_the_prompt(matches):
     steps, accepted = copy_run(
         D.Lookup(10, 3, matches, "cpu"), noise[:30] + answer + noise[30:50], answer, 1000
     )
-    assert (
-        steps <= 6 and accepted[:5] == [10] * 5
-    )  # 11 tokens a step: the whole chain, then the bonus
+    # 11 tokens a step: the whole chain, then the bonus
+    assert steps <= 6 and accepted[:5] == [10] * 5
     steps, accepted = copy_run(D.Lookup(10, 3, matches, "cpu"), noise[50:], answer, 1000)
     assert steps == 59 and not any(accepted)  # nothing to copy: every step is a plain one
 
@@ -372,9 +368,8 @@ def test_merged_verifies_lookup_alone_while_it_copies(small):
 
 
 def test_merged_with_a_floor_keeps_the_first_trees_size(small):
-    heads = D.HeadsDrafter(
-        random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2]))
-    )  # 6 nodes
+    # 6 nodes
+    heads = D.HeadsDrafter(random_heads(small, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2])))
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]  # root 3: lookup proposes 4, 5, 6, 1, 2 (up to gamma)
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
 
@@ -506,9 +501,8 @@ def test_parallel_greedy_equals_plain_where_nothing_is_accepted_and_where_a_repl
                 r = G.generate(model, prompt, n, drafter(name, model))
                 assert r.tokens == plain[:n] and len(r.sources) == n, (name, n)
                 nothing, drafted = nothing + r.accepted.count(0), drafted + sum(r.accepted)
-                inside += (
-                    len(r.tokens) - 1 - sum(r.accepted) == r.steps - 2
-                )  # the last step's bonus was never emitted
+                # the last step's bonus was never emitted
+                inside += len(r.tokens) - 1 - sum(r.accepted) == r.steps - 2
             eos = plain[10]
             r = G.generate(model, prompt, 40, drafter(name, model), eos_ids={eos})
             assert r.tokens == plain[: plain.index(eos) + 1] and r.stopped == "eos"
@@ -526,9 +520,8 @@ def test_jacobi_accepts_the_whole_block_once_it_has_converged():
     # equal logits everywhere: argmax says token 0, the model repeats it
     zero.lm_head.weight.zero_()
     r = G.generate(zero, [3, 1, 4], 21, D.Jacobi(4, "cpu"))
-    assert (
-        r.tokens == [0] * 21 and r.accepted == [4] * 4
-    )  # converged from the first step: 5 tokens a step
+    # converged from the first step: 5 tokens a step
+    assert r.tokens == [0] * 21 and r.accepted == [4] * 4
 
 
 def test_lookahead_verifies_the_ngrams_its_window_traced():
@@ -550,9 +543,8 @@ def test_lookahead_mask_each_node_sees_its_trajectory_or_its_ngram(small):
     la.pool[5] = [(8, 9, 10), (1, 4, 6), (1, 2, 3)]  # two of them share their first token
     d = la.draft(5)
     n, N = d.candidates, len(d.tokens)
-    assert (
-        n == 1 + 3 + 1 + 2 + 2 and N == n + 2 + 2 * 3
-    )  # the shared token once and d.source == [0] + [1] * (n - 1)
+    # the shared token once and d.source == [0] + [1] * (n - 1)
+    assert n == 1 + 3 + 1 + 2 + 2 and N == n + 2 + 2 * 3
     window = {cell: n + i for i, cell in enumerate(la.cells)}
     window[0, 0] = 0
     follows = {}  # node -> the nodes of its sequence, by definition
@@ -567,9 +559,8 @@ def test_lookahead_mask_each_node_sees_its_trajectory_or_its_ngram(small):
             ]
     for i in range(N):
         assert d.mask[i].nonzero().flatten().tolist() == sorted(follows[i]), i
-        assert d.depth[follows[i]].tolist() == list(
-            range(int(d.depth[i]) + 1)
-        )  # one node a position, no gaps
+        # one node a position, no gaps
+        assert d.depth[follows[i]].tolist() == list(range(int(d.depth[i]) + 1))
     cache = small.new_cache(64)
     small(torch.tensor([prompt]), torch.arange(len(prompt)), None, cache)
     cache.keep(range(len(prompt)))

@@ -161,9 +161,8 @@ def test_prefix_mlp_cache_keeps_in_step():
     ]
     assert cache.length == T
     assert_close(torch.cat(parts, dim=1), whole)
-    assert not torch.allclose(
-        whole[:, 1:], heads.context(hidden[:, 1:], positions[1:])
-    )  # it does attend
+    # it does attend
+    assert not torch.allclose(whole[:, 1:], heads.context(hidden[:, 1:], positions[1:]))
 
 
 def test_medusa_blocks_are_distinct_modules():
@@ -188,9 +187,8 @@ def test_save_load_round_trip(tmp_path, kind, own, n_kept):
             kept(n_kept) if n_kept else None,
         )
     )
-    save_heads(
-        heads, tmp_path, dtype=torch.float32
-    )  # exact round trip; the default half precision is tested below
+    # exact round trip; the default half precision is tested below
+    save_heads(heads, tmp_path, dtype=torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors"]
     saved = load_file(tmp_path / "heads.safetensors")
     trainable = {n for n, p in heads.named_parameters()}

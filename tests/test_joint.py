@@ -55,9 +55,8 @@ def test_the_adapter_starts_as_the_base_model_and_its_merged_delta_computes_the_
     x = data["hidden"][:12].float()[None]  # the stream into layer 1, conversation 0
     _, want = base(torch.tensor([convs[0][0]]), torch.arange(12))
     fresh = joint.Adapted(base, 2, rank=4, alpha=8.0)
-    torch.testing.assert_close(
-        fresh(x), want, atol=2e-3, rtol=0
-    )  # B = 0: the base model (x was stored in fp16)
+    # B = 0: the base model (x was stored in fp16)
+    torch.testing.assert_close(fresh(x), want, atol=2e-3, rtol=0)
     adapted = trained_adapter(base)
     joint.save_delta(adapted, str(tmp_path), base)
     for lora in adapted.deltas().values():  # as saved: in half precision
@@ -95,9 +94,8 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
             model, [5, 6, 7, 8], 24, drafters.HeadsDrafter(loaded, tree_lib.build(tree))
         )
         assert spec.tokens == plain.tokens
-    assert (
-        G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
-    )  # --heads none: the original model
+    # --heads none: the original model
+    assert G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
 
 
 def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):
@@ -145,15 +143,13 @@ def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_
         os.listdir(out)
     )
     delta = joint.load_file(str(out / "lora.safetensors"))
-    assert any(
-        k.endswith(".B") and v.abs().sum() > 0 for k, v in delta.items()
-    )  # the adapter learned
+    # the adapter learned
+    assert any(k.endswith(".B") and v.abs().sum() > 0 for k, v in delta.items())
     report = json.loads((out / "eval.json").read_text())
     assert report["curve"][0]["greedy_agreement"] == 1.0  # fp32 data: the start is the model itself
     assert report["greedy_agreement"] > 0.9
-    assert (
-        len(os.listdir(tmp_path / "cache" / "joint")) == 1
-    )  # a second run reads it, not the model
+    # a second run reads it, not the model
+    assert len(os.listdir(tmp_path / "cache" / "joint")) == 1
 
 
 @pytest.mark.parametrize(

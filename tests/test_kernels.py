@@ -80,9 +80,8 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "int4_pack", unreachable)
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", unreachable)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", unreachable)
-    cuda = Kernels(
-        attention="expanded-kv"
-    )  # the one GPU twin: attention that keeps SDPA's fused kernels
+    # the one GPU twin: attention that keeps SDPA's fused kernels
+    cuda = Kernels(attention="expanded-kv")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert (
             Kernels.choose("cuda", dtype)
@@ -204,9 +203,8 @@ def test_packed_linear_equals_nn_linear(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
-        x = torch.randn(
-            2, 48, dtype=dtype, requires_grad=True
-        )  # under autograd: nn.Linear's product
+        # under autograd: nn.Linear's product
+        x = torch.randn(2, 48, dtype=dtype, requires_grad=True)
         layer(x).sum().backward()
         torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, -1))
 
@@ -263,9 +261,8 @@ def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
     for shape in ((3, 5, 48), (2, 6, 4, 16)):  # (B, T, D), (B, H, T, Dh)
         norm = model_lib.RMSNorm(shape[-1], 1e-5).to(dtype)
         nn.init.normal_(norm.weight, 1, 0.3)
-        x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(
-            dtype
-        )  # rows of every scale
+        # rows of every scale
+        x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(dtype)
         want = norm(x)
         kernels.use(norm, Kernels(glue=True))
         assert type(norm) is kernels.FastRMSNorm
@@ -280,9 +277,8 @@ def test_rms_norm_and_rope_equal_the_readable_ones(dtype):
                 | (got == torch.nextafter(want, inf))
                 | (got == torch.nextafter(want, -inf))
             ).all()
-        torch.testing.assert_close(
-            norm(x.requires_grad_()), want, atol=0, rtol=0
-        )  # autograd: the readable one
+        # autograd: the readable one
+        torch.testing.assert_close(norm(x.requires_grad_()), want, atol=0, rtol=0)
     cfg = tiny_config(head_dim=16)
     cos, sin = model_lib.Rope(cfg)(torch.tensor([3, 700, 2000]), dtype)  # (1, 1, T, Dh)
     q, k = torch.randn(2, 4, 3, 16, dtype=dtype), torch.randn(2, 2, 3, 16, dtype=dtype)
@@ -332,9 +328,8 @@ def layer_case(readable, case, family):
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None  # (5, 5)
     key_mask = torch.rand(B, start + T) > 0.3 if padded else None
     mask = model_lib.attention_mask(T, start or 0, tree, key_mask, x.device)
-    cache = torch.randn(
-        2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim
-    )  # k, v: prefix, then slots
+    # k, v: prefix, then slots
+    cache = torch.randn(2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim)
 
     def run(to, kernels_=Kernels()):
         m = readable(cfg).to(to)
@@ -344,9 +339,8 @@ def layer_case(readable, case, family):
         k, v = cache.to(to).clone()
         with torch.inference_mode():
             y = m(x.to(to), cos.to(to), sin.to(to), mask, None if start is None else (k, v, start))
-        return torch.cat(
-            [y.float().flatten(), k.float().flatten(), v.float().flatten()]
-        )  # the output, the cache
+        # the output, the cache
+        return torch.cat([y.float().flatten(), k.float().flatten(), v.float().flatten()])
 
     return run
 
@@ -664,9 +658,8 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(dtype):
         (q4, scale_zero, kernels.int4_pack(q4), step4),
     ):
         w = kernels.widen(q, s).float()  # (48, 64)
-        rounding = (
-            2 * torch.finfo(dtype).eps * layer.weight.abs().max().float()
-        )  # of scale, zero and w in dtype
+        # of scale, zero and w in dtype
+        rounding = 2 * torch.finfo(dtype).eps * layer.weight.abs().max().float()
         assert ((w - layer.weight.float()).abs() <= 0.51 * step.float() + rounding).all()
         with torch.no_grad():
             got = kernels.quantized_linear(x, packed, s, layer.bias).float()  # (B, T, 48)
@@ -712,10 +705,11 @@ def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product, nativ
     assert isinstance(packed, kernels.NativeWeight) and (packed.scale is not None) == (
         product == "c-int8"
     )
+    # (B, T, in), (B, T, out)
     x, add = (
         torch.randn(1, 70, 64).bfloat16(),
         torch.randn(1, 70, 100).bfloat16(),
-    )  # (B, T, in), (B, T, out)
+    )
     with torch.no_grad():
         y = kernels.linear(x, packed, bias, add)  # (B, T, out)
         assert y.dtype == torch.bfloat16 and y.shape == (1, 70, 100)
@@ -727,9 +721,8 @@ def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product, nativ
         assert (y.float() - want).abs().max() > 0  # it is bf16, not fp32
         for a, b in [(0, 1), (3, 8), (9, 25), (60, 70)] + [(0, n) for n in range(2, 17)]:
             assert torch.equal(kernels.linear(x[:, a:b], packed, bias, add[:, a:b]), y[:, a:b])
-        assert torch.equal(
-            kernels.linear(x, packed), kernels.linear(x[0], packed)[None]
-        )  # any leading shape
+        # any leading shape
+        assert torch.equal(kernels.linear(x, packed), kernels.linear(x[0], packed)[None])
 
 
 def test_kernels_c_runs_each_path_this_cpu_executes_and_only_for_bf16(native_path):

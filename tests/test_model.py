@@ -141,9 +141,8 @@ def test_first_layers_only(tiny):
     logits, hidden = tiny(seq, torch.arange(9), num_layers=1)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(
-        logits, tiny(seq, torch.arange(9))[0], atol=1e-3
-    )  # the second layer matters
+    # the second layer matters
+    assert not torch.allclose(logits, tiny(seq, torch.arange(9))[0], atol=1e-3)
     cache = tiny.new_cache(16, num_layers=1)
     assert cache.k.shape[0] == 1
     tiny(seq[:, :5], torch.arange(5), None, cache, num_layers=1)
@@ -199,9 +198,8 @@ def test_rope_frequencies_stay_fp32():
     """Casting the model to bf16 must not round the rotary frequencies: rounded (8 mantissa bits,
     up to 0.33% off) they turn a position of 4,000 into angles up to 5.6 rad wrong. The model's
     bf16 cos/sin at long positions stay within bf16's own rounding of the exact values."""
-    cfg = tiny_config(
-        rope_theta=10000.0, max_seq_len=8192, head_dim=64
-    )  # 32 frequencies, as SmolLM2
+    # 32 frequencies, as SmolLM2
+    cfg = tiny_config(rope_theta=10000.0, max_seq_len=8192, head_dim=64)
     m = model_lib.Transformer(cfg).to(dtype=torch.bfloat16)
     assert m.rope.inv_freq.dtype == torch.float32
     torch.testing.assert_close(m.rope.inv_freq, model_lib.rope_frequencies(cfg), atol=0, rtol=0)
@@ -211,9 +209,8 @@ def test_rope_frequencies_stay_fp32():
     half = cfg.head_dim // 2
     assert (cos[0, 0, :, :half].double() - exact.cos()).abs().max() < 0.01
     assert (sin[0, 0, :, :half].double() - exact.sin()).abs().max() < 0.01
-    rounded = (
-        positions[:, None].double() * model_lib.rope_frequencies(cfg).bfloat16().double()
-    )  # what .to(bf16) did
+    # what .to(bf16) did
+    rounded = positions[:, None].double() * model_lib.rope_frequencies(cfg).bfloat16().double()
     assert (rounded.cos() - exact.cos()).abs().max() > 0.5  # the check can fail
 
 

@@ -46,9 +46,8 @@ def test_every_node_sees_its_definition_and_computes_a_plain_forward(K, G):
     d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, G)
     t, n = d.tree, d.tree.num_nodes
     assert t.paths == [(r,) for r in range(G)] + [(0,) * k for k in range(2, K + 1)]
-    cell = lambda i: (
-        (i, 0) if i < n else ((i - n) // K, (i - n) % K + 1)
-    )  # (g, 0): tree node g; (g, j): the j-th [LA] after it
+    # (g, 0): tree node g; (g, j): the j-th [LA] after it
+    cell = lambda i: (i, 0) if i < n else ((i - n) // K, (i - n) % K + 1)
     for i in range(n * (K + 1)):  # brute force, from the definitions
         g, j = cell(i)
         for k in range(n * (K + 1)):
@@ -89,9 +88,8 @@ def test_accept_reads_the_group_after_the_last_kept_node(K, G):
     for path in [()] + d.tree.paths:
         node = d.node.get(path, 0)
         logits = torch.zeros(len(draft.tokens), 32)
-        logits[n + node * K : n + node * K + K, 20 : 20 + K] = (
-            torch.eye(K) * 5
-        )  # its group says 20, 21, ...
+        # its group says 20, 21, ...
+        logits[n + node * K : n + node * K + K, 20 : 20 + K] = torch.eye(K) * 5
         logits[n + node * K, 25 : 25 + G] = torch.arange(
             G, 0, -1
         ).float()  # and 25, 26, ... next for the first

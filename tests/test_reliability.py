@@ -67,9 +67,8 @@ def test_ctrl_c_keeps_the_text_and_exits_130():
     out, err = (first + rest).decode("utf-8"), err.decode("utf-8")
     assert p.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    assert (
-        out.strip() and "new tokens" not in err
-    )  # the text so far is there; no stats: it did not finish
+    # the text so far is there; no stats: it did not finish
+    assert out.strip() and "new tokens" not in err
 
 
 # --- memory: the KV caches are allocated once ---------------------------------------------------

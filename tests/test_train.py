@@ -577,16 +577,14 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
     assert sorted(got) == list(range(11))
     want = plain_answers(base, prompts, 12, stop)
     assert [got[i][0] for i in range(11)] == want
-    assert any(len(a) < 12 for a in want) and any(
-        len(a) == 12 for a in want
-    )  # both ways to stop happen
+    # both ways to stop happen
+    assert any(len(a) < 12 for a in want) and any(len(a) == 12 for a in want)
     for i, p in enumerate(prompts):
         answer, f = got[i]
         ids = torch.tensor([p + answer])
         logits, hidden = base(ids[:, :-1], torch.arange(ids.shape[1] - 1))
-        torch.testing.assert_close(
-            f["hidden"].float(), hidden[0], atol=2e-3, rtol=2e-3
-        )  # stored in fp16
+        # stored in fp16
+        torch.testing.assert_close(f["hidden"].float(), hidden[0], atol=2e-3, rtol=2e-3)
         top = logits[0, len(p) - 1 :].softmax(-1).topk(5)
         assert torch.equal(f["top_ids"].long(), top.indices)
         torch.testing.assert_close(f["top_p"].float(), top.values, atol=1e-3, rtol=1e-3)
@@ -732,12 +730,10 @@ def test_short_conversations_with_many_heads_have_no_valid_positions():
         "top_ids": torch.zeros(3, 2, dtype=torch.long),
         "top_p": torch.zeros(3, 2),
     }
-    batch = T.collate(
-        data, [0], torch.arange(V), 5, "cpu"
-    )  # head j needs token t+1+j: none beyond head 1
-    assert (
-        batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0
-    )  # 3 positions padded to 16
+    # head j needs token t+1+j: none beyond head 1
+    batch = T.collate(data, [0], torch.arange(V), 5, "cpu")
+    # 3 positions padded to 16
+    assert batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0
     assert batch["valid"][0, :, 0].tolist() == [True] + [False] * 15
 
 
@@ -780,18 +776,14 @@ def test_prompt_filter_compares_the_words_after_the_opener():
     assert f.keep(
         f"{long} The Nile floods each summer and farmers plant after it. When do they plant?"
     )
-    assert not f.keep(
-        f"{long} Bees dance to tell the hive about water. Who dances?"
-    )  # same six words after it
-    assert f.keep(
-        "An apple a day keeps the doctor away, they say."
-    )  # no opener: its first six words
-    assert not f.keep(
-        "Everyone knows an apple a day keeps the doctor away, they say"
-    )  # 8 of 10 trigrams shared
-    assert f.keep("Read this: a very short one") and not f.keep(
-        "Hi"
-    )  # the shorter opener; under 3 words
+    # same six words after it
+    assert not f.keep(f"{long} Bees dance to tell the hive about water. Who dances?")
+    # no opener: its first six words
+    assert f.keep("An apple a day keeps the doctor away, they say.")
+    # 8 of 10 trigrams shared
+    assert not f.keep("Everyone knows an apple a day keeps the doctor away, they say")
+    # the shorter opener; under 3 words
+    assert f.keep("Read this: a very short one") and not f.keep("Hi")
     assert (f.tried, f.rejected_duplicate) == (7, 2)
     plain = D.PromptFilter()  # without openers: the first six words, as for any text
     assert plain.keep(f"{long} Bees dance.") and not plain.keep(f"{long} Nile floods.")
@@ -817,9 +809,8 @@ def test_tasks_behind_are_drawn_more():
 
     rng = random.Random(0)
     openers = [D.seeded_prefix(Tokenizer(), rng, tasks, ["bees"], counts)[1] for _ in range(1000)]
-    assert (
-        960 < openers.count("Solve") < 1000
-    )  # 1 / 1.02 = 98% expected; uniform draws would give a third
+    # 1 / 1.02 = 98% expected; uniform draws would give a third
+    assert 960 < openers.count("Solve") < 1000
 
 
 @pytest.mark.parametrize("gen_batch", [2, 0])
@@ -1090,9 +1081,8 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     The base's oneDNN-prepacked weights are opaque tensors that cannot be deep-copied: the copy is
     made without them (and prepacks its own), and the base keeps its kernels."""
     torch.manual_seed(0)
-    base = kernels.use(
-        model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
-    )  # prepacked
+    # prepacked
+    base = kernels.use(model_lib.Transformer(tiny_config()).eval().requires_grad_(False))
     fast = kernels.in_use(base)
     writer = T.data_model(base, "bf16")
     assert (

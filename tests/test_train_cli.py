@@ -82,9 +82,8 @@ def test_numeric_flags_outside_their_range(no_model, capsys, flag, value):
 def test_help_states_every_range():
     text = " ".join(T.build_parser().format_help().split())  # undo the line wrapping
     for flag, (low, high) in T.RANGES.items():
-        assert f"{low} to {high}" in text.split(flag, 2)[2], (
-            flag
-        )  # in the flag's own help, after its usage
+        # in the flag's own help, after its usage
+        assert f"{low} to {high}" in text.split(flag, 2)[2], flag
 
 
 BAD_FLAGS = {
@@ -257,16 +256,14 @@ def test_resume_with_other_flags_is_refused_or_noticed(
         )
     assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
 
-    code, _, err = run_train(
-        capsys, *common, "--resume", "--eval-every", 5
-    )  # harmless: the new value is used
+    # harmless: the new value is used
+    code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)
     assert (
         code == 0 and "notice: --eval-every 5 (checkpoint: 1000): the new value is used" in err
     ), err
 
-    other = conversations(
-        tmp_path / "other.jsonl", seed=2
-    )  # same size, other data: found once it is read
+    # same size, other data: found once it is read
+    other = conversations(tmp_path / "other.jsonl", seed=2)
     code, _, err = run_train(capsys, *common[:2], "--data", other, *common[4:], "--resume")
     check_one_line_error(
         code,

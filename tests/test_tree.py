@@ -21,12 +21,10 @@ def check(t: T.Tree) -> None:
     mask = t.mask.tolist()
     assert mask == [[path[i][: len(path[j])] == path[j] for j in range(n)] for i in range(n)]
     anc = [{j for j in range(n) if mask[i][j]} for i in range(n)]
-    assert all(
-        anc[j] <= anc[i] for i in range(n) for j in anc[i]
-    )  # mask[i,j], mask[j,k] => mask[i,k]
-    assert all(
-        i in anc[i] and 0 in anc[i] and max(anc[i]) == i for i in range(n)
-    )  # diagonal, root, tril
+    # mask[i,j], mask[j,k] => mask[i,k]
+    assert all(anc[j] <= anc[i] for i in range(n) for j in anc[i])
+    # diagonal, root, tril
+    assert all(i in anc[i] and 0 in anc[i] and max(anc[i]) == i for i in range(n))
     # depth, parent, rank
     for x in (t.depth, t.parent, t.rank):
         assert x.shape == (n,) and x.dtype == torch.long

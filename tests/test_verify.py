@@ -230,9 +230,8 @@ def test_typical_matches_brute_force_and_samples_bonus():
         logits = 3 * torch.randn(n, vocab, generator=g)  # (N, V)
         # siblings carry distinct tokens, as top-k picks do
         picks = [rng.sample(range(vocab), vocab) for _ in range(n)]
-        tokens = torch.tensor(
-            [0] + [picks[tree.parent[i]][tree.rank[i]] for i in range(1, n)]
-        )  # (N,)
+        # (N,)
+        tokens = torch.tensor([0] + [picks[tree.parent[i]][tree.rank[i]] for i in range(1, n)])
         seeded = torch.Generator().manual_seed(trial)
         nodes, bonus = typical(logits, tokens, tree, temperature, top_p, generator=seeded)
         want = typical_reference(logits, tokens, tree, temperature)
@@ -437,9 +436,8 @@ def test_leviathan_with_a_resample_from_q_fails_the_same_check():
 def test_leviathan_accepts_a_draft_the_base_model_likes_more():
     """q(x) >= p(x): accepted whatever the uniform draw; all accepted: the bonus comes after the
     last."""
-    logits = torch.tensor(
-        [[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]]
-    )  # (G+1, V) peaked at 1, 2, 0
+    # (G+1, V) peaked at 1, 2, 0
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])
     p = torch.full((2, 3), 1 / 3)  # (G, V)
     for seed in range(20):
         nodes, bonus = leviathan(
