@@ -122,11 +122,11 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument(
         "--batch-size",
-        type=int,
-        default=1,
-        help="also decode the prompts this many at a time (generate.generate_batch) with the "
-        "methods that batch (plain, the heads, lookup, hydra++-lookup): total and mean "
-        "per-sequence tokens/s beside the one-at-a-time row",
+        default="1",
+        help="also decode the prompts this many at a time, or at each of a comma list of sizes "
+        "(generate.generate_batch: a row that ends takes the next prompt) with the methods that "
+        "batch (plain, the heads, lookup, hydra++-lookup): total and mean per-sequence tokens/s "
+        "and the time of a step beside the one-at-a-time row",
     )
     p.add_argument(
         "--repeats",
@@ -259,7 +259,8 @@ class Method:
     depth: int = 0  # tree depth, for acceptance by depth (0: none)
     # decodes a changed copy of the model: a joint kind's LoRA delta, or int8 or int4 weights
     adapted: bool = False
-    # run_batch(list of ids, max_new, first seed) -> Results, or None: it does not batch
+    # run_batch(list of ids, max_new, first seed, rows at once) -> (Results, the forward passes),
+    # or None: it does not batch
     batch: Callable | None = None
 
 
@@ -285,20 +286,27 @@ def ours_batched(model, drafter, verify, temperature, eos):
     """A batch of prompts through generate.generate_batch: row j samples from seed + j, as the
     one-at-a-time run samples prompt i from seed + i."""
 
-    def run_batch(prompts, max_new, seed):
-        return generate.generate_batch(
-            model,
-            prompts,
-            [max_new] * len(prompts),
-            drafter,
-            verify,
-            temperature,
-            generators=[
-                torch.Generator(device=model.device).manual_seed(seed + j)
-                for j in range(len(prompts))
-            ],
-            eos_ids=eos,
-        )
+    def run_batch(prompts, max_new, seed, size):
+        forwards = []  # the base model's forward passes: one a step (the prefills too)
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            results = generate.generate_batch(
+                model,
+                prompts,
+                [max_new] * len(prompts),
+                drafter,
+                verify,
+                temperature,
+                generators=[
+                    torch.Generator(device=model.device).manual_seed(seed + j)
+                    for j in range(len(prompts))
+                ],
+                eos_ids=eos,
+                batch_size=size,
+            )
+        finally:
+            hook.remove()
+        return results, len(forwards)
 
     return run_batch
 
@@ -674,45 +682,40 @@ def measure(methods, prompts, args, device):
     return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
 
 
-def measure_batched(methods, prompts, args, device):
-    """Each method that batches decodes the prompts --batch-size at a time: per method, total
-    tokens/s (new tokens over the batches' wall time, the median over repeats per batch), mean
-    per-sequence tokens/s (a row's tokens over the time until it ended), the time of a step (a
-    batch's wall time over its forward passes) and whether every reply equals the one-at-a-time
-    one (greedy)."""
-    B, res = args.batch_size, {}
-    batches = [prompts[i : i + B] for i in range(0, len(prompts), B)]
+def measure_batched(methods, prompts, sizes, args, device):
+    """Each method that batches decodes all the prompts at each batch size B: B rows at once, a row
+    that ends taking the next prompt. Per method and B: total tokens/s (new tokens over the wall
+    time, the median of the repeats), mean per-sequence tokens/s (a row's tokens over the time
+    from its prefill until it ended), the time of a step (the wall time over the base
+    model's forward passes) and the replies, to compare with the one-at-a-time ones."""
+    ids = [ids for _, _, ids in prompts]
+    res = {}
     for name, m in methods.items():
         if m.batch is None:
             continue
-        m.batch([ids for _, _, ids in batches[0]], min(16, args.max_new_tokens), args.seed)  # warm
-        seconds, outs = [], []
-        for k, batch in enumerate(batches):
+        m.batch(ids[: sizes[0]], min(16, args.max_new_tokens), args.seed, sizes[0])  # warm
+        for B in sizes:
             times = []
             for _ in range(args.repeats):
                 sync(device)
                 t0 = time.perf_counter()
-                out = m.batch([ids for _, _, ids in batch], args.max_new_tokens, args.seed + k * B)
+                out, forwards = m.batch(ids, args.max_new_tokens, args.seed, B)
                 sync(device)
                 times.append(time.perf_counter() - t0)
-            seconds.append(statistics.median(times))
-            outs.append(out)
-        rows = [r for out in outs for r in out]
-        tokens = sum(len(r.tokens) for r in rows)
-        res[name] = {
-            "batch_size": B,
-            "tokens_per_s": tokens / max(sum(seconds), 1e-9),
-            "per_sequence_tokens_per_s": statistics.mean(
-                len(r.tokens) / max(r.seconds, 1e-9) for r in rows
-            ),
-            "step_ms": 1000 * sum(seconds) / sum(max(r.steps for r in out) for out in outs),
-            "replies": [r.tokens for r in rows],
-        }
+            seconds = statistics.median(times)
+            res.setdefault(name, {})[B] = {
+                "tokens_per_s": sum(len(r.tokens) for r in out) / max(seconds, 1e-9),
+                "per_sequence_tokens_per_s": statistics.mean(
+                    len(r.tokens) / max(r.seconds, 1e-9) for r in out
+                ),
+                "step_ms": 1000 * seconds / forwards,
+                "replies": [r.tokens for r in out],
+            }
     return res
 
 
 def batched_table(res, batched, mach):
-    """Beside each method's one-at-a-time row, its --batch-size row."""
+    """Beside each method's one-at-a-time row, its row at each batch size."""
     lines = [
         machine_line(mach),
         "",
@@ -720,16 +723,36 @@ def batched_table(res, batched, mach):
         "same replies as batch 1 |",
         "|---|---:|---:|---:|---:|:---:|",
     ]
-    for name, b in batched.items():
+    for name, by_size in batched.items():
         r = res[name]
         alone = statistics.mean(p["new_tokens"] / max(p["seconds"], 1e-9) for p in r["per_prompt"])
         lines.append(f"| {name} | 1 | {r['tokens_per_s']:.1f} | {alone:.1f} | - | - |")
-        lines.append(
-            f"| {name} | {b['batch_size']} | {b['tokens_per_s']:.1f} | "
-            f"{b['per_sequence_tokens_per_s']:.1f} | {b['step_ms']:.1f} | "
-            f"{'yes' if b['same'] else 'NO'} |"
-        )
+        for B, b in by_size.items():
+            lines.append(
+                f"| {name} | {B} | {b['tokens_per_s']:.1f} | "
+                f"{b['per_sequence_tokens_per_s']:.1f} | {b['step_ms']:.1f} | "
+                f"{'yes' if b['same'] else 'NO'} |"
+            )
     return "\n".join(lines)
+
+
+def plot_batched(res, batched, mach, folder):
+    """Total tokens/s against the batch size, a line per method (batch.png)."""
+    if (plt := plotting()) is None:
+        return
+    os.makedirs(folder, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_size in batched.items():
+        sizes = [1, *by_size]
+        tokens_per_s = [res[name]["tokens_per_s"]] + [b["tokens_per_s"] for b in by_size.values()]
+        ax.plot(sizes, tokens_per_s, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (rows decoded at once)")
+    ax.set_ylabel("total tokens/s")
+    ax.set_title(f"{mach['hardware']}, {mach['dtype']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "batch.png"), dpi=120)
 
 
 def summary(idx, secs, outs, plain):
@@ -888,6 +911,20 @@ def read_eval(path, limit):
 # folder that cannot be written is found before an hour of measuring, not after).
 
 
+def batch_sizes(text):
+    """--batch-size: one size or a comma list of them, each at least 1."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise cli.UsageError(
+            f"--batch-size {text}: use a number of rows of at least 1, or a comma list of them "
+            "(1,2,4,8,16)"
+        )
+    return sizes
+
+
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
     if (
@@ -898,8 +935,7 @@ def check_args(args):
             "--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be "
             "at least 1"
         )
-    if args.batch_size < 1:
-        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    args.batch_size = batch_sizes(args.batch_size)
     if args.limit < 0:
         raise cli.UsageError(
             f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts"
@@ -1020,12 +1056,12 @@ def main(args):
     dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     rows = read_eval(args.prompts, args.limit)
-    if args.batch_size > len(rows):
+    if max(args.batch_size) > len(rows):
         cli.notice(
-            f"--batch-size {args.batch_size}: there are only {len(rows)} prompts; decoding "
-            f"{len(rows)} at a time"
+            f"--batch-size {max(args.batch_size)}: there are only {len(rows)} prompts; decoding "
+            f"at most {len(rows)} at a time"
         )
-        args.batch_size = len(rows)
+        args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels_lib.quantize(model, args.quantize)
@@ -1108,16 +1144,20 @@ def main(args):
         )
         return 130
     batched = {}
-    if args.batch_size > 1:
-        batched = measure_batched(methods, prompts, args, device)
-        for name, b in batched.items():
-            b["same"] = b.pop("replies") == [out[0] for out in outs[name]]
+    sizes = [B for B in args.batch_size if B > 1]
+    if sizes:
+        batched = measure_batched(methods, prompts, sizes, args, device)
+        for name, by_size in batched.items():
+            for b in by_size.values():
+                b["same"] = b.pop("replies") == [out[0] for out in outs[name]]
         print("\n" + batched_table(res, batched, mach))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": mach, "methods": res, "batched": batched}, f, indent=1)
     if args.plots:
         plot_bench(res, mach, args.plots)
+        if batched:
+            plot_batched(res, batched, mach, args.plots)
     return 0
 
 

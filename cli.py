@@ -186,6 +186,19 @@ def threads_flag(p):
     )
 
 
+def free_memory(device):
+    """Bytes that can still be allocated on `device`: the GPU's free memory, or what Linux calls
+    MemAvailable; None where it is not known."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024  # in kB
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def check_seed(seed):
     if not 0 <= seed <= MAX_SEED:
         raise UsageError(f"--seed {seed}: out of range; use 0 to {MAX_SEED}")

@@ -9,8 +9,8 @@ tokens) with the frozen base model's features of every token, on disk.
 1. self-distillation (self_distill): the base model writes user prompts itself (Magpie-style: the
    chat template up to the start of a user turn, seeded with a task and a topic, then sample), they
    are filtered for length and near-duplicates (PromptFilter), and the model answers them greedily,
-   as the heads will be used. Prompts and answers run through one batched decoder
-   (decode_batched). Or a user's ShareGPT-style JSONL (read_sharegpt).
+   as the heads will be used. Prompts and answers run through generate.py's decode loop,
+   many rows at once (decode). Or a user's ShareGPT-style JSONL (read_sharegpt).
 2. features: per token, the base model's final hidden state and its top-k next-token probabilities
    (the teacher), recorded while answering or by one pass over given conversations (features_of).
    Training never runs the base model again. Shards hold whole conversations and are written whole
@@ -36,176 +36,59 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import generate
 import kernels
 import model as model_lib
 from checkpoint import encode, eos_ids
 from cli import UsageError, check_text, notice
-from verify import logits_to_probs, sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# --- batched decoding: the data stage's engine ----------------------------------------------------
-# Rows of a batch share one KV cache and one slot counter: every step writes the same slot of
-# every row. Prompts are left-padded so that they end at the same slot, and a key mask hides the
-# padding. When a row finishes, a waiting prompt takes it over: it is prefilled into the slots just
-# before the current one, so it too ends there, and its own key mask hides what the previous
-# conversation left in that row. A row is refilled only while there is room for a whole answer
-# after it; then finished rows are dropped (the batch is compacted), and when every row is done
-# the next wave starts with a fresh cache. So a finished row is computed for nothing only until an
-# eighth of the rows are free (refills are grouped: each prefill reads every weight once) or, with
-# nothing left to refill, until a quarter are done (compaction). Recording is one tensor write
-# per step for all rows: tokens, hidden states and the teacher's top-k go into per-slot buffers,
-# and a finished row's conversation is sliced out of them.
+# --- decoding: the data stage's engine ----------------------------------------------------------
+# generate.generate_batch, the one decode loop: `batch` rows at a time, each prompt taking the row
+# of one that ends. Its observe() hands over, as they are computed, the final hidden states at every
+# position and the logits that chose each new token: the features, taken as the model writes.
 
 
-@torch.inference_mode()
-def decode_batched(
-    model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, generator=None, top_k=0
+def decode(
+    model, prompts, max_new, stop_ids, batch, temperature=0.0, top_p=1.0, seeds=None, top_k=0
 ):
-    """Yield (i, new ids, features) for every prompt i (lists of ids), as rows finish. A row stops
-    after a stop token (kept) or max_new tokens. Greedy at temperature 0. With top_k > 0 features
-    are recorded (as features_of records them): hidden (T-1, D) at every position but the last of
-    prompt + answer, top_ids / top_p (len(answer), top_k) the model's top-k next-token probabilities
-    before each answer token. Else features is None."""
-    dev, D = model.device, model.cfg.dim
-    stop = torch.tensor(sorted(stop_ids), device=dev)
-    # longest first: pop() takes the shortest
-    waiting = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    while waiting:
-        rows = [waiting.pop() for _ in range(min(batch, len(waiting)))][::-1]
-        L = max(len(prompts[i]) for i in rows)
-        capacity = L + 2 * max_new  # refills happen in the first max_new steps
-        B = len(rows)
-        cache = model.new_cache(capacity, batch=B)
-        key_mask = torch.zeros(B, capacity, dtype=torch.bool, device=dev)  # (B, S)
-        conv = torch.tensor(rows, device=dev)  # (B,) prompt index of each row, -1 = done
-        # (B,) slot of the row's first prompt token
-        start = torch.zeros(B, dtype=torch.long, device=dev)
-        plen = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) prompt lengths
-        # (B, S) every row's ids by slot
-        tokens = torch.zeros(B, capacity, dtype=torch.long, device=dev)
-        # (B, S, D)
-        hid = torch.zeros(B, capacity, D, dtype=torch.float16, device=dev) if top_k else None
-        teacher_ids = (
-            torch.zeros(B, capacity, top_k, dtype=torch.int32, device=dev) if top_k else None
-        )  # (B, S, k)
-        teacher_p = (
-            torch.zeros(B, capacity, top_k, dtype=torch.float16, device=dev) if top_k else None
-        )
+    """[(new ids, features)] for the prompts (lists of ids), in their order. A reply stops after a
+    stop token (kept) or max_new tokens. Greedy at temperature 0; else sampled, prompt i on its own
+    generator seeded seeds[i]. With top_k > 0 features are recorded as features_of records them:
+    hidden (T-1, D) at every position but the last of prompt + answer, top_ids / top_p
+    (len(answer), k) the model's top-k next-token probabilities before each answer token; else
+    features is None."""
+    parts = [[] for _ in prompts]  # per prompt: (hidden, top ids, top p) of each forward
 
-        def prefill(idx, ids_list, end):
-            """Prompts ids_list into rows idx, left-padded to end at slot end - 1 -> last logits (r,
-            V)."""
-            Lr = max(map(len, ids_list))
-            ids = torch.zeros(len(idx), Lr, dtype=torch.long, device=dev)
-            km = torch.zeros(len(idx), Lr, dtype=torch.bool, device=dev)
-            for r, p in enumerate(ids_list):
-                ids[r, Lr - len(p) :], km[r, Lr - len(p) :] = torch.tensor(p, device=dev), True
-            positions = (km.long().cumsum(1) - 1).clamp(min=0)  # (r, Lr)
-            sub = model.new_cache(Lr, batch=len(idx))
-            # (r, 1, V), (r, Lr, D)
-            logits, hidden = model(ids, positions, None, sub, key_mask=km, last_only=True)
-            cache.k[:, idx, :, end - Lr : end], cache.v[:, idx, :, end - Lr : end] = sub.k, sub.v
-            key_mask[idx] = False
-            key_mask[idx, end - Lr : end] = km
-            tokens[idx, end - Lr : end] = ids
-            if top_k:
-                hid[idx, end - Lr : end] = hidden.half()
-            lengths = torch.tensor([len(p) for p in ids_list], device=dev)
-            start[idx], plen[idx] = end - lengths, lengths
-            return logits[:, -1].float()  # (r, V)
+    def observe(i, hidden, logits):  # (n, D), (m, V)
+        top = logits.float().topk(top_k, dim=-1)  # (m, k): normalised over the whole vocabulary
+        p = (top.values - logits.float().logsumexp(-1, keepdim=True)).exp()
+        parts[i].append((hidden.half(), top.indices.int(), p.half()))
 
-        def take(idx, logits, slot):
-            """Choose the next token of rows idx from their logits (r, V) at `slot`; record it at
-            slot + 1; return the rows that finished."""
-            # (r, V) passes are what a step costs beyond the model at a batch of 64: each one counts
-            if (
-                temperature > 0
-            ):  # sampled among the 1,024 likeliest tokens (a top-p nucleus nearly always is)
-                best = logits.topk(min(1024, logits.shape[-1]), dim=-1)  # (r, 1024)
-                nxt = best.indices.gather(
-                    1, sample(logits_to_probs(best.values, temperature, top_p), generator)[:, None]
-                )[:, 0]
-            else:
-                nxt = logits.argmax(-1)  # (r,)
-            tokens[idx, slot + 1] = nxt
-            if top_k:  # the teacher: top-k probabilities, normalised over the whole vocabulary
-                top = logits.topk(top_k, dim=-1)  # (r, k)
-                teacher_ids[idx, slot] = top.indices.int()
-                teacher_p[idx, slot] = (
-                    (top.values - logits.logsumexp(-1, keepdim=True)).exp().half()
-                )
-            n_new = slot + 2 - start[idx] - plen[idx]  # (r,)
-            return idx[torch.isin(nxt, stop) | (n_new >= max_new)]
-
-        def finish(done, slot):
-            """Emit the rows `done` whose last token is at slot + 1; mark them free."""
-            for b in done.tolist():
-                s, p, i = int(start[b]), int(plen[b]), int(conv[b])
-                answer = tokens[b, s + p : slot + 2].tolist()
-                feats = (
-                    None
-                    if not top_k
-                    else dict(
-                        hidden=hid[b, s : slot + 1].clone(),  # copies: the row is reused
-                        top_ids=teacher_ids[b, s + p - 1 : slot + 1].clone(),
-                        top_p=teacher_p[b, s + p - 1 : slot + 1].clone(),
-                    )
-                )
-                yield i, answer, feats
-            conv[done] = -1
-
-        logits = prefill(torch.arange(B, device=dev), [prompts[i] for i in rows], L)  # (B, V)
-        cache.length = L
-        done = take(torch.arange(B, device=dev), logits, L - 1)
-        while True:
-            slot = cache.length  # the slot the next tokens go to
-            yield from finish(done, slot - 1)
-            free = (conv < 0).nonzero()[:, 0]
-            if (
-                len(free) >= min(len(waiting), max(1, len(conv) // 8))
-                and waiting
-                and slot + max_new <= capacity
-            ):
-                # refill, once an eighth of the rows are free: each prefill reads every weight once,
-                # so they are grouped
-                # the shortest waiting prompts, as many as rows are free, that end by this slot
-                fits = []
-                while waiting and len(fits) < len(free) and len(prompts[waiting[-1]]) <= slot:
-                    fits.append(waiting.pop())
-                if fits:
-                    idx = free[: len(fits)]
-                    conv[idx] = torch.tensor(fits, device=dev)
-                    first = take(idx, prefill(idx, [prompts[i] for i in fits], slot), slot - 1)
-                    yield from finish(first, slot - 1)
-            alive = (conv >= 0).nonzero()[:, 0]
-            if len(alive) == 0:
-                break
-            if len(alive) <= len(conv) * 3 // 4 and not (
-                waiting and slot + max_new <= capacity
-            ):  # compact
-                cache.select_rows(alive)
-                key_mask, conv, start, plen, tokens = (
-                    key_mask[alive],
-                    conv[alive],
-                    start[alive],
-                    plen[alive],
-                    tokens[alive],
-                )
-                if top_k:
-                    hid, teacher_ids, teacher_p = hid[alive], teacher_ids[alive], teacher_p[alive]
-            nxt = tokens[:, slot]  # (B,)
-            positions = (slot - start)[:, None]  # (B, 1)
-            key_mask[:, slot] = True
-            logits, hidden = model(
-                nxt[:, None], positions, None, cache, key_mask=key_mask[:, : slot + 1]
-            )
-            cache.keep(*[[0]] * len(nxt))  # every row its one new token
-            if top_k:
-                hid[:, slot] = hidden[:, 0].half()
-            rows_alive = (conv >= 0).nonzero()[:, 0]
-            done = take(rows_alive, logits[rows_alive, -1].float(), slot)
+    generators = None
+    if temperature > 0:
+        generators = [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
+    replies = generate.generate_batch(
+        model,
+        prompts,
+        [max_new] * len(prompts),
+        temperature=temperature,
+        top_p=top_p,
+        generators=generators,
+        eos_ids=stop_ids,
+        observe=observe if top_k else None,
+        batch_size=batch,
+    )
+    out = []
+    for reply, part in zip(replies, parts):
+        features = None
+        if top_k:
+            hidden, ids, probs = (torch.cat(column) for column in zip(*part))
+            features = dict(hidden=hidden, top_ids=ids, top_p=probs)
+        out.append((reply.tokens, features))
+    return out
 
 
 def normalise(text):
@@ -369,7 +252,8 @@ def self_distill(model, tokenizer, folder, args):
         return
     stop = eos_ids(model, tokenizer)
     rng = random.Random(args.seed * 1_000_003 + have)
-    gen = torch.Generator(device=model.device).manual_seed(args.seed * 1_000_003 + have)
+    # each reply samples on its own generator (generate_batch's rows), seeded from this one
+    seeder = torch.Generator().manual_seed(args.seed * 1_000_003 + have)
     batch = args.gen_batch or kernels.sizes(model.device).gen_batch
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
@@ -400,9 +284,11 @@ def self_distill(model, tokenizer, folder, args):
                 for _ in range(2 * want)
             ]
             ended = {}
-            for i, written, _ in decode_batched(
-                model, [p for p, _ in seeded], args.max_prompt_tokens, stop, batch, 1.0, 0.95, gen
-            ):
+            seeds = torch.randint(1 << 62, (len(seeded),), generator=seeder).tolist()
+            written_all = decode(
+                model, [p for p, _ in seeded], args.max_prompt_tokens, stop, batch, 1.0, 0.95, seeds
+            )
+            for i, (written, _) in enumerate(written_all):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 if written[-1] in stop:
                     ended[i] = (
@@ -417,17 +303,16 @@ def self_distill(model, tokenizer, folder, args):
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(
-                    f"the model wrote {dry} user prompts in a row and none was kept (each must "
-                    "end with "
-                    f"one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} "
-                    "tokens and be new); use a chat model "
-                    "whose end-of-turn token is among its EOS ids, or give your own data with "
-                    "--data"
+                    f"the model wrote {dry} user prompts in a row and none was kept (each must end "
+                    f"with one of the stop tokens {sorted(stop)} within {args.max_prompt_tokens} "
+                    "tokens and be new); use a chat model whose end-of-turn token is among its EOS "
+                    "ids, or give your own data with --data"
                 )
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever a batch of them are done
             encoded = [encode(tokenizer, p) for p in prompts]
-            for i, answer, feats in decode_batched(
+            seeds = torch.randint(1 << 62, (len(encoded),), generator=seeder).tolist()
+            answers = decode(
                 model,
                 encoded,
                 args.max_answer_tokens,
@@ -435,13 +320,13 @@ def self_distill(model, tokenizer, folder, args):
                 batch,
                 args.answer_temperature,
                 1.0,
-                gen,
+                seeds,
                 top_k=args.teacher_k,
-            ):
-                ids = encoded[i]
+            )
+            for ids, prompt, (answer, feats) in zip(encoded, prompts, answers):
                 pending.append(
                     dict(
-                        prompt=prompts[i],
+                        prompt=prompt,
                         ids=ids + answer,
                         loss=[False] * len(ids) + [True] * len(answer),
                         teacher_from=len(ids) - 1,

@@ -52,6 +52,7 @@ import checkpoint
 import cli
 import drafters as drafters_lib
 import kernels
+import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
 
@@ -123,9 +124,10 @@ class Row:
 
     index: int  # its place among the prompts
     limit: int  # its max_new_tokens
-    drafter: object  # its own (drafter.row()), or the drafter itself when it decodes alone
+    drafter: object  # its own (drafter.row()), or the drafter itself when rows decode one by one
     verifier: object  # choose_verifier's, on the row's own generator
-    out: Result = field(default_factory=Result)
+    out: Result
+    started: float  # when its prefill began (a waiting prompt's time in the queue is not its own)
     root: int = 0  # the last emitted token, not yet in the cache
 
 
@@ -141,20 +143,28 @@ def generate_batch(
     generators=None,
     eos_ids=(),
     on_tokens=None,
+    observe=None,
+    batch_size=None,
 ) -> list:
-    """Decode B prompts (lists of ids) side by side, up to max_new_tokens[b] new tokens each,
-    verifying what `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding);
-    a Result per prompt. Every step each row drafts its own tree (drafter.row(): its own state),
-    one forward of the base model scores all of them (pad_drafts; the KV cache keeps a length per
-    row), each row verifies its own tree on its own generator (generators[b], so that a row's draws
-    do not depend on its batch mates) and keeps its own path. A row that ends leaves the batch.
-    on_tokens(b, new_ids, sources) is called as tokens are produced; a source indexes
-    drafter.legend."""
+    """Decode the prompts (lists of ids), up to max_new_tokens[i] new tokens each, verifying what
+    `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding); a Result per
+    prompt, in their order. Up to batch_size of them (None: all) decode side by side, one row each
+    of one KV cache (it keeps a length per row); the others wait, and take the rows of those that
+    end (continuous batching). Every step each row drafts its own tree (drafter.row(): its own
+    state), one forward of the base model scores all of them (pad_drafts), each row verifies its
+    own tree on its own generator (generators[i], so that a row's draws do not depend on its batch
+    mates) and keeps its own path.
+    on_tokens(i, new_ids, sources) is called as tokens are produced (a source indexes
+    drafter.legend); observe(i, hidden (n, D), logits (m, V)) after every forward with what the base
+    model computed for prompt i: its final hidden states at the n positions the forward added to
+    the sequence (the prompt, then each step's root and accepted drafts), and its logits for the m
+    tokens just emitted (the teacher a drafter learns from: train.py's features, online.py)."""
     dev, B = model.device, len(prompts)
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     generators = generators if generators is not None else [None] * B
     assert len(max_new_tokens) == len(generators) == B, "one max_new_tokens, one generator a row"
-    if B > 1 and not hasattr(drafter, "row"):
+    size = min(batch_size or B, B)  # rows decoding at once
+    if size > 1 and not hasattr(drafter, "row"):
         raise ValueError(
             f"{drafter.name}: this drafter decodes one prompt at a time; plain, heads, lookup "
             "and heads+lookup batch"
@@ -172,17 +182,12 @@ def generate_batch(
                 f"generator made on the model's device, torch.Generator(device={str(dev)!r})"
             )
     eos_ids = set(eos_ids)
-    rows = [
-        Row(
-            b,
-            n,
-            drafter if B == 1 else drafter.row(),
-            choose_verifier(verify, temperature, top_p, g),
-        )
-        for b, (n, g) in enumerate(zip(max_new_tokens, generators))
-    ]
-    results = [row.out for row in rows]  # in the prompts' order; rows leave `rows` as they end
-    t0 = time.perf_counter()
+    results = [Result() for _ in prompts]
+    waiting = list(range(B))[::-1]  # prompt indices; pop() takes the next in order
+    max_len = max(len(p) + n for p, n in zip(prompts, max_new_tokens)) + drafter.max_nodes
+    cache = model.new_cache(max_len, batch=size)
+    rows = [None] * size  # the Row in each cache row; None: free (its sequence ended)
+    idle = drafters_lib.Plain(dev)  # what a free row drafts: a root nobody keeps
 
     def emit(row, new, sources):  # append, stop at EOS or the length limit; True when done
         out = row.out
@@ -198,41 +203,55 @@ def generate_batch(
         if not out.stopped and len(out.tokens) >= row.limit:
             out.stopped = "length"
         if out.stopped:
-            out.seconds = time.perf_counter() - t0
+            out.seconds = time.perf_counter() - row.started
         return bool(out.stopped)
 
-    def drop_finished(rows, finished):  # finished rows stop costing: out of the cache and the batch
-        alive = [i for i, r in enumerate(rows) if i not in finished]
-        if finished and alive:
+    def begin(free):
+        """The next waiting prompts take the free cache rows: prefilled, right-padded, in one
+        forward of their own (causal: no prompt sees the padding after it); each row's logits at
+        its last prompt token give its first token."""
+        started = time.perf_counter()
+        picked = [waiting.pop() for _ in free]
+        lengths = [len(prompts[i]) for i in picked]
+        L = max(lengths)
+        padded = torch.tensor(
+            [prompts[i] + [0] * (L - len(prompts[i])) for i in picked], device=dev
+        )
+        fresh = model.new_cache(L, batch=len(picked))
+        _, hidden = model(padded, torch.arange(L, device=dev), None, fresh, last_only=True)
+        last = hidden[torch.arange(len(picked), device=dev), torch.tensor(lengths, device=dev) - 1]
+        logits = model.lm_head(last)  # (r, V)
+        fresh.keep(*[range(n) for n in lengths])  # row j: slots [0, len(prompt j))
+        cache.put(free, fresh)
+        for j, (slot, i) in enumerate(zip(free, picked)):
+            own = drafter if size == 1 else drafter.row()
+            verifier = choose_verifier(verify, temperature, top_p, generators[i])
+            row = Row(i, max_new_tokens[i], own, verifier, results[i], started)
+            row.drafter.start(prompts[i], hidden[j : j + 1, : lengths[j]], max_len)
+            probs = verify_lib.logits_to_probs(logits[j].float(), temperature, top_p)  # (V,)
+            if verify_lib.is_greedy(temperature):
+                row.root = int(probs.argmax())
+            else:
+                row.root = int(verify_lib.sample(probs, generators[i]))
+            row.out.steps = 1
+            if observe:
+                observe(i, hidden[j, : lengths[j]], logits[j : j + 1])
+            if not emit(row, [row.root], [0]):
+                rows[slot] = row
+
+    while waiting or any(row is not None for row in rows):
+        free = [s for s, row in enumerate(rows) if row is None]
+        # refills are grouped (a prefill reads every weight once): a few at a time, or the last
+        if waiting and len(free) >= min(len(waiting), max(1, len(rows) // 8)):
+            begin(free[: len(waiting)])
+            continue
+        if not waiting and len(free) >= max(1, len(rows) // 4):
+            # ended rows leave the batch (the cache is copied: so a quarter of them at once)
+            alive = [s for s, row in enumerate(rows) if row is not None]
             cache.select_rows(alive)
-        return [rows[i] for i in alive]
+            rows = [rows[s] for s in alive]
 
-    # prefill: the prompts right-padded into one forward (causal: no prompt sees the padding after
-    # it); each row's logits at its last prompt token give its first token
-    lengths = [len(p) for p in prompts]
-    L = max(lengths)
-    max_len = max(n + r.limit for n, r in zip(lengths, rows)) + drafter.max_nodes
-    cache = model.new_cache(max_len, batch=B)
-    padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=dev)  # (B, L)
-    _, hidden = model(padded, torch.arange(L, device=dev), None, cache, last_only=True)  # (B, L, D)
-    last = hidden[torch.arange(B, device=dev), torch.tensor(lengths, device=dev) - 1]  # (B, D)
-    logits = model.lm_head(last)  # (B, V)
-    cache.keep(*[range(n) for n in lengths])  # row b: slots [0, len(prompt b)), the padding after
-    finished = set()
-    for b, (row, prompt, generator) in enumerate(zip(rows, prompts, generators)):
-        row.drafter.start(prompt, hidden[b : b + 1, : len(prompt)], max_len)
-        probs = verify_lib.logits_to_probs(logits[b].float(), temperature, top_p)  # (V,)
-        if verify_lib.is_greedy(temperature):
-            row.root = int(probs.argmax())
-        else:
-            row.root = int(verify_lib.sample(probs, generator))
-        row.out.steps = 1
-        if emit(row, [row.root], [0]):
-            finished.add(b)
-    rows = drop_finished(rows, finished)
-
-    while rows:
-        drafts = [row.drafter.draft(row.root) for row in rows]  # tokens (N_b,), tree, ...
+        drafts = [row.drafter.draft(row.root) if row else idle.draft(0) for row in rows]
         tokens, mask, depth = pad_drafts(drafts)  # (B, N), (B, N, N) | None, (B, N)
         # (B, N): row b's length + the node's depth; one row's length is a number, the batch's
         # lengths come from the host (a copy a step on a GPU, which one row does without)
@@ -242,31 +261,35 @@ def generate_batch(
         positions = row_lengths + depth  # (B, N)
         # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone
         logits, hidden = model(tokens, positions, mask, cache, extra=drafts[0].extra)
-        steps = []
+        steps = [None] * len(rows)  # row b's (accepted nodes, bonus, kept tokens, path)
         for b, (row, d) in enumerate(zip(rows, drafts)):
-            n = d.candidates  # the row's tree; nodes after it are computed only, or padding
-            nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
-            kept, path = torch.stack(
-                [d.tokens[nodes], nodes]
-            ).tolist()  # the root and accepted drafts, their nodes
-            steps.append((nodes, bonus, kept, path))
+            if row:
+                n = d.candidates  # the row's tree; nodes after it are computed only, or padding
+                nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
+                # the root and accepted drafts, their nodes
+                kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()
+                steps[b] = (nodes, bonus, kept, path)
         # row b's slots [0, lengths[b]): its prompt and every emitted token but the bonus
-        cache.keep(*[path for _, _, _, path in steps])
-        finished = set()
-        for b, (row, d, (nodes, bonus, kept, path)) in enumerate(zip(rows, drafts, steps)):
+        cache.keep(*[step[3] if step else [] for step in steps])
+        for b, (row, d, step) in enumerate(zip(rows, drafts, steps)):
+            if not row:
+                continue
+            nodes, bonus, kept, path = step
             out = row.out
             out.steps += 1
             before = len(out.tokens)
-            if emit(row, kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0]):
-                finished.add(b)
-            # drafts emitted (EOS, length)
-            out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))
-            if b not in finished:
+            ended = emit(row, kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0])
+            emitted = len(out.tokens) - before  # fewer than the path at EOS or the length limit
+            out.accepted.append(min(len(nodes) - 1, emitted))
+            if observe:
+                observe(row.index, hidden[b, nodes[:emitted]], logits[b, nodes[:emitted]])
+            if ended:
+                rows[b] = None  # free: the next waiting prompt takes its cache row
+            else:
                 row.drafter.accept(
                     kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
                 )
             row.root = bonus
-        rows = drop_finished(rows, finished)
     return results
 
 
@@ -756,6 +779,23 @@ def stats_line(r, max_depth):
     return line + "]"
 
 
+def check_batch_memory(model, encoded, batch_size, drafter, device):
+    """--batch-size rows of KV cache, each as long as the longest prompt and reply: refused before
+    it is allocated where it would not fit in the memory free now (with room for the rest)."""
+    free = cli.free_memory(device)
+    if batch_size == 1 or free is None:
+        return
+    longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
+    row = model_lib.KVCache.bytes_for(model.cfg, 1, longest, model.dtype)
+    if batch_size * row > free * 0.8:
+        fits = max(1, int(free * 0.8 // row))
+        raise cli.UsageError(
+            f"--batch-size {batch_size}: the KV cache would take {batch_size * row / 2**30:.1f} GB "
+            f"and {free / 2**30:.1f} GB are free; use --batch-size {fits} or fewer, or a smaller "
+            "--max-new-tokens"
+        )
+
+
 def open_output(path):
     """--out, opened for writing (None: no file)."""
     try:
@@ -821,6 +861,7 @@ def main(args):
         model.cfg.max_seq_len,
         one=args.prompts is None,
     )
+    check_batch_memory(model, encoded, batch_size, drafter, device)
     eos = checkpoint.eos_ids(model, tokenizer)
     writer = open_output(args.out)
     weights = "" if args.quantize == "none" else f", {args.quantize} weights"
@@ -858,8 +899,11 @@ def main(args):
             writer.flush()
 
     try:
-        for i in range(0, len(encoded), batch_size):
-            batch = encoded[i : i + batch_size]
+        # with --batch-size, a queue of 4 batches at a time: the rows of replies that end take
+        # the next prompts, and each chunk's replies are written when it is done
+        chunk = 1 if batch_size == 1 else 4 * batch_size
+        for i in range(0, len(encoded), chunk):
+            batch = encoded[i : i + chunk]
             t0 = time.perf_counter()
             if batch_size == 1:  # streamed, one generator through every prompt
                 (pid, ids, max_new_tokens) = batch[0]
@@ -881,6 +925,10 @@ def main(args):
                 if printer:
                     print()
             else:  # printed whole; prompt i samples from its own generator, seeded seed + i
+                generators = [
+                    torch.Generator(device=device).manual_seed(args.seed + i + j)
+                    for j in range(len(batch))
+                ]
                 results = generate_batch(
                     model,
                     [ids for _, ids, _ in batch],
@@ -889,11 +937,9 @@ def main(args):
                     args.verify,
                     temperature,
                     args.top_p,
-                    [
-                        torch.Generator(device=device).manual_seed(args.seed + i + j)
-                        for j in range(len(batch))
-                    ],
+                    generators,
                     eos,
+                    batch_size=batch_size,
                 )
                 if not args.quiet:
                     for (pid, _, _), r in zip(batch, results):

@@ -141,6 +141,12 @@ class KVCache:
         self.lengths = [0] * batch  # per row, on the host: no wait for the device to read them
         self.max_len = max_len
 
+    @staticmethod
+    def bytes_for(cfg: Config, batch: int, max_len: int, dtype) -> int:
+        """What a cache of `batch` rows and `max_len` slots takes, keys and values."""
+        slots = 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim
+        return slots * torch.finfo(dtype).bits // 8
+
     @property
     def length(self):
         """Where the next forward writes its new tokens, in every row: the longest row's length."""
@@ -157,6 +163,8 @@ class KVCache:
         start = self.length  # the slot of new entry 0, in every row
         for b, row in enumerate(idx):
             n, to = len(row), self.lengths[b]
+            if n == 0:  # a row that keeps nothing (free: its sequence ended)
+                continue
             if isinstance(row, torch.Tensor):
                 in_place = to == start and torch.equal(row, torch.arange(n, device=row.device))
             else:  # known on the host: no wait for the device
@@ -166,6 +174,14 @@ class KVCache:
                 self.k[:, b, :, to : to + n] = self.k[:, b, :, src]
                 self.v[:, b, :, to : to + n] = self.v[:, b, :, src]
             self.lengths[b] += n
+
+    def put(self, rows, other):
+        """Cache row rows[j] starts over as `other`'s row j: a new sequence takes a free row."""
+        for j, b in enumerate(rows):
+            n = other.lengths[j]
+            self.k[:, b, :, :n] = other.k[:, j, :, :n]
+            self.v[:, b, :, :n] = other.v[:, j, :, :n]
+            self.lengths[b] = n
 
     def select_rows(self, rows):
         """Keep only the rows `rows` (list of row indices): a batch drops its finished sequences,
@@ -301,9 +317,7 @@ def attention_mask(T, start, mask, key_mask, device):
     full = torch.cat(
         [torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device), mask], dim=-1
     )
-    if (
-        key_mask is not None
-    ):  # hide padding, but let every token see itself (no all-masked row -> NaN)
+    if key_mask is not None:  # hide the gaps, but let every token see itself (no NaN rows)
         full = full & key_mask[:, None, None, :]
         full[..., start:] |= torch.eye(T, dtype=torch.bool, device=device)
     return full  # (B|1, 1, T, start+T)
@@ -351,7 +365,6 @@ class Transformer(nn.Module):
         positions,
         mask=None,
         cache=None,
-        key_mask=None,
         last_only=False,
         num_layers=None,
         extra=None,
@@ -361,8 +374,7 @@ class Transformer(nn.Module):
         visible. Rows may be nodes that are computed but never verified (a lookahead window): the
         mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots
         [cache.length, +T) of every row, see keep(); rows shorter than cache.length see only their
-        own prefix) or None. key_mask (B, S): the slots each row may read, where the cache does not
-        say it (a left-padded batch).
+        own prefix) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. num_layers: run only the first layers, then
@@ -373,8 +385,7 @@ class Transformer(nn.Module):
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
         cos, sin = self.rope(positions, self.dtype)
-        if key_mask is None and cache is not None:
-            key_mask = cache.key_mask(T)  # (B, S) or None: the rows' gaps hidden
+        key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # None: every layer

@@ -127,3 +127,53 @@ def test_the_cache_holds_each_rows_sequence_after_ragged_steps(small):
         assert n == len(want)
         assert torch.allclose(cache.k[:, b, :, :n], fresh.k[:, 0, :, :n], atol=1e-5)
         assert torch.allclose(cache.v[:, b, :, :n], fresh.v[:, 0, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["plain", "hydra++", "heads+lookup"])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_a_queue_of_prompts_through_fewer_rows_is_each_prompt_decoded_alone(small, name, size):
+    """batch_size rows at most: the waiting prompts take the rows of those that end (continuous
+    batching), and each reply is still the one its prompt gets alone."""
+    alone = [
+        G.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
+        for p, n in zip(PROMPTS, LIMITS)
+    ]
+    rows_seen, forward = [], small.forward
+
+    def counted(tokens, *a, **k):
+        rows_seen.append(len(tokens))
+        return forward(tokens, *a, **k)
+
+    drafter = make_drafter(name, small)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(small, "forward", counted)
+        batch = G.generate_batch(small, PROMPTS, LIMITS, drafter, eos_ids=EOS, batch_size=size)
+    for a, b in zip(alone, batch):
+        assert b.tokens == a.tokens and b.stopped == a.stopped and b.accepted == a.accepted
+    assert max(rows_seen) == size
+    if size > 1:  # refills: more than one prefill, and steps with every row busy after one
+        assert rows_seen.count(size) > 2
+
+
+@pytest.mark.parametrize("size", [2, None])
+def test_observe_sees_what_a_fresh_forward_over_prompt_and_reply_computes(small, size):
+    """observe(i, hidden, logits): prompt i's hidden states at every position but the last of
+    prompt + reply, and the logits that chose each reply token: what a drafter learns from."""
+    seen = {}
+
+    def observe(i, hidden, logits):
+        old = seen.get(i, (torch.zeros(0, hidden.shape[-1]), torch.zeros(0, logits.shape[-1])))
+        seen[i] = (torch.cat([old[0], hidden]), torch.cat([old[1], logits]))
+
+    drafter = make_drafter("hydra++", small)
+    out = G.generate_batch(
+        small, PROMPTS, LIMITS, drafter, eos_ids=EOS, observe=observe, batch_size=size
+    )
+    assert sum(sum(r.accepted) for r in out) > 0, "no draft accepted: no tree was exercised"
+    for i, (prompt, r) in enumerate(zip(PROMPTS, out)):
+        seq = prompt + r.tokens[:-1]  # the last token is emitted, never forwarded
+        logits, hidden = small(torch.tensor([seq]), torch.arange(len(seq)), None, None)
+        got_hidden, got_logits = seen[i]
+        assert got_hidden.shape[0] == len(seq) and got_logits.shape[0] == len(r.tokens)
+        assert torch.allclose(got_hidden, hidden[0], atol=1e-5)
+        assert torch.allclose(got_logits, logits[0, len(prompt) - 1 :], atol=1e-4)

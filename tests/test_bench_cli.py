@@ -53,8 +53,10 @@ def prompts_file(folder, n=3):
         (["--threads", "-1"], "--threads -1: must be 0 (the idle cores) or a number of threads"),
         (["--repeats", "0"], "must be at least 1"),
         (["--prefix-len", "0"], "must be at least 1"),
-        (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
-        (["--batch-size", "-2"], "--batch-size -2: must be at least 1"),
+        (["--batch-size", "0"], "--batch-size 0: use a number of rows of at least 1"),
+        (["--batch-size", "-2"], "--batch-size -2: use a number of rows of at least 1"),
+        (["--batch-size", "2,x"], "--batch-size 2,x: use a number of rows"),
+        (["--batch-size", ","], "or a comma list of them (1,2,4,8,16)"),
         (["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
         (["--seed", "-1"], "--seed -1"),
         (["--json", "/no/such/folder/bench.json"], "not a file in an existing folder"),
@@ -582,18 +584,19 @@ def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(
 
 
 def test_a_batch_size_reports_batched_throughput_beside_batch_1(capsys, tmp_path, tiny_model_dir):
-    """--batch-size: the methods that batch decode the prompts B at a time too; their rows sit
-    beside the one-at-a-time ones, and greedy replies are the same. More than the prompts: a
-    notice, and all of them at once."""
+    """--batch-size: the methods that batch decode the prompts B at a time too, at each size of a
+    list; their rows sit beside the one-at-a-time ones, and greedy replies are the same. More than
+    the prompts: a notice, and all of them at once."""
     saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
     code, out, err = run_bench(
         capsys, "--model", tiny_model_dir, "--prompts", prompts_file(tmp_path, n=5),
-        "--repeats", 1, "--max-new-tokens", 6, "--dtype", "fp32", "--batch-size", 9,
+        "--repeats", 1, "--max-new-tokens", 6, "--dtype", "fp32", "--batch-size", "2,9",
         "--methods", "plain,lookup,hydra++,hydra++-lookup", "--heads-dir", tmp_path,
     )  # fmt: skip
     assert code == 0, err
-    assert "notice: --batch-size 9: there are only 5 prompts; decoding 5 at a time" in err
+    assert "notice: --batch-size 9: there are only 5 prompts; decoding at most 5 at a time" in err
     for name in ("plain", "lookup", "hydra++", "hydra++-lookup"):
         assert f"| {name} | 1 |" in out
-        (row,) = [line for line in out.splitlines() if line.startswith(f"| {name} | 5 |")]
-        assert row.endswith("| yes |"), row
+        for size in (2, 5):
+            (row,) = [line for line in out.splitlines() if line.startswith(f"| {name} | {size} |")]
+            assert row.endswith("| yes |"), row

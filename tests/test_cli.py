@@ -1130,3 +1130,16 @@ def test_a_batch_larger_than_the_prompts_is_clamped_with_a_notice(capsys, tmp_pa
     assert "notice: --batch-size 8: there are only 2 prompts; decoding 2 at a time" in err
     assert "notice: --show has no effect with --batch-size (replies are printed whole" in err
     assert out.startswith("[p0] ") and "\n[p1] " in out
+
+
+def test_a_batch_whose_cache_would_not_fit_is_refused_before_it_is_made(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    prompts, out = write_prompts(tmp_path / "p.jsonl", ["hi", "yo", "oh"]), tmp_path / "out.jsonl"
+    monkeypatch.setattr(cli, "free_memory", lambda device: 3 * 1024)  # bytes: room for no batch
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out,
+        "--max-new-tokens", 8, "--batch-size", 3,
+    )  # fmt: skip
+    check_one_line_error(code, err, "--batch-size 3", "GB are free", "use --batch-size 1")
+    assert not out.exists()

@@ -504,19 +504,15 @@ def test_prepacked_fp32_linears_match_the_readable_path(family):
     )
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
     tokens = torch.randint(0, 64, (2, 12))
-    key_mask = torch.ones(2, 12 + tree.num_nodes, dtype=torch.bool)
-    key_mask[1, :3] = False
     out = {}
     with torch.inference_mode():
         for name, k in (("readable", Kernels()), ("packed", Kernels(packed=True, glue=True))):
             kernels.use(tiny, k)
             assert (type(tiny.lm_head) is kernels.PackedLinear) == k.packed
             cache = tiny.new_cache(32, batch=2)
-            prefix, _ = tiny(tokens, torch.arange(12), None, cache, key_mask=key_mask[:, :12])
-            cache.keep(range(12), range(12))
-            logits, _ = tiny(
-                tokens[:, : tree.num_nodes], 12 + tree.depth, tree.mask, cache, key_mask=key_mask
-            )
+            prefix, _ = tiny(tokens, torch.arange(12), None, cache)
+            cache.keep(range(12), range(9))  # row 1 right-padded: its slots 9-11 are hidden
+            logits, _ = tiny(tokens[:, : tree.num_nodes], 12 + tree.depth, tree.mask, cache)
             out[name] = torch.cat([prefix, logits], 1)
     torch.testing.assert_close(out["packed"], out["readable"], atol=1e-5, rtol=1e-5)
 

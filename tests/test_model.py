@@ -151,17 +151,20 @@ def test_first_layers_only(tiny):
     torch.testing.assert_close(logits, ref[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def test_key_mask_padding_equals_unpadded(tiny):
-    """Left padding hidden by key_mask changes nothing for the real tokens."""
+def test_a_row_shorter_than_its_batch_mates_reads_only_its_own_prefix(tiny):
+    """Right-padded rows of one cache: its per-row lengths hide a shorter row's gap, so the row's
+    next logits are the ones it gets alone."""
     torch.manual_seed(3)
-    seq = torch.randint(0, 64, (1, 6))
-    ref, _ = tiny(seq, torch.arange(6))
-    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), seq], dim=1)
-    key_mask = torch.tensor([[False] * 3 + [True] * 6])
-    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5]])
-    logits, _ = tiny(padded, positions, None, tiny.new_cache(16), key_mask=key_mask)
+    long, short = torch.randint(0, 64, (9,)), torch.randint(0, 64, (4,))
+    cache = tiny.new_cache(16, batch=2)
+    padded = torch.stack([long[:8], torch.cat([short[:3], torch.zeros(5, dtype=torch.long)])])
+    tiny(padded, torch.arange(8), None, cache)
+    cache.keep(range(8), range(3))
+    logits, _ = tiny(torch.stack([long[8:], short[3:]]), torch.tensor([[8], [3]]), None, cache)
     assert torch.isfinite(logits).all()
-    torch.testing.assert_close(logits[:, 3:], ref, atol=1e-5, rtol=1e-5)
+    for row, seq in enumerate((long, short)):
+        ref, _ = tiny(seq[None], torch.arange(len(seq)))
+        torch.testing.assert_close(logits[row, -1], ref[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_corrupted_cache_is_rebuilt(tmp_path, monkeypatch):

@@ -563,7 +563,7 @@ def plain_answers(model, prompts, max_new, stop):
 
 
 def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forward():
-    """decode_batched with fewer rows than prompts (so finished rows are refilled and the batch
+    """decode with fewer rows than prompts (so finished rows are refilled and the batch
     compacted) gives every prompt the greedy answer of one-sequence plain decoding, in fp32; its
     features are what one forward over prompt + answer computes."""
     base = tiny_base()
@@ -573,8 +573,8 @@ def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forwar
         for _ in range(11)
     ]
     stop = {3, 7}
-    got = {i: (a, f) for i, a, f in D.decode_batched(base, prompts, 12, stop, 4, top_k=5)}
-    assert sorted(got) == list(range(11))
+    got = D.decode(base, prompts, 12, stop, 4, top_k=5)
+    assert len(got) == 11
     want = plain_answers(base, prompts, 12, stop)
     assert [got[i][0] for i in range(11)] == want
     # both ways to stop happen
@@ -607,10 +607,8 @@ def test_batched_answers_of_the_default_model_equal_plain_decoding(default_model
         )
     ]
     stop = set(model.cfg.eos_ids) | {tok.eos_token_id}
-    got = {
-        i: a for i, a, _ in D.decode_batched(model, prompts, 32, stop, 2)
-    }  # short and long answers: refills
-    assert [got[i] for i in range(7)] == plain_answers(model, prompts, 32, stop)
+    got = D.decode(model, prompts, 32, stop, 2)  # short and long answers: refills
+    assert [answer for answer, _ in got] == plain_answers(model, prompts, 32, stop)
 
 
 def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
@@ -815,9 +813,9 @@ def test_tasks_behind_are_drawn_more():
 
 @pytest.mark.parametrize("gen_batch", [2, 0])
 def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeypatch, gen_batch):
-    """The batched decoder returns the shortest prompts first; the prompts kept must not depend on
-    that order (a round that took the first ones done would keep only short prompts). --gen-batch 0
-    decodes in batches of the size kernels.sizes gives the model's device."""
+    """Short prompts are written first; the prompts kept must not depend on that order (a round
+    that took the first ones done would keep only short prompts). --gen-batch 0 decodes in batches
+    of the size kernels.sizes gives the model's device."""
     from types import SimpleNamespace
 
     class Tokenizer:  # a token t is the word f"w{t}"; 2 ends a turn
@@ -838,26 +836,20 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
 
     length = lambda i: 40 if i % 2 == 0 else 3  # candidate i writes this many words
 
-    def decode_batched(
-        model, prompts, max_new, stop, batch, temperature, top_p, generator, top_k=0
-    ):
-        assert batch == 2
-        if not top_k:  # prompts: the short ones are done first
-            for i in sorted(range(len(prompts)), key=length):
-                yield i, [1000 * i + j for j in range(length(i))] + [2], None
-        else:
-            for i in range(len(prompts)):
-                yield (
-                    i,
-                    [5, 2],
-                    dict(
-                        hidden=torch.zeros(4, 8),
-                        top_ids=torch.zeros(2, top_k, dtype=torch.long),
-                        top_p=torch.zeros(2, top_k),
-                    ),
-                )
+    def decode(model, prompts, max_new, stop, batch, temperature, top_p, seeds, top_k=0):
+        assert batch == 2 and len(seeds) == len(prompts)
+        if not top_k:  # prompts
+            return [
+                ([1000 * i + j for j in range(length(i))] + [2], None) for i in range(len(prompts))
+            ]
+        features = dict(
+            hidden=torch.zeros(4, 8),
+            top_ids=torch.zeros(2, top_k, dtype=torch.long),
+            top_p=torch.zeros(2, top_k),
+        )
+        return [([5, 2], features) for _ in prompts]
 
-    monkeypatch.setattr(D, "decode_batched", decode_batched)
+    monkeypatch.setattr(D, "decode", decode)
     monkeypatch.setattr(
         D.kernels,
         "sizes",
