@@ -756,6 +756,84 @@ def draft_matches(model, replies, kept, chunk=64):
 
 
 @torch.inference_mode()
+def skip_step_ms(model, prefix, G, repeats):
+    """Median ms of the steps skip drafting takes, after a cached `prefix` (token ids): ("verify",
+    g) one forward of the model over g drafts and the root (g = 0: a plain step), ("draft", k) one
+    token through k layers (the first k: any k layers cost alike)."""
+    dev = model.device
+    P = len(prefix)
+    cache = model.new_cache(P + G + 1)
+    model(torch.tensor([prefix], device=dev), torch.arange(P, device=dev), None, cache)
+    cache.keep(range(P))
+    chain = torch.full((1, G + 1), prefix[-1], device=dev)  # (1, G+1) any tokens do
+    at = P + torch.arange(G + 1, device=dev)  # (G+1,) the positions after the prefix
+    timers = {
+        ("verify", g): lambda g=g: model(chain[:, : g + 1], at[: g + 1], None, cache)
+        for g in range(0, G + 1)
+    }
+    for k in range(1, model.cfg.n_layers):
+        dcache = model.new_cache(P + 1, num_layers=k)
+        ids = torch.tensor([prefix], device=dev)
+        model(ids, torch.arange(P, device=dev), None, dcache, last_only=True, layers=range(k))
+        dcache.keep(range(P))
+        timers["draft", k] = lambda k=k, dcache=dcache: model(
+            chain[:, :1], at[:1], None, dcache, layers=range(k)
+        )
+    samples = {key: [] for key in timers}
+    for fn in timers.values():
+        fn()  # warm-up
+    for _ in range(repeats):  # interleaved: a burst of machine noise hits every size alike
+        for key, fn in timers.items():
+            samples[key].append(timed(fn, dev))
+    return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+
+
+def skip_row(model, replies, skipped, ms, G):
+    """The skip set's teacher-forced acceptance over `replies` and its expected tokens/s at the
+    best gamma up to G, from the step times `ms` (skip_step_ms)."""
+    kept = [i for i in range(model.cfg.n_layers) if i not in skipped]
+    matches = draft_matches(model, replies, kept)
+    best = None
+    for g in range(1, G + 1):
+        steps = sum(len(accepted_per_step(m, g)) for m in matches)
+        tau = sum(map(len, matches)) / max(steps, 1)
+        speed = tau / (g * ms["draft", len(kept)] + ms["verify", g]) * 1e3
+        if best is None or speed > best["tokens_per_s"]:
+            best = {"gamma": g, "tau": tau, "tokens_per_s": speed}
+    steps = [a for m in matches for a in accepted_per_step(m, G)]
+    return {
+        "skip": skipped,
+        "kept": len(kept),
+        "match": sum(map(sum, matches)) / max(sum(map(len, matches)), 1),
+        "reach": generate.acceptance_by_depth(steps, G),  # P(a step accepts >= d), chains of G
+        **best,
+    }
+
+
+def greedy_removal(n_layers, score, width=SKIP_WIDTH, patience=SKIP_PATIENCE, report=None):
+    """The search: from no layer skipped, skip one more layer a round, the one whose set scores
+    best, trying every layer in round 1 and the `width` best of the round before after that; stop
+    after `patience` rounds without a better set, or when one layer is left. score(set) takes a
+    sorted tuple; report(set) is told each round's choice. Returns the set of every round and the
+    best set."""
+    skipped = best = ()  # the set so far; the best set met
+    ranking = list(range(n_layers))  # the layers to try next, likeliest first
+    path = []  # the set after each round
+    since_best = 0  # rounds since the best set
+    while len(skipped) < n_layers - 1 and since_best < patience:
+        tried = ranking if not skipped else ranking[:width]
+        tried = sorted(tried, key=lambda i: -score(tuple(sorted(skipped + (i,)))))
+        skipped = tuple(sorted(skipped + (tried[0],)))
+        ranking = tried[1:] + [i for i in ranking if i not in tried]
+        path.append(skipped)
+        if report:
+            report(skipped)
+        since_best = 0 if not best or score(skipped) > score(best) else since_best + 1
+        best = skipped if since_best == 0 else best
+    return path, best
+
+
+@torch.inference_mode()
 def tune_skip(args, model, prompts, device, eos):
     if args.max_gamma < 1:
         raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
@@ -766,79 +844,27 @@ def tune_skip(args, model, prompts, device, eos):
         (ids, generate.generate(model, ids, args.max_new_tokens, None, eos_ids=eos).tokens)
         for _, _, ids in prompts
     ]
-    # the step costs: plain, verifying gamma drafts, a draft forward of k layers
     prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
-    P = len(prefix)
-    cache = model.new_cache(P + G + 1)
-    model(torch.tensor([prefix], device=device), torch.arange(P, device=device), None, cache)
-    cache.keep(range(P))
-    chain = torch.full((1, G + 1), prefix[-1], device=device)  # (1, G+1) any tokens do
-    at_end = torch.tensor([P], device=device)  # (1,) the position after the prefix
-    verify_at = P + torch.arange(G + 1, device=device)  # (G+1,)
-    timers = {
-        ("verify", g): lambda g=g: model(chain[:, : g + 1], verify_at[: g + 1], None, cache)
-        for g in range(0, G + 1)
-    }
-    for k in range(1, L):
-        dcache = model.new_cache(P + 1, num_layers=k)
-        model(
-            torch.tensor([prefix], device=device),
-            torch.arange(P, device=device),
-            None,
-            dcache,
-            last_only=True,
-            layers=range(k),
-        )
-        dcache.keep(range(P))
-        timers["draft", k] = lambda k=k, dcache=dcache: model(
-            chain[:, :1], at_end, None, dcache, layers=range(k)
-        )
-    samples = {key: [] for key in timers}
-    for fn in timers.values():
-        fn()  # warm-up
-    # interleaved: a burst of machine noise hits every size alike
-    for _ in range(args.tune_repeats):
-        for key, fn in timers.items():
-            samples[key].append(timed(fn, device))
-    ms = {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+    ms = skip_step_ms(model, prefix, G, args.tune_repeats)
     plain_ms = ms["verify", 0]  # verifying no draft: a plain step
-
     rows = {}
 
     def score(skipped):  # expected tokens/s of the set at its best gamma, memoised
         if skipped not in rows:
-            kept = [i for i in range(L) if i not in skipped]
-            matches = draft_matches(model, replies, kept)
-            best = None
-            for g in range(1, G + 1):
-                steps = sum(len(accepted_per_step(m, g)) for m in matches)
-                tau = sum(map(len, matches)) / max(steps, 1)
-                speed = tau / (g * ms["draft", len(kept)] + ms["verify", g]) * 1e3
-                if best is None or speed > best["tokens_per_s"]:
-                    best = {"gamma": g, "tau": tau, "tokens_per_s": speed}
-            match = sum(map(sum, matches)) / max(sum(map(len, matches)), 1)
-            rows[skipped] = {"skip": skipped, "kept": len(kept), "match": match, **best}
+            rows[skipped] = skip_row(model, replies, skipped, ms, G)
         return rows[skipped]["tokens_per_s"]
 
-    skipped = best = ()  # the set so far; the fastest set met
-    ranking = list(range(L))  # the layers to try next, likeliest first
-    path = []  # the set after each round
-    since_best = 0  # rounds since the fastest set
-    while len(skipped) < L - 1 and since_best < SKIP_PATIENCE:
-        tried = ranking if not skipped else ranking[:SKIP_WIDTH]
-        tried = sorted(tried, key=lambda i: -score(tuple(sorted(skipped + (i,)))))
-        skipped = tuple(sorted(skipped + (tried[0],)))
-        ranking = tried[1:] + [i for i in ranking if i not in tried]
-        path.append(skipped)
+    def report(skipped):
+        r = rows[skipped]
         print(
-            f"[tune] skip {catalog.skip_spec(skipped)}: {L - len(skipped)} layers, match "
-            f"{rows[skipped]['match']:.2f}, tau {rows[skipped]['tau']:.2f} at gamma "
-            f"{rows[skipped]['gamma']}, expected {rows[skipped]['tokens_per_s']:.1f} tokens/s",
+            f"[tune] skip {catalog.skip_spec(skipped)}: {r['kept']} layers, match "
+            f"{r['match']:.2f}, tau {r['tau']:.2f} at gamma {r['gamma']}, expected "
+            f"{r['tokens_per_s']:.1f} tokens/s",
             file=sys.stderr,
             flush=True,
         )
-        since_best = 0 if not best or score(skipped) > score(best) else since_best + 1
-        best = skipped if since_best == 0 else best
+
+    path, best = greedy_removal(L, score, report=report)
     first_n = {s: tuple(range(L - len(s), L)) for s in path}  # equal draft cost: as many layers run
     for s in first_n.values():
         score(s)
@@ -846,7 +872,7 @@ def tune_skip(args, model, prompts, device, eos):
         device,
         model.dtype,
         path=catalog.cpu_path(device),
-        prefix_tokens=P,
+        prefix_tokens=len(prefix),
         prompts=len(prompts),
         max_new_tokens=args.max_new_tokens,
         repeats=args.tune_repeats,

@@ -212,3 +212,20 @@ def test_bench_refuses_a_named_skip_tuned_for_another_model(capsys, tmp_path, fo
     argv = ["--model", four_layer_dir, "--prompts", prompts_file(tmp_path), "--limit", 1]
     argv += ["--dtype", "fp32", "--heads-dir", tmp_path, "--methods", "skip"]
     check_one_line_error(*run_bench(capsys, *argv)[::2], "tuned for another, not")
+
+
+def test_greedy_removal_skips_the_cheapest_layer_each_round_and_keeps_the_best_set():
+    """Each layer costs its loss; a set scores 2 a layer skipped less what it lost."""
+    loss = [5, 1, 3, 0.5, 4]
+    seen = []
+
+    def score(skipped):
+        seen.append(skipped)
+        return 2 * len(skipped) - sum(loss[i] for i in skipped)
+
+    path, best = tuning.greedy_removal(5, score, width=2, patience=3)
+    assert path == [(3,), (1, 3), (1, 2, 3), (1, 2, 3, 4)] and best == (1, 3)
+    # round 1 tries every layer, each later one the 2 best of the round before
+    assert len(set(seen)) == 5 + 2 + 2 + 2
+    path, _ = tuning.greedy_removal(5, score, width=2, patience=1)
+    assert path == [(3,), (1, 3), (1, 2, 3)]
