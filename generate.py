@@ -649,6 +649,13 @@ def load_drafter(
         else:
             arg = tuned[0]
             settings = settings | {"gamma": tuned[1]} | given
+            file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
+            speedup = catalog.expected_speedup(file)
+            if speedup is not None and speedup < 1:
+                cli.notice(
+                    f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding "
+                    "on this machine; --heads none (plain decoding) is faster here"
+                )
     if kind == "skip":
         catalog.check_skip(f"--draft {spec}", arg, model.cfg.n_layers)
     if (

@@ -810,17 +810,19 @@ def skip_row(model, replies, skipped, ms, G):
     }
 
 
-def greedy_removal(n_layers, score, width=SKIP_WIDTH, patience=SKIP_PATIENCE, report=None):
+def greedy_removal(
+    n_layers, score, width=SKIP_WIDTH, patience=SKIP_PATIENCE, report=None, rounds=None
+):
     """The search: from no layer skipped, skip one more layer a round, the one whose set scores
     best, trying every layer in round 1 and the `width` best of the round before after that; stop
-    after `patience` rounds without a better set, or when one layer is left. score(set) takes a
-    sorted tuple; report(set) is told each round's choice. Returns the set of every round and the
-    best set."""
+    after `patience` rounds without a better set, after `rounds` rounds, or when one layer is
+    left. score(set) takes a sorted tuple; report(set) is told each round's choice. Returns the set
+    of every round and the best set."""
     skipped = best = ()  # the set so far; the best set met
     ranking = list(range(n_layers))  # the layers to try next, likeliest first
     path = []  # the set after each round
     since_best = 0  # rounds since the best set
-    while len(skipped) < n_layers - 1 and since_best < patience:
+    while len(skipped) < min(n_layers - 1, rounds or n_layers) and since_best < patience:
         tried = ranking if not skipped else ranking[:width]
         tried = sorted(tried, key=lambda i: -score(tuple(sorted(skipped + (i,)))))
         skipped = tuple(sorted(skipped + (tried[0],)))

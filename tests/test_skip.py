@@ -229,3 +229,17 @@ def test_greedy_removal_skips_the_cheapest_layer_each_round_and_keeps_the_best_s
     assert len(set(seen)) == 5 + 2 + 2 + 2
     path, _ = tuning.greedy_removal(5, score, width=2, patience=1)
     assert path == [(3,), (1, 3), (1, 2, 3)]
+
+
+def test_generate_drafts_with_a_given_set_or_the_untuned_one(capsys, four_layer_dir):
+    """--draft skip:LAYERS decodes as plain does; plain skip with no set tuned for this model and
+    machine skips catalog.default_skip's layers and says so."""
+    argv = ["--model", four_layer_dir, "--prompt", "Count to five.", "--dtype", "fp32"]
+    argv += ["--max-new-tokens", 12]
+    plain = run_cli(capsys, *argv, "--heads", "none")
+    given = run_cli(capsys, *argv, "--draft", "skip:1,3")
+    untuned = run_cli(capsys, *argv, "--draft", "skip")
+    assert plain[0] == given[0] == untuned[0] == 0
+    assert plain[1] == given[1] == untuned[1] and plain[1].strip()
+    assert "--draft skip: no skip set tuned for this model and machine" in untuned[2]
+    assert "skipping layers 3 (bench.py --tune-skip searches one)" in untuned[2]
