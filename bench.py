@@ -455,7 +455,8 @@ def skip_drafter(args, model):
     spec = catalog.skip_spec(skipped)
     d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")
     how = "tuned for this machine" if tuned else "untuned: run bench.py --tune-skip"
-    return d, f"skip: layers {spec} of {L} skipped, {gamma} tokens a step ({how})"
+    tokens = f"{gamma} token{'s' * (gamma != 1)}"
+    return d, f"skip: layers {spec} of {L} skipped, {tokens} a step ({how})"
 
 
 def load_heads(args, name, folder, model, asked):
