@@ -563,6 +563,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
             )
         elif name == "skip":
+            if model.cfg.n_layers < 2:
+                notes.append("skip: skipped (the model has one layer, none to skip)")
+                continue
             try:
                 d, note = skip_drafter(args, model)
             except cli.UsageError as e:  # a set tuned for another model or machine
