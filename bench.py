@@ -15,6 +15,8 @@ machine.
                                                              tree-DEVICE-DTYPE.json
     python bench.py --tune-layers --limit 8                  # pick N and gamma of 'layers' ->
                                                              layers-DEVICE-DTYPE.json
+    python bench.py --tune-skip --limit 8 --max-new-tokens 64   # search the layers 'skip' leaves
+                                                                out -> skip-DEVICE-DTYPE.json
     python bench.py --tune-parallel --limit 8 --max-new-tokens 64   # jacobi's m, lookahead's W, N,
                                                                     G, pass's K (tuning.py)
     python bench.py --kernels                                # the fast kernels against the readable
@@ -26,7 +28,9 @@ llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weig
 llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
 defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
 for this model, device and dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a
-notice off the CPU), else half the layers (reported as untuned).
+notice off the CPU), else half the layers (reported as untuned); 'skip' the set --tune-skip saved
+there for this model, device, CPU path and dtype (skip-DEVICE-DTYPE.json), else
+catalog.default_skip (reported as untuned).
 Honest timing: one warm-up generation per method; the device is synchronised around every timed
 region; repeats are interleaved (each repeat runs every prompt, and every method on it in an order
 rotated per prompt) so machine noise hits all methods alike; the median over repeats per prompt.
@@ -68,6 +72,7 @@ from tuning import (
     plotting,
     sync,
     tune_layers,
+    tune_skip,
     tune_tree,
 )
 import verify as verify_lib
@@ -92,6 +97,7 @@ METHODS = (
     "lookup",
     "hydra++-lookup",
     "layers",
+    "skip",
     "draft-model",
     "jacobi",
     "lookahead",
@@ -234,7 +240,14 @@ def build_parser():
         "--max-gamma",
         type=int,
         default=8,
-        help="with --tune-layers: try chains of 1..this many drafts",
+        help="with --tune-layers / --tune-skip: try chains of 1..this many drafts",
+    )
+    p.add_argument(
+        "--tune-skip",
+        action="store_true",
+        help="search the layers the 'skip' method leaves out, and its gamma, for this machine "
+        "instead of benchmarking (tuning.tune_skip; uses --limit, --max-new-tokens, --max-gamma, "
+        "--prefix-len, --tune-repeats; saved in --heads-dir)",
     )
     p.add_argument(
         "--tune-parallel",
@@ -439,6 +452,21 @@ def layers_setting(args, model):
     )
 
 
+def skip_drafter(args, model):
+    """The 'skip' method's drafter: the set and gamma --tune-skip saved in --heads-dir for this
+    model and machine, else catalog.default_skip at generate.py's gamma; and a note that says
+    which."""
+    L = model.cfg.n_layers
+    tuned = catalog.tuned_skip(args.heads_dir, model)
+    skipped, gamma = tuned or (catalog.default_skip(L), catalog.DRAFT_DEFAULTS["skip"]["gamma"])
+    kept = [i for i in range(L) if i not in skipped]
+    spec = catalog.skip_spec(skipped)
+    d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")
+    how = "tuned for this machine" if tuned else "untuned: run bench.py --tune-skip"
+    tokens = f"{gamma} token{'s' * (gamma != 1)}"
+    return d, f"skip: layers {spec} of {L} skipped, {tokens} a step ({how})"
+
+
 def load_heads(args, name, folder, model, asked):
     """(heads in `folder`, the model they draft for), or (None, None) for shipped heads of another
     base model when --methods is all. Joint heads draft for a copy of the model with their LoRA
@@ -535,13 +563,28 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             notes.append(d.name)
         elif name == "layers":
             n, gamma, how = layers_setting(args, model)
-            d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, n, f"layers:{n}")
+            d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, range(n), f"layers:{n}")
             methods[name] = Method(
                 name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(
                 f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
             )
+        elif name == "skip":
+            if model.cfg.n_layers < 2:
+                notes.append("skip: skipped (the model has one layer, none to skip)")
+                continue
+            try:
+                d, note = skip_drafter(args, model)
+            except cli.UsageError as e:  # a set tuned for another model or machine
+                if name in asked:
+                    raise
+                notes.append(f"skip: skipped ({e})")
+                continue
+            methods[name] = Method(
+                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.gamma
+            )
+            notes.append(note)
         elif name == "draft-model":
             if not args.draft_model:
                 notes.append("draft-model: skipped (needs --draft-model)")
@@ -967,7 +1010,11 @@ def check_args(args):
         ["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"]
         if args.tune_tree
         else ["heads", "max_budget"]
-        + ([] if args.tune_layers or args.tune_parallel else ["prefix_len", "tune_repeats"])
+        + (
+            []
+            if args.tune_layers or args.tune_skip or args.tune_parallel
+            else ["prefix_len", "tune_repeats"]
+        )
     )
     for name in ignored:
         if getattr(args, name) != default(name):
@@ -1073,6 +1120,8 @@ def main(args):
         return tune_tree(args, model, prompts, device)
     if args.tune_layers:
         return tune_layers(args, model, prompts, device, eos)
+    if args.tune_skip:
+        return tune_skip(args, model, prompts, device, eos)
     if args.tune_parallel:
         return tuning.tune_parallel(
             args, model, prompts, eos, machine(device, dtype, **distance_to_floor(model, device))

@@ -8,6 +8,7 @@ export.py; it imports the teaching files, never the scripts.
     parse_tree, load_tree                        --tree: a spec, or the tuned tree beside the heads
     tuned_tree_file, tuned_parallel              the files bench.py --tune-* saved for a machine
     DRAFT_DEFAULTS, parse_draft, draft_settings  --draft and the settings of its drafter
+    parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
@@ -131,14 +132,18 @@ def tuned_tree_file(folder, device, dtype, stem="tree", quant="none"):
     tree depends on what a step of N tokens costs there, so on a CPU the file names the kernels.c
     path it runs (kernels.native_path(); "generic" where none does) besides the device and dtype.
     Stem "parallel": where --tune-parallel saves jacobi's, lookahead's and pass's settings;
-    "layers": --tune-layers'."""
-    where = torch.device(device).type
-    if where == "cpu":
-        where += "-" + (kernels.native_path() or "generic")
-    name = f"{stem}-{where}-{str(dtype).removeprefix('torch.')}"
+    "layers": --tune-layers'; "skip": --tune-skip's."""
+    name = f"{stem}-{cpu_path(device)}-{str(dtype).removeprefix('torch.')}"
     if quant != "none":
         name += f"-{quant}"
     return os.path.join(folder, name + ".json")
+
+
+def cpu_path(device):
+    """The device as a tuned file's name says it: cpu-PATH (kernels.native_path(), "generic" where
+    none runs) on a CPU, else the device type."""
+    where = torch.device(device).type
+    return where + "-" + (kernels.native_path() or "generic") if where == "cpu" else where
 
 
 def tuned_parallel(folder, model, kind):
@@ -233,6 +238,7 @@ def load_tree(spec, heads, heads_folder, quant="none"):
 DRAFT_DEFAULTS = {
     "lookup": {"gamma": 10, "ngram": 3, "matches": 1},
     "layers": {"gamma": 4},
+    "skip": {"gamma": 4},
     "model": {"gamma": 4},
     "jacobi": {"gamma": 4},
     "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
@@ -248,9 +254,9 @@ PARALLEL = (
 
 
 def parse_draft(spec):
-    """--draft -> (kind, arg): kind is heads, lookup, heads+lookup, layers, model, jacobi, lookahead
-    or pass;
-    arg is N for layers:N, the [LA] tokens' folder for pass[:FOLDER] (the shipped ones without)."""
+    """--draft -> (kind, arg): kind is heads, lookup, heads+lookup, layers, skip, model, jacobi,
+    lookahead or pass; arg is N for layers:N, the skipped layers for skip:LAYERS (None for skip:
+    the tuned set), the [LA] tokens' folder for pass[:FOLDER] (the shipped ones without)."""
     if spec == "pass" or spec.startswith("pass:"):
         folder = spec[5:] or os.path.join(SHIPPED, "pass")
         if not os.path.isfile(os.path.join(folder, checkpoint.TOKENS_CONFIG)):
@@ -266,12 +272,108 @@ def parse_draft(spec):
                 "use layers:1 or more"
             )
         return "layers", int(m[1])
-    if spec in ("heads", "lookup", "heads+lookup", "model", *PARALLEL):
+    if spec.startswith("skip:"):
+        return "skip", parse_skip(spec, spec[5:])
+    if spec in ("heads", "lookup", "heads+lookup", "skip", "model", *PARALLEL):
         return spec, None
     raise UsageError(
         f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a "
-        "number), model, jacobi, lookahead or pass[:FOLDER]"
+        "number), skip[:LAYERS], model, jacobi, lookahead or pass[:FOLDER]"
     )
+
+
+# --- skip: which layers the self-speculative draft leaves out ------------------------------------
+# Written as layer numbers from 0 and inclusive ranges, comma-separated: skip:2,5,9-12 skips layers
+# 2, 5, 9, 10, 11 and 12 and drafts with the others. Plain `skip` takes the set bench.py --tune-skip
+# saved for this model and machine.
+
+
+def parse_skip(spec, text):
+    """The LAYERS of --draft skip:LAYERS -> the skipped layers, sorted, each once. Needs no model:
+    that the model has them is check_skip's, once it has loaded."""
+    if not text.strip():
+        raise UsageError(
+            f"--draft {spec}: names no layer to skip; write the skipped layers (from 0) as e.g. "
+            "skip:2,5,9-12, or plain skip for the tuned set"
+        )
+    skipped = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", part)
+        if not m or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise UsageError(
+                f"--draft {spec}: '{part}' is not a layer number nor a range FIRST-LAST; write the "
+                "skipped layers (from 0) as e.g. skip:2,5,9-12"
+            )
+        skipped.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return tuple(sorted(skipped))
+
+
+def skip_spec(skipped):
+    """(2, 5, 9, 10, 11, 12) -> "2,5,9-12": parse_skip's syntax, runs written as ranges."""
+    runs = []
+    for i in skipped:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def check_skip(where, skipped, n_layers):
+    """A skip set that leaves the model something to draft with and is not the model itself."""
+    if not skipped:
+        raise UsageError(
+            f"{where}: skips no layer, so the draft would be the model itself; name at least one "
+            "layer to skip"
+        )
+    if skipped[-1] >= n_layers:
+        raise UsageError(
+            f"{where}: the model has {n_layers} layers, numbered 0 to {n_layers - 1}; layer "
+            f"{skipped[-1]} is not one of them"
+        )
+    if len(skipped) == n_layers:
+        raise UsageError(
+            f"{where}: skips all {n_layers} layers, which leaves nothing to draft with; keep at "
+            "least one"
+        )
+
+
+def default_skip(n_layers):
+    """The set `skip` drafts with where none was tuned: every other layer of the second half."""
+    return tuple(range(n_layers // 2 + 1, n_layers, 2))
+
+
+def tuned_skip(folder, model):
+    """The skipped layers and gamma bench.py --tune-skip saved in `folder` for this device, CPU
+    path and dtype, or None where it saved none. A file for another model or CPU path is refused:
+    its set says nothing about this one."""
+    file = tuned_tree_file(folder, model.device, model.dtype, "skip")
+    if not os.path.exists(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            saved = json.load(f)
+        skipped, gamma = tuple(saved["skip"]), saved["gamma"]
+        name, path = saved["model"], saved["path"]
+        if not all(type(i) is int and i >= 0 for i in skipped + (gamma,)):
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise UsageError(
+            f"{file}: not a settings file of bench.py --tune-skip; run it again or delete the file"
+        ) from None
+    if name != model.cfg.name:
+        raise UsageError(
+            f"{file}: tuned for {name}, not {model.cfg.name}; give the layers to skip, --draft "
+            "skip:LAYERS (bench.py --tune-skip --model ... searches a set)"
+        )
+    if path != cpu_path(model.device):
+        raise UsageError(
+            f"{file}: tuned on the {path} path, this machine runs {cpu_path(model.device)}; run "
+            "bench.py --tune-skip here or give the layers, --draft skip:LAYERS"
+        )
+    check_skip(file, tuple(sorted(set(skipped))), model.cfg.n_layers)
+    check_sizes("skip", {"gamma": gamma}, f"{file}: ")
+    return tuple(sorted(set(skipped))), gamma
 
 
 def check_sizes(kind, settings, where):
@@ -285,7 +387,7 @@ def check_sizes(kind, settings, where):
             "tree would be "
             f"over MAX_NODES={tree_lib.MAX_NODES}; use smaller values"
         )
-    if kind in ("layers", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
+    if kind in ("layers", "skip", "model", "jacobi") and settings["gamma"] >= tree_lib.MAX_NODES:
         raise UsageError(
             f"{where}gamma {settings['gamma']}: the chain would be over "
             f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller {where}gamma"
@@ -325,7 +427,7 @@ def draft_settings(kind, spec, given):
     for k, v in given.items():
         if k not in takes:
             users = [
-                {"lookup": "lookup, heads+lookup", "layers": "layers:N"}.get(d, d)
+                {"lookup": "lookup, heads+lookup", "layers": "layers:N", "skip": "skip"}.get(d, d)
                 for d, t in DRAFT_DEFAULTS.items()
                 if k in t
             ]
@@ -394,7 +496,13 @@ def make_drafter(
         )
     if kind == "layers":
         return drafters_lib.ModelDrafter(
-            model, settings["gamma"], temperature, top_p, generator, arg, f"layers:{arg}"
+            model, settings["gamma"], temperature, top_p, generator, range(arg), f"layers:{arg}"
+        )
+    if kind == "skip":  # arg: the skipped layers (generate.py resolves plain `skip` to a set)
+        kept = [i for i in range(model.cfg.n_layers) if i not in arg]
+        name = f"skip:{skip_spec(arg)}"
+        return drafters_lib.ModelDrafter(
+            model, settings["gamma"], temperature, top_p, generator, kept, name
         )
     if kind == "jacobi":
         return drafters_lib.Jacobi(settings["gamma"], dev)

@@ -7,7 +7,7 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
     HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                          drafts nothing: plain decoding, a root-only tree every step
     Lookup(gamma, ngram, matches)    prompt lookup: copy what followed the last n tokens earlier
-    ModelDrafter(model, gamma, ...)  a smaller model (or the base's first N layers) drafts a chain
+    ModelDrafter(model, gamma, ...)  a smaller model (or the base, layers skipped) drafts a chain
     HeadsPlusLookup(heads, lookup)   both trees in one (heads_and_lookup: with the rules that pay)
     Jacobi(gamma)                    the model's own outputs of last step, as guesses
     Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same
@@ -344,15 +344,17 @@ class Lookup:
         self._extend(tokens)
 
 
-# --- a draft model, or the base model's first layers --------------------------------------------
+# --- a draft model, or the base model with layers skipped -----------------------------------------
 # Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one
-# at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.;
-# LayerSkip) is the same with the base's own first N layers, final norm and LM head as the small
-# model: model.Transformer.forward(..., num_layers=N) runs them on the base's weights, no copy.
+# at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.,
+# Draft & Verify; LayerSkip) is the same with the base model itself, some of its layers skipped, as
+# the small model: model.Transformer.forward(..., layers=kept) runs the kept layers, the final norm
+# and the LM head on the base's weights, no copy. layers:N keeps the first N; skip keeps a set that
+# bench.py --tune-skip searched for (tuning.tune_skip).
 
 
 class ModelDrafter:
-    """Drafts a chain of gamma tokens with `model` (or its first num_layers layers): greedily at
+    """Drafts a chain of gamma tokens with `model` (or only its `layers`, indices): greedily at
     temperature 0, else sampled from its own p = logits_to_probs(logits, temperature, top_p), which
     the Draft carries for verify.leviathan.
 
@@ -372,13 +374,13 @@ class ModelDrafter:
         temperature: float,
         top_p: float,
         generator,
-        num_layers=None,
+        layers=None,
         name="draft model",
     ):
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
         self.model = model
         self.gamma = gamma
-        self.num_layers = num_layers
+        self.layers = None if layers is None else tuple(layers)
         self.temperature = temperature
         self.top_p = top_p
         self.generator = generator
@@ -392,7 +394,8 @@ class ModelDrafter:
         self.max_depth = gamma
 
     def start(self, prompt, hidden, max_len):
-        self.cache = self.model.new_cache(max_len, num_layers=self.num_layers)
+        kept = None if self.layers is None else len(self.layers)
+        self.cache = self.model.new_cache(max_len, num_layers=kept)
         self.pending = list(prompt)
 
     def _next(self, tokens):
@@ -402,7 +405,7 @@ class ModelDrafter:
         # (T,)
         positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)
         logits, _ = self.model(
-            tokens, positions, None, self.cache, last_only=True, num_layers=self.num_layers
+            tokens, positions, None, self.cache, last_only=True, layers=self.layers
         )
         self.cache.length += n
         if verify_lib.is_greedy(self.temperature):

@@ -8,6 +8,7 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
     python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
+    python generate.py --prompt "..." --draft skip:2,5,9-12               # ... layers skipped
     python generate.py --model big/llama --draft model --draft-model small/llama
     python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
     python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
@@ -358,7 +359,10 @@ def build_parser():
         "decoding) | "
         "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the "
         "reply) | heads+lookup (both, in one tree) | "
-        "layers:N (the model's own first N layers, self-speculative) | model (the --draft-model) "
+        "layers:N (the model's own first N layers, self-speculative) | skip or skip:LAYERS (the "
+        "model with some layers skipped, self-speculative: LAYERS are the skipped ones, numbered "
+        "from 0, e.g. skip:2,5,9-12; plain skip takes the set bench.py --tune-skip saved for this "
+        "machine) | model (the --draft-model) "
         "| jacobi (the model's own outputs "
         "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi "
         "iterations, lookahead decoding) | pass or "
@@ -393,8 +397,8 @@ def build_parser():
         "--gamma",
         type=int,
         default=None,
-        help="tokens drafted a step by lookup, layers:N, model, jacobi (its m guesses) and pass "
-        "(its K [LA] tokens); unless given: "
+        help="tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
+        "pass (its K [LA] tokens); unless given: "
         + ", ".join(f"{k} {v['gamma']}" for k, v in catalog.DRAFT_DEFAULTS.items() if "gamma" in v),
     )
     p.add_argument(
@@ -657,6 +661,26 @@ def load_drafter(
         draft_model = catalog.load_draft_model(
             draft_model_name, model, tokenizer, model.device, model.dtype
         )
+    if kind == "skip" and arg is None:  # what bench.py --tune-skip chose for this machine
+        tuned = catalog.tuned_skip(catalog.SHIPPED, model)
+        if tuned is None:
+            arg = catalog.default_skip(model.cfg.n_layers)
+            cli.notice(
+                f"--draft skip: no skip set tuned for this model and machine in {catalog.SHIPPED}; "
+                f"skipping layers {catalog.skip_spec(arg)} (bench.py --tune-skip searches one)"
+            )
+        else:
+            arg = tuned[0]
+            settings = settings | {"gamma": tuned[1]} | given
+            file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
+            speedup = catalog.expected_speedup(file)
+            if speedup is not None and speedup < 1:
+                cli.notice(
+                    f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding "
+                    "on this machine; --heads none (plain decoding) is faster here"
+                )
+    if kind == "skip":
+        catalog.check_skip(f"--draft {spec}", arg, model.cfg.n_layers)
     if (
         kind in catalog.PARALLEL
     ):  # what bench.py --tune-parallel chose for this machine, under the flags given

@@ -18,7 +18,6 @@ Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/v
 Dh head size, V vocabulary."""
 
 import hashlib
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -344,7 +343,7 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, max_len=None, batch=1, num_layers=None) -> KVCache:
-        """num_layers: a cache for only the first layers (a forward with the same num_layers)."""
+        """num_layers: a cache for only that many layers (a forward running that many `layers`)."""
         cfg = self.cfg if num_layers is None else replace(self.cfg, n_layers=num_layers)
         return KVCache(cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
 
@@ -366,7 +365,7 @@ class Transformer(nn.Module):
         mask=None,
         cache=None,
         last_only=False,
-        num_layers=None,
+        layers=None,
         extra=None,
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
@@ -377,8 +376,9 @@ class Transformer(nn.Module):
         own prefix) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
-        needs no more), hidden states still everywhere. num_layers: run only the first layers, then
-        the final norm and LM head (self-speculative drafting; the cache must have that many).
+        needs no more), hidden states still everywhere. layers: run only these layers (indices, in
+        order: range(N) for the first N, or any subset), then the final norm and LM head
+        (self-speculative drafting); the cache then holds one entry per layer run, in that order.
         extra: the embeddings of ids past the vocabulary (embed())."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
@@ -388,7 +388,8 @@ class Transformer(nn.Module):
         key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
-        for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # None: every layer
+        run = self.layers if layers is None else [self.layers[i] for i in layers]
+        for i, layer in enumerate(run):  # i: the layer's place in the cache
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
         hidden = self.norm(x)  # (B, T, D)

@@ -5,6 +5,7 @@
     sparse(acc, budget), expected_tau(acc, paths)          trees grown to measured acceptance
     tune_tree(args, model, prompts, device)                --tune-tree: the heads' tree
     tune_layers(args, model, prompts, device, eos)         --tune-layers: layers:N's N and gamma
+    tune_skip(args, model, prompts, device, eos)           --tune-skip: the layers skip leaves out
     tune_parallel(args, model, prompts, eos, machine)      --tune-parallel: Jacobi's, lookahead's,
                                                            PaSS's
 
@@ -578,7 +579,7 @@ def tune_layers(args, model, prompts, device, eos):
     }
     rows = []
     for n in candidates:
-        drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, n, f"layers:{n}")
+        drafter = drafters.ModelDrafter(model, G, 0.0, 1.0, None, range(n), f"layers:{n}")
         accepted = [
             a
             for _, _, ids in prompts
@@ -593,7 +594,7 @@ def tune_layers(args, model, prompts, device, eos):
             None,
             dcache,
             last_only=True,
-            num_layers=n,
+            layers=range(n),
         )
         dcache.keep(range(P))
         rows.append(
@@ -602,7 +603,7 @@ def tune_layers(args, model, prompts, device, eos):
                 "reach": generate.acceptance_by_depth(accepted, G),
                 "draft_s": [],
                 "draft": lambda n=n, dcache=dcache: model(
-                    chain[:, :1], at_end, None, dcache, num_layers=n
+                    chain[:, :1], at_end, None, dcache, layers=range(n)
                 ),
             }
         )
@@ -688,6 +689,246 @@ def tune_layers(args, model, prompts, device, eos):
                     "plain_ms": plain_ms,
                     "rows": table,
                     "chosen": {k: best[k] for k in ("layers", "gamma")},
+                },
+                f,
+                indent=1,
+            )
+
+
+# --- skip tuning ----------------------------------------------------------------------------------
+# Self-speculative drafting with a searched set of layers skipped (Zhang et al. 2023, Draft &
+# Verify). Greedy drafting makes acceptance cheap to measure. A chain's draft at depth d follows
+# drafts that, where they were accepted, are the base model's own tokens, so whether the draft of
+# reply token j is accepted depends only on whether the draft model's argmax after the base's
+# reply up to j is token j. One teacher-forced forward of the kept layers over the base model's
+# greedy replies gives that match at every position; walking the steps over the matches (a step at
+# j accepts the run of matches from j, up to gamma, and the base adds one token) gives the tau of
+# every gamma, without decoding once per set. Expected tokens/s of (set, gamma) = tau / (gamma
+# one-token forwards of the kept layers + one (gamma+1)-token forward of the model), both timed
+# here; a forward of k layers costs the same whichever k, so it is timed once per count.
+#
+# The search is greedy removal: skip the layer whose loss costs least (the best expected tokens/s
+# with it skipped), then, the set kept, the next, and so on; the paper's Bayesian optimisation
+# searches the same objective. Round 1 tries every layer; later rounds only the SKIP_WIDTH best of
+# the round before (a layer that hurt alone rarely hurts less later), which makes the search
+# about L + SKIP_WIDTH x rounds forwards instead of L^2 / 2. It stops when SKIP_PATIENCE more
+# layers skipped in a row found nothing faster. results/skip-layers.md compares it with random sets.
+
+SKIP_WIDTH = 8
+SKIP_PATIENCE = 3
+
+
+def accepted_per_step(matches, gamma):
+    """The drafts each step of greedy chain drafting accepts over one reply: matches[j] says
+    whether the draft of reply token j+1 (after the base's reply up to it) is that token. The
+    prefill made token 0; the steps emit the len(matches) tokens after it, a+1 each."""
+    accepted, i = [], 0
+    while i < len(matches):
+        a = 0
+        while a < gamma and i + a < len(matches) and matches[i + a]:
+            a += 1
+        accepted.append(a)
+        i += a + 1  # the accepted drafts and the base model's own token
+    return accepted
+
+
+@torch.inference_mode()
+def draft_matches(model, replies, kept, chunk=64):
+    """For each (prompt, reply) in `replies`: whether the model run on the `kept` layers guesses
+    each reply token after the first from the true text before it (teacher forcing), as a list of
+    bools. The text is fed in chunks of `chunk` tokens through a cache of the kept layers."""
+    dev = model.device
+    out = []
+    for prompt, reply in replies:
+        seq = prompt + reply
+        cache = model.new_cache(len(seq), num_layers=len(kept))
+        guesses = []
+        for a in range(0, len(seq) - 1, chunk):
+            ids = torch.tensor([seq[a : min(a + chunk, len(seq) - 1)]], device=dev)  # (1, T)
+            at = torch.arange(a, a + ids.shape[1], device=dev)
+            _, hidden = model(ids, at, None, cache, last_only=True, layers=kept)  # (1, T, D)
+            cache.keep(range(ids.shape[1]))
+            wanted = hidden[0, max(0, len(prompt) - a) :]  # the positions before reply tokens 1..
+            if len(wanted):
+                guesses += model.lm_head(wanted).argmax(-1).tolist()
+        out.append([g == t for g, t in zip(guesses, reply[1:])])
+    return out
+
+
+@torch.inference_mode()
+def skip_step_ms(model, prefix, G, repeats):
+    """Median ms of the steps skip drafting takes, after a cached `prefix` (token ids): ("verify",
+    g) one forward of the model over g drafts and the root (g = 0: a plain step), ("draft", k) one
+    token through k layers (the first k: any k layers cost alike)."""
+    dev = model.device
+    P = len(prefix)
+    cache = model.new_cache(P + G + 1)
+    model(torch.tensor([prefix], device=dev), torch.arange(P, device=dev), None, cache)
+    cache.keep(range(P))
+    chain = torch.full((1, G + 1), prefix[-1], device=dev)  # (1, G+1) any tokens do
+    at = P + torch.arange(G + 1, device=dev)  # (G+1,) the positions after the prefix
+    timers = {
+        ("verify", g): lambda g=g: model(chain[:, : g + 1], at[: g + 1], None, cache)
+        for g in range(0, G + 1)
+    }
+    for k in range(1, model.cfg.n_layers):
+        dcache = model.new_cache(P + 1, num_layers=k)
+        ids = torch.tensor([prefix], device=dev)
+        model(ids, torch.arange(P, device=dev), None, dcache, last_only=True, layers=range(k))
+        dcache.keep(range(P))
+        timers["draft", k] = lambda k=k, dcache=dcache: model(
+            chain[:, :1], at[:1], None, dcache, layers=range(k)
+        )
+    samples = {key: [] for key in timers}
+    for fn in timers.values():
+        fn()  # warm-up
+    for _ in range(repeats):  # interleaved: a burst of machine noise hits every size alike
+        for key, fn in timers.items():
+            samples[key].append(timed(fn, dev))
+    return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+
+
+def skip_row(model, replies, skipped, ms, G):
+    """The skip set's teacher-forced acceptance over `replies` and its expected tokens/s at the
+    best gamma up to G, from the step times `ms` (skip_step_ms)."""
+    kept = [i for i in range(model.cfg.n_layers) if i not in skipped]
+    matches = draft_matches(model, replies, kept)
+    best = None
+    for g in range(1, G + 1):
+        steps = sum(len(accepted_per_step(m, g)) for m in matches)
+        tau = sum(map(len, matches)) / max(steps, 1)
+        speed = tau / (g * ms["draft", len(kept)] + ms["verify", g]) * 1e3
+        if best is None or speed > best["tokens_per_s"]:
+            best = {"gamma": g, "tau": tau, "tokens_per_s": speed}
+    steps = [a for m in matches for a in accepted_per_step(m, G)]
+    return {
+        "skip": skipped,
+        "kept": len(kept),
+        "match": sum(map(sum, matches)) / max(sum(map(len, matches)), 1),
+        "reach": generate.acceptance_by_depth(steps, G),  # P(a step accepts >= d), chains of G
+        **best,
+    }
+
+
+def greedy_removal(
+    n_layers, score, width=SKIP_WIDTH, patience=SKIP_PATIENCE, report=None, rounds=None
+):
+    """The search: from no layer skipped, skip one more layer a round, the one whose set scores
+    best, trying every layer in round 1 and the `width` best of the round before after that; stop
+    after `patience` rounds without a better set, after `rounds` rounds, or when one layer is
+    left. score(set) takes a sorted tuple; report(set) is told each round's choice. Returns the set
+    of every round and the best set."""
+    skipped = best = ()  # the set so far; the best set met
+    ranking = list(range(n_layers))  # the layers to try next, likeliest first
+    path = []  # the set after each round
+    since_best = 0  # rounds since the best set
+    while len(skipped) < min(n_layers - 1, rounds or n_layers) and since_best < patience:
+        tried = ranking if not skipped else ranking[:width]
+        tried = sorted(tried, key=lambda i: -score(tuple(sorted(skipped + (i,)))))
+        skipped = tuple(sorted(skipped + (tried[0],)))
+        ranking = tried[1:] + [i for i in ranking if i not in tried]
+        path.append(skipped)
+        if report:
+            report(skipped)
+        since_best = 0 if not best or score(skipped) > score(best) else since_best + 1
+        best = skipped if since_best == 0 else best
+    return path, best
+
+
+@torch.inference_mode()
+def tune_skip(args, model, prompts, device, eos):
+    if args.max_gamma < 1:
+        raise cli.UsageError(f"--max-gamma {args.max_gamma}: must be at least 1")
+    L, G = model.cfg.n_layers, args.max_gamma
+    if L < 2:
+        raise cli.UsageError(f"--tune-skip: the model has {L} layer; skipping needs at least 2")
+    replies = [
+        (ids, generate.generate(model, ids, args.max_new_tokens, None, eos_ids=eos).tokens)
+        for _, _, ids in prompts
+    ]
+    prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
+    ms = skip_step_ms(model, prefix, G, args.tune_repeats)
+    plain_ms = ms["verify", 0]  # verifying no draft: a plain step
+    rows = {}
+
+    def score(skipped):  # expected tokens/s of the set at its best gamma, memoised
+        if skipped not in rows:
+            rows[skipped] = skip_row(model, replies, skipped, ms, G)
+        return rows[skipped]["tokens_per_s"]
+
+    def report(skipped):
+        r = rows[skipped]
+        print(
+            f"[tune] skip {catalog.skip_spec(skipped)}: {r['kept']} layers, match "
+            f"{r['match']:.2f}, tau {r['tau']:.2f} at gamma {r['gamma']}, expected "
+            f"{r['tokens_per_s']:.1f} tokens/s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    path, best = greedy_removal(L, score, report=report)
+    first_n = {s: tuple(range(L - len(s), L)) for s in path}  # equal draft cost: as many layers run
+    for s in first_n.values():
+        score(s)
+    mach = machine(
+        device,
+        model.dtype,
+        path=catalog.cpu_path(device),
+        prefix_tokens=len(prefix),
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.tune_repeats,
+        **distance_to_floor(model, device),
+    )
+    print(
+        machine_line(mach)
+        + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s; "
+        f"{len(rows)} sets measured"
+        "\n\n| layers run | skipped (searched) | match | tau | gamma | expected tokens/s | "
+        "first-N match | first-N tau | first-N tokens/s |"
+        "\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for s in path:
+        r, f = rows[s], rows[first_n[s]]
+        mark = " **<- chosen**" if s == best else ""
+        print(
+            f"| {r['kept']} | {catalog.skip_spec(s)} | {r['match']:.2f} | {r['tau']:.2f} | "
+            f"{r['gamma']} | {r['tokens_per_s']:.1f}{mark} | {f['match']:.2f} | {f['tau']:.2f} | "
+            f"{f['tokens_per_s']:.1f} |"
+        )
+    chosen = rows[best]
+    speedup = chosen["tokens_per_s"] * plain_ms / 1e3
+    out = catalog.tuned_tree_file(args.heads_dir, device, model.dtype, "skip")
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "model": model.cfg.name,
+                "path": catalog.cpu_path(device),
+                "skip": list(best),
+                "gamma": chosen["gamma"],
+                "expected_tau": chosen["tau"],
+                "expected_speedup": speedup,
+                "machine": mach,
+            },
+            f,
+            indent=1,
+        )
+    print(
+        f"\nchosen: skip:{catalog.skip_spec(best)} --gamma {chosen['gamma']} ({chosen['kept']} of "
+        f"{L} layers draft), expected tau {chosen['tau']:.2f}, {speedup:.2f}x plain decoding"
+        f"{'' if speedup > 1 else ' (no set beats plain decoding on this machine)'}; saved {out}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "machine": mach,
+                    "plain_ms": plain_ms,
+                    "draft_ms": {k: ms["draft", k] for k in range(1, L)},
+                    "verify_ms": {g: ms["verify", g] for g in range(1, G + 1)},
+                    "path": [list(s) for s in path],
+                    "rows": [r | {"skip": list(r["skip"])} for r in rows.values()],
+                    "chosen": {"skip": list(best), "gamma": chosen["gamma"]},
                 },
                 f,
                 indent=1,

@@ -531,7 +531,7 @@ PARALLEL_FLAGS = [
     (
         "lookahead --gamma 3",
         "--gamma does not apply to --draft lookahead (only to lookup, heads+lookup, layers:N, "
-        "model, jacobi and pass)",
+        "skip, model, jacobi and pass)",
     ),
     ("lookup --guesses 2", "--guesses does not apply to --draft lookup"),
     ("lookahead --matches 2", "--matches does not apply to --draft lookahead"),

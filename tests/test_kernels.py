@@ -485,7 +485,7 @@ def test_a_decode_step_runs_a_third_fewer_operations_a_layer_through_the_twins(t
             tiny(torch.ones(1, 8, dtype=torch.long), torch.arange(8), None, cache)
             cache.keep(range(8))
             per_layer[name] = operations(lambda: tiny(tokens, positions, None, cache)) - operations(
-                lambda: tiny(tokens, positions, None, cache, num_layers=1)
+                lambda: tiny(tokens, positions, None, cache, layers=[0])
             )
     assert per_layer["fast"] <= 2 / 3 * per_layer["readable"], per_layer
 

@@ -129,7 +129,7 @@ def test_keep_accepted_path(tiny):
 
 
 def test_first_layers_only(tiny):
-    """num_layers=1 is a one-layer model with the same weights (final norm and LM head included),
+    """layers=[0] is a one-layer model with the same weights (final norm and LM head included),
     with and without a cache of one layer."""
     torch.manual_seed(4)
     seq = torch.randint(0, 64, (1, 9))
@@ -138,16 +138,16 @@ def test_first_layers_only(tiny):
         {k: v for k, v in tiny.state_dict().items() if not k.startswith("layers.1.")}
     )
     ref, ref_hidden = one(seq, torch.arange(9))
-    logits, hidden = tiny(seq, torch.arange(9), num_layers=1)
+    logits, hidden = tiny(seq, torch.arange(9), layers=[0])
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
     # the second layer matters
     assert not torch.allclose(logits, tiny(seq, torch.arange(9))[0], atol=1e-3)
     cache = tiny.new_cache(16, num_layers=1)
     assert cache.k.shape[0] == 1
-    tiny(seq[:, :5], torch.arange(5), None, cache, num_layers=1)
+    tiny(seq[:, :5], torch.arange(5), None, cache, layers=[0])
     cache.keep(range(5))
-    logits, _ = tiny(seq[:, 5:], torch.arange(5, 9), None, cache, num_layers=1)
+    logits, _ = tiny(seq[:, 5:], torch.arange(5, 9), None, cache, layers=[0])
     torch.testing.assert_close(logits, ref[:, 5:], atol=1e-5, rtol=1e-5)
 
 
