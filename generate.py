@@ -312,7 +312,7 @@ def generate(
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
 BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
 # --online's defaults: chosen on a single-domain stream (results/online-cpu.md)
-ONLINE = {"lr": 1e-4, "buffer": 16, "every": 4, "steps": 1}
+ONLINE = {"lr": 1e-4, "buffer": 4, "every": 4, "steps": 1}
 
 
 def build_parser():

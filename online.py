@@ -9,7 +9,7 @@ optimizer steps of train.py's teacher loss on a bounded buffer of recent replies
 result into the heads that draft. The base model never changes, so greedy output stays
 token-identical to plain greedy decoding (tests/test_online.py); only the drafts, and so tau, move.
 
-    learner = Learner(heads, model, lr=1e-4, buffer=16, every=4, steps=1)
+    learner = Learner(heads, model, lr=1e-4, buffer=4, every=4, steps=1)
     drafter = OnlineHeads(drafters.HeadsDrafter(heads, tree), learner)
     for prompt in stream:
         generate.generate(model, prompt, n, drafter)
@@ -129,6 +129,10 @@ class Learner:
         self.heads = heads
         self.master = heads_lib.build(heads.cfg, model, heads.kept_ids).float().train()
         self.master.load_state_dict(heads.state_dict())
+        if getattr(self.master, "prefix", None) is not None:
+            # Hydra++'s prefix layer stays as loaded: training it costs a third of an update's
+            # time for little of its gain in tau (results/online-cpu.md)
+            self.master.prefix.requires_grad_(False)
         trainable = [p for p in self.master.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
         self.forward = train.TrainForward(self.master, "readable")
