@@ -19,7 +19,11 @@ files, a Markdown report and a plot of tau in windows of prompts.
 import importlib
 import inspect
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tuning  # noqa: E402
 
 MODULES = (
     "string textwrap re json os.path shutil itertools functools collections heapq bisect math "
@@ -90,7 +94,7 @@ def report(stream_json, eval_json, out):
     lines = [
         "# Online speculative decoding on a single-domain stream",
         "",
-        f"Machine: {json.dumps(m)}",
+        tuning.machine_line(m),
         "",
         f"## The stream ({len(stream['methods'][frozen]['per_prompt'])} prompts about Python's "
         f"standard library, {m.get('max_new_tokens')} new tokens each, in order)",
@@ -105,8 +109,9 @@ def report(stream_json, eval_json, out):
         "",
         f"{learning}: {cost['updates']} updates, {cost['update_seconds']:.1f} s in all, "
         f"{cost['of_decoding']:.1%} of its decoding time; the buffer's loss before the first "
-        f"update {cost['loss'][0]:.3f}, before the last {cost['loss'][-1]:.3f}. Over the second "
-        f"half, tau x{gain:.3f} the frozen heads'; over the whole stream, tokens/s "
+        f"update {cost['loss'][0]:.3f}, before the last {cost['loss'][-1]:.3f} (with a buffer "
+        "no larger than the replies between updates, on replies not trained on yet). Over the "
+        f"second half, tau x{gain:.3f} the frozen heads'; over the whole stream, tokens/s "
         f"x{s[learning]['tokens_per_s'] / s[frozen]['tokens_per_s']:.3f} (updates included).",
         "",
         f"## The 44 mixed evaluation prompts ({evals['machine'].get('max_new_tokens')} new tokens "
