@@ -9,6 +9,7 @@ machine.
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
     python bench.py --batch-size 4 --methods plain,hydra++ --limit 8   # 4 prompts at a time too
+    python bench.py --prompts mine.jsonl --methods hydra++,hydra++-online --repeats 1   # online.py
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers'
                                                              assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine ->
