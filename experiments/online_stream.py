@@ -9,7 +9,7 @@ evenly over the functions found, in module order. Writes the prompts, then, from
 files, a Markdown report and a plot of tau in windows of prompts.
 
     python experiments/online_stream.py prompts stream.jsonl
-    python bench.py --prompts stream.jsonl --limit 200 --max-new-tokens 64 --repeats 1 \\
+    python bench.py --prompts stream.jsonl --limit 120 --max-new-tokens 64 --repeats 1 \\
         --methods hydra++,hydra++-online --json stream.json
     python bench.py --max-new-tokens 64 --repeats 1 --methods hydra++,hydra++-online \\
         --json eval.json
