@@ -9,6 +9,7 @@ machine.
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look
     python bench.py --methods plain,hf,hydra++ --json bench.json --plots plots/
     python bench.py --batch-size 4 --methods plain,hydra++ --limit 8   # 4 prompts at a time too
+    python bench.py --prompts mine.jsonl --methods hydra++,hydra++-online --repeats 1   # online.py
     python bench.py --draft-model some/small-llama ...       # adds draft-model and transformers'
                                                              assisted
     python bench.py --tune-tree --heads hydra++              # pick the tree for this machine ->
@@ -63,6 +64,7 @@ import drafters
 import generate
 import heads as heads_lib
 import kernels as kernels_lib
+import online
 import tuning
 from tuning import (
     distance_to_floor,
@@ -82,6 +84,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++"))
 # llama.cpp on the default model's GGUF files
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)
+# heads that learn across the prompts in their order (online.py, generate.py --online's defaults)
+ONLINE = tuple(f"{kind}-online" for kind in heads_lib.KINDS)
 METHODS = (
     "plain",
     "hf",
@@ -104,7 +108,8 @@ METHODS = (
     "pass",
     *QUANTIZED,
     *LLAMA_CPP,
-)  # --methods all leaves out QUANTIZED: they run only when named
+    *ONLINE,
+)  # --methods all leaves out QUANTIZED and ONLINE: they run only when named
 
 
 def build_parser():
@@ -122,7 +127,7 @@ def build_parser():
         "--methods",
         default="all",
         help=f"comma list of {', '.join(METHODS)}; all = every available one (llama.cpp's"
-        f" where llama-cpp-python is installed), but not {', '.join(QUANTIZED)}, which"
+        f" where llama-cpp-python is installed), but not {', '.join(QUANTIZED + ONLINE)}, which"
         " run when named (plain always runs: it is the baseline)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
@@ -275,6 +280,7 @@ class Method:
     # run_batch(list of ids, max_new, first seed, rows at once) -> (Results, the forward passes),
     # or None: it does not batch
     batch: Callable | None = None
+    learns: object = None  # an Online method: measure() resets it before every repeat
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -322,6 +328,32 @@ def ours_batched(model, drafter, verify, temperature, eos):
         return results, len(forwards)
 
     return run_batch
+
+
+class Online:
+    """Heads learning online across the prompts in their order (generate.py --online's defaults),
+    from the loaded heads at the first prompt; reset() starts again. A reply's time includes the
+    update that follows it."""
+
+    def __init__(self, model, heads, tree, eos):
+        self.model = model
+        self.heads = heads
+        self.tree = tree
+        self.eos = eos
+        self.initial = {k: v.clone() for k, v in heads.state_dict().items()}
+        self.reset()
+
+    def reset(self):
+        self.heads.load_state_dict(self.initial)
+        kernels_lib.use(self.heads)  # packed again from the initial weights
+        self.learner = online.Learner(self.heads, self.model, **generate.ONLINE)
+        drafter = online.OnlineHeads(drafters.HeadsDrafter(self.heads, self.tree), self.learner)
+        self.decode = ours(self.model, drafter, "greedy", 0.0, self.eos)
+
+    def __call__(self, ids, max_new, seed):
+        out = self.decode(ids, max_new, seed)
+        self.learner.reply_done()
+        return out
 
 
 def load_hf(name, device, dtype):
@@ -491,7 +523,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
         wanted = [
             m
             for m in METHODS
-            if m not in QUANTIZED and (m not in LLAMA_CPP or m in llama_cpp_available(args))
+            if m not in QUANTIZED + ONLINE
+            and (m not in LLAMA_CPP or m in llama_cpp_available(args))
         ]
     else:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -620,6 +653,18 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
             )
             notes.append(note)
+        elif name in ONLINE:  # its own copy of the heads: the frozen method's must not move
+            kind = name.removesuffix("-online")
+            folder = catalog.heads_folder(args.heads_dir, kind)
+            heads = load_heads(args, name, folder, model, asked)[0] if folder else None
+            if heads is None:
+                raise cli.UsageError(
+                    f"--methods {name}: no {kind} heads in --heads-dir {args.heads_dir}"
+                )
+            tree = catalog.load_tree("auto", heads, folder, args.quantize)
+            learns = Online(model, heads, tree, eos)
+            methods[name] = Method(name, learns, greedy=True, depth=tree.max_depth, learns=learns)
+            notes.append(f"{name}: {folder}, learning online ({learns.learner.name})")
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -696,6 +741,7 @@ def measure(methods, prompts, args, device):
     names = list(methods)
     for name in names:  # warm-up: first calls allocate, compile kernels, fill caches
         methods[name].run(prompts[0][2], min(16, args.max_new_tokens), args.seed)
+    learning = [m.learns for m in methods.values() if m.learns]
     seconds = {m: [[] for _ in prompts] for m in names}
     outputs = {m: [None] * len(prompts) for m in names}
     bar = tqdm(
@@ -703,6 +749,8 @@ def measure(methods, prompts, args, device):
     )
     try:
         for rep in range(args.repeats):
+            for learns in learning:  # from the loaded heads again: the warm-up taught them too
+                learns.reset()
             for i, (_, _, ids) in enumerate(prompts):
                 k = (i + rep) % len(names)
                 for name in names[k:] + names[:k]:
@@ -851,6 +899,17 @@ def results(methods, prompts, secs, outs):
 
 
 # --- reporting ------------------------------------------------------------------------------------
+
+
+def online_cost(learner, seconds):
+    """An online method's updates in its last repeat, and their time against the decoding's (its
+    measured seconds hold both; with one repeat, exactly)."""
+    return {
+        "updates": learner.updates,
+        "update_seconds": round(learner.seconds, 3),
+        "of_decoding": round(learner.seconds / max(seconds - learner.seconds, 1e-9), 4),
+        "loss": [round(x, 4) for x in learner.losses],
+    }
 
 
 def fmt(x):
@@ -1184,6 +1243,10 @@ def main(args):
                 f"{', '.join(map(str, r['differs_on']))}{why}",
                 file=sys.stderr,
             )
+    for name, m in methods.items():
+        if m.learns:
+            res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
+            print(f"[bench] {name}: {res[name]['online']}", file=sys.stderr)
     if interrupted:
         print(
             f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "

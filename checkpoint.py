@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, fields
@@ -658,6 +659,17 @@ def load_tokens(folder, model):
 
 
 # --- the tokenizer's facts ---------------------------------------------------------------------
+
+
+# what a train.py run writes in its --out (its checkpoint, heads and evaluation), and tuned trees
+RUN_FILES = ("state.pt", "heads.safetensors", "heads.json", "eval.json")
+
+
+def run_files(out):
+    """The files of a previous train.py run in `out` (RUN_FILES and tuned trees); the folder's
+    other files are the user's, never in the way and never touched."""
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return [name for name in names if name in RUN_FILES or re.fullmatch(r"tree(-.+)?\.json", name)]
 
 
 def encode(tokenizer, text, system=None, raw=False):

@@ -14,6 +14,7 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
+    python generate.py --prompts mine.jsonl --online --online-save my-heads   # heads that learn
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -41,6 +42,8 @@ Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -54,6 +57,7 @@ import cli
 import drafters as drafters_lib
 import kernels
 import model as model_lib
+import online
 import tree as tree_lib
 import verify as verify_lib
 
@@ -330,6 +334,8 @@ def generate(
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
 BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
+# --online's defaults: chosen on a single-domain stream (results/online-cpu.md)
+ONLINE = {"lr": 1e-4, "buffer": 4, "every": 4, "steps": 1}
 
 
 def build_parser():
@@ -433,6 +439,40 @@ def build_parser():
         "G likeliest tokens, verified side by side; unless given: lookahead "
         f"{catalog.DRAFT_DEFAULTS['lookahead']['guesses']}, pass "
         f"{catalog.DRAFT_DEFAULTS['pass']['guesses']}",
+    )
+    # online speculative decoding (online.py)
+    p.add_argument(
+        "--online",
+        action="store_true",
+        help="with heads: between replies, train them on what verification said about the "
+        "replies so far (the base model's distribution at every committed token), so that they "
+        "draft the next replies better; the base model and so the output are unchanged",
+    )
+    p.add_argument("--online-lr", type=float, default=ONLINE["lr"], help="--online: AdamW's rate")
+    p.add_argument(
+        "--online-buffer",
+        type=int,
+        default=ONLINE["buffer"],
+        help="--online: train on the last this many replies",
+    )
+    p.add_argument(
+        "--online-every",
+        type=int,
+        default=ONLINE["every"],
+        help="--online: update the heads after every this many replies",
+    )
+    p.add_argument(
+        "--online-steps",
+        type=int,
+        default=ONLINE["steps"],
+        help="--online: optimizer steps an update",
+    )
+    p.add_argument(
+        "--online-save",
+        default=None,
+        metavar="FOLDER",
+        help="--online: write the adapted heads here at the end (load them with --heads FOLDER); "
+        "a new folder, never the shipped heads' or one holding heads or a train.py run",
     )
     # decoding
     p.add_argument(
@@ -586,6 +626,7 @@ def check_args(args, parser):
                 f"--out {args.out} is the --prompts file: the replies would overwrite the "
                 "prompts; give another --out"
             )
+    check_online(args, kind)
     cli.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
     if args.tree != "auto":
         catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
@@ -593,6 +634,42 @@ def check_args(args, parser):
     for message in flags_without_effect(args, parser):
         cli.notice(message)
     return kind, arg, settings
+
+
+def check_online(args, kind):
+    """--online needs heads to train; its numbers are positive; --online-save is a new folder."""
+    if not args.online:
+        if args.online_save:
+            raise cli.UsageError("--online-save writes the heads --online adapts; add --online")
+        return
+    if kind not in ("heads", "heads+lookup") or args.heads == "none":
+        raise cli.UsageError(
+            f"--online trains draft heads; --draft {args.draft} with --heads {args.heads} has "
+            "none: use --draft heads or heads+lookup with heads"
+        )
+    if not (math.isfinite(args.online_lr) and args.online_lr > 0):
+        raise cli.UsageError(f"--online-lr {args.online_lr}: must be a number > 0, such as 1e-4")
+    cli.check_counts(args, "online_buffer", "online_every", "online_steps")
+    if args.quantize != "none":
+        cli.notice(
+            f"--online with --quantize {args.quantize}: the heads learn the {args.quantize} "
+            "model's distribution, the one that verifies here"
+        )
+    folder = args.online_save
+    if folder:
+        inside = os.path.abspath(folder) + os.sep
+        if inside.startswith(os.path.abspath(catalog.SHIPPED) + os.sep):
+            raise cli.UsageError(
+                f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a "
+                "new folder"
+            )
+        held = checkpoint.run_files(folder)
+        if held:
+            raise cli.UsageError(
+                f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py "
+                "run), which saving would overwrite; give a new folder"
+            )
+        cli.writable_folder("--online-save", folder)
 
 
 def check_drafter_flags(kind, spec, heads, tree, draft_model):
@@ -696,6 +773,36 @@ def load_drafter(
             "use a smaller --tree or --gamma"
         )
     return drafter
+
+
+def learn_online(drafter, model, lr, buffer, every, steps):
+    """--online: the drafter, wrapped to record what every step commits, and its heads' learner."""
+    inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
+    if not isinstance(inner, drafters_lib.HeadsDrafter):
+        raise cli.UsageError(
+            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
+            "pass --heads FOLDER"
+        )
+    learner = online.Learner(inner.heads, model, lr, buffer, every, steps)
+    return online.OnlineHeads(drafter, learner), learner
+
+
+def save_online(learner, folder, heads_folder):
+    """--online-save: the adapted heads, and the trees saved beside the heads they started from."""
+    checkpoint.save_heads(learner.master, folder)
+    for name in os.listdir(heads_folder):
+        if re.fullmatch(r"tree(-.+)?\.json", name):
+            shutil.copyfile(os.path.join(heads_folder, name), os.path.join(folder, name))
+
+
+def online_line(learner, seconds):
+    """What --online did: its updates, their time against the decoding's, the loss's course."""
+    share = learner.seconds / max(seconds, 1e-9)
+    line = f"[online: {learner.updates} update{'s' * (learner.updates != 1)} in "
+    line += f"{learner.seconds:.2f} s, {share:.1%} of the decoding time"
+    if learner.losses:
+        line += f", loss {learner.losses[0]:.3f} -> {learner.losses[-1]:.3f}"
+    return line + "]"
 
 
 def encode_prompts(prompts, tokenizer, system, raw, max_new_tokens, context, one=True):
@@ -829,6 +936,14 @@ def open_output(path):
 
 
 def main(args):
+    made = cli.new_folders(args.online_save)  # removed again if the run stops before saving
+    try:
+        run_main(args)
+    finally:
+        cli.remove_empty(made)
+
+
+def run_main(args):
     kind, arg, settings = check_args(args, build_parser())
     given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
     device = cli.pick_device(args.device)
@@ -876,6 +991,16 @@ def main(args):
         args.top_p,
         generator,
     )
+    learner = None
+    if args.online:
+        drafter, learner = learn_online(
+            drafter,
+            model,
+            args.online_lr,
+            args.online_buffer,
+            args.online_every,
+            args.online_steps,
+        )
     encoded = encode_prompts(
         prompts,
         tokenizer,
@@ -971,11 +1096,18 @@ def main(args):
             total.seconds += time.perf_counter() - t0  # the batch's wall time: rows overlap
             for (pid, _, _), r in zip(batch, results):
                 finish(pid, r)
+                if learner:  # between replies: the next ones draft with what these taught
+                    learner.reply_done()
     finally:
         if writer:
             writer.close()
     if len(encoded) > 1:
         print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
+    if learner:
+        print(online_line(learner, total.seconds), file=sys.stderr)
+    if args.online_save:
+        save_online(learner, args.online_save, catalog.find_heads(args.heads))
+        print(f"[online: the adapted heads are in {args.online_save}]", file=sys.stderr)
 
 
 def cli_main(argv=None) -> int:

@@ -41,6 +41,7 @@ import checkpoint
 import cli
 import dataset
 import kernels
+import losses
 import model as model_lib
 import train
 
@@ -187,7 +188,7 @@ def joint_loss(adapted, heads, batch, lm_rows, heads_weight, decay, dtype):
     distill = kernels.fused_batch_loss(
         "teacher", h[seen], lm_rows, None, batch["top_ids"][seen], batch["top_p"][seen], None, dtype
     )
-    z, j, top_ids, top_p, target, _ = train.head_states(heads, {**batch, "hidden": h})
+    z, j, top_ids, top_p, target, _ = losses.head_states(heads, {**batch, "hidden": h})
     per_head = [
         kernels.fused_batch_loss(
             "teacher",
@@ -334,7 +335,7 @@ def run(args):
         list(range(len(train_convs))),
         list(range(len(train_convs), len(train_convs) + len(held_out))),
     )
-    to_kept = train.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
+    to_kept = losses.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
     torch.manual_seed(args.seed)
     adapted = Adapted(base, args.layers, args.rank, args.alpha).to(device)
     heads.train().requires_grad_(True)
@@ -370,7 +371,7 @@ def run(args):
     base_lrs = [g["lr"] for g in opt.param_groups]
     with train.StopFlag() as stop:
         for step, convs_b in enumerate(batches, start=1):
-            batch = train.collate(data, convs_b, to_kept, heads.cfg.num_heads, device)
+            batch = losses.collate(data, convs_b, to_kept, heads.cfg.num_heads, device)
             warm = min(1.0, step / 50) * 0.5 * (1 + math.cos(math.pi * step / len(batches)))
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * warm

@@ -58,7 +58,7 @@ from cli import (
     writable_file,
     writable_folder,
 )
-from kernels import bucket
+from losses import TrainForward, collate, head_states, logits_of, to_kept_map, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -297,62 +297,6 @@ def build_parser():
     return p
 
 
-# --- losses
-# ------------------------------------------------------------------------------------------
-# Head j (1-based) at position t predicts token t+1+j. Its target is either the base model's own
-# distribution at position t+j (teacher loss, the default) or the data token itself (next-token
-# loss, Medusa-1, head weights 0.8^j). Only assistant tokens are predicted: at inference the heads
-# only ever draft the assistant's reply, so prompt tokens would teach them nothing they use.
-
-
-def teacher_loss(logits, top_ids, top_p):
-    """Cross-entropy against the teacher's top-k probabilities and its residual mass.
-    logits (M, V') of the heads; top_ids (M, k) the teacher's top-k in head-vocabulary ids (-1 where
-    the token is not kept); top_p (M, k) their probabilities. -> (M,)
-
-    Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is
-    spread over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
-
-        L = - sum_i p_i log q_i  -  r log(1 - sum_i q_i)          (i over the teacher's top-k)
-
-    This is the exact cross-entropy once the other tokens are lumped together, and it is smallest
-    where the head gives each top-k token the teacher's probability and mass r to the rest. It is
-    preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is
-    sure the next token is among its k when it is not: where the teacher hesitates (large r) the
-    head would be pushed hardest to crush every other token, learning overconfidence exactly where
-    drafts are rarely accepted, and its probabilities would stop meaning "chance the base model says
-    this" (which a confidence-based tree, or speculative sampling with the heads as the draft,
-    needs). Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head
-    cannot say them, so its best is then the teacher's distribution renormalised over the outcomes
-    it can say. 1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e.
-    r = 0 in fp16.
-    """
-    logq = logits.float().log_softmax(-1)  # (M, V')
-    kept = top_ids >= 0  # (M, k)
-    picked = logq.gather(1, top_ids.clamp(min=0)) * kept  # (M, k) log q_i, 0 if not kept
-    p = top_p.float() * kept  # (M, k)
-    rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)  # (M,) teacher mass beyond its top-k
-    rest_q = 1 - (picked.exp() * kept).sum(-1)  # (M,) head mass beyond them
-    return -(p * picked).sum(-1) - rest_p * torch.log(rest_q.clamp(min=1e-6))
-
-
-def next_token_loss(logits, target):
-    """Cross-entropy against the data token (head-vocabulary id, -1 if not kept). -> (M,)"""
-    logq = logits.float().log_softmax(-1)
-    return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
-
-
-def batch_loss(kind, logits, j, top_ids, top_p, target):
-    """The mean loss of a batch's M predictions, from the heads' logits (M, V') (logits_of); j (M,)
-    is head - 1. Teacher loss: every head alike; next-token loss: head j+1 weighted 0.8^(j+1)
-    (Medusa-1). A batch with no predictions gives 0. --loss-impl fused trains with its fast twin,
-    kernels.fused_batch_loss: the same values and gradients (tests/test_kernels.py)."""
-    M = max(len(logits), 1)
-    if kind == "teacher":
-        return teacher_loss(logits, top_ids, top_p).sum() / M
-    return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
-
-
 # --- batches
 # ---------------------------------------------------------------------------------------
 
@@ -379,103 +323,6 @@ def make_batches(lengths, conv_ids, batch_tokens, seed, epoch):
     if cur:
         batches.append(cur)
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def collate(data, convs, to_kept, K, device):
-    """Right-padded (B, T) tensors for a list of conversation indices, plus per (b, t, j)
-    targets."""
-    off = data["offsets"]
-    T = bucket(max(int(off[i + 1] - off[i]) for i in convs), 16)
-    B, D, k = len(convs), data["hidden"].shape[1], data["top_ids"].shape[1]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    loss = torch.zeros(B, T, dtype=torch.bool)
-    hidden = torch.zeros(B, T, D, dtype=torch.float16)
-    top_ids = torch.zeros(B, T, k, dtype=torch.long)
-    top_p = torch.zeros(B, T, k, dtype=torch.float16)
-    for b, i in enumerate(convs):
-        a, e = int(off[i]), int(off[i + 1])
-        ids[b, : e - a], loss[b, : e - a], hidden[b, : e - a] = (
-            data["ids"][a:e],
-            data["loss"][a:e],
-            data["hidden"][a:e],
-        )
-        top_ids[b, : e - a], top_p[b, : e - a] = data["top_ids"][a:e], data["top_p"][a:e]
-    # valid[b, t, j-1]: head j at position t predicts token t+1+j, an assistant token
-    valid = torch.zeros(B, T, K, dtype=torch.bool)
-    for j in range(1, K + 1):
-        n = max(T - 1 - j, 0)  # none when the batch is that short
-        valid[:, :n, j - 1] = loss[:, 1 + j : 1 + j + n]
-    # page-locked host memory: the copies overlap the GPU's work
-    pinned = torch.device(device).type == "cuda"
-    move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)
-    return dict(
-        ids=move(ids),
-        hidden=move(hidden),
-        valid=move(valid),
-        top_ids=move(to_kept[top_ids]),
-        top_p=move(top_p),
-        targets=move(to_kept[ids]),
-    )
-
-
-def head_states(heads, batch, noise=0.0, generator=None):
-    """Run the heads on a batch: their states z (M, D) at the valid (b, t, j) (j = head - 1), the
-    teacher's and the data's targets for them, and (b, t). The heads run only at positions where
-    one of them predicts an assistant token (Hydra++'s prefix layer still reads every position).
-    noise > 0 adds NEFTune-style noise drawn from `generator` (the caller seeds it per step)."""
-    h = batch["hidden"].float()  # (B, T, D)
-    B, T, D = h.shape
-    if noise > 0:  # U(-1, 1) * alpha / sqrt(T * D)
-        u = torch.rand(h.shape, generator=generator, device=h.device)  # (B, T, D)
-        h = h + (u * 2 - 1) * noise / (T * D) ** 0.5
-    positions = torch.arange(T, device=h.device).expand(B, T)
-    valid = batch["valid"]  # (B, T, K)
-    at = valid.any(-1).nonzero(as_tuple=True)  # the N positions used
-    extra = bucket(len(at[0]), 64) - len(at[0])  # and the first again, to a
-    padded = tuple(torch.cat([x, x[:1].expand(extra)]) for x in at)  # bucket of 64 rows (bucket())
-    z = heads(heads.context(h, positions), batch["ids"], padded)  # (N + extra, K, D)
-    n, j = valid[at].nonzero(as_tuple=True)  # (M,) each
-    b, t = at[0][n], at[1][n]
-    # head j+1 at t: the teacher's distribution sits at t+j+1, the data token at t+j+2
-    return (
-        z[n, j],
-        j,
-        batch["top_ids"][b, t + j + 1],
-        batch["top_p"][b, t + j + 1],
-        batch["targets"][b, t + j + 2],
-        (b, t),
-    )
-
-
-def logits_of(heads, z, j):
-    """The heads' logits (M, V') for states z (M, D) of heads j + 1 (each through its own LM head if
-    it has one)."""
-    if not heads.cfg.own_lm_head:
-        return heads.project(z)
-    logits = torch.empty(len(z), heads.lm_head.weight.shape[1], device=z.device)
-    for d in range(heads.cfg.num_heads):
-        logits[j == d] = heads.project(z[j == d], d + 1).float()
-    return logits
-
-
-class TrainForward(nn.Module):
-    """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only
-    of what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train). loss_impl:
-    "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
-
-    def __init__(self, heads, loss_impl="fused"):
-        super().__init__()
-        self.heads, self.loss_impl = heads, loss_impl
-
-    def forward(self, batch, loss_kind, noise=0.0, generator=None, dtype=torch.float32):
-        """dtype: the fused loss's products (the readable one's follow autocast)."""
-        z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
-        if self.loss_impl == "readable":
-            return batch_loss(loss_kind, logits_of(self.heads, z, j), j, top_ids, top_p, target)
-        return kernels.fused_batch_loss(
-            loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype
-        )
 
 
 # --- evaluation
@@ -701,30 +548,6 @@ class StopFlag:
             signal.signal(s, handler)
 
 
-def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None, bf16=False):
-    """One optimizer step on one collated batch; returns the loss. forward is TrainForward(heads),
-    possibly wrapped in DistributedDataParallel; bf16: its matrix products in bf16 (autocast), the
-    loss in fp32. Raises FloatingPointError, with the weights untouched, if the loss or the gradient
-    norm is not finite (under DDP the gradients, hence the norm, are averaged over ranks: a NaN on
-    one rank stops them all at the same step)."""
-    with torch.autocast(
-        device_type=batch["hidden"].device.type, dtype=torch.bfloat16, enabled=bf16
-    ):
-        loss = forward(
-            batch, loss_kind, noise, generator, torch.bfloat16 if bf16 else torch.float32
-        )
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    params = [p for group in opt.param_groups for p in group["params"]]
-    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-    if not (torch.isfinite(loss) and torch.isfinite(norm)):
-        raise FloatingPointError(f"loss {loss.item()}, gradient norm {norm.item()}")
-    opt.step()
-    return loss.item()
-
-
 def kept_vocabulary(data, vocab_size, n):
     """The heads' vocabulary: the n most frequent assistant tokens and teacher top-1s (sorted ids),
     or None for all. Returns (kept, to_kept: base id -> head id or -1, share of those tokens
@@ -735,15 +558,6 @@ def kept_vocabulary(data, vocab_size, n):
     kept = counts.topk(n).indices.sort().values if 0 < n < vocab_size else None
     ids = kept if kept is not None else torch.arange(vocab_size)
     return kept, to_kept_map(kept, vocab_size), float(counts[ids].sum() / counts.sum().clamp(min=1))
-
-
-def to_kept_map(kept, vocab_size):
-    """base token id -> the heads' id for it (its index in kept), -1 for a token not kept; kept
-    None: all."""
-    ids = kept if kept is not None else torch.arange(vocab_size)
-    to_kept = torch.full((vocab_size,), -1, dtype=torch.long)
-    to_kept[ids] = torch.arange(len(ids))
-    return to_kept
 
 
 def curve_point(step, tokens, report):
@@ -1072,21 +886,11 @@ def check_model_args(args, model):
 
 # What train.py writes into --out; --overwrite removes them before a fresh run, so that nothing of a
 # previous run (a tuned tree above all) outlives the heads it belonged to.
-RUN_FILES = (STATE, "heads.safetensors", "heads.json", "eval.json")
-
-
-def run_files(out):
-    """The files of a previous train.py run in `out` (its RUN_FILES and tuned trees); the folder's
-    other files are the user's, never in the way and never touched."""
-    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [name for name in names if name in RUN_FILES or re.fullmatch(r"tree(-.+)?\.json", name)]
-
-
 def check_out(out, args):
     """--out: a folder without a previous run's files; or --resume with a checkpoint there (refused
     now, before the data is built, if its flags differ); or --overwrite (clear_run() then clears
     the previous run)."""
-    files = run_files(out)
+    files = checkpoint.run_files(out)
     if args.resume and STATE in files:
         refuse_other_flags(
             out, resume_differences(read_checkpoint(out).get("flags", {}), recorded_flags(args))[0]
@@ -1104,7 +908,7 @@ def check_out(out, args):
 def clear_run(out):
     """--overwrite: remove a previous run's files from --out, right before training writes its
     own."""
-    for name in run_files(out):
+    for name in checkpoint.run_files(out):
         os.remove(os.path.join(out, name))
 
 

@@ -25,6 +25,7 @@ import ablations  # noqa: E402
 import checkpoint  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
+import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -51,7 +52,7 @@ def measure(model, data, first_fresh, runs, seed=0):
     reports = {}
     for label, folder in runs:
         heads = checkpoint.load_heads(folder, model).eval()
-        to_kept = train.to_kept_map(
+        to_kept = losses.to_kept_map(
             None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size
         )
         with torch.inference_mode():

@@ -33,6 +33,7 @@ import catalog  # noqa: E402
 import cli  # noqa: E402
 import dataset  # noqa: E402
 import kernels  # noqa: E402
+import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -47,7 +48,7 @@ DATA = os.path.join(
 
 @torch.inference_mode()
 def features(base):
-    """A data dict as train.collate reads, whose "hidden" is [h, x_2, x_15, x_27] (N, 4D)."""
+    """A data dict as losses.collate reads, whose "hidden" is [h, x_2, x_15, x_27] (N, 4D)."""
     convs = dataset.read_conversations(DATA)
     held, trained = train.split(len(convs), 0)
     order = trained[:CONVS] + held[:HELD_OUT]
@@ -113,7 +114,7 @@ def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
         checkpoint.load_heads(catalog.find_heads("hydra++", "--init"), base), kernels.Kernels()
     )
     model = Fused(heads, base.cfg.dim, arm == "fused")
-    to_kept = train.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
+    to_kept = losses.to_kept_map(heads.kept_ids.cpu(), base.cfg.vocab_size)
     heads.train().requires_grad_(True)
     for b in heads.buffers():
         b.requires_grad_(False)
@@ -135,9 +136,9 @@ def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
         for e in range(epochs)
         for b in train.make_batches(data["offsets"].diff(), trained, 4096, 0, e)
     ]
-    forward, t0 = train.TrainForward(model, "fused"), time.time()
+    forward, t0 = losses.TrainForward(model, "fused"), time.time()
     for step, convs_b in enumerate(batches, start=1):
-        batch = train.collate(data, convs_b, to_kept, heads.cfg.num_heads, base.device)
+        batch = losses.collate(data, convs_b, to_kept, heads.cfg.num_heads, base.device)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * min(1.0, step / 50) * 0.5 * (1 + math.cos(math.pi * step / len(batches)))
         with torch.autocast(base.device.type, dtype=torch.bfloat16):

@@ -1,4 +1,4 @@
-"""Where a training step's time goes: times 20 steps of train.train_step on real features (after 4
+"""Where a training step's time goes: times 20 steps of losses.train_step on real features (after 4
 warm-up ones), then profiles one with FLOP counting, and prints the FLOPs, the share of time in
 matrix products and their rate next to a large square product's on the same cores (the machine's
 practical peak).
@@ -27,6 +27,7 @@ import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
+import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
@@ -62,11 +63,11 @@ def main(folder, kind):
     _, train_convs = train.split(len(data["offsets"]) - 1, 0)
     batches = train.make_batches(data["offsets"].diff(), train_convs, 4096, 0, 0)
     bf16 = cli.pick_dtype("auto", "cpu") == torch.bfloat16
-    forward = train.TrainForward(heads)
-    step = lambda batch: train.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
+    forward = losses.TrainForward(heads)
+    step = lambda batch: losses.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(STEPS):  # the first WARM_UP steps warm up the allocator and the kernels, untimed
-        batch = train.collate(data, batches[i], to_kept, 3, torch.device("cpu"))
+        batch = losses.collate(data, batches[i], to_kept, 3, torch.device("cpu"))
         t0 = time.perf_counter()
         loss = step(batch)
         seconds = time.perf_counter() - t0
@@ -83,7 +84,7 @@ def main(folder, kind):
         f"tokens/s (the step alone: no data loading, no evaluation); last loss {loss:.4f}; peak "
         f"RSS {peak_rss_gb():.1f} GB"
     )
-    batch = train.collate(data, batches[STEPS], to_kept, 3, torch.device("cpu"))
+    batch = losses.collate(data, batches[STEPS], to_kept, 3, torch.device("cpu"))
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         step(batch)
     events = prof.key_averages()

@@ -25,6 +25,7 @@ import checkpoint  # noqa: E402
 import data_size  # noqa: E402
 import dataset  # noqa: E402
 import kernels  # noqa: E402
+import losses  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
 import tuning  # noqa: E402
@@ -56,7 +57,7 @@ def measure(model, data, runs, seed=0, bf16=True):
         shipped = (
             tree_lib.load(saved) if os.path.exists(saved) else tree_lib.chain(heads.cfg.num_heads)
         )
-        to_kept = train.to_kept_map(
+        to_kept = losses.to_kept_map(
             None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size
         )
         for a, b in WINDOWS:

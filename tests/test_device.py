@@ -25,6 +25,7 @@ import catalog
 import drafters
 import generate as G
 import heads as heads_lib
+import losses
 import train as T
 import tree as tree_lib
 from conftest import tiny_config
@@ -166,8 +167,8 @@ def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-3)
     held_out, train_convs = T.split(len(data["offsets"]) - 1, 0)
     with SimulatedDevice():
-        batch = T.collate(data, train_convs[:4], to_kept, 2, base.device)
-        T.train_step(T.TrainForward(heads), opt, batch, 1e-3, "teacher")
+        batch = losses.collate(data, train_convs[:4], to_kept, 2, base.device)
+        losses.train_step(losses.TrainForward(heads), opt, batch, 1e-3, "teacher")
         report = T.evaluate(heads.eval(), data, held_out, to_kept, args, base.device)
     assert report["chain_tau"] >= 1
 

@@ -4,7 +4,7 @@ random models, seeded).
 One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (a decode step, a
 tree, a batch with a key mask, a prefill; Llama-, Qwen2- and Qwen3-like), FastMLP and model.MLP
 (SwiGLU, GeGLU), FastLMHead and heads.LMHead, the whole model fast and readable (fp32 to rounding,
-bf16 as close to fp32 as the readable path is), fused_batch_loss and train.batch_loss (value and
+bf16 as close to fp32 as the readable path is), fused_batch_loss and losses.batch_loss (value and
 both gradients). Also: use() swaps layers in place and back (same parameters, same state_dict); the
 loaders apply it; a kernel this build lacks falls back with one notice; off the CPU none of the fast
 paths is reached. kernels.c (bf16): its product (bf16 and int8 weights), attention and decoder layer
@@ -27,8 +27,8 @@ import torch.nn as nn
 import checkpoint
 import heads as heads_lib
 import kernels
+import losses
 import model as model_lib
-import train as T
 import tree as tree_lib
 from conftest import tiny_config
 from kernels import Kernels, block_native
@@ -548,7 +548,7 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["teacher", "next-token"])
 def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dtype):
-    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head
+    """kernels.fused_batch_loss against losses.batch_loss over the logits of the same LM head
     (shared, or one per head), products in `dtype`: the value and the gradients of z and of the LM
     head."""
     # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
@@ -582,7 +582,7 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
 
     for w in (weight, per_head):
         za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
-        want = T.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
+        want = losses.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
         (want * 3).backward()  # any upstream gradient
         zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
         got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)
@@ -616,7 +616,7 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
         top_ids=torch.randint(0, 64, (n, 4), generator=g),
         top_p=(torch.rand(n, 4, generator=g).softmax(-1) * 0.9).half(),
     )
-    batch = T.collate(data, [0, 1], T.to_kept_map(kept, 64), 3, "cpu")
+    batch = losses.collate(data, [0, 1], losses.to_kept_map(kept, 64), 3, "cpu")
     heads = heads_lib.build(
         heads_lib.HeadsConfig("hydra++", num_heads=3, own_lm_head=own), tiny, kept
     ).train()
@@ -626,7 +626,7 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
     loss, grads = {}, {}
     for impl in ("readable", "fused"):
         heads.zero_grad()
-        loss[impl] = T.TrainForward(heads, impl)(batch, kind)
+        loss[impl] = losses.TrainForward(heads, impl)(batch, kind)
         loss[impl].backward()
         grads[impl] = [p.grad for p in heads.parameters()]
     torch.testing.assert_close(loss["fused"], loss["readable"], atol=1e-6, rtol=1e-5)

@@ -24,6 +24,7 @@ import checkpoint as checkpoint_lib
 import dataset as D
 import heads as heads_lib
 import kernels
+import losses
 import model as model_lib
 import train as T
 from conftest import tiny_config
@@ -96,9 +97,9 @@ def run(features, out, *flags):
 
 
 def record_steps(monkeypatch, before=None):
-    """Wrap train.train_step: record each batch's ids once the step is done; before(n, batch) runs
+    """Wrap losses.train_step: record each batch's ids once the step is done; before(n, batch) runs
     first at the n-th call (1-based) and may raise to stop training."""
-    real, done, calls = T.train_step, [], [0]
+    real, done, calls = losses.train_step, [], [0]
 
     def step(forward, opt, batch, *a, **kw):
         calls[0] += 1
@@ -157,11 +158,13 @@ def test_teacher_loss_by_hand():
     # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 =
     # 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
-    assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
+    assert torch.allclose(losses.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
     # the batch loss is their mean: 3.4109430 / 3; the fused one's too, with z = log q through an
     # identity LM head, shared or one per head
     assert math.isclose(
-        T.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(), 1.1369810, abs_tol=1e-6
+        losses.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
+        1.1369810,
+        abs_tol=1e-6,
     )
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
         got = kernels.fused_batch_loss(
@@ -173,11 +176,11 @@ def test_teacher_loss_by_hand():
 def test_next_token_loss_by_hand():
     # -ln q(target): -ln 0.25 = 1.3862944; target -1 (not kept) counts 0; -ln 0.4 = 0.9162907
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
-    assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
+    assert torch.allclose(losses.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 +
     # 0.4691408) / 3
     assert math.isclose(
-        T.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
+        losses.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
         0.5260588,
         abs_tol=1e-6,
     )
@@ -197,12 +200,12 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
         [0.6, 0.1, 0.3, 0.0001],
     ):  # any split of the residual is optimal
         logits = torch.tensor([q]).log().requires_grad_()
-        T.teacher_loss(logits, ids, p).sum().backward()
+        losses.teacher_loss(logits, ids, p).sum().backward()
         assert logits.grad.abs().max() < 1e-4, logits.grad
     # renormalising over the top-k (q = 2/3, 1/3 on the two) is worse, and a gradient step leaves it
     renormalised = torch.tensor([[2 / 3, 1e-6, 1 / 3, 1e-6]]).log()
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
-    assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
+    assert losses.teacher_loss(renormalised, ids, p) > losses.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
     none = (
         torch.zeros(0, dtype=torch.long),
@@ -210,7 +213,7 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
         torch.zeros(0, 2),
         torch.zeros(0, dtype=torch.long),
     )
-    assert T.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
+    assert losses.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
     assert kernels.fused_batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), *none) == 0
 
 
@@ -224,10 +227,13 @@ def test_a_few_steps_lower_the_loss(features, kind, loss, impl):
     torch.manual_seed(0)
     heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=3), base, kept).train()
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    batch = T.collate(data, list(range(6)), to_kept, 3, "cpu")
+    batch = losses.collate(data, list(range(6)), to_kept, 3, "cpu")
     assert batch["valid"].any(), "the batch must hold something to predict"
-    losses = [T.train_step(T.TrainForward(heads, impl), opt, batch, 1e-2, loss) for _ in range(12)]
-    assert losses[-1] < 0.8 * losses[0], losses
+    seen = [
+        losses.train_step(losses.TrainForward(heads, impl), opt, batch, 1e-2, loss)
+        for _ in range(12)
+    ]
+    assert seen[-1] < 0.8 * seen[0], seen
 
 
 # --- checkpoints and resuming -------------------------------------------------------------------
@@ -729,7 +735,7 @@ def test_short_conversations_with_many_heads_have_no_valid_positions():
         "top_p": torch.zeros(3, 2),
     }
     # head j needs token t+1+j: none beyond head 1
-    batch = T.collate(data, [0], torch.arange(V), 5, "cpu")
+    batch = losses.collate(data, [0], torch.arange(V), 5, "cpu")
     # 3 positions padded to 16
     assert batch["valid"].shape == (1, 16, 5) and batch["valid"][0, :, 1:].sum() == 0
     assert batch["valid"][0, :, 0].tolist() == [True] + [False] * 15
