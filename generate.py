@@ -141,6 +141,7 @@ def generate_batch(
     generators=None,
     eos_ids=(),
     on_tokens=None,
+    cache=None,
 ) -> list:
     """Decode B prompts (lists of ids) side by side, up to max_new_tokens[b] new tokens each,
     verifying what `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding);
@@ -149,7 +150,9 @@ def generate_batch(
     row), each row verifies its own tree on its own generator (generators[b], so that a row's draws
     do not depend on its batch mates) and keeps its own path. A row that ends leaves the batch.
     on_tokens(b, new_ids, sources) is called as tokens are produced; a source indexes
-    drafter.legend."""
+    drafter.legend. cache: a one-row KVCache to go on from (Conversation): its slots
+    [0, cache.length) hold prompt[:cache.length], which is not forwarded again, and the drafter
+    goes on from its state for them (drafter.start's kept); None: a new cache."""
     dev, B = model.device, len(prompts)
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     generators = generators if generators is not None else [None] * B
@@ -212,15 +215,18 @@ def generate_batch(
     lengths = [len(p) for p in prompts]
     L = max(lengths)
     max_len = max(n + r.limit for n, r in zip(lengths, rows)) + drafter.max_nodes
-    cache = model.new_cache(max_len, batch=B)
-    padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=dev)  # (B, L)
-    _, hidden = model(padded, torch.arange(L, device=dev), None, cache, last_only=True)  # (B, L, D)
-    last = hidden[torch.arange(B, device=dev), torch.tensor(lengths, device=dev) - 1]  # (B, D)
-    logits = model.lm_head(last)  # (B, V)
-    cache.keep(*[range(n) for n in lengths])  # row b: slots [0, len(prompt b)), the padding after
+    cache = cache if cache is not None else model.new_cache(max_len, batch=B)
+    cached = cache.length  # a conversation's turns so far, in the cache already (0: a new one)
+    assert cached < min(lengths) and (B == 1 or cached == 0), "a given cache: one row, a prefix"
+    # (B, L-cached): the rest of each prompt, right-padded
+    padded = torch.tensor([p[cached:] + [0] * (L - len(p)) for p in prompts], device=dev)
+    _, hidden = model(padded, torch.arange(cached, L, device=dev), None, cache, last_only=True)
+    last = torch.tensor(lengths, device=dev) - 1 - cached  # (B,) each row's last prompt token
+    logits = model.lm_head(hidden[torch.arange(B, device=dev), last])  # (B, V)
+    cache.keep(*[range(n - cached) for n in lengths])  # row b: slots [0, len(prompt b)), padding
     finished = set()
     for b, (row, prompt, generator) in enumerate(zip(rows, prompts, generators)):
-        row.drafter.start(prompt, hidden[b : b + 1, : len(prompt)], max_len)
+        row.drafter.start(prompt, hidden[b : b + 1, : len(prompt) - cached], cache.max_len, cached)
         probs = verify_lib.logits_to_probs(logits[b].float(), temperature, top_p)  # (V,)
         if verify_lib.is_greedy(temperature):
             row.root = int(probs.argmax())
@@ -261,10 +267,10 @@ def generate_batch(
                 finished.add(b)
             # drafts emitted (EOS, length)
             out.accepted.append(min(len(nodes) - 1, len(out.tokens) - before))
-            if b not in finished:
-                row.drafter.accept(
-                    kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
-                )
+            # the last step too: the drafter's state then covers the whole cache (Conversation)
+            row.drafter.accept(
+                kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
+            )
             row.root = bonus
         rows = drop_finished(rows, finished)
     return results
@@ -281,9 +287,11 @@ def generate(
     generator=None,
     eos_ids=(),
     on_tokens=None,
+    cache=None,
 ) -> Result:
     """Decode up to max_new_tokens after `prompt` (list of ids): generate_batch with one row.
-    on_tokens(new_ids, sources) is called as tokens are produced."""
+    on_tokens(new_ids, sources) is called as tokens are produced; cache: one to go on from
+    (generate_batch)."""
     stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
     return generate_batch(
         model,
@@ -296,7 +304,57 @@ def generate(
         [generator],
         eos_ids,
         stream,
+        cache,
     )[0]
+
+
+# --- a conversation that keeps its cache ---------------------------------------------------------
+# Each turn the caller renders the whole conversation with the chat template; the cache keeps the
+# longest common prefix of those ids with the ids it holds and only the rest is prefilled
+# (ALGORITHMS.md 7c). A template may render an earlier turn differently from how it was generated
+# (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
+
+
+def common_prefix(a, b) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """A KV cache that outlives the reply, the ids it holds, and the drafter that follows it.
+
+    Invariant: cache slots [0, len(self.ids)) hold the keys/values of self.ids, and the drafter's
+    state covers at least those ids (generate_batch calls its accept() every step, the last one
+    included). After a reply, self.ids = the prompt and every token emitted but the last: the last
+    was never forwarded (its logits were not needed), whether it ended at EOS or at the length
+    limit; the next turn forwards it if the template renders it. Slots past len(self.ids) are
+    garbage, as in the KVCache. A reply stopped by an exception (Ctrl-C) keeps the cut it started
+    from: what it wrote since is not trusted."""
+
+    def __init__(self, model, drafter=None):
+        self.model = model
+        self.drafter = drafter if drafter is not None else drafters_lib.Plain(model.device)
+        # room for the whole context, and a last step's tree past it
+        self.cache = model.new_cache(model.cfg.max_seq_len + self.drafter.max_nodes)
+        self.ids = []
+        self.forwarded = 0  # the positions the last reply's prefill forwarded (tests, statistics)
+
+    def reply(self, prompt, max_new_tokens, **decoding) -> Result:
+        """generate() after `prompt` (the whole conversation's ids, ending where the reply begins),
+        forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
+        # the last prompt token is always forwarded: its logits give the reply's first token
+        kept = common_prefix(self.ids, prompt[:-1])
+        self.ids = self.ids[:kept]
+        self.cache.length = kept
+        self.forwarded = len(prompt) - kept
+        r = generate(self.model, prompt, max_new_tokens, self.drafter, cache=self.cache, **decoding)
+        self.ids = prompt + r.tokens[:-1]
+        return r
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -313,9 +371,19 @@ def build_parser():
     # what to say
     p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
     p.add_argument(
-        "--prompts", help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt'
+        "--prompts",
+        help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt; a line '
+        '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last, user\'s, '
+        "message is answered",
     )
     p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="talk: type a message, the reply streams, type the next; the KV cache is kept from "
+        "turn to turn, so each turn forwards only what is new (/help lists the commands, Ctrl-D "
+        "ends)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -467,7 +535,11 @@ def build_parser():
         "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a "
         "terminal",
     )
-    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not stream text (statistics only); with --chat: no statistics line",
+    )
     return p
 
 
@@ -491,7 +563,7 @@ def flags_without_effect(args, parser):
         ignored.append("--system has no effect with --raw (no chat template)")
     if args.show and args.batch_size > 1:
         ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
-    elif args.show and args.quiet:
+    elif args.show and args.quiet and not args.chat:
         ignored.append("--show has no effect with --quiet (no text is printed)")
     elif args.show and not sys.stdout.isatty():
         ignored.append(
@@ -503,8 +575,10 @@ def flags_without_effect(args, parser):
 def check_args(args, parser):
     """The checks that need no model; remarks for flags without effect. Returns --draft's kind,
     its argument (N of layers:N, pass's folder) and its drafter's settings."""
-    if args.prompt is None and args.prompts is None:
-        raise cli.UsageError('give a --prompt "..." or a --prompts FILE.jsonl')
+    if args.chat:
+        check_chat_flags(args)
+    elif args.prompt is None and args.prompts is None:
+        raise cli.UsageError('give a --prompt "...", a --prompts FILE.jsonl, or --chat')
     if args.prompt is not None and args.prompts is not None:
         raise cli.UsageError("give either --prompt or --prompts, not both")
     if args.prompt is not None and not args.prompt.strip():
@@ -566,6 +640,20 @@ def check_args(args, parser):
     for message in flags_without_effect(args, parser):
         cli.notice(message)
     return kind, arg, settings
+
+
+def check_chat_flags(args):
+    """--chat reads its messages from the terminal and writes its replies there."""
+    for flag in ("prompt", "prompts", "out"):
+        if getattr(args, flag) is not None:
+            raise cli.UsageError(
+                f"--chat reads the messages from the terminal (or stdin, a line each) and streams "
+                f"the replies; drop --{flag}, or drop --chat"
+            )
+    if args.raw:
+        raise cli.UsageError("--chat lays the conversation out with the chat template; drop --raw")
+    if args.batch_size != 1:
+        raise cli.UsageError("--chat answers one conversation; drop --batch-size")
 
 
 def check_drafter_flags(kind, spec, heads, tree, draft_model):
@@ -756,6 +844,185 @@ def stats_line(r, max_depth):
     return line + "]"
 
 
+# --chat: a conversation at the terminal
+
+CHAT_HELP = (
+    "[type a message and press Enter; /reset starts a new conversation, /save FILE appends it to "
+    'FILE as a {"messages": [...]} line (train.py reads those), /load FILE goes on with the last '
+    "conversation in FILE, /help shows this; a message that starts with / is typed //...; "
+    "Ctrl-C stops a reply (the conversation stays), Ctrl-D ends]"
+)
+
+
+def read_message(interactive):
+    """The next line typed, without its newline; None at the end (Ctrl-D, or stdin's end)."""
+    try:
+        return input("> " if interactive else "")
+    except EOFError:
+        return None
+
+
+def last_conversation(path):
+    """The messages of the last {"messages": [...]} line of a file (/save appends them)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise cli.UsageError(f"/load {path}: cannot read it ({reason}); the chat goes on") from None
+    if not lines:
+        raise cli.UsageError(f"/load {path}: the file is empty; the chat goes on")
+    try:
+        record = json.loads(lines[-1])
+    except (json.JSONDecodeError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or "messages" not in record:
+        raise cli.UsageError(
+            f'/load {path}: its last line is not a {{"messages": [...]}} object; the chat goes on'
+        )
+    return cli.check_messages(record["messages"], f"/load {path}", ends_with_user=False)
+
+
+class Chat:
+    """generate.py --chat: the messages so far, laid out by the chat template every turn and
+    answered by a Conversation, which forwards only what its cache does not hold yet. A mistake
+    (an unknown command, a file that cannot be read, a message that cannot fit) is one line on
+    stderr, and the conversation stays as it was."""
+
+    def __init__(self, conversation, tokenizer, system, max_new_tokens, decoding, show, stats):
+        self.conversation = conversation
+        self.tokenizer = tokenizer
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
+        self.decoding = decoding  # Conversation.reply's: verify, temperature, ..., eos_ids
+        self.show = show
+        self.stats = stats
+
+    def run(self, interactive):
+        """Read, answer, repeat, until the end of the input; the exit code."""
+        if interactive:
+            print(CHAT_HELP, file=sys.stderr)
+        while True:
+            try:
+                line = read_message(interactive)
+            except KeyboardInterrupt:  # at the prompt: a fresh one
+                print(file=sys.stderr)
+                continue
+            if line is None:
+                return 0
+            try:
+                if line.startswith("/") and not line.startswith("//"):
+                    self.command(line)
+                else:
+                    self.say(line.removeprefix("/"))
+            except cli.UsageError as e:
+                print(cli.error_line(e), file=sys.stderr)
+
+    def command(self, line):
+        name, _, path = line.partition(" ")
+        path = path.strip()
+        if name == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+        elif name == "/reset":
+            self.messages = list(self.system)  # the cache keeps what the next turn shares with it
+            print("[a new conversation]", file=sys.stderr)
+        elif name in ("/save", "/load") and not path:
+            raise cli.UsageError(f"{name} needs a file name, as in {name} chat.jsonl")
+        elif name == "/save":
+            self.save(path)
+        elif name == "/load":
+            messages = last_conversation(path)
+            self.layout(messages)  # the template takes it (else: refused, the chat goes on)
+            self.messages = messages
+            print(f"[{len(messages)} messages loaded from {path}]", file=sys.stderr)
+            if messages[-1]["role"] == "user":  # a question waiting: answer it
+                self.answer(messages)
+        else:
+            raise cli.UsageError(f"unknown command {name}; /help lists them")
+
+    def save(self, path):
+        try:
+            with open(path, "a", encoding="utf-8") as f:  # appended: nothing already there is lost
+                f.write(json.dumps({"messages": self.messages}, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise cli.UsageError(
+                f"/save {path}: cannot write it ({e.strerror}); give a file in a writable folder"
+            ) from None
+        print(f"[{len(self.messages)} messages appended to {path}]", file=sys.stderr)
+
+    def layout(self, messages):
+        """The conversation's ids, up to where the assistant's reply begins."""
+        return checkpoint.encode(self.tokenizer, messages)
+
+    def say(self, text):
+        if not text.strip():
+            raise cli.UsageError("the message is empty; type some text (/help lists the commands)")
+        self.answer(self.messages + [{"role": "user", "content": cli.check_text(text, "message")}])
+
+    def fit(self, messages):
+        """(messages, their ids, the reply's most new tokens): while the reply would not fit the
+        context, the oldest turn and its answer are dropped (said in one line); a last message that
+        cannot fit alone is refused."""
+        context = self.conversation.model.cfg.max_seq_len
+        want = self.max_new_tokens or MAX_NEW_TOKENS
+        first = 1 if messages[0]["role"] == "system" else 0  # a system message always stays
+        ids = self.layout(messages)
+        dropped = 0
+        while len(ids) + want > context and len(messages) > first + 1:
+            turns = messages[first:]
+            answered = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), 1)
+            messages = messages[:first] + turns[answered:]
+            dropped += answered
+            ids = self.layout(messages)
+        room = context - len(ids)
+        if room < 1:
+            raise cli.UsageError(
+                f"the message takes {len(ids)} tokens laid out, the model's context holds "
+                f"{context}; shorten it"
+            )
+        if dropped:
+            cli.notice(f"the context is full: the oldest {dropped} messages are dropped")
+        if room < want:
+            cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
+        return messages, ids, min(want, room)
+
+    def answer(self, messages):
+        """Stream the reply to messages (the last one the user's); it joins the conversation."""
+        messages, ids, limit = self.fit(messages)
+        printer = Printer(self.tokenizer, self.show)
+        t0 = time.perf_counter()
+        first = []  # when the first token came: the time the user waits
+
+        def on_tokens(new, sources):
+            if not first:
+                first.append(time.perf_counter())
+            printer(new, sources)
+
+        try:
+            r = self.conversation.reply(ids, limit, on_tokens=on_tokens, **self.decoding)
+        except KeyboardInterrupt:  # what was streamed stays, as the user saw it
+            print()
+            text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
+            if text:
+                self.messages = messages + [{"role": "assistant", "content": text}]
+            print(
+                "[stopped" + ("; the reply so far stays in the conversation]" if text else "]"),
+                file=sys.stderr,
+            )
+            return
+        print()
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        if self.stats:
+            print(
+                stats_line(r, self.conversation.drafter.max_depth)[:-1]
+                + f", {self.conversation.forwarded} of {len(ids)} prompt tokens forwarded, first "
+                f"token after {first[0] - t0:.2f} s]",
+                file=sys.stderr,
+            )
+
+
 def open_output(path):
     """--out, opened for writing (None: no file)."""
     try:
@@ -771,8 +1038,11 @@ def main(args):
     dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
-    prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
-    batch_size = min(args.batch_size, len(prompts))
+    if args.chat:  # the messages come from the terminal
+        prompts = []
+    else:
+        prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    batch_size = min(args.batch_size, len(prompts)) if prompts else 1
     if batch_size < args.batch_size:
         cli.notice(
             f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
@@ -785,6 +1055,11 @@ def main(args):
     sampled = temperature > 0 and args.verify in ("auto", "sample")
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
+    if args.chat and not tokenizer.chat_template:
+        raise cli.UsageError(
+            f"--chat: {args.model} has no chat template (tokenizer_config.json's chat_template) "
+            "to lay a conversation out; use a chat model, or --prompt with --raw"
+        )
     if args.quantize != "none":
         kernels.quantize(model, args.quantize)
     if args.quantize == "fp16" and not kernels.fp16_rows_alone():
@@ -834,6 +1109,20 @@ def main(args):
     )
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(legend_line(drafter), file=sys.stderr)
+    if args.chat:
+        decoding = dict(
+            verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
+        )
+        chat = Chat(
+            Conversation(model, drafter),
+            tokenizer,
+            args.system,
+            args.max_new_tokens,
+            decoding | {"eos_ids": eos},
+            show,
+            stats=not args.quiet,
+        )
+        return chat.run(interactive=sys.stdin.isatty())
     total = Result()
 
     def finish(pid, r):  # statistics, the totals and the --out line of one reply

@@ -113,8 +113,8 @@ class Checked(D.ModelDrafter):
     """A ModelDrafter that, after every step, compares its cache with a fresh forward of the
     accepted sequence and checks that what is not cached is exactly `pending`."""
 
-    def start(self, prompt, hidden, max_len):
-        super().start(prompt, hidden, max_len)
+    def start(self, prompt, hidden, max_len, kept=0):
+        super().start(prompt, hidden, max_len, kept)
         self.seq, self.checked = list(prompt), 0
 
     def accept(self, tokens, hidden, positions, logits):
