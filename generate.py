@@ -13,6 +13,9 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
+    python generate.py --chat                          # talk; the KV cache is kept between turns
+    python generate.py --chat --draft heads+lookup --system "Answer briefly." --quiet
+    printf 'Hi!\nAnd then?\n/save chat.jsonl\n' | python generate.py --chat   # a line a turn
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -27,12 +30,16 @@ The loop runs B sequences side by side (generate_batch; generate() is one): each
 tree, padded to the batch's node count; one forward scores them all, at positions that are the
 row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
 leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
+A Conversation keeps the KV cache from one reply to the next (--chat): each turn the template lays
+the whole conversation out, the cache keeps what it shares with that, and only the rest is
+forwarded; the drafter's state follows the same cut (drafter.start's kept).
 
-Contracts (tests/test_generate.py, tests/test_drafters.py, tests/test_batch.py): greedy speculative
-output is token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree
-step and a one-token step round differently, so near-ties can flip); speculative sampling samples
-from the base model's own distribution; a row of a batch is its prompt decoded alone (greedy, fp32)
-or, sampled, decoded alone with its own generator. The command line (flags, checks, printing,
+Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
+speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter (in
+bf16 a tree step and a one-token step round differently, so near-ties can flip); speculative
+sampling samples from the base model's own distribution; a row of a batch is its prompt decoded
+alone (greedy, fp32) or, sampled, decoded alone with its own generator; a chat's reply is the
+one-shot reply to the same conversation (greedy, fp32). The command line (flags, checks, printing,
 main) is the last section of this file (tests/test_cli.py).
 Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
@@ -988,7 +995,8 @@ class Chat:
         return messages, ids, min(want, room)
 
     def answer(self, messages):
-        """Stream the reply to messages (the last one the user's); it joins the conversation."""
+        """Stream the reply to messages (the last one the user's); it joins the conversation.
+        Returns its Result (None if Ctrl-C stopped it)."""
         messages, ids, limit = self.fit(messages)
         printer = Printer(self.tokenizer, self.show)
         t0 = time.perf_counter()
@@ -1010,7 +1018,7 @@ class Chat:
                 "[stopped" + ("; the reply so far stays in the conversation]" if text else "]"),
                 file=sys.stderr,
             )
-            return
+            return None
         print()
         text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         self.messages = messages + [{"role": "assistant", "content": text}]
@@ -1021,6 +1029,7 @@ class Chat:
                 f"token after {first[0] - t0:.2f} s]",
                 file=sys.stderr,
             )
+        return r
 
 
 def open_output(path):
