@@ -672,17 +672,33 @@ def run_files(out):
     return [name for name in names if name in RUN_FILES or re.fullmatch(r"tree(-.+)?\.json", name)]
 
 
-def encode(tokenizer, text, system=None, raw=False):
-    """The prompt's token ids: the user message in the model's chat template (with a system
-    message if given), ending where the assistant's reply begins; raw, or no template: the text."""
-    if not text.strip():
+def encode(tokenizer, prompt, system=None, raw=False):
+    """The prompt's token ids: the user message (a string), or a conversation (a list of
+    {"role", "content"} ending with the user's turn), in the model's chat template (with a system
+    message if given and the conversation has none), ending where the assistant's reply begins;
+    raw, or no template: the text (a conversation needs the template)."""
+    if isinstance(prompt, list):
+        if raw or not tokenizer.chat_template:
+            raise UsageError(
+                "a conversation is laid out by the model's chat template, and this model has none "
+                "(or --raw was given); use a chat model, or a single prompt"
+            )
+        messages = prompt
+    elif not prompt.strip():
         raise UsageError("the prompt is empty; pass some text with --prompt")
-    if raw or not tokenizer.chat_template:
-        return tokenizer(text).input_ids
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    elif raw or not tokenizer.chat_template:
+        return tokenizer(prompt).input_ids
+    else:
+        messages = [{"role": "user", "content": prompt}]
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}] + messages
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # the template's own refusal (jinja), e.g. roles that must alternate
+        raise UsageError(
+            f"the model's chat template refuses this conversation ({' '.join(str(e).split())}); "
+            "fix its turns"
+        ) from None
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -13,6 +13,7 @@ Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, writable_folder, empty_folder     paths, checked before the work
     check_text, check_counts, read_prompts           text, numbers and prompt files
+    check_messages                                   a {"messages": [...]} conversation
     cache_root()                                     the folder for what is made once per machine
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_reliability.py`.
@@ -291,9 +292,33 @@ def check_text(text, what):
     return text
 
 
+ROLES = ("system", "user", "assistant")  # the speakers of a {"messages": [...]} conversation
+
+
+def check_messages(messages, where, ends_with_user=True):
+    """A conversation as chat templates take it: a list of {"role", "content"}, roles among ROLES,
+    contents valid text; ending with the user's turn (the one to answer) unless told otherwise."""
+    example = '{"messages": [{"role": "user", "content": "..."}, ...]}'
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: needs a non-empty list of messages, as in {example}")
+    for i, m in enumerate(messages, start=1):
+        if not (
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        ):
+            raise UsageError(
+                f'{where}: message {i} needs a "role" ({", ".join(ROLES)}) and a string '
+                f'"content", as in {example}'
+            )
+        check_text(m["content"], f"{where}, message {i}")
+    if ends_with_user and messages[-1]["role"] != "user":
+        raise UsageError(f"{where}: the last message is the one answered: it must be the user's")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def read_prompts(path):
-    """JSONL with a "prompt" field (and optional "id", "category"): [(id, prompt, category)],
-    errors name the line."""
+    """JSONL with a "prompt" field, or a "messages" list (a conversation whose last, user's, turn
+    is answered), and optional "id", "category": [(id, prompt or messages, category)], errors name
+    the line."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of line 1
             lines = f.read().splitlines()
@@ -315,10 +340,14 @@ def read_prompts(path):
                 f'--prompts {path}, line {n}: not valid JSON; write one {{"prompt": "..."}} '
                 "object per line"
             )
+        if isinstance(obj, dict) and "messages" in obj and "prompt" not in obj:
+            messages = check_messages(obj["messages"], f"--prompts {path}, line {n}")
+            prompts.append((obj.get("id", n), messages, obj.get("category", "all")))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise UsageError(
                 f'--prompts {path}, line {n}: needs a string field "prompt", as in '
-                f'{{"prompt": "..."}}'
+                f'{{"prompt": "..."}}, or a conversation {{"messages": [...]}}'
             )
         if not obj["prompt"].strip():
             raise UsageError(

@@ -15,8 +15,12 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
     PaSS(model, embeddings, gamma, guesses)   learned [LA] tokens after the tree: the model drafts
                                               for itself
 
-    d.start(prompt, hidden, max_len)      a new sequence: the prompt ids, the base model's hidden
-                                          states over them (1, T, D), room for max_len positions
+    d.start(prompt, hidden, max_len, kept=0)   a new sequence: the prompt ids, the base model's
+                                          hidden states over them (1, T, D), room for max_len
+                                          positions; kept > 0: the last sequence goes on (a
+                                          conversation's next turn, generate.Conversation): its
+                                          first kept tokens are prompt[:kept], the state held for
+                                          them stays, hidden covers prompt[kept:] only
     d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
     d.accept(tokens, hidden, positions, logits)   what the base model committed (the root and the
                                           accepted drafts, their hidden states and positions) and
@@ -211,11 +215,13 @@ class HeadsDrafter:
     ):  # start() makes the state (h, Hydra++'s prefix cache): a shallow copy shares none
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len):
-        self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
-        self.h = self.heads.context(
-            hidden, torch.arange(len(prompt), device=hidden.device), self.cache
-        )[:, -1]  # (1, D)
+    def start(self, prompt, hidden, max_len, kept=0):
+        if not kept:
+            self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
+        elif self.cache is not None:  # it holds the whole last sequence (accept() every step)
+            self.cache.length = kept
+        positions = torch.arange(kept, len(prompt), device=hidden.device)
+        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
     def draft(self, root):
         tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)  # (N,)
@@ -240,7 +246,7 @@ class Plain:
     def row(self):
         return self
 
-    def start(self, prompt, hidden, max_len):
+    def start(self, prompt, hidden, max_len, kept=0):
         pass
 
     def draft(self, root):
@@ -288,7 +294,7 @@ class Lookup:
     def row(self):  # start() makes the state (the text, its index): a shallow copy shares none
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len):
+    def start(self, prompt, hidden, max_len, kept=0):  # kept: the index is rebuilt, a few ms
         self.text = []  # the committed text
         self.ends = {}  # n-gram -> indices just after each occurrence
         self.length = self.gamma  # tokens proposed a step (adapt)
@@ -393,10 +399,13 @@ class ModelDrafter:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
-    def start(self, prompt, hidden, max_len):
-        kept = None if self.layers is None else len(self.layers)
-        self.cache = self.model.new_cache(max_len, num_layers=kept)
-        self.pending = list(prompt)
+    def start(self, prompt, hidden, max_len, kept=0):
+        if not kept:
+            runs = None if self.layers is None else len(self.layers)
+            self.cache = self.model.new_cache(max_len, num_layers=runs)
+        # its cache holds a prefix of the accepted sequence, maybe shorter than kept: fed later
+        self.cache.length = min(self.cache.length, kept)
+        self.pending = list(prompt[self.cache.length :])
 
     def _next(self, tokens):
         """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or
@@ -469,9 +478,9 @@ class HeadsPlusLookup:
         pair.heads, pair.lookup = self.heads.row(), self.lookup.row()
         return pair
 
-    def start(self, prompt, hidden, max_len):
-        self.heads.start(prompt, hidden, max_len)
-        self.lookup.start(prompt, hidden, max_len)
+    def start(self, prompt, hidden, max_len, kept=0):
+        self.heads.start(prompt, hidden, max_len, kept)
+        self.lookup.start(prompt, hidden, max_len, kept)
 
     def draft(self, root):
         copied = draft_nodes(self.lookup.draft(root))
@@ -528,7 +537,7 @@ class Jacobi:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
-    def start(self, prompt, hidden, max_len):
+    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         self.guesses = []
 
     def draft(self, root):
@@ -593,7 +602,7 @@ class Lookahead:
         self.max_depth = ngram - 1
         self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
 
-    def start(self, prompt, hidden, max_len):
+    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         fill = itertools.cycle(prompt)
         self.levels = [
             [next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)
@@ -688,7 +697,7 @@ class PaSS:
         self.max_nodes = n * (K + 1)
         self.max_depth = K
 
-    def start(self, prompt, hidden, max_len):
+    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         self.first = self.rest = None
 
     def draft(self, root):

@@ -15,6 +15,9 @@ propose tokens, one forward verifies them.
     python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
     python generate.py --prompts mine.jsonl --online --online-save my-heads   # heads that learn
+    python generate.py --chat                          # talk; the KV cache is kept between turns
+    python generate.py --chat --draft heads+lookup --system "Answer briefly." --quiet
+    printf 'Hi!\nAnd then?\n/save chat.jsonl\n' | python generate.py --chat   # a line a turn
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -29,12 +32,16 @@ The loop runs B sequences side by side (generate_batch; generate() is one): each
 tree, padded to the batch's node count; one forward scores them all, at positions that are the
 row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
 leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
+A Conversation keeps the KV cache from one reply to the next (--chat): each turn the template lays
+the whole conversation out, the cache keeps what it shares with that, and only the rest is
+forwarded; the drafter's state follows the same cut (drafter.start's kept).
 
-Contracts (tests/test_generate.py, tests/test_drafters.py, tests/test_batch.py): greedy speculative
-output is token-identical to plain greedy decoding in fp32, whatever the drafter (in bf16 a tree
-step and a one-token step round differently, so near-ties can flip); speculative sampling samples
-from the base model's own distribution; a row of a batch is its prompt decoded alone (greedy, fp32)
-or, sampled, decoded alone with its own generator. The command line (flags, checks, printing,
+Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
+speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter (in
+bf16 a tree step and a one-token step round differently, so near-ties can flip); speculative
+sampling samples from the base model's own distribution; a row of a batch is its prompt decoded
+alone (greedy, fp32) or, sampled, decoded alone with its own generator; a chat's reply is the
+one-shot reply to the same conversation (greedy, fp32). The command line (flags, checks, printing,
 main) is the last section of this file (tests/test_cli.py).
 Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
@@ -150,6 +157,7 @@ def generate_batch(
     on_tokens=None,
     observe=None,
     batch_size=None,
+    cache=None,
 ) -> list:
     """Decode the prompts (lists of ids), up to max_new_tokens[i] new tokens each, verifying what
     `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding); a Result per
@@ -163,7 +171,10 @@ def generate_batch(
     drafter.legend); observe(i, hidden (n, D), logits (m, V)) after every forward with what the base
     model computed for prompt i: its final hidden states at the n positions the forward added to
     the sequence (the prompt, then each step's root and accepted drafts), and its logits for the m
-    tokens just emitted (the teacher a drafter learns from: train.py's features, online.py)."""
+    tokens just emitted (the teacher a drafter learns from: train.py's features, online.py).
+    cache: a one-row KVCache to go on from (Conversation, one prompt): its slots
+    [0, cache.length) hold prompt[:cache.length], which is not forwarded again, and the drafter
+    goes on from its state for them (drafter.start's kept); None: a new cache."""
     dev, B = model.device, len(prompts)
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     generators = generators if generators is not None else [None] * B
@@ -190,7 +201,9 @@ def generate_batch(
     results = [Result() for _ in prompts]
     waiting = list(range(B))[::-1]  # prompt indices; pop() takes the next in order
     max_len = max(len(p) + n for p, n in zip(prompts, max_new_tokens)) + drafter.max_nodes
-    cache = model.new_cache(max_len, batch=size)
+    going_on = cache is not None  # a conversation's cache: the prompt's start is in it already
+    assert not going_on or (B == 1 and cache.length < len(prompts[0])), "one row, a prefix"
+    cache = cache if going_on else model.new_cache(max_len, batch=size)
     rows = [None] * size  # the Row in each cache row; None: free (its sequence ended)
     idle = drafters_lib.Plain(dev)  # what a free row drafts: a root nobody keeps
 
@@ -213,26 +226,30 @@ def generate_batch(
 
     def begin(free):
         """The next waiting prompts take the free cache rows: prefilled, right-padded, in one
-        forward of their own (causal: no prompt sees the padding after it); each row's logits at
-        its last prompt token give its first token."""
+        forward of their own (causal: no prompt sees the padding after it), into a cache of their
+        own that then takes those rows (a conversation's goes on in its cache, after what it
+        holds); each row's logits at its last prompt token give its first token."""
         started = time.perf_counter()
         picked = [waiting.pop() for _ in free]
         lengths = [len(prompts[i]) for i in picked]
         L = max(lengths)
+        into = cache if going_on else model.new_cache(L, batch=len(picked))
+        cached = into.length  # the prompt's tokens in the cache already (0: a new sequence)
         padded = torch.tensor(
-            [prompts[i] + [0] * (L - len(prompts[i])) for i in picked], device=dev
-        )
-        fresh = model.new_cache(L, batch=len(picked))
-        _, hidden = model(padded, torch.arange(L, device=dev), None, fresh, last_only=True)
-        last = hidden[torch.arange(len(picked), device=dev), torch.tensor(lengths, device=dev) - 1]
-        logits = model.lm_head(last)  # (r, V)
-        fresh.keep(*[range(n) for n in lengths])  # row j: slots [0, len(prompt j))
-        cache.put(free, fresh)
+            [prompts[i][cached:] + [0] * (L - len(prompts[i])) for i in picked], device=dev
+        )  # (r, L - cached)
+        _, hidden = model(padded, torch.arange(cached, L, device=dev), None, into, last_only=True)
+        last = torch.tensor(lengths, device=dev) - 1 - cached  # (r,) each row's last prompt token
+        logits = model.lm_head(hidden[torch.arange(len(picked), device=dev), last])  # (r, V)
+        into.keep(*[range(n - cached) for n in lengths])  # row j: slots [0, len(prompt j))
+        if not going_on:
+            cache.put(free, into)
         for j, (slot, i) in enumerate(zip(free, picked)):
             own = drafter if size == 1 else drafter.row()
             verifier = choose_verifier(verify, temperature, top_p, generators[i])
             row = Row(i, max_new_tokens[i], own, verifier, results[i], started)
-            row.drafter.start(prompts[i], hidden[j : j + 1, : lengths[j]], max_len)
+            new = hidden[j : j + 1, : lengths[j] - cached]  # the prompt's, past the cached part
+            row.drafter.start(prompts[i], new, cache.max_len, cached)
             probs = verify_lib.logits_to_probs(logits[j].float(), temperature, top_p)  # (V,)
             if verify_lib.is_greedy(temperature):
                 row.root = int(probs.argmax())
@@ -240,7 +257,7 @@ def generate_batch(
                 row.root = int(verify_lib.sample(probs, generators[i]))
             row.out.steps = 1
             if observe:
-                observe(i, hidden[j, : lengths[j]], logits[j : j + 1])
+                observe(i, new[0], logits[j : j + 1])
             if not emit(row, [row.root], [0]):
                 rows[slot] = row
 
@@ -288,12 +305,12 @@ def generate_batch(
             out.accepted.append(min(len(nodes) - 1, emitted))
             if observe:
                 observe(row.index, hidden[b, nodes[:emitted]], logits[b, nodes[:emitted]])
+            # the last step too: the drafter's state then covers the whole cache (Conversation)
+            row.drafter.accept(
+                kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
+            )
             if ended:
                 rows[b] = None  # free: the next waiting prompt takes its cache row
-            else:
-                row.drafter.accept(
-                    kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
-                )
             row.root = bonus
     return results
 
@@ -309,9 +326,11 @@ def generate(
     generator=None,
     eos_ids=(),
     on_tokens=None,
+    cache=None,
 ) -> Result:
     """Decode up to max_new_tokens after `prompt` (list of ids): generate_batch with one row.
-    on_tokens(new_ids, sources) is called as tokens are produced."""
+    on_tokens(new_ids, sources) is called as tokens are produced; cache: one to go on from
+    (generate_batch)."""
     stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
     return generate_batch(
         model,
@@ -324,7 +343,57 @@ def generate(
         [generator],
         eos_ids,
         stream,
+        cache=cache,
     )[0]
+
+
+# --- a conversation that keeps its cache ---------------------------------------------------------
+# Each turn the caller renders the whole conversation with the chat template; the cache keeps the
+# longest common prefix of those ids with the ids it holds and only the rest is prefilled
+# (ALGORITHMS.md 7c). A template may render an earlier turn differently from how it was generated
+# (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
+
+
+def common_prefix(a, b) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """A KV cache that outlives the reply, the ids it holds, and the drafter that follows it.
+
+    Invariant: cache slots [0, len(self.ids)) hold the keys/values of self.ids, and the drafter's
+    state covers at least those ids (generate_batch calls its accept() every step, the last one
+    included). After a reply, self.ids = the prompt and every token emitted but the last: the last
+    was never forwarded (its logits were not needed), whether it ended at EOS or at the length
+    limit; the next turn forwards it if the template renders it. Slots past len(self.ids) are
+    garbage, as in the KVCache. A reply stopped by an exception (Ctrl-C) keeps the cut it started
+    from: what it wrote since is not trusted."""
+
+    def __init__(self, model, drafter=None):
+        self.model = model
+        self.drafter = drafter if drafter is not None else drafters_lib.Plain(model.device)
+        # room for the whole context, and a last step's tree past it
+        self.cache = model.new_cache(model.cfg.max_seq_len + self.drafter.max_nodes)
+        self.ids = []
+        self.forwarded = 0  # the positions the last reply's prefill forwarded (tests, statistics)
+
+    def reply(self, prompt, max_new_tokens, **decoding) -> Result:
+        """generate() after `prompt` (the whole conversation's ids, ending where the reply begins),
+        forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
+        # the last prompt token is always forwarded: its logits give the reply's first token
+        kept = common_prefix(self.ids, prompt[:-1])
+        self.ids = self.ids[:kept]
+        self.cache.length = kept
+        self.forwarded = len(prompt) - kept
+        r = generate(self.model, prompt, max_new_tokens, self.drafter, cache=self.cache, **decoding)
+        self.ids = prompt + r.tokens[:-1]
+        return r
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -343,9 +412,19 @@ def build_parser():
     # what to say
     p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
     p.add_argument(
-        "--prompts", help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt'
+        "--prompts",
+        help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt; a line '
+        '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last, user\'s, '
+        "message is answered",
     )
     p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="talk: type a message, the reply streams, type the next; the KV cache is kept from "
+        "turn to turn, so each turn forwards only what is new (/help lists the commands, Ctrl-D "
+        "ends)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -534,7 +613,11 @@ def build_parser():
         "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a "
         "terminal",
     )
-    p.add_argument("--quiet", action="store_true", help="do not stream text (statistics only)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not stream text (statistics only); with --chat: no statistics line",
+    )
     return p
 
 
@@ -558,7 +641,7 @@ def flags_without_effect(args, parser):
         ignored.append("--system has no effect with --raw (no chat template)")
     if args.show and args.batch_size > 1:
         ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
-    elif args.show and args.quiet:
+    elif args.show and args.quiet and not args.chat:
         ignored.append("--show has no effect with --quiet (no text is printed)")
     elif args.show and not sys.stdout.isatty():
         ignored.append(
@@ -570,8 +653,10 @@ def flags_without_effect(args, parser):
 def check_args(args, parser):
     """The checks that need no model; remarks for flags without effect. Returns --draft's kind,
     its argument (N of layers:N, pass's folder) and its drafter's settings."""
-    if args.prompt is None and args.prompts is None:
-        raise cli.UsageError('give a --prompt "..." or a --prompts FILE.jsonl')
+    if args.chat:
+        check_chat_flags(args)
+    elif args.prompt is None and args.prompts is None:
+        raise cli.UsageError('give a --prompt "...", a --prompts FILE.jsonl, or --chat')
     if args.prompt is not None and args.prompts is not None:
         raise cli.UsageError("give either --prompt or --prompts, not both")
     if args.prompt is not None and not args.prompt.strip():
@@ -670,6 +755,20 @@ def check_online(args, kind):
                 "run), which saving would overwrite; give a new folder"
             )
         cli.writable_folder("--online-save", folder)
+
+
+def check_chat_flags(args):
+    """--chat reads its messages from the terminal and writes its replies there."""
+    for flag in ("prompt", "prompts", "out"):
+        if getattr(args, flag) is not None:
+            raise cli.UsageError(
+                f"--chat reads the messages from the terminal (or stdin, a line each) and streams "
+                f"the replies; drop --{flag}, or drop --chat"
+            )
+    if args.raw:
+        raise cli.UsageError("--chat lays the conversation out with the chat template; drop --raw")
+    if args.batch_size != 1:
+        raise cli.UsageError("--chat answers one conversation; drop --batch-size")
 
 
 def check_drafter_flags(kind, spec, heads, tree, draft_model):
@@ -927,6 +1026,192 @@ def check_batch_memory(model, encoded, batch_size, drafter, device):
         )
 
 
+# --chat: a conversation at the terminal
+
+CHAT_HELP = (
+    "[type a message and press Enter; /reset starts a new conversation, /save FILE appends it to "
+    'FILE as a {"messages": [...]} line (train.py reads those), /load FILE goes on with the last '
+    "conversation in FILE, /help shows this; a message that starts with / is typed //...; "
+    "Ctrl-C stops a reply (the conversation stays), Ctrl-D ends]"
+)
+
+
+def read_message(interactive):
+    """The next line typed, without its newline; None at the end (Ctrl-D, or stdin's end)."""
+    try:
+        return input("> " if interactive else "")
+    except EOFError:
+        return None
+
+
+def last_conversation(path):
+    """The messages of the last {"messages": [...]} line of a file (/save appends them)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise cli.UsageError(f"/load {path}: cannot read it ({reason}); the chat goes on") from None
+    if not lines:
+        raise cli.UsageError(f"/load {path}: the file is empty; the chat goes on")
+    try:
+        record = json.loads(lines[-1])
+    except (json.JSONDecodeError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or "messages" not in record:
+        raise cli.UsageError(
+            f'/load {path}: its last line is not a {{"messages": [...]}} object; the chat goes on'
+        )
+    return cli.check_messages(record["messages"], f"/load {path}", ends_with_user=False)
+
+
+class Chat:
+    """generate.py --chat: the messages so far, laid out by the chat template every turn and
+    answered by a Conversation, which forwards only what its cache does not hold yet. A mistake
+    (an unknown command, a file that cannot be read, a message that cannot fit) is one line on
+    stderr, and the conversation stays as it was."""
+
+    def __init__(
+        self, conversation, tokenizer, system, max_new_tokens, decoding, show, stats, learner=None
+    ):
+        self.conversation = conversation
+        self.tokenizer = tokenizer
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
+        self.decoding = decoding  # Conversation.reply's: verify, temperature, ..., eos_ids
+        self.show = show
+        self.stats = stats
+        self.learner = learner  # --online: the heads learn between turns
+
+    def run(self, interactive):
+        """Read, answer, repeat, until the end of the input; the exit code."""
+        if interactive:
+            print(CHAT_HELP, file=sys.stderr)
+        while True:
+            try:
+                line = read_message(interactive)
+            except KeyboardInterrupt:  # at the prompt: a fresh one
+                print(file=sys.stderr)
+                continue
+            if line is None:
+                return 0
+            try:
+                if line.startswith("/") and not line.startswith("//"):
+                    self.command(line)
+                else:
+                    self.say(line.removeprefix("/"))
+            except cli.UsageError as e:
+                print(cli.error_line(e), file=sys.stderr)
+
+    def command(self, line):
+        name, _, path = line.partition(" ")
+        path = path.strip()
+        if name == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+        elif name == "/reset":
+            self.messages = list(self.system)  # the cache keeps what the next turn shares with it
+            print("[a new conversation]", file=sys.stderr)
+        elif name in ("/save", "/load") and not path:
+            raise cli.UsageError(f"{name} needs a file name, as in {name} chat.jsonl")
+        elif name == "/save":
+            self.save(path)
+        elif name == "/load":
+            messages = last_conversation(path)
+            self.layout(messages)  # the template takes it (else: refused, the chat goes on)
+            self.messages = messages
+            print(f"[{len(messages)} messages loaded from {path}]", file=sys.stderr)
+            if messages[-1]["role"] == "user":  # a question waiting: answer it
+                self.answer(messages)
+        else:
+            raise cli.UsageError(f"unknown command {name}; /help lists them")
+
+    def save(self, path):
+        try:
+            with open(path, "a", encoding="utf-8") as f:  # appended: nothing already there is lost
+                f.write(json.dumps({"messages": self.messages}, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise cli.UsageError(
+                f"/save {path}: cannot write it ({e.strerror}); give a file in a writable folder"
+            ) from None
+        print(f"[{len(self.messages)} messages appended to {path}]", file=sys.stderr)
+
+    def layout(self, messages):
+        """The conversation's ids, up to where the assistant's reply begins."""
+        return checkpoint.encode(self.tokenizer, messages)
+
+    def say(self, text):
+        if not text.strip():
+            raise cli.UsageError("the message is empty; type some text (/help lists the commands)")
+        self.answer(self.messages + [{"role": "user", "content": cli.check_text(text, "message")}])
+
+    def fit(self, messages):
+        """(messages, their ids, the reply's most new tokens): while the reply would not fit the
+        context, the oldest turn and its answer are dropped (said in one line); a last message that
+        cannot fit alone is refused."""
+        context = self.conversation.model.cfg.max_seq_len
+        want = self.max_new_tokens or MAX_NEW_TOKENS
+        first = 1 if messages[0]["role"] == "system" else 0  # a system message always stays
+        ids = self.layout(messages)
+        dropped = 0
+        while len(ids) + want > context and len(messages) > first + 1:
+            turns = messages[first:]
+            answered = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), 1)
+            messages = messages[:first] + turns[answered:]
+            dropped += answered
+            ids = self.layout(messages)
+        room = context - len(ids)
+        if room < 1:
+            raise cli.UsageError(
+                f"the message takes {len(ids)} tokens laid out, the model's context holds "
+                f"{context}; shorten it"
+            )
+        if dropped:
+            cli.notice(f"the context is full: the oldest {dropped} messages are dropped")
+        if room < want:
+            cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
+        return messages, ids, min(want, room)
+
+    def answer(self, messages):
+        """Stream the reply to messages (the last one the user's); it joins the conversation.
+        Returns its Result (None if Ctrl-C stopped it)."""
+        messages, ids, limit = self.fit(messages)
+        printer = Printer(self.tokenizer, self.show)
+        t0 = time.perf_counter()
+        first = []  # when the first token came: the time the user waits
+
+        def on_tokens(new, sources):
+            if not first:
+                first.append(time.perf_counter())
+            printer(new, sources)
+
+        try:
+            r = self.conversation.reply(ids, limit, on_tokens=on_tokens, **self.decoding)
+        except KeyboardInterrupt:  # what was streamed stays, as the user saw it
+            print()
+            text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
+            if text:
+                self.messages = messages + [{"role": "assistant", "content": text}]
+            print(
+                "[stopped" + ("; the reply so far stays in the conversation]" if text else "]"),
+                file=sys.stderr,
+            )
+            return None
+        print()
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        if self.learner:  # between turns: the next reply drafts with what this one taught
+            self.learner.reply_done()
+        if self.stats:
+            print(
+                stats_line(r, self.conversation.drafter.max_depth)[:-1]
+                + f", {self.conversation.forwarded} of {len(ids)} prompt tokens forwarded, first "
+                f"token after {first[0] - t0:.2f} s]",
+                file=sys.stderr,
+            )
+        return r
+
+
 def open_output(path):
     """--out, opened for writing (None: no file)."""
     try:
@@ -938,7 +1223,7 @@ def open_output(path):
 def main(args):
     made = cli.new_folders(args.online_save)  # removed again if the run stops before saving
     try:
-        run_main(args)
+        return run_main(args)
     finally:
         cli.remove_empty(made)
 
@@ -950,8 +1235,11 @@ def run_main(args):
     dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
-    prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
-    batch_size = min(args.batch_size, len(prompts))
+    if args.chat:  # the messages come from the terminal
+        prompts = []
+    else:
+        prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    batch_size = min(args.batch_size, len(prompts)) if prompts else 1
     if batch_size < args.batch_size:
         cli.notice(
             f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
@@ -964,15 +1252,18 @@ def run_main(args):
     sampled = temperature > 0 and args.verify in ("auto", "sample")
     torch.manual_seed(args.seed)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
+    if args.chat and not tokenizer.chat_template:
+        raise cli.UsageError(
+            f"--chat: {args.model} has no chat template (tokenizer_config.json's chat_template) "
+            "to lay a conversation out; use a chat model, or --prompt with --raw"
+        )
     if args.quantize != "none":
         kernels.quantize(model, args.quantize)
     if args.quantize == "fp16" and not kernels.fp16_rows_alone():
         cli.notice(
             "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
-            "rows "
-            "beside it: greedy speculative output may part from plain greedy output on fp16 "
-            "weights; "
-            "--quantize none keeps them identical"
+            "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
+            "weights; --quantize none keeps them identical"
         )
     generator = torch.Generator(device=device).manual_seed(args.seed)
     drafter = load_drafter(
@@ -1024,6 +1315,21 @@ def run_main(args):
     )
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(legend_line(drafter), file=sys.stderr)
+    if args.chat:
+        decoding = dict(
+            verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
+        )
+        chat = Chat(
+            Conversation(model, drafter),
+            tokenizer,
+            args.system,
+            args.max_new_tokens,
+            decoding | {"eos_ids": eos},
+            show,
+            stats=not args.quiet,
+            learner=learner,
+        )
+        return chat.run(interactive=sys.stdin.isatty())
     total = Result()
 
     def finish(pid, r):  # statistics, the totals and the --out line of one reply

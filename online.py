@@ -208,9 +208,11 @@ class OnlineHeads:
         other.inner = self.inner.row()
         return other
 
-    def start(self, prompt, hidden, max_len):
-        self.inner.start(prompt, hidden, max_len)
-        self.record = self.learner.new_record(prompt, hidden)
+    def start(self, prompt, hidden, max_len, kept=0):
+        self.inner.start(prompt, hidden, max_len, kept)
+        # a conversation's later turn (kept > 0): the record holds what is forwarded now; the turns
+        # before it taught the learner already
+        self.record = self.learner.new_record(prompt[kept:], hidden)
 
     def draft(self, root):
         self.drafted = self.inner.draft(root)

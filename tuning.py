@@ -961,8 +961,8 @@ class Counted:
             drafter.max_depth,
         )
 
-    def start(self, prompt, hidden, max_len):
-        self.drafter.start(prompt, hidden, max_len)
+    def start(self, prompt, hidden, max_len, kept=0):
+        self.drafter.start(prompt, hidden, max_len, kept)
 
     def draft(self, root):
         d = self.drafter.draft(root)

@@ -113,8 +113,8 @@ class Checked(D.ModelDrafter):
     """A ModelDrafter that, after every step, compares its cache with a fresh forward of the
     accepted sequence and checks that what is not cached is exactly `pending`."""
 
-    def start(self, prompt, hidden, max_len):
-        super().start(prompt, hidden, max_len)
+    def start(self, prompt, hidden, max_len, kept=0):
+        super().start(prompt, hidden, max_len, kept)
         self.seq, self.checked = list(prompt), 0
 
     def accept(self, tokens, hidden, positions, logits):
@@ -137,7 +137,7 @@ def test_draft_cache_holds_the_accepted_sequence(small, which):
         else Checked(noisy_copy(small), 3, 0.0, 1.0, None)
     )
     r = G.generate(small, [3, 1, 4, 1, 5], 40, d)
-    assert d.checked == r.steps - 2  # every step but the prefill and the last
+    assert d.checked == r.steps - 1  # every step but the prefill: the last one too
     assert 0 < sum(r.accepted) < 3 * len(r.accepted), "want partial acceptance: the cut-back path"
 
 
