@@ -48,7 +48,7 @@ def make_drafter(name, model):
         heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
         return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
     if name == "layers":
-        return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, num_layers=1)
+        return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
     return drafters.Lookahead(3, 3, 2, "cpu")
 
 
