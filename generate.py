@@ -228,12 +228,15 @@ def generate_batch(
         """The next waiting prompts take the free cache rows: prefilled, right-padded, in one
         forward of their own (causal: no prompt sees the padding after it), into a cache of their
         own that then takes those rows (a conversation's goes on in its cache, after what it
-        holds); each row's logits at its last prompt token give its first token."""
+        holds; the first prompts of a new cache go straight in); each row's logits at its last
+        prompt token give its first token."""
         started = time.perf_counter()
         picked = [waiting.pop() for _ in free]
         lengths = [len(prompts[i]) for i in picked]
         L = max(lengths)
-        into = cache if going_on else model.new_cache(L, batch=len(picked))
+        # a new cache's rows all at once: prefilled in place; else in a cache of their own
+        whole = free == list(range(size)) and cache.length == 0
+        into = cache if going_on or whole else model.new_cache(L, batch=len(picked))
         cached = into.length  # the prompt's tokens in the cache already (0: a new sequence)
         padded = torch.tensor(
             [prompts[i][cached:] + [0] * (L - len(prompts[i])) for i in picked], device=dev
@@ -242,7 +245,7 @@ def generate_batch(
         last = torch.tensor(lengths, device=dev) - 1 - cached  # (r,) each row's last prompt token
         logits = model.lm_head(hidden[torch.arange(len(picked), device=dev), last])  # (r, V)
         into.keep(*[range(n - cached) for n in lengths])  # row j: slots [0, len(prompt j))
-        if not going_on:
+        if into is not cache:
             cache.put(free, into)
         for j, (slot, i) in enumerate(zip(free, picked)):
             own = drafter if size == 1 else drafter.row()
