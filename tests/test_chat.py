@@ -319,7 +319,10 @@ def test_a_chat_at_a_real_terminal(tmp_path):
     """Two turns, Ctrl-C in the middle of the second reply, /reset, Ctrl-D: exit code 0, no
     traceback, the stopped reply says so."""
     model = save_tiny_model(tmp_path / "m", max_position_embeddings=4096)
-    argv = [sys.executable, "generate.py", "--chat", "--model", model, "--max-new-tokens", "500"]
+    # replies long enough (2,000 tokens, seconds) that the Ctrl-C lands inside the second one;
+    # fp32: a tiny model's bf16 runs PyTorch's emulated kernels on AVX2, minutes for such replies
+    argv = [sys.executable, "generate.py", "--chat", "--model", model, "--dtype", "fp32"]
+    argv += ["--max-new-tokens", "2000"]
     pid, fd = pty.fork()
     if pid == 0:  # the child: a new session whose controlling terminal is the pty
         os.chdir(ROOT)
@@ -329,7 +332,7 @@ def test_a_chat_at_a_real_terminal(tmp_path):
     try:
         read_until(fd, b"> ", seen, timeout=120)
         os.write(fd, b"Hello!\n")
-        read_until(fd, b"first token after", seen)
+        read_until(fd, b"first token after", seen, timeout=300)
         read_until(fd, b"> ", seen)
         os.write(fd, b"Tell me more.\n")
         read_until(fd, b"Tell me more.\r\n", seen)  # the terminal's echo
