@@ -300,18 +300,26 @@ def test_chat_with_a_model_without_a_chat_template_is_refused(tiny_model_dir, tm
 # --- a real terminal -----------------------------------------------------------------------------
 
 
+class Screen(bytearray):
+    """What the terminal showed; `at`: where the next read_until looks from (past the last marker
+    found: a read may bring the next marker in the same chunk)."""
+
+    at = 0
+
+
 def read_until(fd, marker, seen, timeout=60):
-    """Read the terminal into `seen` (a bytearray) until `marker` appears after what was there."""
-    start = len(seen)
+    """Read the terminal into `seen` (a Screen) until `marker` appears past seen.at; move at past
+    it."""
     deadline = time.monotonic() + timeout
-    while marker not in seen[start:]:
+    while marker not in seen[seen.at :]:
         left = deadline - time.monotonic()
         assert left > 0, f"{marker!r} never came; the terminal showed {bytes(seen)!r}"
         if select.select([fd], [], [], left)[0]:
             try:
                 seen += os.read(fd, 4096)
             except OSError:  # the child closed the terminal
-                assert marker in seen[start:], f"{marker!r} never came: {bytes(seen)!r}"
+                assert marker in seen[seen.at :], f"{marker!r} never came: {bytes(seen)!r}"
+    seen.at = seen.index(marker, seen.at) + len(marker)
     return seen
 
 
@@ -328,7 +336,7 @@ def test_a_chat_at_a_real_terminal(tmp_path):
         os.chdir(ROOT)
         os.environ["OMP_NUM_THREADS"] = "1"
         os.execv(sys.executable, argv)
-    seen = bytearray()
+    seen = Screen()
     try:
         read_until(fd, b"> ", seen, timeout=120)
         os.write(fd, b"Hello!\n")
