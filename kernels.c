@@ -478,12 +478,13 @@ static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const
   }
 }
 
-/* y (T, H, Dh) = softmax(q k^T * scale + mask) v for q (H, T, Dh); k, v (Hkv, S, Dh) with
-   `head` elements between heads (a cache's view); query head h reads key/value head h / (H/Hkv).
-   mask (T, S) bytes, 1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even,
-   at most 256. Returns 0, or -1 where the scratch memory is not to be had. */
-int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, int S, long head,
-                const uint8_t *mask, float scale, bf16 *y) {
+/* For each of B batch rows: y (B, T, H, Dh) = softmax(q k^T * scale + mask) v for q (B, H, T, Dh);
+   row b's k, v (Hkv, S, Dh) start `row` elements after row b - 1's, with `head` elements between
+   heads (a cache's view); query head h reads key/value head h / (H/Hkv). mask (B, T, S) bytes,
+   1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even, at most 256.
+   Returns 0, or -1 where the scratch memory is not to be had. */
+int attend_bf16(const bf16 *q, int B, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv,
+                int S, long row, long head, const uint8_t *mask, float scale, bf16 *y) {
   int failed = 0;
   #pragma omp parallel
   {
@@ -495,16 +496,18 @@ int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *
     }
     int listed = -1, n = 0;                               /* the query whose visible keys are listed */
     #pragma omp for schedule(static)
-    for (int th = 0; th < T * H; th++) {
-      int t = th / H, h = th % H;
+    for (int i = 0; i < B * T * H; i++) {
+      int bt = i / H, b = bt / T, t = bt % T, h = i % H;
       if (!keys || !p) continue;
-      if (t != listed) {                                  /* query t's visible keys, in order */
+      if (bt != listed) {                                 /* row b's query t: its visible keys, in order */
+        const uint8_t *seen = mask ? mask + (long)bt * S : NULL;
         n = 0;
         for (int s = 0; s < S; s++)
-          if (mask ? mask[(long)t * S + s] : s <= S - T + t) keys[n++] = s;
-        listed = t;
+          if (seen ? seen[s] : s <= S - T + t) keys[n++] = s;
+        listed = bt;
       }
-      attend_one(q, H, T, Dh, k, v, Hkv, head, keys, n, scale, y, h, t, p);
+      attend_one(q + (long)b * H * T * Dh, H, T, Dh, k + b * row, v + b * row, Hkv, head, keys, n,
+                 scale, y + (long)b * T * H * Dh, h, t, p);
     }
     free(keys);
     free(p);
@@ -513,8 +516,8 @@ int attend_bf16(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *
 }
 
 /* --- a decoder layer ---------------------------------------------------------------------------
-   One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of one sequence in
-   bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v biases and
+   One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of each sequence of a
+   batch in bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v biases and
    Qwen3's q/k norms.
    One call a layer instead of some forty PyTorch operations, each a trip through its dispatcher:
    the time a decode step spent between its products (results/kernels-cpu.md). Each step of the
@@ -563,6 +566,7 @@ static inline V sigmoid(V x) {   /* 1 / (1 + e^-x) */
    is SiLU, x sigmoid(x) (SwiGLU), or with gelu GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x +
    0.044715 x^3)), which is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GeGLU: Gemma). */
 static void gated(const bf16 *gu, int T, int F, int gelu, bf16 *act) {
+  #pragma omp parallel for schedule(static) if (T > 1)
   for (int t = 0; t < T; t++)
     for (int f = 0; f < F; f += VL) {
       int n = F - f;
@@ -573,47 +577,62 @@ static void gated(const bf16 *gu, int T, int F, int gelu, bf16 *act) {
     }
 }
 
-/* out (T, D) = the layer applied to x (T, D). Weights packed as linear_bf16 takes them, each
-   with its int8 scales or NULL: wqkv ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu
-   (2F: gate then up), wdown (D). cos, sin (T, Dh); the new keys and values go to slots
-   start..start+T of k_cache, v_cache
-   (Hkv heads, `head` elements apart, rows of Dh); mask (T, start + T) bytes or NULL (causal).
-   qnorm, knorm (Dh): Qwen3's RMSNorm of each q and k head before rotary, or NULL; gelu: GeGLU's
-   activation, not SwiGLU's. Returns 0, or -1 where scratch memory is not to be had. */
-int block_bf16(const bf16 *x, int T, int D, const bf16 *norm1, const bf16 *norm2, float eps,
-               const void *wqkv, const float *sqkv, const bf16 *bqkv, const bf16 *qnorm, const bf16 *knorm,
-               int H, int Hkv, int Dh, const bf16 *cos,
-               const bf16 *sin, bf16 *k_cache, bf16 *v_cache, long head, int start, const uint8_t *mask,
-               const void *wo, const float *so, const void *wgu, const float *sgu, int F, const void *wdown,
-               const float *sdown, int gelu, bf16 *out) {
-  int Q = (H + 2 * Hkv) * Dh, S = start + T;
-  bf16 *h = malloc(sizeof(bf16) * T * D), *qkv = malloc(sizeof(bf16) * T * Q), *q = malloc(sizeof(bf16) * T * H * Dh);
-  bf16 *y = malloc(sizeof(bf16) * T * H * Dh), *gu = malloc(sizeof(bf16) * T * 2 * F), *act = malloc(sizeof(bf16) * T * F);
+/* A decoder layer's weights, laid out once by kernels.py (NativeLayer) from a model.Block: its
+   sizes, its norms' weights, and its products packed as linear_bf16 takes them, each with its int8
+   scales or NULL: wqkv ((H + 2 Hkv) Dh outputs, bias bqkv or NULL), wo (D), wgu (2F: gate then
+   up), wdown (D). qnorm, knorm (Dh): Qwen3's RMSNorm of each q and k head before rotary, or NULL;
+   gelu: GeGLU's activation, not SwiGLU's. */
+typedef struct {
+  int D, H, Hkv, Dh, F, gelu;
+  float eps;
+  const bf16 *norm1, *norm2, *bqkv, *qnorm, *knorm;
+  const void *wqkv, *wo, *wgu, *wdown;
+  const float *sqkv, *so, *sgu, *sdown;
+} Layer;
+
+/* out (B, T, D) = the layer L applied to x (B, T, D): B batch rows of T new tokens each. cos, sin
+   (B, T, Dh): each token's rotary. Row b's cache starts `row` elements after row b - 1's, its
+   Hkv heads `head` elements apart, rows of Dh; the new keys and values go to its slots
+   start..start+T. mask (B, T, start + T) bytes or NULL (causal). Returns 0, or -1 where scratch
+   memory is not to be had. */
+int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, const bf16 *sin,
+               bf16 *k_cache, bf16 *v_cache, long row, long head, int start, const uint8_t *mask,
+               bf16 *out) {
+  const int D = L->D, H = L->H, Hkv = L->Hkv, Dh = L->Dh, F = L->F, M = B * T;
+  const int Q = (H + 2 * Hkv) * Dh, S = start + T;
+  bf16 *h = malloc(sizeof(bf16) * M * D), *qkv = malloc(sizeof(bf16) * M * Q);
+  bf16 *q = malloc(sizeof(bf16) * M * H * Dh), *y = malloc(sizeof(bf16) * M * H * Dh);
+  bf16 *gu = malloc(sizeof(bf16) * M * 2 * F), *act = malloc(sizeof(bf16) * M * F);
   int failed = !h || !qkv || !q || !y || !gu || !act;
   if (!failed) {
-    rms_norm(x, T, D, norm1, eps, h);                                       /* input_layernorm */
-    linear_bf16(h, T, D, wqkv, sqkv, Q, bqkv, NULL, qkv);                   /* q, k, v */
-    for (int t = 0; t < T; t++) {                                           /* rotary; k and v into the cache */
-      const bf16 *row = qkv + (long)t * Q, *ct = cos + (long)t * Dh, *st = sin + (long)t * Dh;
+    rms_norm(x, M, D, L->norm1, L->eps, h);                                 /* input_layernorm */
+    linear_bf16(h, M, D, L->wqkv, L->sqkv, Q, L->bqkv, NULL, qkv);          /* q, k, v */
+    #pragma omp parallel for schedule(static) if (M > 1)
+    for (int bt = 0; bt < M; bt++) {                                        /* rotary; k and v into the cache */
+      int b = bt / T, t = bt % T;
+      const bf16 *r = qkv + (long)bt * Q, *ct = cos + (long)bt * Dh, *st = sin + (long)bt * Dh;
+      bf16 *kb = k_cache + b * row, *vb = v_cache + b * row;
       bf16 normed[256];                                                       /* a q or k head after its norm */
       for (int i = 0; i < H; i++) {
-        if (qnorm) rms_norm(row + i * Dh, 1, Dh, qnorm, eps, normed);
-        rope_row(qnorm ? normed : row + i * Dh, ct, st, Dh, q + ((long)i * T + t) * Dh);
+        if (L->qnorm) rms_norm(r + i * Dh, 1, Dh, L->qnorm, L->eps, normed);
+        rope_row(L->qnorm ? normed : r + i * Dh, ct, st, Dh, q + (((long)b * H + i) * T + t) * Dh);
       }
       for (int i = 0; i < Hkv; i++) {
-        if (knorm) rms_norm(row + (H + i) * Dh, 1, Dh, knorm, eps, normed);
-        rope_row(knorm ? normed : row + (H + i) * Dh, ct, st, Dh, k_cache + i * head + (long)(start + t) * Dh);
-        for (int d = 0; d < Dh; d++) v_cache[i * head + (long)(start + t) * Dh + d] = row[(H + Hkv + i) * Dh + d];
+        long slot = i * head + (long)(start + t) * Dh;
+        if (L->knorm) rms_norm(r + (H + i) * Dh, 1, Dh, L->knorm, L->eps, normed);
+        rope_row(L->knorm ? normed : r + (H + i) * Dh, ct, st, Dh, kb + slot);
+        memcpy(vb + slot, r + (H + Hkv + i) * Dh, sizeof(bf16) * Dh);
       }
     }
-    failed = attend_bf16(q, H, T, Dh, k_cache, v_cache, Hkv, S, head, mask, 1.f / sqrtf((float)Dh), y);
+    failed = attend_bf16(q, B, H, T, Dh, k_cache, v_cache, Hkv, S, row, head, mask,
+                         1.f / sqrtf((float)Dh), y);
   }
   if (!failed) {
-    linear_bf16(y, T, H * Dh, wo, so, D, NULL, x, out);                     /* x + o_proj(attention) */
-    rms_norm(out, T, D, norm2, eps, h);                                     /* post_attention_layernorm */
-    linear_bf16(h, T, D, wgu, sgu, 2 * F, NULL, NULL, gu);                  /* gate and up */
-    gated(gu, T, F, gelu, act);
-    linear_bf16(act, T, F, wdown, sdown, D, NULL, out, out);                /* + down_proj(act): in place, each output read then written */
+    linear_bf16(y, M, H * Dh, L->wo, L->so, D, NULL, x, out);               /* x + o_proj(attention) */
+    rms_norm(out, M, D, L->norm2, L->eps, h);                               /* post_attention_layernorm */
+    linear_bf16(h, M, D, L->wgu, L->sgu, 2 * F, NULL, NULL, gu);            /* gate and up */
+    gated(gu, M, F, L->gelu, act);
+    linear_bf16(act, M, F, L->wdown, L->sdown, D, NULL, out, out);          /* + down_proj(act): in place, each output read then written */
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;

@@ -305,42 +305,9 @@ def native():
     lib.kernels_isa.argtypes, lib.kernels_isa.restype = [], ctypes.c_char_p
     assert lib.kernels_isa().decode() == path, f"{built} is not kernels.c's {path} path"
     lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], None
-    lib.attend_bf16.argtypes, lib.attend_bf16.restype = (
-        [p, i, i, i, p, p, i, i, ctypes.c_long, p, f, p],
-        i,
-    )
-    lib.block_bf16.argtypes = [
-        p,
-        i,
-        i,
-        p,
-        p,
-        f,
-        p,
-        p,
-        p,
-        p,
-        p,
-        i,
-        i,
-        i,
-        p,
-        p,
-        p,
-        p,
-        ctypes.c_long,
-        i,
-        p,
-        p,
-        p,
-        p,
-        p,
-        i,
-        p,
-        p,
-        i,
-        p,
-    ]
+    lib.attend_bf16.argtypes = [p, i, i, i, i, p, p, i, i, ctypes.c_long, ctypes.c_long, p, f, p]
+    lib.attend_bf16.restype = i
+    lib.block_bf16.argtypes = [p, p, i, i, p, p, p, p, ctypes.c_long, ctypes.c_long, i, p, p]
     lib.block_bf16.restype = i
     return lib, None
 
@@ -631,20 +598,21 @@ def attend(q, k, v, mask):
 
 
 def attend_native(q, k, v, mask):
-    """model.attend's twin through kernels.c for one batch row of bf16: q (1, H, T, Dh); k, v
-    (1, Hkv, S, Dh), rows contiguous (the cache's views); mask (1, 1, T, S) bool or None (causal)
-    -> (1, H, T, Dh). Each query alone: a tree's node gets plain decoding's bits."""
-    _, H, T, Dh = q.shape
+    """model.attend's twin through kernels.c for bf16: q (B, H, T, Dh); k, v (B, Hkv, S, Dh), rows
+    contiguous (the cache's views); mask (B|1, 1, T, S) bool or None (causal) -> (B, H, T, Dh).
+    Each query alone: a tree's node gets plain decoding's bits."""
+    B, H, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     assert k.stride() == v.stride() and k.stride()[2:] == (Dh, 1), (
         "k and v: rows of Dh side by side, as the cache holds them"
     )
     q = q.contiguous()
-    # (T, S) bool: one byte each
-    visible = None if mask is None else mask.reshape(T, S).contiguous()
-    y = torch.empty(1, T, H, Dh, dtype=q.dtype)  # (1, T, H, Dh)
+    # (B, T, S) bool: one byte each
+    visible = None if mask is None else mask.expand(B, 1, T, S).reshape(B, T, S).contiguous()
+    y = torch.empty(B, T, H, Dh, dtype=q.dtype)  # (B, T, H, Dh)
     failed = native_library().attend_bf16(
         address(q),
+        B,
         H,
         T,
         Dh,
@@ -652,6 +620,7 @@ def attend_native(q, k, v, mask):
         address(v),
         Hkv,
         S,
+        k.stride(0),
         k.stride(1),
         address(visible),
         Dh**-0.5,
@@ -659,21 +628,19 @@ def attend_native(q, k, v, mask):
     )
     if failed:
         raise MemoryError(f"attention over {S} keys: no scratch memory")
-    return y.transpose(1, 2)  # (1, H, T, Dh)
+    return y.transpose(1, 2)  # (B, H, T, Dh)
 
 
 def native_attends(q, k, v, mask):
-    """Whether attend_native takes these: one batch row, a decode step or a tree (not a prefill),
-    Dh even and at most 256, k and v with the cache's layout."""
+    """Whether attend_native takes these: a decode step or a tree of each row (not a prefill), Dh
+    even and at most 256, k and v with the cache's layout."""
     return (
-        q.shape[0] == 1
-        and q.shape[2] <= 64
+        q.shape[2] <= 64
         and q.dtype == torch.bfloat16
         and q.shape[-1] <= 256
         and q.shape[-1] % 2 == 0
         and k.stride() == v.stride()
         and k.stride()[2:] == (q.shape[-1], 1)
-        and (mask is None or mask.shape[0] == 1)
     )
 
 
@@ -760,7 +727,7 @@ class FastAttention(model.Attention):
         if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
             return super().attend(q, k, v, mask)
         if self.kernels.native and native_attends(q, k, v, mask):
-            return attend_native(q, k, v, mask)  # (1, H, T, Dh)
+            return attend_native(q, k, v, mask)  # (B, H, T, Dh)
         return attend(q, k, v, mask)  # (B, H, T, Dh)
 
 
@@ -796,54 +763,70 @@ class FastMLP(model.MLP):
         return linear(self.act(gate) * up, self.down_proj.packed, None, residual)  # (B, T, D)
 
 
+class NativeLayer(ctypes.Structure):
+    """kernels.c's Layer: a decoder layer's sizes and the addresses of its weights, laid out once
+    (the packed products and norms it points to stay where they are while the layer is in use)."""
+
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("D", "H", "Hkv", "Dh", "F", "gelu")),
+        ("eps", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("norm1", "norm2", "bqkv", "qnorm", "knorm")),
+        *((name, ctypes.c_void_p) for name in ("wqkv", "wo", "wgu", "wdown")),
+        *((name, ctypes.c_void_p) for name in ("sqkv", "so", "sgu", "sdown")),
+    ]
+
+    def __init__(self, block):
+        c, attn, mlp = block.self_attn.cfg, block.self_attn, block.mlp
+        wqkv, bias = attn.packed
+        # kept here: the struct holds only its address
+        self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
+        products = (wqkv, attn.o_proj.packed, mlp.packed, mlp.down_proj.packed)
+        super().__init__(
+            D=c.dim,
+            H=c.n_heads,
+            Hkv=c.n_kv_heads,
+            Dh=c.head_dim,
+            F=c.hidden_dim,
+            gelu=c.activation != "silu",
+            eps=block.input_layernorm.eps,
+            norm1=address(block.input_layernorm.weight),
+            norm2=address(block.post_attention_layernorm.weight),
+            bqkv=address(self.bias),
+            qnorm=address(norms[0]),
+            knorm=address(norms[1]),
+            **{w: address(p.packed) for w, p in zip(("wqkv", "wo", "wgu", "wdown"), products)},
+            **{s: address(p.scale) for s, p in zip(("sqkv", "so", "sgu", "sdown"), products)},
+        )
+
+
 def block_native(block, x, cos, sin, mask, kv):
-    """model.Block's forward through kernels.c's block_bf16, one call for the layer: x (1, T, D)
-    bf16; cos, sin (1, 1, T, Dh); mask (1, 1, T, S) bool or None; kv = (k_cache, v_cache, start),
-    the layer's cache (1, Hkv, slots, Dh) each -> (1, T, D). The new keys and values are written
-    to the cache as model.Attention writes them."""
-    c, attn, mlp = block.self_attn.cfg, block.self_attn, block.mlp
-    (wqkv, bias), (k_cache, v_cache, start) = attn.packed, kv
-    wo, wgu, wdown = attn.o_proj.packed, mlp.packed, mlp.down_proj.packed
-    T, D = x.shape[1], x.shape[2]
-    x, out = x.contiguous(), torch.empty_like(x)  # (1, T, D) each
-    # (T, Dh)
-    cos, sin = (
-        cos.reshape(T, c.head_dim).contiguous(),
-        sin.reshape(T, c.head_dim).contiguous(),
-    )
-    visible = None if mask is None else mask.reshape(T, start + T).contiguous()  # (T, S) bool
-    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    # Qwen3's, over each head
-    norms = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
+    """model.Block's forward through kernels.c's block_bf16, one call for the layer: x (B, T, D)
+    bf16; cos, sin (B|1, 1, T, Dh); mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache,
+    start), the layer's cache (B, Hkv, slots, Dh) each -> (B, T, D). The new keys and values are
+    written to the cache as model.Attention writes them."""
+    if block.native_layer is None:
+        block.native_layer = NativeLayer(block)
+    (k_cache, v_cache, start), Dh = kv, block.self_attn.cfg.head_dim
+    B, T, _ = x.shape
+    x, out = x.contiguous(), torch.empty_like(x)  # (B, T, D) each
+    # (B, T, Dh)
+    cos, sin = (cos.expand(B, 1, T, Dh).contiguous(), sin.expand(B, 1, T, Dh).contiguous())
+    if mask is not None:  # (B, T, S) bool
+        mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
     failed = native_library().block_bf16(
+        ctypes.byref(block.native_layer),
         address(x),
+        B,
         T,
-        D,
-        address(block.input_layernorm.weight),
-        address(block.post_attention_layernorm.weight),
-        block.input_layernorm.eps,
-        address(wqkv.packed),
-        address(wqkv.scale),
-        address(bias),
-        *map(address, norms),
-        c.n_heads,
-        c.n_kv_heads,
-        c.head_dim,
         address(cos),
         address(sin),
         address(k_cache),
         address(v_cache),
+        k_cache.stride(0),
         k_cache.stride(1),
         start,
-        address(visible),
-        address(wo.packed),
-        address(wo.scale),
-        address(wgu.packed),
-        address(wgu.scale),
-        c.hidden_dim,
-        address(wdown.packed),
-        address(wdown.scale),
-        c.activation != "silu",
+        address(mask),
         address(out),
     )
     if failed:
@@ -852,8 +835,8 @@ def block_native(block, x, cos, sin, mask, kv):
 
 
 def native_block_takes(block, x, mask, kv):
-    """Whether block_native computes this layer's forward: every product on kernels.c, one batch row
-    of at most 64 new tokens, the cache's layout, SwiGLU or GeGLU, heads of at most 256."""
+    """Whether block_native computes this layer's forward: every product on kernels.c, at most 64
+    new tokens a batch row, the cache's layout, SwiGLU or GeGLU, heads of at most 256."""
     c = block.self_attn.cfg
     products = (
         block.self_attn.packed[0] if block.self_attn.packed else None,
@@ -863,7 +846,6 @@ def native_block_takes(block, x, mask, kv):
     )
     return (
         kv is not None
-        and x.shape[0] == 1
         and x.shape[1] <= 64
         and x.dtype == torch.bfloat16
         and c.activation in ("silu", "gelu_pytorch_tanh")
@@ -873,7 +855,6 @@ def native_block_takes(block, x, mask, kv):
         and block.input_layernorm.weight.dtype == torch.bfloat16
         and kv[0].stride() == kv[1].stride()
         and kv[0].stride()[2:] == (c.head_dim, 1)
-        and (mask is None or mask.shape[0] == 1)
     )
 
 
@@ -888,12 +869,13 @@ class FastBlock(model.Block):
 
     def prepare(self, kernels):
         self.kernels = kernels
+        self.native_layer = None  # block_native's NativeLayer, laid out at its first call
 
     def forward(self, x, cos, sin, attn_mask, kv=None):
         if torch.is_grad_enabled():
             return super().forward(x, cos, sin, attn_mask, kv)
         if self.kernels.native and native_block_takes(self, x, attn_mask, kv):
-            return block_native(self, x, cos, sin, attn_mask, kv)  # (1, T, D)
+            return block_native(self, x, cos, sin, attn_mask, kv)  # (B, T, D)
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)  # (B, T, D)
 
@@ -952,7 +934,7 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
         for m in module.modules():  # parents before their children
             if type(m) in READABLE:  # back to the readable class, without the prepacked copy
                 m.__class__ = READABLE[type(m)]
-                for name in ("kernels", "packed", "rotary"):
+                for name in ("kernels", "packed", "rotary", "native_layer"):
                     m.__dict__.pop(name, None)
             twin = TWINS.get(type(m))
             if twin is not None and id(m) not in fused and twin.wanted(m, kernels):

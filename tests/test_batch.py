@@ -8,10 +8,13 @@ import torch
 
 import drafters
 import generate as G
+import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
+import test_kernels
 from test_generate import random_heads
+from test_kernels import native_path  # noqa: F401 (a fixture)
 
 # prompts of 3 to 13 tokens; with EOS = 11 the rows end at different steps (after 40, 13, 3 (EOS),
 # 1, 25 and 40 new tokens): each row's cache length drifts from its mates'
@@ -177,3 +180,24 @@ def test_observe_sees_what_a_fresh_forward_over_prompt_and_reply_computes(small,
         assert got_hidden.shape[0] == len(seq) and got_logits.shape[0] == len(r.tokens)
         assert torch.allclose(got_hidden, hidden[0], atol=1e-5)
         assert torch.allclose(got_logits, logits[0, len(prompt) - 1 :], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["plain", "hydra++"])
+def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, native_path):
+    """kernels.c's layer takes the rows of a batch in one call (each row's cache, positions and gap
+    its own) and computes every row alone: in bf16 too, a row of a greedy batch is its prompt's
+    reply alone, token for token."""
+    torch.manual_seed(0)
+    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    bf16 = kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
+    calls = []
+    real = kernels.block_native
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "block_native", lambda b, x, *a: calls.append(len(x)) or real(b, x, *a))
+        alone = [
+            G.generate(bf16, p, n, make_drafter(name, bf16), eos_ids=EOS)
+            for p, n in zip(PROMPTS, LIMITS)
+        ]
+        batch = G.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
+    assert [b.tokens for b in batch] == [a.tokens for a in alone]
+    assert max(calls) > 1, "no batch of several rows went through kernels.c's layer"
