@@ -805,8 +805,6 @@ def block_native(block, x, cos, sin, mask, kv):
     bf16; cos, sin (B|1, 1, T, Dh); mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache,
     start), the layer's cache (B, Hkv, slots, Dh) each -> (B, T, D). The new keys and values are
     written to the cache as model.Attention writes them."""
-    if block.native_layer is None:
-        block.native_layer = NativeLayer(block)
     (k_cache, v_cache, start), Dh = kv, block.self_attn.cfg.head_dim
     B, T, _ = x.shape
     x, out = x.contiguous(), torch.empty_like(x)  # (B, T, D) each
@@ -834,27 +832,38 @@ def block_native(block, x, cos, sin, mask, kv):
     return out
 
 
-def native_block_takes(block, x, mask, kv):
-    """Whether block_native computes this layer's forward: every product on kernels.c, at most 64
-    new tokens a batch row, the cache's layout, SwiGLU or GeGLU, heads of at most 256."""
-    c = block.self_attn.cfg
-    products = (
-        block.self_attn.packed[0] if block.self_attn.packed else None,
-        block.self_attn.o_proj.__dict__.get("packed"),
-        block.mlp.__dict__.get("packed"),
-        block.mlp.down_proj.__dict__.get("packed"),
-    )
+def native_layer(block):
+    """The layer's NativeLayer where kernels.c's block_bf16 computes it (every product on kernels.c,
+    SwiGLU or GeGLU, bf16 norms, heads of at most 256), else None; laid out at the first call."""
+    if block.native_layer is None:
+        c = block.self_attn.cfg
+        products = (
+            block.self_attn.packed[0] if block.self_attn.packed else None,
+            block.self_attn.o_proj.__dict__.get("packed"),
+            block.mlp.__dict__.get("packed"),
+            block.mlp.down_proj.__dict__.get("packed"),
+        )
+        takes = (
+            c.activation in ("silu", "gelu_pytorch_tanh")
+            and c.head_dim <= 256
+            and c.head_dim % 2 == 0
+            and all(isinstance(p, NativeWeight) for p in products)
+            and block.input_layernorm.weight.dtype == torch.bfloat16
+        )
+        block.native_layer = NativeLayer(block) if takes else False
+    return block.native_layer or None
+
+
+def native_block_takes(block, x, kv):
+    """Whether block_native computes this forward: a layer it takes (native_layer), bf16 rows, at
+    most 64 new tokens a batch row, a cache with its layout."""
     return (
         kv is not None
         and x.shape[1] <= 64
         and x.dtype == torch.bfloat16
-        and c.activation in ("silu", "gelu_pytorch_tanh")
-        and c.head_dim <= 256
-        and c.head_dim % 2 == 0
-        and all(isinstance(p, NativeWeight) for p in products)
-        and block.input_layernorm.weight.dtype == torch.bfloat16
         and kv[0].stride() == kv[1].stride()
-        and kv[0].stride()[2:] == (c.head_dim, 1)
+        and kv[0].stride()[2:] == (kv[0].shape[-1], 1)
+        and native_layer(block) is not None
     )
 
 
@@ -869,12 +878,12 @@ class FastBlock(model.Block):
 
     def prepare(self, kernels):
         self.kernels = kernels
-        self.native_layer = None  # block_native's NativeLayer, laid out at its first call
+        self.native_layer = None  # native_layer(self)'s answer, once asked
 
     def forward(self, x, cos, sin, attn_mask, kv=None):
         if torch.is_grad_enabled():
             return super().forward(x, cos, sin, attn_mask, kv)
-        if self.kernels.native and native_block_takes(self, x, attn_mask, kv):
+        if self.kernels.native and native_block_takes(self, x, kv):
             return block_native(self, x, cos, sin, attn_mask, kv)  # (B, T, D)
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)  # (B, T, D)
