@@ -516,9 +516,9 @@ int attend_bf16(const bf16 *q, int B, int H, int T, int Dh, const bf16 *k, const
 }
 
 /* --- a decoder layer ---------------------------------------------------------------------------
-   One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of each sequence of a
-   batch in bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v biases and
-   Qwen3's q/k norms.
+   One decoder layer in C: the twin of model.Block (FastBlock) for a few rows of each sequence of
+   a batch in bf16: RMSNorm, rotary, grouped-query attention, SwiGLU or GeGLU; Qwen2's q/k/v
+   biases and Qwen3's q/k norms.
    One call a layer instead of some forty PyTorch operations, each a trip through its dispatcher:
    the time a decode step spent between its products (results/kernels-cpu.md). Each step of the
    readable layer is here, in its order, rounded to bf16 where it rounds, and every row is
@@ -607,12 +607,13 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
   if (!failed) {
     rms_norm(x, M, D, L->norm1, L->eps, h);                                 /* input_layernorm */
     linear_bf16(h, M, D, L->wqkv, L->sqkv, Q, L->bqkv, NULL, qkv);          /* q, k, v */
+    /* rotary; k and v into the cache */
     #pragma omp parallel for schedule(static) if (M > 1)
-    for (int bt = 0; bt < M; bt++) {                                        /* rotary; k and v into the cache */
+    for (int bt = 0; bt < M; bt++) {
       int b = bt / T, t = bt % T;
       const bf16 *r = qkv + (long)bt * Q, *ct = cos + (long)bt * Dh, *st = sin + (long)bt * Dh;
       bf16 *kb = k_cache + b * row, *vb = v_cache + b * row;
-      bf16 normed[256];                                                       /* a q or k head after its norm */
+      bf16 normed[256];                                         /* a q or k head after its norm */
       for (int i = 0; i < H; i++) {
         if (L->qnorm) rms_norm(r + i * Dh, 1, Dh, L->qnorm, L->eps, normed);
         rope_row(L->qnorm ? normed : r + i * Dh, ct, st, Dh, q + (((long)b * H + i) * T + t) * Dh);
@@ -632,7 +633,8 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
     rms_norm(out, M, D, L->norm2, L->eps, h);                               /* post_attention_layernorm */
     linear_bf16(h, M, D, L->wgu, L->sgu, 2 * F, NULL, NULL, gu);            /* gate and up */
     gated(gu, M, F, L->gelu, act);
-    linear_bf16(act, M, F, L->wdown, L->sdown, D, NULL, out, out);          /* + down_proj(act): in place, each output read then written */
+    /* + down_proj(act), in place: each output is read, then written */
+    linear_bf16(act, M, F, L->wdown, L->sdown, D, NULL, out, out);
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;
