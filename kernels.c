@@ -90,7 +90,8 @@ static inline P pairs_int8(const int8_t *p) {   /* every integer of int8 is a bf
   __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
   return _mm512_cvtne2ps_pbh(hi, lo);                        /* lo's 16 numbers first, then hi's */
 }
-static inline P pair_bcast(const bf16 *p) {   /* p[0], p[1] as every pair */
+typedef bf16 X;   /* a product's rows as its tile reads them: bf16 pairs, as dot2 takes them */
+static inline P pair_bcast(const X *p) {   /* p[0], p[1] as every pair */
   int32_t b;
   memcpy(&b, p, 4);
   return (P)_mm512_set1_epi32(b);
@@ -195,11 +196,8 @@ static inline P pairs_int8(const int8_t *p) {   /* 16 int8 as 8 pairs of int16, 
   __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(q, 16), 16), odd = _mm256_srai_epi32(q, 16);
   return (P){_mm256_cvtepi32_ps(even), _mm256_cvtepi32_ps(odd)};
 }
-static inline P pair_bcast(const bf16 *p) {
-  int32_t b;
-  memcpy(&b, p, 4);
-  return split(_mm256_set1_epi32(b));
-}
+typedef float X;   /* a product's rows as its tile reads them: widened to fp32 once a call */
+static inline P pair_bcast(const X *p) { return (P){_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1])}; }
 static inline V dot2(V acc, P a, P b) {   /* the first numbers of the pairs, then the second */
   return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, acc));
 }
@@ -263,11 +261,8 @@ static inline P pairs_int8(const int8_t *p) {
   int32x4_t q = vreinterpretq_s32_s16(vmovl_s8(vld1_s8(p)));
   return (P){vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(q, 16), 16)), vcvtq_f32_s32(vshrq_n_s32(q, 16))};
 }
-static inline P pair_bcast(const bf16 *p) {
-  uint32_t b;
-  memcpy(&b, p, 4);
-  return split(vdupq_n_u32(b));
-}
+typedef float X;   /* a product's rows as its tile reads them: widened to fp32 once a call */
+static inline P pair_bcast(const X *p) { return (P){vdupq_n_f32(p[0]), vdupq_n_f32(p[1])}; }
 static inline V dot2(V acc, P a, P b) {
   return vfmaq_f32(vfmaq_f32(acc, a.even, b.even), a.odd, b.odd);
 }
@@ -336,7 +331,7 @@ enum { BLOCK = 16, PER = BLOCK / VL, ROWS = 8 };   /* a packed block's outputs, 
 /* rows x[0..m) times the nb blocks starting at output n0, written to y (row stride N). The
    accumulators acc[r][v] stay in registers: m and nb are constants where this is inlined. */
 static inline __attribute__((always_inline)) void tile(
-    const bf16 *x, const int m, const int nb, int K, const void *w, const int int8,
+    const X *x, const int m, const int nb, int K, const void *w, const int int8,
     const float *scale, int n0, int N, const bf16 *bias, const bf16 *add, bf16 *y) {
   V acc[ROWS][2 * PER];
   const int nv = nb * PER;
@@ -366,16 +361,37 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* x's n numbers as the tile broadcasts them (X): as they are where dot2 multiplies bf16 pairs
+   (AVX512-BF16); else widened to fp32 here, once a call rather than once for every block of
+   outputs, so that a broadcast costs a load and no shifts. NULL where memory is not to be had. */
+static const X *product_rows(const bf16 *x, long n) {
+#if defined(__AVX512BF16__)
+  (void)n;
+  return x;
+#else
+  float *f = malloc(sizeof(float) * n);
+  for (long i = 0; f && i < n; i++) {
+    uint32_t b = (uint32_t)x[i] << 16;
+    memcpy(f + i, &b, sizeof b);
+  }
+  return f;
+#endif
+}
+
 /* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros): bf16,
    or int8 where scale (N,) is given, the weight then being scale[n] * w[n, :] (kernels.int8_weight);
    K even; bias (N,) and add (M, N) may be NULL. The threads share out the outputs, 32 at a time;
-   each group of 32 is read from memory once, by up to 8 rows at a time, then from the caches. */
-void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N, const bf16 *bias,
-                 const bf16 *add, bf16 *y) {
+   each group of 32 is read from memory once, by up to 8 rows at a time, then from the caches.
+   Returns 0, or -1 where scratch memory is not to be had. */
+int linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N,
+                const bf16 *bias, const bf16 *add, bf16 *y) {
+  const X *xs = product_rows(x, (long)M * K);
+  if (!xs) return -1;
   #pragma omp parallel for schedule(static)
   for (int n0 = 0; n0 < N; n0 += 2 * BLOCK)
     for (int r0 = 0; r0 < M; r0 += ROWS) {
-      const bf16 *xr = x + (long)r0 * K, *ar = add ? add + (long)r0 * N : 0;
+      const X *xr = xs + (long)r0 * K;
+      const bf16 *ar = add ? add + (long)r0 * N : 0;
       bf16 *yr = y + (long)r0 * N;
       int m = M - r0 < ROWS ? M - r0 : ROWS;
 /* m rows over both blocks: together where their accumulators fit in ACCS registers, else in turn */
@@ -397,6 +413,8 @@ void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale,
 #undef TILE
 #undef NB
     }
+  if ((const void *)xs != (const void *)x) free((void *)xs);
+  return 0;
 }
 
 /* --- attention ---------------------------------------------------------------------------------
@@ -606,7 +624,9 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
   int failed = !h || !qkv || !q || !y || !gu || !act;
   if (!failed) {
     rms_norm(x, M, D, L->norm1, L->eps, h);                                 /* input_layernorm */
-    linear_bf16(h, M, D, L->wqkv, L->sqkv, Q, L->bqkv, NULL, qkv);          /* q, k, v */
+    failed = linear_bf16(h, M, D, L->wqkv, L->sqkv, Q, L->bqkv, NULL, qkv);   /* q, k, v */
+  }
+  if (!failed) {
     /* rotary; k and v into the cache */
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int bt = 0; bt < M; bt++) {
@@ -628,13 +648,15 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
     failed = attend_bf16(q, B, H, T, Dh, k_cache, v_cache, Hkv, S, row, head, mask,
                          1.f / sqrtf((float)Dh), y);
   }
+  if (!failed) failed = linear_bf16(y, M, H * Dh, L->wo, L->so, D, NULL, x, out); /* x + o_proj */
   if (!failed) {
-    linear_bf16(y, M, H * Dh, L->wo, L->so, D, NULL, x, out);               /* x + o_proj(attention) */
     rms_norm(out, M, D, L->norm2, L->eps, h);                               /* post_attention_layernorm */
-    linear_bf16(h, M, D, L->wgu, L->sgu, 2 * F, NULL, NULL, gu);            /* gate and up */
+    failed = linear_bf16(h, M, D, L->wgu, L->sgu, 2 * F, NULL, NULL, gu);   /* gate and up */
+  }
+  if (!failed) {
     gated(gu, M, F, L->gelu, act);
     /* + down_proj(act), in place: each output is read, then written */
-    linear_bf16(act, M, F, L->wdown, L->sdown, D, NULL, out, out);
+    failed = linear_bf16(act, M, F, L->wdown, L->sdown, D, NULL, out, out);
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;

@@ -304,7 +304,7 @@ def native():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.kernels_isa.argtypes, lib.kernels_isa.restype = [], ctypes.c_char_p
     assert lib.kernels_isa().decode() == path, f"{built} is not kernels.c's {path} path"
-    lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], None
+    lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], i
     lib.attend_bf16.argtypes = [p, i, i, i, i, p, p, i, i, ctypes.c_long, ctypes.c_long, p, f, p]
     lib.attend_bf16.restype = i
     lib.block_bf16.argtypes = [p, p, i, i, p, p, p, p, ctypes.c_long, ctypes.c_long, i, p, p]
@@ -368,7 +368,7 @@ class NativeWeight:
             )
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        native_library().linear_bf16(
+        failed = native_library().linear_bf16(
             address(x2),
             len(x2),
             K,
@@ -379,6 +379,8 @@ class NativeWeight:
             address(add),
             address(y),
         )
+        if failed:
+            raise MemoryError(f"a product of {len(x2)} rows: no scratch memory")
         return y
 
 
