@@ -33,7 +33,7 @@ C = Kernels(attention="cpu-bf16", packed=True, glue=True, native=True)  # kernel
 
 pytestmark = pytest.mark.skipif(
     shutil.which(COMPILER) is None or not (ARM or QEMU),
-    reason="no aarch64 C compiler and qemu-aarch64 here",
+    reason=f"needs {COMPILER} and, off ARM, qemu-aarch64 (gcc-aarch64-linux-gnu, qemu-user)",
 )
 
 
@@ -46,7 +46,8 @@ def neon(tmp_path_factory):
     flags = [f for f in kernels.CFLAGS if f not in ("-shared", "-fPIC")] + kernels.PATHS["neon"][1]
     static = [] if ARM else ["-static"]
     build = [COMPILER, *flags, *static, kernels.SOURCE, HARNESS, "-lm", "-o", program]
-    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    built = subprocess.run(build, capture_output=True, timeout=300)
+    assert built.returncode == 0, built.stderr.decode(errors="replace")
 
     def run(*calls):
         stdin = b"".join(encode(a) for name, args, _ in calls for a in (name, *args))
@@ -60,20 +61,12 @@ def neon(tmp_path_factory):
             env=env,
         )
         assert ran.returncode == 0, ran.stderr.decode(errors="replace")
-        outputs, at = [], 0
-        for _, _, shapes in calls:
-            arrays = []
-            for shape in shapes:
-                n = 2 * torch.Size(shape).numel()
-                arrays.append(
-                    torch.frombuffer(bytearray(ran.stdout[at : at + n]), dtype=torch.bfloat16).view(
-                        shape
-                    )
-                )
-                at += n
-            outputs.append(arrays)
-        assert at == len(ran.stdout)
-        return outputs
+        shapes = [torch.Size(shape) for _, _, written in calls for shape in written]
+        numbers = torch.frombuffer(bytearray(ran.stdout), dtype=torch.bfloat16)
+        assert len(numbers) == sum(shape.numel() for shape in shapes)
+        parts = numbers.split([shape.numel() for shape in shapes])
+        arrays = iter(part.view(shape) for part, shape in zip(parts, shapes))
+        return [[next(arrays) for _ in written] for _, _, written in calls]
 
     return run
 
