@@ -131,32 +131,32 @@ def attend(q, k_cache, v_cache, S, mask):
     return "attend_bf16", args, [(B, T, H, Dh)]
 
 
-@pytest.mark.parametrize("T,S,tree", [(1, 9, False), (5, 13, True)], ids=["step", "tree"])
+@pytest.mark.parametrize(
+    "T,S,tree", [(1, 9, False), (4, 10, False), (5, 13, True)], ids=["step", "causal", "tree"]
+)
 def test_neon_attention_is_model_attend_and_each_query_alone(T, S, tree, neon):
     """attend_bf16 on NEON: model.attend (fp32) to bf16 rounding for B = 2 rows of a cache longer
-    than S (a decode step; a tree after a cached prefix, each row its own mask), Dh a chunk and a
-    half (12), S not a multiple of the lanes; and each query the same bits alone, over just the
-    keys it sees."""
+    than S (a decode step; a causal block after a cached prefix, no mask; a tree after one, each
+    row its own mask), Dh a chunk and a half (12), S not a multiple of the lanes; and each query
+    the same bits alone, over just the keys it sees."""
     torch.manual_seed(0)
     B, H, Hkv, Dh, slots = 2, 4, 2, 12, 16
     q = torch.randn(B, H, T, Dh).bfloat16()  # (B, H, T, Dh)
     k_cache, v_cache = torch.randn(2, B, Hkv, slots, Dh).bfloat16()  # (B, Hkv, slots, Dh) each
-    mask = None
+    mask = None  # causal: query t sees keys up to S - T + t
+    seen = (torch.arange(S) <= S - T + torch.arange(T)[:, None]).expand(B, T, S)  # (B, T, S)
     if tree:  # some of the prefix (a row's padding hidden), then each node, itself and some before
         prefix = torch.rand(B, T, S - T) > 0.3
         nodes = (torch.rand(B, T, T) > 0.5).tril() | torch.eye(T, dtype=torch.bool)
-        mask = torch.cat([prefix, nodes], -1)  # (B, T, S)
+        mask = seen = torch.cat([prefix, nodes], -1)  # (B, T, S)
     calls = [attend(q, k_cache, v_cache, S, mask)]
     for b in range(B):
         for t in range(T):  # query t of row b alone: the keys it sees side by side, no mask
-            seen = torch.arange(S) <= S - T + t if mask is None else mask[b, t]  # (S,) bool
-            k, v = (
-                cache[b : b + 1, :, :S][:, :, seen].contiguous() for cache in (k_cache, v_cache)
-            )
-            calls.append(attend(q[b : b + 1, :, t : t + 1], k, v, int(seen.sum()), None))
+            k, v = (c[b : b + 1, :, :S][:, :, seen[b, t]].contiguous() for c in (k_cache, v_cache))
+            calls.append(attend(q[b : b + 1, :, t : t + 1], k, v, int(seen[b, t].sum()), None))
     (got,), *alone = neon(*calls)
     k, v = k_cache[:, :, :S].float(), v_cache[:, :, :S].float()
-    want = model_lib.attend(q.float(), k, v, None if mask is None else mask[:, None])
+    want = model_lib.attend(q.float(), k, v, seen[:, None])
     torch.testing.assert_close(got.transpose(1, 2).float(), want, atol=1e-2, rtol=2**-7)
     assert torch.equal(torch.cat([y for (y,) in alone]), got.reshape(B * T, 1, H, Dh))
 
