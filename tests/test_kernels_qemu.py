@@ -168,8 +168,8 @@ def layer_fields(block):
     assert layer is not None, "kernels.c takes this layer"
     attn, mlp = block.self_attn, block.mlp
     products = (attn.packed[0], attn.o_proj.packed, mlp.packed, mlp.down_proj.packed)
-    tensors = [*block.parameters(), layer.bias, *(p.packed for p in products)]
-    at = {t.data_ptr(): t for t in tensors + [p.scale for p in products] if t is not None}
+    tensors = [*block.parameters(), layer.bias, *(t for p in products for t in (p.packed, p.scale))]
+    at = {t.data_ptr(): t for t in tensors if t is not None}  # address -> tensor
     fields = []
     for name, kind in layer._fields_:
         value = getattr(layer, name)
