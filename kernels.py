@@ -54,7 +54,8 @@ already run the fast kernels and use() keeps them. Under autograd every twin run
 forward (oneDNN's prepacked product has no backward): weights trained after use() need use()
 again before inference reads them.
 
-Test: `python -m pytest -q tests/test_kernels.py`. Shapes: B batch, T new tokens, S cache slots,
+Test: `python -m pytest -q tests/test_kernels.py` (tests/test_kernels_qemu.py: the NEON path off ARM,
+under qemu-user). Shapes: B batch, T new tokens, S cache slots,
 H query heads, Hkv key/value heads, Dh head size, D hidden, M predictions, V' head vocabulary,
 k teacher top-k, R rows of a block.
 """
