@@ -63,7 +63,6 @@ import checkpoint
 import cli
 import drafters as drafters_lib
 import kernels
-import model as model_lib
 import online
 import tree as tree_lib
 import verify as verify_lib
@@ -1019,7 +1018,9 @@ def check_batch_memory(model, encoded, batch_size, drafter, device):
     if batch_size == 1 or free is None:
         return
     longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
-    row = model_lib.KVCache.bytes_for(model.cfg, 1, longest, model.dtype)
+    cfg = model.cfg
+    slots = 2 * cfg.n_layers * cfg.n_kv_heads * longest * cfg.head_dim  # keys and values
+    row = slots * torch.finfo(model.dtype).bits // 8  # one row's cache, in bytes
     if batch_size * row > free * 0.8:
         fits = max(1, int(free * 0.8 // row))
         raise cli.UsageError(

@@ -1,12 +1,10 @@
 """The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
-    model = Transformer(Config(...))                          # checkpoint.load() fills one from a
-                                                              folder
+    model = Transformer(Config(...))                          # checkpoint.load() fills one
     cache = model.new_cache(max_len=2048)
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
-    cache.keep(idx)                                          # commit the accepted new entries
-                                                              (one index list per batch row)
+    cache.keep(idx)                                           # commit a row's accepted entries
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
@@ -64,12 +62,10 @@ def rope_frequencies(cfg: Config) -> torch.Tensor:
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "llama3":
         # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend in between.
-        factor, lo, hi, old = (
-            s["factor"],
-            s["low_freq_factor"],
-            s["high_freq_factor"],
-            s["original_max_position_embeddings"],
-        )
+        factor = s["factor"]
+        lo = s["low_freq_factor"]
+        hi = s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -105,8 +101,7 @@ class Rope(nn.Module):
         return self
 
     def forward(self, positions, dtype=torch.float32):
-        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles computed in
-        fp32."""
+        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles in fp32."""
         # (B, 1, T, Dh/2)
         angles = positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)  # (B, 1, T, Dh)
@@ -139,12 +134,6 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * batch  # per row, on the host: no wait for the device to read them
         self.max_len = max_len
-
-    @staticmethod
-    def bytes_for(cfg: Config, batch: int, max_len: int, dtype) -> int:
-        """What a cache of `batch` rows and `max_len` slots takes, keys and values."""
-        slots = 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim
-        return slots * torch.finfo(dtype).bits // 8
 
     @property
     def length(self):
@@ -237,10 +226,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        head_norm = lambda: RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        # Qwen3's; the identity elsewhere
-        self.q_norm = head_norm()
-        self.k_norm = head_norm()
+        # Qwen3 normalises each head's q and k; the identity elsewhere
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     # project() and attend() are methods so that a faster form of this layer can replace just them
     def project(self, x):
@@ -251,8 +239,7 @@ class Attention(nn.Module):
         return attend(q, k, v, mask)  # (B, H, T, Dh)
 
     def forward(self, x, cos, sin, attn_mask, kv):
-        """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or
-        None."""
+        """x (B, T, D); attn_mask (B|1, 1, T, S) or None; kv (k_cache, v_cache, start) or None."""
         B, T, _ = x.shape
         c = self.cfg
         q, k, v = self.project(x)
@@ -370,10 +357,8 @@ class Transformer(nn.Module):
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
-        visible. Rows may be nodes that are computed but never verified (a lookahead window): the
-        mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots
-        [cache.length, +T) of every row, see keep(); rows shorter than cache.length see only their
-        own prefix) or None.
+        visible. cache: a KVCache (new entries go to slots [cache.length, +T) of every row, see
+        keep(); rows shorter than cache.length see only their own prefix) or None.
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. layers: run only these layers (indices, in
