@@ -9,11 +9,9 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
     logits_to_probs(logits, temperature, top_p) -> probs      the one sampling primitive
     sample(probs, generator) -> token ids
     greedy(logits, tokens, tree)                               lossless at temperature 0
-    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance,
-                                                               lossy
-    speculative(logits, tokens, tree, temperature, top_p, generator)   lossless sampling on a tree
-    leviathan(logits, tokens, draft_probs, temperature, top_p, generator)  lossless, a chain of
-    sampled drafts
+    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra's acceptance, lossy
+    speculative(logits, tokens, tree, temperature, ...)        lossless sampling on a tree
+    leviathan(logits, tokens, draft_probs, temperature, ...)   lossless, a chain of sampled drafts
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
@@ -87,8 +85,8 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of tree.retrieve (L, D): how many leading nodes (root included) are accepted,
-    and the last."""
+    """Per row of tree.retrieve (L, D): how many leading nodes are accepted (root included), and
+    the last of them."""
     ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
     length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
     last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
@@ -201,9 +199,8 @@ def speculative(
                 break
             rejected.append(t)
             mass -= held
-            if (
-                mass <= 0
-            ):  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+            # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+            if mass <= 0:
                 rejected = []
                 break
         if accepted is None:
@@ -275,9 +272,8 @@ def leviathan(
     ok = u * px < qx  # (G,) u < q/p; px > 0, x was sampled from p
     n = int(ok.long().cumprod(0).sum())  # drafts accepted
     residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)  # (V,)
-    if (
-        residual.sum() <= 0
-    ):  # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+    # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+    if residual.sum() <= 0:
         residual = q[n]
     bonus = sample(residual / residual.sum(), generator)
     return torch.arange(n + 1, device=tokens.device), int(bonus)
