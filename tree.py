@@ -166,7 +166,7 @@ def cartesian(topk: list[int]) -> list[Path]:
     ]
 
 
-# --- files and the --tree flag ------------------------------------------------------------------
+# --- tree files -----------------------------------------------------------------------------------
 # JSON is parsed as data and validated by build(); nothing a user passes is ever evaluated.
 
 
@@ -192,6 +192,12 @@ def load(file) -> list[Path]:
         raise ValueError(f"{file}: {e}") from None
 
 
+# --- command line -------------------------------------------------------------------------------
+# The --tree flag's values (generate.py's through catalog.parse_tree too), the picture `python
+# tree.py` prints, and argparse alone (the tree needs nothing of the project): a mistake is one line
+# and exit code 2, as cli.py's convention has it for every other script.
+
+
 def parse(spec: str) -> list[Path]:
     """The --tree value: 'chain:4', 'cartesian:4,3,2' (or '4,3,2'), or a path to a JSON file."""
     compact = "".join(spec.split())
@@ -205,11 +211,6 @@ def parse(spec: str) -> list[Path]:
         f"{spec!r} is not a tree: expected 'chain:N', 'cartesian:K1,K2,...' (or 'K1,K2,...'), "
         "or the path of an existing JSON tree file"
     )
-
-
-# --- command line -------------------------------------------------------------------------------
-# The picture `python tree.py` prints, and argparse alone (the tree needs nothing of the project):
-# a mistake is one line and exit code 2, as cli.py's convention has it for every other script.
 
 
 def ascii(tree: Tree) -> str:
