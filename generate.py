@@ -7,17 +7,10 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --heads medusa --tree chain:3 --show
     python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
-    python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
-    python generate.py --prompt "..." --draft skip:2,5,9-12               # ... layers skipped
-    python generate.py --model big/llama --draft model --draft-model small/llama
-    python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
-    python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
-    python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
-    python generate.py --prompts mine.jsonl --online --online-save my-heads   # heads that learn
     python generate.py --chat                          # talk; the KV cache is kept between turns
-    python generate.py --chat --draft heads+lookup --system "Answer briefly." --quiet
-    printf 'Hi!\nAnd then?\n/save chat.jsonl\n' | python generate.py --chat   # a line a turn
+
+The README lists more (the other drafters, --online), and --help every flag.
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -26,15 +19,9 @@ One decode loop, generate(), serves every method. Each step:
     -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
     -> the drafter learns what was accepted, and what the model said at every node (drafter.accept)
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
-A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
-drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
-The loop runs B sequences side by side (generate_batch; generate() is one): each row drafts its own
-tree, padded to the batch's node count; one forward scores them all, at positions that are the
-row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
-leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
-A Conversation keeps the KV cache from one reply to the next (--chat): each turn the template lays
-the whole conversation out, the cache keeps what it shares with that, and only the rest is
-forwarded; the drafter's state follows the same cut (drafter.start's kept).
+The loop runs B sequences side by side, each its own tree and path (generate_batch; generate() is
+one); only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
+A Conversation keeps the KV cache from one reply to the next (--chat).
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
 speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter (in
@@ -91,18 +78,16 @@ def choose_verifier(verify, temperature, top_p, generator):
         raise ValueError(
             f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
         )
-    if verify_lib.is_greedy(
-        temperature
-    ):  # what "greedy" (checked above) and auto at temperature 0 mean
+    # what "greedy" (checked above) and auto at temperature 0 mean
+    if verify_lib.is_greedy(temperature):
         return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
     if verify == "typical":
         return lambda l, t, d: verify_lib.typical(
             l, t, d.tree, temperature, top_p, generator=generator
         )
 
-    def sample(
-        l, t, d
-    ):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
+    def sample(l, t, d):
+        """Sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule."""
         if d.probs is not None:
             return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
         return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
