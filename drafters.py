@@ -8,7 +8,7 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
     Plain()                            drafts nothing: plain decoding, a root-only tree every step
     Lookup(gamma, ngram, matches)      prompt lookup: copy what followed the last n tokens earlier
     ModelDrafter(model, gamma, ...)    a smaller model (or the base, layers skipped) drafts a chain
-    HeadsPlusLookup(heads, lookup)     both trees in one (heads_and_lookup: with the rules that pay)
+    HeadsPlusLookup(heads, lookup)     both trees in one (catalog.heads_and_lookup: with its rules)
     Jacobi(gamma)                      the model's own outputs of last step, as guesses
     Lookahead(window, ngram, guesses)  n-grams from a window of Jacobi trajectories, same forward
     PaSS(model, embeddings, gamma)     learned [LA] tokens: the model drafts for itself
@@ -482,18 +482,6 @@ class HeadsPlusLookup:
     def accept(self, tokens, hidden, positions, logits):
         self.heads.accept(tokens, hidden, positions, logits)
         self.lookup.accept(tokens, hidden, positions, logits)
-
-
-def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
-    """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
-    hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
-    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone
-    while it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing
-    is mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
-    size (HeadsPlusLookup's floor, 4), so that the small tuned CPU trees stay whole or nearly and
-    larger ones are trimmed."""
-    lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
-    return HeadsPlusLookup(heads, lookup, device, floor=4)
 
 
 # --- Jacobi decoding -----------------------------------------------------------------------------

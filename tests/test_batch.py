@@ -6,6 +6,7 @@ refused."""
 import pytest
 import torch
 
+import catalog
 import drafters
 import generate as G
 import model as model_lib
@@ -38,7 +39,7 @@ def make_drafter(name, model):
     if name == "lookup":
         return drafters.Lookup(4, 3, 3, "cpu")
     heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
-    return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
+    return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
 
 
 BATCHING = ["plain", "medusa", "hydra", "hydra++", "lookup", "heads+lookup"]

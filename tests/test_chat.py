@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+import catalog
 import checkpoint
 import drafters
 import generate as G
@@ -46,7 +47,7 @@ def make_drafter(name, model):
         return drafters.Lookup(4, 3, 2, "cpu")
     if name == "heads+lookup":
         heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
-        return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
+        return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
     if name == "layers":
         return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
     return drafters.Lookahead(3, 3, 2, "cpu")

@@ -65,7 +65,7 @@ def drafter(name, base, gamma=3):
         heads = D.HeadsDrafter(
             random_heads(base, "hydra"), tree_lib.build(tree_lib.cartesian([2, 2]))
         )
-        return D.heads_and_lookup(heads, gamma, 3, 1, "cpu")
+        return catalog.heads_and_lookup(heads, gamma, 3, 1, "cpu")
     if name == "jacobi":
         return D.Jacobi(gamma, "cpu")
     if name.startswith("lookahead"):  # lookahead:W,N,G
@@ -173,7 +173,7 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
         return
     if name == "heads+lookup":  # as --draft heads+lookup builds it
         heads = random_heads(model, "hydra++", k=3, scale=0.05)
-        d = D.heads_and_lookup(
+        d = catalog.heads_and_lookup(
             D.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([2, 2, 1]))), 10, 3, 1, "cpu"
         )
     elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
