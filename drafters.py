@@ -84,8 +84,7 @@ class Window:
 
 
 class Shapes:
-    """tree.build(paths), moved to the device with its mask and depths, once per distinct tree;
-    with a Window, the window's nodes follow every tree."""
+    """tree.build(paths) on the device, with its mask and depths; a Window's nodes follow each."""
 
     def __init__(self, device, window: Window | None = None):
         self.device = device
@@ -105,8 +104,7 @@ class Shapes:
         return self.built[key]
 
     def draft(self, root: int, nodes: dict, computed=()) -> Draft:
-        """nodes {path: (token, source)} -> the Draft, its tokens in the tree's node order, then the
-        window's tokens `computed`."""
+        """nodes {path: (token, source)} -> the Draft: the tree's tokens in order, then computed."""
         tree, mask, depth = self(nodes)
         tokens = [root] + [nodes[p][0] for p in tree.paths] + list(computed)
         source = [0] + [nodes[p][1] for p in tree.paths]
@@ -223,8 +221,6 @@ class HeadsDrafter:
 
 
 class Plain:
-    """Drafts nothing: every step the base model verifies only the root, i.e. decodes one token."""
-
     name, legend, max_nodes, max_depth = "heads: none (plain decoding)", ["base model"], 1, 0
 
     def __init__(self, device):
@@ -253,8 +249,7 @@ class Plain:
 class Lookup:
     """Match the last n tokens (n = ngram down to `shortest`, 1 unless given) of prompt + reply
     against earlier text and propose the up to gamma tokens that followed: the latest match as a
-    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. No
-    match: a root-only tree."""
+    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree."""
 
     def __init__(
         self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1
@@ -339,9 +334,8 @@ class Lookup:
 # Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one
 # at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.,
 # Draft & Verify; LayerSkip) is the same with the base model itself, some of its layers skipped, as
-# the small model: model.Transformer.forward(..., layers=kept) runs the kept layers, the final norm
-# and the LM head on the base's weights, no copy. layers:N keeps the first N; skip keeps a set that
-# bench.py --tune-skip searched for (tuning.tune_skip).
+# the small model (model.Transformer.forward's layers=, on the base's own weights). layers:N keeps
+# the first N; skip keeps a set that bench.py --tune-skip searched for (tuning.tune_skip).
 
 
 class ModelDrafter:
@@ -355,8 +349,7 @@ class ModelDrafter:
     being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
     by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
     index check, a device sync on a GPU) so that the next one attends to them. accept() cuts length
-    back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the next
-    forward overwrites before anything reads it."""
+    back to the accepted prefix: rejected drafts' entries lie beyond it, garbage as in a KVCache."""
 
     def __init__(
         self,
@@ -377,9 +370,8 @@ class ModelDrafter:
         self.generator = generator
         self.shapes = Shapes(model.device)
         self.paths = tree_lib.chain(gamma)
-        self.name = f"{name}, {gamma} tokens a step" + (
-            "" if verify_lib.is_greedy(temperature) else ", sampled"
-        )
+        sampled = "" if verify_lib.is_greedy(temperature) else ", sampled"
+        self.name = f"{name}, {gamma} tokens a step{sampled}"
         self.legend = ["base model", name]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
@@ -393,8 +385,7 @@ class ModelDrafter:
         self.pending = list(prompt[self.cache.length :])
 
     def _next(self, tokens):
-        """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or
-        None."""
+        """Feed tokens (1, T) after the cache (appended) -> the next draft (), its p (V,) | None."""
         n = tokens.shape[1]
         positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)
         logits, _ = self.model(
@@ -430,10 +421,9 @@ class ModelDrafter:
 
 
 # --- heads and lookup in one tree ----------------------------------------------------------------
-# SpecInfer-style merging: the heads' tree, then lookup's grafted onto it, shared prefixes once.
-# One forward verifies both. The tree rules of verify.py are exact for any tree fixed before
-# verification (heads' top-k picks, lookup's copies), so merging keeps them exact; sharing prefixes
-# only saves nodes.
+# SpecInfer-style merging: the heads' tree, then lookup's grafted onto it, shared prefixes once;
+# one forward verifies both. verify.py's tree rules are exact for any tree fixed before
+# verification (heads' top-k picks, lookup's copies), so the merged tree keeps them exact.
 
 
 class HeadsPlusLookup:
@@ -493,9 +483,8 @@ class HeadsPlusLookup:
 
 
 class Jacobi:
-    """m guesses a step as a chain: mask[i, j] = j <= i, causal after the root. The guesses are the
-    model's outputs of last step at the same positions; where no output reaches (the start, or after
-    a whole block was accepted) the last guess (or the root) is repeated: the block's padding."""
+    """m guesses a step as a chain. Where last step's outputs do not reach (the start, or after a
+    whole block was accepted), the last guess (or the root) is repeated: the block's padding."""
 
     def __init__(self, gamma: int, device):
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
@@ -539,9 +528,8 @@ class Jacobi:
 
 
 class Lookahead:
-    """A W x (N-1) window of Jacobi trajectories (computed only) and up to G n-grams of N-1 tokens
-    from its pool (verified) in one forward. cells[i] = (level, column) of window node i; the root
-    is (0, 0). Mask: (l, r) sees (l', r') iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
+    """cells[i] = (level, column) of window node i; the root is (0, 0). Mask: (l, r) sees (l', r')
+    iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
 
     def __init__(self, window: int, ngram: int, guesses: int, device):
         assert window >= 1 and ngram >= 2 and guesses >= 1, (
@@ -613,8 +601,6 @@ class Lookahead:
 # the group after the last accepted node drafts the next tree. K = 2, G = 2, depths:
 #     node   root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2   (groups after root, d1,
 #     depth    0    1   1   2  |  1  2   |  2  3   |  2   3    |  3  4    d1', d2)
-# The tree's mask is tree.py's; the group after node g sees what g sees, g, and its [LA]s up to
-# itself.
 
 
 class PaSS:

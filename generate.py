@@ -28,8 +28,7 @@ speculative output is token-identical to plain greedy decoding in fp32, whatever
 bf16 a tree step and a one-token step round differently, so near-ties can flip); speculative
 sampling samples from the base model's own distribution; a row of a batch is its prompt decoded
 alone (greedy, fp32) or, sampled, decoded alone with its own generator; a chat's reply is the
-one-shot reply to the same conversation (greedy, fp32). The command line (flags, checks, printing,
-main) is the last section of this file (tests/test_cli.py).
+one-shot reply to the same conversation (greedy, fp32).
 Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
 
@@ -70,8 +69,7 @@ class Result:
 
 
 def choose_verifier(verify, temperature, top_p, generator):
-    """verifier(logits (n, V), tokens (n,), draft) -> (accepted node indices, bonus token), over the
-    draft's n candidates."""
+    """verifier(logits (n, V), tokens (n,), draft) -> (accepted nodes, bonus): its n candidates."""
     if verify not in verify_lib.VERIFIERS:
         raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
     if verify == "greedy" and not verify_lib.is_greedy(temperature):
@@ -315,9 +313,8 @@ def generate(
     on_tokens=None,
     cache=None,
 ) -> Result:
-    """Decode up to max_new_tokens after `prompt` (list of ids): generate_batch with one row.
-    on_tokens(new_ids, sources) is called as tokens are produced; cache: one to go on from
-    (generate_batch)."""
+    """generate_batch with one row: up to max_new_tokens after `prompt` (list of ids); on_tokens(
+    new_ids, sources) is called as tokens are produced; cache as generate_batch's."""
     stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
     return generate_batch(
         model,
@@ -341,16 +338,6 @@ def generate(
 # (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
 
 
-def common_prefix(a, b) -> int:
-    """How many leading ids a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Conversation:
     """A KV cache that outlives the reply, the ids it holds, and the drafter that follows it.
 
@@ -358,9 +345,8 @@ class Conversation:
     state covers at least those ids (generate_batch calls its accept() every step, the last one
     included). After a reply, self.ids = the prompt and every token emitted but the last: the last
     was never forwarded (its logits were not needed), whether it ended at EOS or at the length
-    limit; the next turn forwards it if the template renders it. Slots past len(self.ids) are
-    garbage, as in the KVCache. A reply stopped by an exception (Ctrl-C) keeps the cut it started
-    from: what it wrote since is not trusted."""
+    limit; the next turn forwards it if the template renders it. A reply stopped by an exception
+    (Ctrl-C) keeps the cut it started from: what it wrote since is not trusted."""
 
     def __init__(self, model, drafter=None):
         self.model = model
@@ -374,7 +360,8 @@ class Conversation:
         """generate() after `prompt` (the whole conversation's ids, ending where the reply begins),
         forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
         # the last prompt token is always forwarded: its logits give the reply's first token
-        kept = common_prefix(self.ids, prompt[:-1])
+        # (os.path.commonprefix compares any two lists item by item, ids included)
+        kept = len(os.path.commonprefix([self.ids, prompt[:-1]]))
         self.ids = self.ids[:kept]
         self.cache.length = kept
         self.forwarded = len(prompt) - kept

@@ -153,10 +153,8 @@ def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
 
 
 class PrefixMLP(nn.Module):
-    """Hydra++: one more decoder layer (a model.Block, same attention and rope as the base) and an
-    RMSNorm over the base hidden states. o_proj and down_proj start at zero, so at first the layer
-    passes x through and the output is RMSNorm(x).
-
+    """Hydra++'s extra layer: a model.Block (the base's attention and rope) and an RMSNorm. o_proj
+    and down_proj start at zero, so at first the layer passes x through: the output is RMSNorm(x).
     Its KV cache holds exactly the accepted sequence: the caller feeds only hidden states of
     accepted positions, and every call commits all of them (keep(range(T))), so slots [0, length)
     are positions 0..length-1 and nothing beyond `length` is ever read.

@@ -115,17 +115,13 @@ class KVCache:
     """Pre-allocated keys and values for every layer, for B sequences side by side (rows).
 
     Invariant: row b's slots [0, lengths[b]) hold the keys/values of its accepted sequence, in
-    order, for positions 0..lengths[b]-1. Rows are right-padded: a shorter row's slots from
-    lengths[b] on are free. A forward pass of T new tokens writes them to the same slots
-    [length, length+T) in every row, length = max(lengths) (one slice for the whole batch), and
-    row b attends over its [0, lengths[b]) and those T (the forward hides the gap
-    [lengths[b], length) from it); it does not move the lengths. The caller then commits with
-    keep(idx_0, ..., idx_B-1): row b's new entries idx_b (indices into those T, ascending, e.g.
-    its accepted tree path) are copied to its slots [lengths[b], lengths[b]+len(idx_b)) and
-    lengths[b] grows by len(idx_b). Everything at or beyond a row's length is garbage left by
-    rejected tree nodes, by nodes that were computed but never verified (lookahead's window,
-    drafters.Draft.candidates) and by the gap: harmless, because no forward lets a row read a slot
-    >= its length before overwriting it. With B = 1 there is no gap: length is the row's length.
+    order, for positions 0..lengths[b]-1; rows are right-padded. A forward of T new tokens writes
+    them to slots [length, length+T) of every row, length = max(lengths) (one slice for the whole
+    batch), and row b attends over its [0, lengths[b]) and those T (the forward hides the gap
+    [lengths[b], length) from it); the lengths move only when keep() commits what was accepted.
+    Everything at or beyond a row's length is garbage (rejected nodes, computed-only nodes:
+    drafters.Draft.candidates, the gap): harmless, because no forward lets a row read a slot >= its
+    length before overwriting it. With B = 1 there is no gap: length is the row's length.
     """
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
@@ -145,8 +141,9 @@ class KVCache:
         self.lengths = [n] * len(self.lengths)
 
     def keep(self, *idx):
-        """Commit row b's new entries idx[b] (list or 1-D tensor, ascending) right after its
-        prefix: accepted nodes only, never a node that was computed but not verified."""
+        """Commit row b's new entries idx[b] (indices into the last forward's T: list or 1-D
+        tensor, ascending, e.g. its accepted tree path) to its slots from lengths[b] on, and grow
+        lengths[b] by len(idx[b]): accepted nodes only, never one computed but not verified."""
         assert len(idx) == len(self.lengths), f"{len(self.lengths)} rows, {len(idx)} paths"
         start = self.length  # the slot of new entry 0, in every row
         for b, row in enumerate(idx):
@@ -172,8 +169,7 @@ class KVCache:
             self.lengths[b] = n
 
     def select_rows(self, rows):
-        """Keep only the rows `rows` (list of row indices): a batch drops its finished sequences,
-        so that they stop costing."""
+        """Keep only these rows (indices): a batch drops its ended sequences, which stop costing."""
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
         self.lengths = [self.lengths[b] for b in rows]
@@ -288,10 +284,9 @@ class Block(nn.Module):
 
 
 def attention_mask(T, start, mask, key_mask, device):
-    """The (B|1, 1, T, start+T) bool mask: every new token sees the whole cached prefix, and among
-    the new tokens what `mask` allows (T, T) or (B, T, T); None means causal. key_mask (B, start+T)
-    hides padding slots. None when that is plain causal (nothing cached or one new token; no
-    padding)."""
+    """The (B|1, 1, T, start+T) bool mask: each new token sees the cached prefix (but the slots
+    key_mask (B, start+T) hides) and, among the new tokens, what `mask` (T, T) or (B, T, T) allows
+    (None: causal). None where that is plain causal (nothing cached or one new token, no gap)."""
     if mask is None:
         if (T == 1 or start == 0) and key_mask is None:
             return None
@@ -357,8 +352,7 @@ class Transformer(nn.Module):
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
-        visible. cache: a KVCache (new entries go to slots [cache.length, +T) of every row, see
-        keep(); rows shorter than cache.length see only their own prefix) or None.
+        visible. cache: a KVCache (its invariant says where new entries go, what each row sees).
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. layers: run only these layers (indices, in

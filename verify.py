@@ -15,8 +15,8 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
-Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a
-chain."""
+Shapes: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
+"""
 
 from __future__ import annotations
 
@@ -85,8 +85,7 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of tree.retrieve (L, D): how many leading nodes are accepted (root included), and
-    the last of them."""
+    """Per row of tree.retrieve (L, D): its accepted prefix's length (root included), last node."""
     ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
     length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
     last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
@@ -183,11 +182,8 @@ def speculative(
     n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
     u = torch.rand(n - 1, device=probs.device, generator=generator)  # (N-1,) a draw for each child
     # the walk needs only q(child's token) at its parent, and the draws: one transfer
-    token, q, u = (
-        torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist()
-        if n > 1
-        else ([], [], [])
-    )
+    walk = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u])  # (3, N-1)
+    token, q, u = walk.tolist() if n > 1 else ([], [], [])
     nodes, rejected = [0], []  # path; tokens zeroed at its end
     while True:
         accepted, mass = None, 1.0  # mass: what q' still holds
@@ -227,8 +223,7 @@ def without_tried(
 
 
 def path_to(tree: Tree, node: int, length: int) -> torch.Tensor:
-    """The node indices from the root down to `node` (at depth length - 1), read on the device
-    from the row of a leaf below it."""
+    """The node indices from the root down to `node` (at depth length - 1), from a leaf's row."""
     rows = tree.retrieve  # (L, D)
     return rows[(rows[:, length - 1] == node).int().argmax(), :length]
 
