@@ -501,25 +501,15 @@ def build_parser():
         "replies so far (the base model's distribution at every committed token), so that they "
         "draft the next replies better; the base model and so the output are unchanged",
     )
-    p.add_argument("--online-lr", type=float, default=ONLINE["lr"], help="--online: AdamW's rate")
-    p.add_argument(
-        "--online-buffer",
-        type=int,
-        default=ONLINE["buffer"],
-        help="--online: train on the last this many replies",
-    )
-    p.add_argument(
-        "--online-every",
-        type=int,
-        default=ONLINE["every"],
-        help="--online: update the heads after every this many replies",
-    )
-    p.add_argument(
-        "--online-steps",
-        type=int,
-        default=ONLINE["steps"],
-        help="--online: optimizer steps an update",
-    )
+    for name, kind, what in (
+        ("lr", float, "AdamW's rate"),
+        ("buffer", int, "train on the last this many replies"),
+        ("every", int, "update the heads after every this many replies"),
+        ("steps", int, "optimizer steps an update"),
+    ):
+        p.add_argument(
+            f"--online-{name}", type=kind, default=ONLINE[name], help=f"--online: {what}"
+        )
     p.add_argument(
         "--online-save",
         default=None,
