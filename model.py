@@ -19,6 +19,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -379,8 +380,6 @@ class Transformer(nn.Module):
 def lm_head_fingerprint(model) -> str:
     """A short digest of the LM head (the sign pattern of a few rows, the same in any dtype):
     heads trained on one base model refuse to load on another."""
-    import numpy as np
-
     w = model.lm_head.weight.detach()
     rows = w[:: max(1, w.shape[0] // 64)].float().cpu() > 0
     return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]
