@@ -701,7 +701,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             heads, tree, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
-                d = drafters.heads_and_lookup(
+                d = catalog.heads_and_lookup(
                     d, look["gamma"], look["ngram"], look["matches"], device
                 )
             verify = variant if variant in ("typical", "sample") else "greedy"

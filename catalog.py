@@ -10,6 +10,7 @@ export.py; it imports the teaching files, never the scripts.
     DRAFT_DEFAULTS, parse_draft, draft_settings  --draft and the settings of its drafter
     parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
+    heads_and_lookup                             --draft heads+lookup, with the rules that pay
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 """
@@ -474,6 +475,18 @@ def pass_drafter(folder, gamma, guesses, model):
     return drafters_lib.PaSS(model, embeddings, gamma, guesses)
 
 
+def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
+    """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
+    hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
+    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone
+    while it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing
+    is mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
+    size (HeadsPlusLookup's floor, 4), so that the small tuned CPU trees stay whole or nearly and
+    larger ones are trimmed."""
+    lookup = drafters_lib.Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
+    return drafters_lib.HeadsPlusLookup(heads, lookup, device, floor=4)
+
+
 def make_drafter(
     kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator
 ):
@@ -487,7 +500,7 @@ def make_drafter(
     if kind == "lookup":
         return drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
     if kind == "heads+lookup":
-        return drafters_lib.heads_and_lookup(
+        return heads_and_lookup(
             drafters_lib.HeadsDrafter(heads, tree),
             settings["gamma"],
             settings["ngram"],

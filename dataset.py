@@ -40,7 +40,7 @@ import generate
 import kernels
 import model as model_lib
 from checkpoint import encode, eos_ids
-from cli import UsageError, check_text, notice
+from cli import UsageError, check_text, notice, threads_flag
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -639,6 +639,14 @@ def conversation_flags(p, data_help, eval_conversations):
         default=eval_conversations,
         help="evaluate on the first this many of its held-out split",
     )
+
+
+def run_flags(p, seed_help, out_help):
+    """--device, --threads, --seed and --out (required), the last flags of the same scripts."""
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    threads_flag(p)
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    p.add_argument("--out", required=True, help=out_help)
 
 
 def check_conversations_file(path, flag="--data"):

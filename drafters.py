@@ -4,32 +4,26 @@ A drafter proposes candidate tokens after the last emitted one (the root) as a t
 tree with one path. Verification does not care who drafted: the base model scores every node in
 one forward and verify.py keeps an acceptable path. The drafters, one interface:
 
-    HeadsDrafter(heads, tree)        Medusa / Hydra heads fill a fixed tree, depth by depth
-    Plain()                          drafts nothing: plain decoding, a root-only tree every step
-    Lookup(gamma, ngram, matches)    prompt lookup: copy what followed the last n tokens earlier
-    ModelDrafter(model, gamma, ...)  a smaller model (or the base, layers skipped) drafts a chain
-    HeadsPlusLookup(heads, lookup)   both trees in one (heads_and_lookup: with the rules that pay)
-    Jacobi(gamma)                    the model's own outputs of last step, as guesses
-    Lookahead(window, ngram, guesses)   n-grams from a window of Jacobi trajectories in the same
-                                        forward
-    PaSS(model, embeddings, gamma, guesses)   learned [LA] tokens after the tree: the model drafts
-                                              for itself
+    HeadsDrafter(heads, tree)          Medusa / Hydra heads fill a fixed tree, depth by depth
+    Plain()                            drafts nothing: plain decoding, a root-only tree every step
+    Lookup(gamma, ngram, matches)      prompt lookup: copy what followed the last n tokens earlier
+    ModelDrafter(model, gamma, ...)    a smaller model (or the base, layers skipped) drafts a chain
+    HeadsPlusLookup(heads, lookup)     both trees in one (catalog.heads_and_lookup: with its rules)
+    Jacobi(gamma)                      the model's own outputs of last step, as guesses
+    Lookahead(window, ngram, guesses)  n-grams from a window of Jacobi trajectories, same forward
+    PaSS(model, embeddings, gamma)     learned [LA] tokens: the model drafts for itself
 
-    d.start(prompt, hidden, max_len, kept=0)   a new sequence: the prompt ids, the base model's
-                                          hidden states over them (1, T, D), room for max_len
-                                          positions; kept > 0: the last sequence goes on (a
-                                          conversation's next turn, generate.Conversation): its
-                                          first kept tokens are prompt[:kept], the state held for
-                                          them stays, hidden covers prompt[kept:] only
-    d.draft(root) -> Draft                the tree to verify, rooted at the last emitted token
-    d.accept(tokens, hidden, positions, logits)   what the base model committed (the root and the
-                                          accepted drafts, their hidden states and positions) and
-                                          its
-                                          logits (N, V) at every node of the step, kept or not
-    d.name, d.legend, d.max_nodes, d.max_depth     for printing, --show and sizing the KV cache
-    d.row()                               (drafters that batch: plain, heads, lookup, heads+lookup)
-                                          a drafter for one more sequence of a batch: the same
-                                          heads, tree and settings, its own state (start() makes it)
+    d.start(prompt, hidden, max_len, kept=0)     a new sequence: the prompt ids, the base model's
+        hidden states over them (1, T, D), room for max_len positions; kept > 0: the last sequence
+        goes on (generate.Conversation's next turn): its first kept tokens are prompt[:kept], the
+        state held for them stays, hidden covers prompt[kept:] only
+    d.draft(root) -> Draft                       the tree to verify, rooted at the last token
+    d.accept(tokens, hidden, positions, logits)  what the base model committed (the root and the
+        accepted drafts, their hidden states and positions), its logits (N, V) at every node,
+        kept or not
+    d.name, d.legend, d.max_nodes, d.max_depth   for printing, --show and sizing the KV cache
+    d.row()    (plain, heads, lookup, heads+lookup) a drafter for one more sequence of a batch: the
+        same heads, tree and settings, its own state (start() makes it)
 
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
@@ -49,9 +43,6 @@ import verify as verify_lib
 # Trees here change from step to step (a lookup finds a match or not, of some length), but only
 # among a few shapes: each is built and moved to the device once, and looked up by its paths.
 # A drafter fills {path: (token, source)}; paths are tree.py's, ranks in insertion order.
-# A forward may also carry nodes that are computed but never verified (lookahead's window): they
-# follow the tree, the mask says what they see, and only the drafter reads what the model made of
-# them.
 
 
 @dataclass
@@ -78,8 +69,7 @@ class Draft:
 @dataclass(frozen=True)
 class Window:
     """Computed-only nodes that follow every tree of a drafter: what each sees among the root
-    (column
-    0) and the window's own nodes (columns 1..M), and its position past the root."""
+    (column 0) and the window's own nodes (columns 1..M), and its position past the root."""
 
     sees: torch.Tensor  # (M, 1+M) bool
     depth: torch.Tensor  # (M,) long
@@ -94,8 +84,7 @@ class Window:
 
 
 class Shapes:
-    """tree.build(paths), moved to the device with its mask and depths, once per distinct tree;
-    with a Window, the window's nodes follow every tree."""
+    """tree.build(paths) on the device, with its mask and depths; a Window's nodes follow each."""
 
     def __init__(self, device, window: Window | None = None):
         self.device = device
@@ -114,14 +103,12 @@ class Shapes:
             )
         return self.built[key]
 
-    def draft(self, root: int, nodes: dict, probs=None, computed=()) -> Draft:
-        """nodes {path: (token, source)} -> the Draft, its tokens in the tree's node order, then the
-        window's tokens `computed`."""
+    def draft(self, root: int, nodes: dict, computed=()) -> Draft:
+        """nodes {path: (token, source)} -> the Draft: the tree's tokens in order, then computed."""
         tree, mask, depth = self(nodes)
         tokens = [root] + [nodes[p][0] for p in tree.paths] + list(computed)
         source = [0] + [nodes[p][1] for p in tree.paths]
-        # (N,)
-        return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source, probs)
+        return Draft(torch.tensor(tokens, device=self.device), tree, mask, depth, source)
 
 
 def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
@@ -151,8 +138,7 @@ def chain_nodes(tokens: list, source: int) -> dict:
 
 
 def draft_nodes(d: Draft) -> dict:
-    """A Draft's nodes below the root, as {path: (token, source)} (what Shapes.draft builds
-    from)."""
+    """A Draft's nodes below the root, as {path: (token, source)}: what Shapes.draft takes."""
     return {p: (t, s) for p, t, s in zip(d.tree.paths, d.tokens[1:].tolist(), d.source[1:])}
 
 
@@ -210,9 +196,8 @@ class HeadsDrafter:
         self.max_nodes = tree.num_nodes
         self.max_depth = tree.max_depth
 
-    def row(
-        self,
-    ):  # start() makes the state (h, Hydra++'s prefix cache): a shallow copy shares none
+    def row(self):
+        """start() makes the state (h, Hydra++'s prefix cache): a shallow copy shares none."""
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):
@@ -236,8 +221,6 @@ class HeadsDrafter:
 
 
 class Plain:
-    """Drafts nothing: every step the base model verifies only the root, i.e. decodes one token."""
-
     name, legend, max_nodes, max_depth = "heads: none (plain decoding)", ["base model"], 1, 0
 
     def __init__(self, device):
@@ -266,8 +249,7 @@ class Plain:
 class Lookup:
     """Match the last n tokens (n = ngram down to `shortest`, 1 unless given) of prompt + reply
     against earlier text and propose the up to gamma tokens that followed: the latest match as a
-    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. No
-    match: a root-only tree."""
+    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree."""
 
     def __init__(
         self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1
@@ -334,11 +316,9 @@ class Lookup:
         # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks
-        # to
-        # a token and costs the step almost nothing; where it copies, it grows back within steps.
+        # to a token and costs the step almost nothing; where it copies, it grows back within steps.
         # copying: the last step kept a whole continuation proposed at the full gamma, so the reply
-        # is copying
-        # a stretch of the text (HeadsPlusLookup then verifies its chain alone).
+        # is copying a stretch of the text (HeadsPlusLookup then verifies its chain alone).
         # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
             kept = tokens[1:]
@@ -354,9 +334,8 @@ class Lookup:
 # Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one
 # at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.,
 # Draft & Verify; LayerSkip) is the same with the base model itself, some of its layers skipped, as
-# the small model: model.Transformer.forward(..., layers=kept) runs the kept layers, the final norm
-# and the LM head on the base's weights, no copy. layers:N keeps the first N; skip keeps a set that
-# bench.py --tune-skip searched for (tuning.tune_skip).
+# the small model (model.Transformer.forward's layers=, on the base's own weights). layers:N keeps
+# the first N; skip keeps a set that bench.py --tune-skip searched for (tuning.tune_skip).
 
 
 class ModelDrafter:
@@ -370,8 +349,7 @@ class ModelDrafter:
     being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
     by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
     index check, a device sync on a GPU) so that the next one attends to them. accept() cuts length
-    back to the accepted prefix: entries of rejected drafts lie beyond it, garbage that the next
-    forward overwrites before anything reads it."""
+    back to the accepted prefix: rejected drafts' entries lie beyond it, garbage as in a KVCache."""
 
     def __init__(
         self,
@@ -392,9 +370,8 @@ class ModelDrafter:
         self.generator = generator
         self.shapes = Shapes(model.device)
         self.paths = tree_lib.chain(gamma)
-        self.name = f"{name}, {gamma} tokens a step" + (
-            "" if verify_lib.is_greedy(temperature) else ", sampled"
-        )
+        sampled = "" if verify_lib.is_greedy(temperature) else ", sampled"
+        self.name = f"{name}, {gamma} tokens a step{sampled}"
         self.legend = ["base model", name]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
@@ -408,10 +385,8 @@ class ModelDrafter:
         self.pending = list(prompt[self.cache.length :])
 
     def _next(self, tokens):
-        """Feed tokens (1, T) after the cache and append them; the next draft () and its p (V,) or
-        None."""
+        """Feed tokens (1, T) after the cache (appended) -> the next draft (), its p (V,) | None."""
         n = tokens.shape[1]
-        # (T,)
         positions = torch.arange(self.cache.length, self.cache.length + n, device=tokens.device)
         logits, _ = self.model(
             tokens, positions, None, self.cache, last_only=True, layers=self.layers
@@ -446,10 +421,9 @@ class ModelDrafter:
 
 
 # --- heads and lookup in one tree ----------------------------------------------------------------
-# SpecInfer-style merging: the heads' tree, then lookup's grafted onto it, shared prefixes once.
-# One forward verifies both. The tree rules of verify.py are exact for any tree fixed before
-# verification (heads' top-k picks, lookup's copies), so merging keeps them exact; sharing prefixes
-# only saves nodes.
+# SpecInfer-style merging: the heads' tree, then lookup's grafted onto it, shared prefixes once;
+# one forward verifies both. verify.py's tree rules are exact for any tree fixed before
+# verification (heads' top-k picks, lookup's copies), so the merged tree keeps them exact.
 
 
 class HeadsPlusLookup:
@@ -484,9 +458,8 @@ class HeadsPlusLookup:
 
     def draft(self, root):
         copied = draft_nodes(self.lookup.draft(root))
-        if (
-            copied and self.lookup.copying
-        ):  # on a copying streak the heads' nodes would only cost the step
+        # on a copying streak the heads' nodes would only cost the step
+        if copied and self.lookup.copying:
             return self.shapes.draft(root, graft({}, copied, self.offset))
         a = self.heads.draft(root)
         if not copied:
@@ -501,32 +474,17 @@ class HeadsPlusLookup:
         self.lookup.accept(tokens, hidden, positions, logits)
 
 
-def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
-    """The heads' drafter and prompt lookup in one tree, as --draft heads+lookup and bench's
-    hydra++-lookup run them. Three rules make the pair pay where either alone would (each measured:
-    results/merged-rules.md): lookup's chain adapts its length (Lookup.accept) and is verified alone
-    while it copies; only matches of 2 tokens or more are proposed (a 1-token match in free writing
-    is mostly a common token, and its chain costs nodes); and the step keeps about the heads' tuned
-    size, lookup's nodes taking the place of their last ones, the heads keeping at least 4 (the
-    floor), so that the small tuned CPU trees stay whole or nearly and larger ones are trimmed."""
-    lookup = Lookup(gamma, ngram, matches, device, adapt=True, shortest=min(2, ngram))
-    return HeadsPlusLookup(heads, lookup, device, floor=4)
-
-
 # --- Jacobi decoding -----------------------------------------------------------------------------
 # Santilli et al. 2023: append m guesses to the sequence ([PAD] at first) and run them through the
 # model as a causal chain; the output at each guess is the greedy next token given the guesses
-# before
-# it. The guesses that equal the output before them are accepted (verify.greedy on the chain: at
-# least
-# the bonus token is new), and the outputs after the accepted ones are the next step's guesses. A
-# fixed point of this iteration is greedy decoding itself, so the output is lossless.
+# before it. The guesses that equal the output before them are accepted (verify.greedy on the
+# chain: at least the bonus token is new), and the outputs after the accepted ones are the next
+# step's guesses. A fixed point of this iteration is greedy decoding itself: lossless.
 
 
 class Jacobi:
-    """m guesses a step as a chain: mask[i, j] = j <= i, causal after the root. The guesses are the
-    model's outputs of last step at the same positions; where no output reaches (the start, or after
-    a whole block was accepted) the last guess (or the root) is repeated: the block's padding."""
+    """m guesses a step as a chain. Where last step's outputs do not reach (the start, or after a
+    whole block was accepted), the last guess (or the root) is repeated: the block's padding."""
 
     def __init__(self, gamma: int, device):
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
@@ -542,14 +500,12 @@ class Jacobi:
 
     def draft(self, root):
         pad = self.guesses[-1] if self.guesses else root
-        return self.shapes.draft(
-            root, chain_nodes((self.guesses + [pad] * self.gamma)[: self.gamma], 1)
-        )
+        guesses = (self.guesses + [pad] * self.gamma)[: self.gamma]
+        return self.shapes.draft(root, chain_nodes(guesses, 1))
 
     def accept(self, tokens, hidden, positions, logits):
         # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node
-        # k;
-        # the output at node k+i guesses the token i places after the bonus
+        # k; the output at node k+i guesses the token i places after the bonus
         self.guesses = logits[len(tokens) :].argmax(-1).tolist()  # (m-k,)
 
 
@@ -572,9 +528,8 @@ class Jacobi:
 
 
 class Lookahead:
-    """A W x (N-1) window of Jacobi trajectories (computed only) and up to G n-grams of N-1 tokens
-    from its pool (verified) in one forward. cells[i] = (level, column) of window node i; the root
-    is (0, 0). Mask: (l, r) sees (l', r') iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
+    """cells[i] = (level, column) of window node i; the root is (0, 0). Mask: (l, r) sees (l', r')
+    iff l' = 0 and r' <= r, or r' = r and 1 <= l' <= l."""
 
     def __init__(self, window: int, ngram: int, guesses: int, device):
         assert window >= 1 and ngram >= 2 and guesses >= 1, (
@@ -589,14 +544,12 @@ class Lookahead:
         index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}  # (0, 0) is the root
         sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)  # (M, 1+M)
         for i, (level, r) in enumerate(self.cells):
-            sees[
-                i, [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]
-            ] = True
+            seen = [index[0, j] for j in range(r + 1)] + [index[k, r] for k in range(1, level + 1)]
+            sees[i, seen] = True
         depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)  # (M,)
         self.shapes = Shapes(device, Window(sees, depth))
-        self.top = [
-            index[ngram - 2, r] for r in range(window)
-        ]  # the top of each column, in [root, window]
+        # the top of each column, in [root, window]
+        self.top = [index[ngram - 2, r] for r in range(window)]
         self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
         self.legend = ["base model", "lookahead"]
         self.max_depth = ngram - 1
@@ -612,18 +565,16 @@ class Lookahead:
 
     def draft(self, root):
         nodes = {}
-        for gram in reversed(
-            self.pool.get(root, [])
-        ):  # the latest first: the verifiers try it first
+        # the latest first: the verifiers try it first
+        for gram in reversed(self.pool.get(root, [])):
             graft(nodes, chain_nodes(list(gram), 1))
         d = self.shapes.draft(root, nodes, computed=[t for level in self.levels for t in level])
         self.n = d.candidates
         return d
 
     def accept(self, tokens, hidden, positions, logits):
-        at = [
-            self.n + i - 1 if i else 0 for i in self.top
-        ]  # window node i follows the n candidates
+        # window node i follows the n candidates
+        at = [self.n + i - 1 if i else 0 for i in self.top]
         new = logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
         if self.steps >= self.N - 2:
             starts = [tokens[0]] + self.levels[0]  # c_0 = this step's root, then the chain
@@ -641,20 +592,15 @@ class Lookahead:
         del grams[: -self.G]  # keep the G latest
 
 
-# --- PaSS: learned lookahead tokens
-# ----------------------------------------------------------------
+# --- PaSS: learned lookahead tokens -------------------------------------------------------------
 # Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen
-# (pass_tokens.py),
-# are new tokens; appended after the sequence, the model's outputs at them guess the K tokens after
-# its next one. Here the first [LA]'s G likeliest tokens are siblings and the first of them leads a
-# chain of the other [LA]s' choices. Which node will be the last accepted is known only after the
-# step, so a group of K [LA]s (computed only) follows every node of the tree: the group after the
-# last accepted node drafts the next tree. K = 2, G = 2, depths:
-# node    root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2    (groups after root, d1, d1',
-# d2)
-#     depth    0    1   1   2   |  1  2   |  2  3   |  2   3    |  3  4
-# The tree's mask is tree.py's; the group after node g sees what g sees, g, and its [LA]s up to
-# itself.
+# (pass_tokens.py), are new tokens; appended after the sequence, the model's outputs at them guess
+# the K tokens after its next one. Here the first [LA]'s G likeliest tokens are siblings and the
+# first of them leads a chain of the other [LA]s' choices. Which node will be the last accepted is
+# known only after the step, so a group of K [LA]s (computed only) follows every node of the tree:
+# the group after the last accepted node drafts the next tree. K = 2, G = 2, depths:
+#     node   root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2   (groups after root, d1,
+#     depth    0    1   1   2  |  1  2   |  2  3   |  2   3    |  3  4    d1', d2)
 
 
 class PaSS:
@@ -675,13 +621,11 @@ class PaSS:
         n = t.num_nodes
         self.tree = t.to(self.dev)
         self.node = {p: i for i, p in enumerate([()] + t.paths)}  # path -> node index
-        # the [LA] tokens: ids past the vocabulary, embedded by the rows the model is given with
-        # them
+        # the [LA] tokens: ids past the vocabulary, embedded by rows given to the model with them
         V = model.embed_tokens.num_embeddings
         self.extra = embeddings[:K].to(self.dev, model.dtype)  # (K, D): ids V .. V+K-1
         self.la = list(range(V, V + K)) * n  # a group after each node
-        # the mask: the tree's, then each group sees what its node sees, its node, and itself
-        # causally
+        # the mask: the tree's, then each group sees what its node sees, its node, itself causally
         mask = torch.zeros(n * (K + 1), n * (K + 1), dtype=torch.bool)
         mask[:n, :n] = t.mask
         depth = t.depth.tolist()
@@ -708,20 +652,13 @@ class PaSS:
             + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths]
             + self.la
         )
+        tokens = torch.tensor(tokens, device=self.dev)  # (N,)
         source = [0] + [1] * len(self.tree.paths)
-        return Draft(
-            torch.tensor(tokens, device=self.dev),
-            self.tree,
-            self.mask,
-            self.depth,
-            source,
-            extra=self.extra,
-        )
+        return Draft(tokens, self.tree, self.mask, self.depth, source, extra=self.extra)
 
     def accept(self, tokens, hidden, positions, logits):
-        kept = tokens[
-            1:
-        ]  # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
+        # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
+        kept = tokens[1:]
         path = (self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)
         first = self.tree.num_nodes + self.node[path] * self.K  # its [LA] group
         group = logits[first : first + self.K]  # (K, V)

@@ -7,17 +7,10 @@ propose tokens, one forward verifies them.
     python generate.py --prompt "..." --heads medusa --tree chain:3 --show
     python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
-    python generate.py --prompt "..." --draft layers:12 --gamma 3         # self-speculative
-    python generate.py --prompt "..." --draft skip:2,5,9-12               # ... layers skipped
-    python generate.py --model big/llama --draft model --draft-model small/llama
-    python generate.py --prompt "..." --draft lookahead --window 4 --ngram 3 --guesses 4 --show
-    python generate.py --prompt "..." --draft pass --gamma 2              # PaSS's [LA] tokens
-    python generate.py --prompts eval/prompts.jsonl --out replies.jsonl
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
-    python generate.py --prompts mine.jsonl --online --online-save my-heads   # heads that learn
     python generate.py --chat                          # talk; the KV cache is kept between turns
-    python generate.py --chat --draft heads+lookup --system "Answer briefly." --quiet
-    printf 'Hi!\nAnd then?\n/save chat.jsonl\n' | python generate.py --chat   # a line a turn
+
+The README lists more (the other drafters, --online), and --help every flag.
 
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
@@ -26,23 +19,16 @@ One decode loop, generate(), serves every method. Each step:
     -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
     -> the drafter learns what was accepted, and what the model said at every node (drafter.accept)
 Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
-A draft may carry nodes after its tree that are computed but never verified (lookahead's window,
-drafters.Draft.candidates): the verifiers see only the tree, KVCache.keep only what they accept.
-The loop runs B sequences side by side (generate_batch; generate() is one): each row drafts its own
-tree, padded to the batch's node count; one forward scores them all, at positions that are the
-row's own length + the node's depth; each row verifies and keeps its own path, and a row that ends
-leaves the batch. Only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
-A Conversation keeps the KV cache from one reply to the next (--chat): each turn the template lays
-the whole conversation out, the cache keeps what it shares with that, and only the rest is
-forwarded; the drafter's state follows the same cut (drafter.start's kept).
+The loop runs B sequences side by side, each its own tree and path (generate_batch; generate() is
+one); only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
+A Conversation keeps the KV cache from one reply to the next (--chat).
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
 speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter (in
 bf16 a tree step and a one-token step round differently, so near-ties can flip); speculative
 sampling samples from the base model's own distribution; a row of a batch is its prompt decoded
 alone (greedy, fp32) or, sampled, decoded alone with its own generator; a chat's reply is the
-one-shot reply to the same conversation (greedy, fp32). The command line (flags, checks, printing,
-main) is the last section of this file (tests/test_cli.py).
+one-shot reply to the same conversation (greedy, fp32).
 Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
 
@@ -63,7 +49,6 @@ import checkpoint
 import cli
 import drafters as drafters_lib
 import kernels
-import model as model_lib
 import online
 import tree as tree_lib
 import verify as verify_lib
@@ -84,26 +69,23 @@ class Result:
 
 
 def choose_verifier(verify, temperature, top_p, generator):
-    """verifier(logits (n, V), tokens (n,), draft) -> (accepted node indices, bonus token), over the
-    draft's n candidates."""
+    """verifier(logits (n, V), tokens (n,), draft) -> (accepted nodes, bonus): its n candidates."""
     if verify not in verify_lib.VERIFIERS:
         raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
     if verify == "greedy" and not verify_lib.is_greedy(temperature):
         raise ValueError(
             f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
         )
-    if verify_lib.is_greedy(
-        temperature
-    ):  # what "greedy" (checked above) and auto at temperature 0 mean
+    # what "greedy" (checked above) and auto at temperature 0 mean
+    if verify_lib.is_greedy(temperature):
         return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
     if verify == "typical":
         return lambda l, t, d: verify_lib.typical(
             l, t, d.tree, temperature, top_p, generator=generator
         )
 
-    def sample(
-        l, t, d
-    ):  # sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule
+    def sample(l, t, d):
+        """Sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule."""
         if d.probs is not None:
             return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
         return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
@@ -331,9 +313,8 @@ def generate(
     on_tokens=None,
     cache=None,
 ) -> Result:
-    """Decode up to max_new_tokens after `prompt` (list of ids): generate_batch with one row.
-    on_tokens(new_ids, sources) is called as tokens are produced; cache: one to go on from
-    (generate_batch)."""
+    """generate_batch with one row: up to max_new_tokens after `prompt` (list of ids); on_tokens(
+    new_ids, sources) is called as tokens are produced; cache as generate_batch's."""
     stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
     return generate_batch(
         model,
@@ -357,16 +338,6 @@ def generate(
 # (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
 
 
-def common_prefix(a, b) -> int:
-    """How many leading ids a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Conversation:
     """A KV cache that outlives the reply, the ids it holds, and the drafter that follows it.
 
@@ -374,9 +345,8 @@ class Conversation:
     state covers at least those ids (generate_batch calls its accept() every step, the last one
     included). After a reply, self.ids = the prompt and every token emitted but the last: the last
     was never forwarded (its logits were not needed), whether it ended at EOS or at the length
-    limit; the next turn forwards it if the template renders it. Slots past len(self.ids) are
-    garbage, as in the KVCache. A reply stopped by an exception (Ctrl-C) keeps the cut it started
-    from: what it wrote since is not trusted."""
+    limit; the next turn forwards it if the template renders it. A reply stopped by an exception
+    (Ctrl-C) keeps the cut it started from: what it wrote since is not trusted."""
 
     def __init__(self, model, drafter=None):
         self.model = model
@@ -390,7 +360,8 @@ class Conversation:
         """generate() after `prompt` (the whole conversation's ids, ending where the reply begins),
         forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
         # the last prompt token is always forwarded: its logits give the reply's first token
-        kept = common_prefix(self.ids, prompt[:-1])
+        # (os.path.commonprefix compares any two lists item by item, ids included)
+        kept = len(os.path.commonprefix([self.ids, prompt[:-1]]))
         self.ids = self.ids[:kept]
         self.cache.length = kept
         self.forwarded = len(prompt) - kept
@@ -530,25 +501,15 @@ def build_parser():
         "replies so far (the base model's distribution at every committed token), so that they "
         "draft the next replies better; the base model and so the output are unchanged",
     )
-    p.add_argument("--online-lr", type=float, default=ONLINE["lr"], help="--online: AdamW's rate")
-    p.add_argument(
-        "--online-buffer",
-        type=int,
-        default=ONLINE["buffer"],
-        help="--online: train on the last this many replies",
-    )
-    p.add_argument(
-        "--online-every",
-        type=int,
-        default=ONLINE["every"],
-        help="--online: update the heads after every this many replies",
-    )
-    p.add_argument(
-        "--online-steps",
-        type=int,
-        default=ONLINE["steps"],
-        help="--online: optimizer steps an update",
-    )
+    for name, kind, what in (
+        ("lr", float, "AdamW's rate"),
+        ("buffer", int, "train on the last this many replies"),
+        ("every", int, "update the heads after every this many replies"),
+        ("steps", int, "optimizer steps an update"),
+    ):
+        p.add_argument(
+            f"--online-{name}", type=kind, default=ONLINE[name], help=f"--online: {what}"
+        )
     p.add_argument(
         "--online-save",
         default=None,
@@ -1019,7 +980,9 @@ def check_batch_memory(model, encoded, batch_size, drafter, device):
     if batch_size == 1 or free is None:
         return
     longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
-    row = model_lib.KVCache.bytes_for(model.cfg, 1, longest, model.dtype)
+    cfg = model.cfg
+    slots = 2 * cfg.n_layers * cfg.n_kv_heads * longest * cfg.head_dim  # keys and values
+    row = slots * torch.finfo(model.dtype).bits // 8  # one row's cache, in bytes
     if batch_size * row > free * 0.8:
         fits = max(1, int(free * 0.8 // row))
         raise cli.UsageError(

@@ -1,13 +1,11 @@
 """Draft heads: small modules that read the base model's hidden state and guess the tokens after
 its next one, so that one forward pass of the base model can verify several guesses at once.
 
-    Medusa head k    z = h + SiLU(W h + b)  (num_layers such blocks)       guesses x_{t+1+k} from
-                     h_t
-    Hydra head k     z = h + MLP(concat[h, E(x_{t+1}), ..., E(x_{t+k})])    also sees the tokens
-                     drafted
-                     before it on the same tree path, so drafting runs depth by depth
-    Hydra++          Hydra heads reading h from a PrefixMLP: one extra decoder layer over the base
-                     hidden states of the whole accepted sequence, with its own KV cache
+    Medusa head k   z = h + SiLU(W h + b) (num_layers such blocks): guesses x_{t+1+k} from h_t
+    Hydra head k    z = h + MLP(concat[h, E(x_{t+1}), ..., E(x_{t+k})]): also sees the tokens
+                    drafted before it on the same tree path, so drafting runs depth by depth
+    Hydra++         Hydra heads reading h from a PrefixMLP: one extra decoder layer over the base
+                    hidden states of the whole accepted sequence, with its own KV cache
 
 Every head ends with an LM head: the base model's, frozen and shared (~D^2 parameters a head), or a
 trainable per-head copy of it (Medusa-1), optionally restricted to a kept subset of the vocabulary.
@@ -18,13 +16,10 @@ W and the last MLP layer start at zero, so an untrained Medusa or Hydra head is 
     h = heads.context(hidden, positions, cache)             # (B, T, D) the state heads draft from
     z = heads.head(d, h[:, -1], path)                       # drafting, depth d: (P, D) or (1, D)
     z = heads(h, tokens)                                    # training: (B, T, K, D)
-    z = heads(h, tokens, at=(b, t))                         # training at N chosen positions: (N, K,
-                                                            D)
-    logits = heads.project(z, d)                            # (..., V'); heads.full_ids(ids) -> base
-                                                            ids
+    z = heads(h, tokens, at=(b, t))                         # training at N positions: (N, K, D)
+    logits = heads.project(z, d)                            # (..., V'); full_ids(ids): base ids
 
-checkpoint.save_heads / load_heads write and read them. Test: `python -m pytest -q
-tests/test_heads.py`.
+checkpoint.py saves and loads them. Test: `python -m pytest -q tests/test_heads.py`.
 Shapes: B batch, T time, D hidden, K heads, V' head vocabulary (V, or the kept tokens), P parent
 nodes (tree nodes at one depth), d the depth = the head drafting it (1-based).
 """
@@ -87,7 +82,7 @@ class LMHead(nn.Module):
 
 
 # --- Medusa -------------------------------------------------------------------------------------
-# Head k reads h_t alone. W and b start at zero, so every block starts as the identity.
+# Head k reads h_t alone.
 
 
 class ResBlock(nn.Module):
@@ -105,8 +100,7 @@ class MedusaHeads(nn.Module):
     def __init__(self, cfg: HeadsConfig, base, kept_ids):
         super().__init__()
         self.cfg = cfg
-        # one fresh ResBlock per layer and head (the reference code's [block] * n repeats one
-        # module)
+        # a fresh ResBlock per layer and head (the reference code's [block] * n repeats one)
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.num_layers)))
             for _ in range(cfg.num_heads)
@@ -125,8 +119,7 @@ class MedusaHeads(nn.Module):
         return self.blocks[d - 1](h[:1])  # (1, D)
 
     def forward(self, h, tokens, at=None):
-        """Every head at every position (B, T, K, D), or at the positions at = (b, t) only (N, K,
-        D)."""
+        """Every head at every position (B, T, K, D), or at the positions at = (b, t): (N, K, D)."""
         assert h.shape[:2] == tokens.shape, (
             f"h (B, T, D) vs tokens (B, T): {tuple(h.shape)}, {tuple(tokens.shape)}"
         )
@@ -160,10 +153,8 @@ def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
 
 
 class PrefixMLP(nn.Module):
-    """Hydra++: one more decoder layer (a model.Block, same attention and rope as the base) and an
-    RMSNorm over the base hidden states. o_proj and down_proj start at zero, so at first the layer
-    passes x through and the output is RMSNorm(x).
-
+    """Hydra++'s extra layer: a model.Block (the base's attention and rope) and an RMSNorm. o_proj
+    and down_proj start at zero, so at first the layer passes x through: the output is RMSNorm(x).
     Its KV cache holds exactly the accepted sequence: the caller feeds only hidden states of
     accepted positions, and every call commits all of them (keep(range(T))), so slots [0, length)
     are positions 0..length-1 and nothing beyond `length` is ever read.
@@ -211,8 +202,7 @@ class HydraHeads(nn.Module):
         self.register_buffer("kept_ids", kept_ids)  # (V',) or None; saved
 
     def context(self, hidden, positions, cache=None):
-        """Hydra: hidden itself. Hydra++: the PrefixMLP over it (with a cache: appended and
-        kept)."""
+        """Hydra: hidden itself. Hydra++: the PrefixMLP over it (a cache appends and keeps it)."""
         return hidden if self.prefix is None else self.prefix(hidden, positions, cache)  # (B, T, D)
 
     def new_cache(self, max_len):
@@ -241,9 +231,8 @@ class HydraHeads(nn.Module):
             f"h (B, T, D) vs tokens (B, T): {tuple(h.shape)}, {tuple(tokens.shape)}"
         )
         e = F.embedding(F.pad(tokens, (0, self.cfg.num_heads)), self.embed)  # (B, T+K, D)
-        later = [
-            e[:, j : j + T] for j in range(1, self.cfg.num_heads + 1)
-        ]  # later[j-1][:, t] = E(tokens[t+j])
+        # later[j-1][:, t] = E(tokens[t+j])
+        later = [e[:, j : j + T] for j in range(1, self.cfg.num_heads + 1)]
         if at is not None:
             h, later = h[at], [x[at] for x in later]  # (N, D) each
         z = [
@@ -263,17 +252,12 @@ class HydraHeads(nn.Module):
 
 
 def _check_base(cfg: HeadsConfig, base) -> None:
-    want = {
-        "dim": base.cfg.dim,
-        "vocab_size": base.cfg.vocab_size,
-        "LM head fingerprint": lm_head_fingerprint(base),
+    pairs = {  # name: (what the heads were trained for, what the base model has)
+        "dim": (cfg.dim, base.cfg.dim),
+        "vocab_size": (cfg.vocab_size, base.cfg.vocab_size),
+        "LM head fingerprint": (cfg.base_fingerprint, lm_head_fingerprint(base)),
     }
-    have = {
-        "dim": cfg.dim,
-        "vocab_size": cfg.vocab_size,
-        "LM head fingerprint": cfg.base_fingerprint,
-    }
-    diff = [f"{k} {have[k]} != {want[k]}" for k in want if have[k] != want[k]]
+    diff = [f"{k} {have} != {want}" for k, (have, want) in pairs.items() if have != want]
     if diff:
         raise HeadsError(
             f"heads were trained for {cfg.base_name}, not {base.cfg.name} ({', '.join(diff)}); "

@@ -478,13 +478,10 @@ def build_parser():
         choices=["auto", "fp32", "bf16"],
         help="matrix products in training",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    cli.threads_flag(p)
-    p.add_argument("--seed", type=int, default=0, help="train.py's split and the batch order")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="the heads folder to write (heads, lora.safetensors, eval.json); must not hold a run",
+    dataset.run_flags(
+        p,
+        "train.py's split and the batch order",
+        "the heads folder to write (heads, lora.safetensors, eval.json); must not hold a run",
     )
     return p
 

@@ -1,12 +1,10 @@
 """The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
-    model = Transformer(Config(...))                          # checkpoint.load() fills one from a
-                                                              folder
+    model = Transformer(Config(...))                          # checkpoint.load() fills one
     cache = model.new_cache(max_len=2048)
     logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
-    cache.keep(idx)                                          # commit the accepted new entries
-                                                              (one index list per batch row)
+    cache.keep(idx)                                           # commit a row's accepted entries
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
@@ -21,6 +19,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,12 +63,10 @@ def rope_frequencies(cfg: Config) -> torch.Tensor:
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "llama3":
         # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend in between.
-        factor, lo, hi, old = (
-            s["factor"],
-            s["low_freq_factor"],
-            s["high_freq_factor"],
-            s["original_max_position_embeddings"],
-        )
+        factor = s["factor"]
+        lo = s["low_freq_factor"]
+        hi = s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -105,8 +102,7 @@ class Rope(nn.Module):
         return self
 
     def forward(self, positions, dtype=torch.float32):
-        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles computed in
-        fp32."""
+        """positions (B, T) or (T,) -> cos, sin (B|1, 1, T, Dh) in `dtype`, angles in fp32."""
         # (B, 1, T, Dh/2)
         angles = positions.view(-1, 1, positions.shape[-1], 1).float() * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)  # (B, 1, T, Dh)
@@ -120,17 +116,13 @@ class KVCache:
     """Pre-allocated keys and values for every layer, for B sequences side by side (rows).
 
     Invariant: row b's slots [0, lengths[b]) hold the keys/values of its accepted sequence, in
-    order, for positions 0..lengths[b]-1. Rows are right-padded: a shorter row's slots from
-    lengths[b] on are free. A forward pass of T new tokens writes them to the same slots
-    [length, length+T) in every row, length = max(lengths) (one slice for the whole batch), and
-    row b attends over its [0, lengths[b]) and those T (the forward hides the gap
-    [lengths[b], length) from it); it does not move the lengths. The caller then commits with
-    keep(idx_0, ..., idx_B-1): row b's new entries idx_b (indices into those T, ascending, e.g.
-    its accepted tree path) are copied to its slots [lengths[b], lengths[b]+len(idx_b)) and
-    lengths[b] grows by len(idx_b). Everything at or beyond a row's length is garbage left by
-    rejected tree nodes, by nodes that were computed but never verified (lookahead's window,
-    drafters.Draft.candidates) and by the gap: harmless, because no forward lets a row read a slot
-    >= its length before overwriting it. With B = 1 there is no gap: length is the row's length.
+    order, for positions 0..lengths[b]-1; rows are right-padded. A forward of T new tokens writes
+    them to slots [length, length+T) of every row, length = max(lengths) (one slice for the whole
+    batch), and row b attends over its [0, lengths[b]) and those T (the forward hides the gap
+    [lengths[b], length) from it); the lengths move only when keep() commits what was accepted.
+    Everything at or beyond a row's length is garbage (rejected nodes, computed-only nodes:
+    drafters.Draft.candidates, the gap): harmless, because no forward lets a row read a slot >= its
+    length before overwriting it. With B = 1 there is no gap: length is the row's length.
     """
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
@@ -139,12 +131,6 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * batch  # per row, on the host: no wait for the device to read them
         self.max_len = max_len
-
-    @staticmethod
-    def bytes_for(cfg: Config, batch: int, max_len: int, dtype) -> int:
-        """What a cache of `batch` rows and `max_len` slots takes, keys and values."""
-        slots = 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim
-        return slots * torch.finfo(dtype).bits // 8
 
     @property
     def length(self):
@@ -156,8 +142,9 @@ class KVCache:
         self.lengths = [n] * len(self.lengths)
 
     def keep(self, *idx):
-        """Commit row b's new entries idx[b] (list or 1-D tensor, ascending) right after its
-        prefix: accepted nodes only, never a node that was computed but not verified."""
+        """Commit row b's new entries idx[b] (indices into the last forward's T: list or 1-D
+        tensor, ascending, e.g. its accepted tree path) to its slots from lengths[b] on, and grow
+        lengths[b] by len(idx[b]): accepted nodes only, never one computed but not verified."""
         assert len(idx) == len(self.lengths), f"{len(self.lengths)} rows, {len(idx)} paths"
         start = self.length  # the slot of new entry 0, in every row
         for b, row in enumerate(idx):
@@ -183,8 +170,7 @@ class KVCache:
             self.lengths[b] = n
 
     def select_rows(self, rows):
-        """Keep only the rows `rows` (list of row indices): a batch drops its finished sequences,
-        so that they stop costing."""
+        """Keep only these rows (indices): a batch drops its ended sequences, which stop costing."""
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
         self.lengths = [self.lengths[b] for b in rows]
@@ -237,10 +223,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        head_norm = lambda: RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        # Qwen3's; the identity elsewhere
-        self.q_norm = head_norm()
-        self.k_norm = head_norm()
+        # Qwen3 normalises each head's q and k; the identity elsewhere
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     # project() and attend() are methods so that a faster form of this layer can replace just them
     def project(self, x):
@@ -251,8 +236,7 @@ class Attention(nn.Module):
         return attend(q, k, v, mask)  # (B, H, T, Dh)
 
     def forward(self, x, cos, sin, attn_mask, kv):
-        """x (B, T, D); attn_mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache, start) or
-        None."""
+        """x (B, T, D); attn_mask (B|1, 1, T, S) or None; kv (k_cache, v_cache, start) or None."""
         B, T, _ = x.shape
         c = self.cfg
         q, k, v = self.project(x)
@@ -301,10 +285,9 @@ class Block(nn.Module):
 
 
 def attention_mask(T, start, mask, key_mask, device):
-    """The (B|1, 1, T, start+T) bool mask: every new token sees the whole cached prefix, and among
-    the new tokens what `mask` allows (T, T) or (B, T, T); None means causal. key_mask (B, start+T)
-    hides padding slots. None when that is plain causal (nothing cached or one new token; no
-    padding)."""
+    """The (B|1, 1, T, start+T) bool mask: each new token sees the cached prefix (but the slots
+    key_mask (B, start+T) hides) and, among the new tokens, what `mask` (T, T) or (B, T, T) allows
+    (None: causal). None where that is plain causal (nothing cached or one new token, no gap)."""
     if mask is None:
         if (T == 1 or start == 0) and key_mask is None:
             return None
@@ -370,10 +353,7 @@ class Transformer(nn.Module):
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
-        visible. Rows may be nodes that are computed but never verified (a lookahead window): the
-        mask alone keeps them and the tree's nodes apart. cache: a KVCache (new entries go to slots
-        [cache.length, +T) of every row, see keep(); rows shorter than cache.length see only their
-        own prefix) or None.
+        visible. cache: a KVCache (its invariant says where new entries go, what each row sees).
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
         needs no more), hidden states still everywhere. layers: run only these layers (indices, in
@@ -400,8 +380,6 @@ class Transformer(nn.Module):
 def lm_head_fingerprint(model) -> str:
     """A short digest of the LM head (the sign pattern of a few rows, the same in any dtype):
     heads trained on one base model refuse to load on another."""
-    import numpy as np
-
     w = model.lm_head.weight.detach()
     rows = w[:: max(1, w.shape[0] // 64)].float().cpu() > 0
     return hashlib.sha256(np.packbits(rows.numpy()).tobytes()).hexdigest()[:16]

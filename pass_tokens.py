@@ -222,13 +222,10 @@ def build_parser():
         default="auto",
         help="auto (bf16 on CPUs with bf16 kernels and on GPUs, else fp32) | fp32 | bf16 | fp16",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    cli.threads_flag(p)
-    p.add_argument("--seed", type=int, default=0, help="train.py's split, the start and the order")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="the folder to write (tokens.safetensors, tokens.json); must be new or empty",
+    dataset.run_flags(
+        p,
+        "train.py's split, the start and the order",
+        "the folder to write (tokens.safetensors, tokens.json); must be new or empty",
     )
     return p
 

@@ -94,6 +94,11 @@ def build_parser():
     p = Parser(
         description="Train draft heads on a frozen base model.",
     )
+
+    def number(flag, kind, default, help, limit=""):
+        """A number flag; its help ends with the range check_args holds it to, and any limit."""
+        p.add_argument(flag, type=kind, default=default, help=help + span(flag) + limit)
+
     # base model
     p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -134,36 +139,33 @@ def build_parser():
         default=None,
         help="folder for cached data, features and checkpoints (default: cache folder per model)",
     )
-    p.add_argument(
+    number(
         "--num-prompts",
-        type=int,
-        default=2000,
-        help="self-distillation: number of prompts (the data set grows to this size)"
-        + span("--num-prompts"),
+        int,
+        2000,
+        "self-distillation: number of prompts (the data set grows to this size)",
     )
-    p.add_argument(
+    number(
         "--max-answer-tokens",
-        type=int,
-        default=256,
-        help="self-distillation: answer length limit"
-        + span("--max-answer-tokens")
-        + ", at most the model's context",
+        int,
+        256,
+        "self-distillation: answer length limit",
+        limit=", at most the model's context",
     )
-    p.add_argument(
+    number(
         "--max-prompt-tokens",
-        type=int,
-        default=128,
-        help="self-distillation: length limit of the user prompts the model writes (one that has "
-        "not ended by then is dropped)"
-        + span("--max-prompt-tokens")
-        + ", at most the model's context",
+        int,
+        128,
+        "self-distillation: length limit of the user prompts the model writes (one that has "
+        "not ended by then is dropped)",
+        limit=", at most the model's context",
     )
-    p.add_argument(
+    number(
         "--gen-batch",
-        type=int,
-        default=0,
-        help="self-distillation: generation batch size (rows decoded together), 0 = the size "
-        "kernels.sizes sets for the device" + span("--gen-batch"),
+        int,
+        0,
+        "self-distillation: generation batch size (rows decoded together), 0 = the size "
+        "kernels.sizes sets for the device",
     )
     p.add_argument(
         "--seeds",
@@ -176,20 +178,18 @@ def build_parser():
         help="the base model's dtype while it writes data or computes features, auto (bf16 where "
         "that is fast, as in generate.py) | fp32 | bf16",
     )
-    p.add_argument(
+    number(
         "--answer-temperature",
-        type=float,
-        default=0.0,
-        help="self-distillation: answer sampling temperature (0 = greedy, like decoding)"
-        + span("--answer-temperature"),
+        float,
+        0.0,
+        "self-distillation: answer sampling temperature (0 = greedy, like decoding)",
     )
-    p.add_argument(
+    number(
         "--teacher-k",
-        type=int,
-        default=16,
-        help="teacher targets: keep the base model's top-k probabilities per token"
-        + span("--teacher-k")
-        + ", at most the vocabulary",
+        int,
+        16,
+        "teacher targets: keep the base model's top-k probabilities per token",
+        limit=", at most the vocabulary",
     )
     # heads and training
     p.add_argument(
@@ -198,27 +198,19 @@ def build_parser():
         choices=["medusa", "hydra", "hydra++"],
         help="which draft heads to train",
     )
-    p.add_argument(
-        "--num-heads", type=int, default=3, help="K, number of draft heads" + span("--num-heads")
-    )
-    p.add_argument(
-        "--num-layers",
-        type=int,
-        default=1,
-        help="residual blocks per Medusa head / hidden layers per Hydra MLP" + span("--num-layers"),
-    )
+    number("--num-heads", int, 3, "K, number of draft heads")
+    number("--num-layers", int, 1, "residual blocks per Medusa head / hidden layers per Hydra MLP")
     p.add_argument(
         "--own-lm-head",
         action="store_true",
         help="a trainable LM head per head (Medusa-1) instead of the shared frozen one",
     )
-    p.add_argument(
+    number(
         "--kept-tokens",
-        type=int,
-        default=8192,
-        help="heads predict over this many most frequent tokens (0 = whole vocabulary)"
-        + span("--kept-tokens")
-        + ", at most the vocabulary",
+        int,
+        8192,
+        "heads predict over this many most frequent tokens (0 = whole vocabulary)",
+        limit=", at most the vocabulary",
     )
     p.add_argument(
         "--loss",
@@ -235,12 +227,7 @@ def build_parser():
         "next_token_loss) or fused (kernels.fused_batch_loss: both in blocks of rows, faster "
         "and in less memory); they give the same values and gradients (tests/test_kernels.py)",
     )
-    p.add_argument(
-        "--noise",
-        type=float,
-        default=0.0,
-        help="NEFTune-style input noise alpha (0 = off)" + span("--noise"),
-    )
+    number("--noise", float, 0.0, "NEFTune-style input noise alpha (0 = off)")
     p.add_argument(
         "--train-dtype",
         default="auto",
@@ -248,31 +235,11 @@ def build_parser():
         help="the heads' matrix products in training: auto (bf16 where it is fast: CUDA, CPUs "
         "with native bf16) | fp32 | bf16; losses, gradients' sums and weights stay fp32",
     )
-    p.add_argument("--epochs", type=int, default=2, help="passes over the data" + span("--epochs"))
-    p.add_argument(
-        "--batch-tokens",
-        type=int,
-        default=4096,
-        help="padded tokens per batch" + span("--batch-tokens"),
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=1e-3,
-        help="peak learning rate (AdamW, warm-up then cosine)" + span("--lr"),
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=200,
-        help="held-out evaluation every this many steps" + span("--eval-every"),
-    )
-    p.add_argument(
-        "--save-every",
-        type=float,
-        default=120,
-        help="checkpoint every this many seconds (0 = after every step)" + span("--save-every"),
-    )
+    number("--epochs", int, 2, "passes over the data")
+    number("--batch-tokens", int, 4096, "padded tokens per batch")
+    number("--lr", float, 1e-3, "peak learning rate (AdamW, warm-up then cosine)")
+    number("--eval-every", int, 200, "held-out evaluation every this many steps")
+    number("--save-every", float, 120, "checkpoint every this many seconds (0 = after every step)")
     p.add_argument("--out", default=None, help="heads folder (default: <work>/heads-<kind>)")
     p.add_argument(
         "--overwrite",
@@ -288,12 +255,7 @@ def build_parser():
         "flags that shape the training must be the checkpoint's (refused otherwise); "
         "--eval-every, --save-every and --epochs may change",
     )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="random seed (data, initialisation, batch order, noise)" + span("--seed"),
-    )
+    number("--seed", int, 0, "random seed (data, initialisation, batch order, noise)")
     return p
 
 

@@ -22,8 +22,7 @@ build() runs once per generation, with plain Python loops on small lists.
     build(paths) -> Tree           chain(n), cartesian(topk) -> paths    tree.to(device) -> Tree
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
 
-Run `python tree.py [--tree chain:3]` for a picture, `python -m pytest -q tests/test_tree.py` to
-test.
+Run `python tree.py [--tree chain:3]` for a picture; test: `python -m pytest -q tests/test_tree.py`.
 Shape legend: N tree nodes (root included), L leaves.
 """
 
@@ -70,9 +69,8 @@ class Tree:
         # node indices at depth 1..max_depth: drafting runs depth by depth
         return [torch.nonzero(self.depth == d).flatten() for d in range(1, self.max_depth + 1)]
 
-    def to(
-        self, device
-    ) -> "Tree":  # its tensors copied to `device`, once: drafters hold the copy there
+    def to(self, device) -> "Tree":
+        """Its tensors copied to `device`, once: drafters hold the copy there."""
         return replace(
             self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         )
@@ -118,10 +116,10 @@ def build(paths) -> Tree:
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     n = len(index)
     parent = [-1] + [index[p[:-1]] for p in paths]
-    children, mask = [[] for _ in range(n)], torch.eye(n, dtype=torch.bool)  # mask (N, N)
-    for i in range(
-        1, n
-    ):  # paths are sorted: a parent comes before its children, siblings in rank order
+    children = [[] for _ in range(n)]
+    mask = torch.eye(n, dtype=torch.bool)  # (N, N)
+    # paths are sorted: a parent comes before its children, siblings in rank order
+    for i in range(1, n):
         children[parent[i]].append(i)
         mask[i] |= mask[parent[i]]  # a node sees what its parent sees, and itself
     max_depth = max((len(p) for p in paths), default=0)
@@ -168,7 +166,7 @@ def cartesian(topk: list[int]) -> list[Path]:
     ]
 
 
-# --- files and the --tree flag ------------------------------------------------------------------
+# --- tree files -----------------------------------------------------------------------------------
 # JSON is parsed as data and validated by build(); nothing a user passes is ever evaluated.
 
 
@@ -194,6 +192,12 @@ def load(file) -> list[Path]:
         raise ValueError(f"{file}: {e}") from None
 
 
+# --- command line -------------------------------------------------------------------------------
+# The --tree flag's values (generate.py's through catalog.parse_tree too), the picture `python
+# tree.py` prints, and argparse alone (the tree needs nothing of the project): a mistake is one line
+# and exit code 2, as cli.py's convention has it for every other script.
+
+
 def parse(spec: str) -> list[Path]:
     """The --tree value: 'chain:4', 'cartesian:4,3,2' (or '4,3,2'), or a path to a JSON file."""
     compact = "".join(spec.split())
@@ -209,10 +213,6 @@ def parse(spec: str) -> list[Path]:
     )
 
 
-# --- picture ------------------------------------------------------------------------------------
-# `python tree.py` prints a small tree and its attention mask, as the module docstring shows.
-
-
 def ascii(tree: Tree) -> str:
     """The nodes as an indented tree ([index] rank r), then the mask as rows of '1' / '.'."""
     leaves = len(tree.retrieve)
@@ -222,7 +222,8 @@ def ascii(tree: Tree) -> str:
     while stack:  # depth-first, without recursion (a chain may be 1023 deep)
         i, indent, last = stack.pop()
         lines.append(f"{indent}+-[{i}] r{tree.paths[i - 1][-1]}  {tree.paths[i - 1]}")
-        below, kids = indent + ("   " if last else "|  "), tree.children[i]
+        below = indent + ("   " if last else "|  ")
+        kids = tree.children[i]
         stack += [(c, below, c == kids[-1]) for c in reversed(kids)]
     width = len(str(tree.num_nodes - 1))
     lines += ["", "mask (row i attends to column j):"]
@@ -230,11 +231,6 @@ def ascii(tree: Tree) -> str:
     for i, row in enumerate(tree.mask.tolist()):
         lines.append(f"{i:>{width}} " + "".join("1" if x else "." for x in row))
     return "\n".join(lines)
-
-
-# --- command line -------------------------------------------------------------------------------
-# argparse alone (the tree needs nothing of the project): a mistake is one line and exit code 2,
-# as cli.py's convention has it for every other script.
 
 
 class Parser(argparse.ArgumentParser):

@@ -92,6 +92,20 @@ def machine(device, dtype, **extra):
     }
 
 
+def decoding_machine(args, model, device, prompts, **extra):
+    """machine() for a tuner that decodes the prompts: `extra`, then what it decoded (prompts, new
+    tokens a reply, repeats) and how far the device is from its floor."""
+    return machine(
+        device,
+        model.dtype,
+        **extra,
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.tune_repeats,
+        **distance_to_floor(model, device),
+    )
+
+
 def memory_bandwidth(device, mbytes=512):
     """GB/s reading a buffer much larger than any cache (the median of 7 sums, after one to touch
     every page): what a decode step, which reads every weight once, can at most stream."""
@@ -144,6 +158,13 @@ def distance_to_floor(model, device):
 
 def machine_line(m):
     return "_" + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in m.items()) + "_"
+
+
+def write_json(path, data):
+    """`data` as JSON in `path`, indented: the tuned files and the --json reports are read by people
+    too."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 def plotting(quiet=False):
@@ -225,6 +246,17 @@ def sparse(acc, budget: int) -> list:
 
 # --- tree tuning ----------------------------------------------------------------------------------
 # Expected tokens/s of a tree = expected tau / (verify step + draft), both measured here.
+
+
+def prefilled(model, prefix, room, layers=None):
+    """A cache that holds `prefix` (token ids) forwarded through `layers` (None: all), with room
+    for `room` more tokens: what a step after a realistic context is timed on."""
+    dev = model.device
+    cache = model.new_cache(len(prefix) + room, num_layers=None if layers is None else len(layers))
+    positions = torch.arange(len(prefix), device=dev)
+    model(torch.tensor([prefix], device=dev), positions, None, cache, last_only=True, layers=layers)
+    cache.keep(range(len(prefix)))
+    return cache
 
 
 def timed(fn, device):
@@ -512,18 +544,16 @@ def tune_tree(args, model, prompts, device):
             f"{speedup:.2f}x); use --heads none"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
-            json.dump(
-                {
-                    "machine": mach,
-                    "trees": [{k: r[k] for k in keys} for r in rows],
-                    "chosen": best["budget"],
-                    "expected_speedup": speedup,
-                },
-                f,
-                indent=1,
-            )
+        keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
+        write_json(
+            args.json,
+            {
+                "machine": mach,
+                "trees": [{k: r[k] for k in keys} for r in rows],
+                "chosen": best["budget"],
+                "expected_speedup": speedup,
+            },
+        )
     if args.plots and (plt := plotting()) is not None:
         os.makedirs(args.plots, exist_ok=True)
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -562,15 +592,7 @@ def tune_layers(args, model, prompts, device, eos):
     candidates = sorted({max(1, min(L - 1, round(L * k / 8))) for k in range(1, 8)})
     prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
     P = len(prefix)
-    cache = model.new_cache(P + G + 1)
-    model(
-        torch.tensor([prefix], device=device),
-        torch.arange(P, device=device),
-        None,
-        cache,
-        last_only=True,
-    )
-    cache.keep(range(P))
+    cache = prefilled(model, prefix, G + 1)
     chain = torch.full((1, G + 1), prefix[-1], device=device)  # (1, G+1) any tokens do
     at_end = torch.tensor([P], device=device)  # (1,) the position after the prefix
     verify = {
@@ -587,16 +609,7 @@ def tune_layers(args, model, prompts, device, eos):
                 model, ids, args.max_new_tokens, drafter, eos_ids=eos
             ).accepted
         ]
-        dcache = model.new_cache(P + 1, num_layers=n)
-        model(
-            torch.tensor([prefix], device=device),
-            torch.arange(P, device=device),
-            None,
-            dcache,
-            last_only=True,
-            layers=range(n),
-        )
-        dcache.keep(range(P))
+        dcache = prefilled(model, prefix, 1, range(n))
         rows.append(
             {
                 "layers": n,
@@ -638,15 +651,7 @@ def tune_layers(args, model, prompts, device, eos):
                 }
             )
     best = max(table, key=lambda t: t["tokens_per_s"])
-    mach = machine(
-        device,
-        model.dtype,
-        prefix_tokens=P,
-        prompts=len(prompts),
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.tune_repeats,
-        **distance_to_floor(model, device),
-    )
+    mach = decoding_machine(args, model, device, prompts, prefix_tokens=P)
     print(
         machine_line(mach)
         + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s"
@@ -662,18 +667,16 @@ def tune_layers(args, model, prompts, device, eos):
         )
     speedup = best["tokens_per_s"] * plain_ms / 1e3
     out = catalog.tuned_tree_file(args.heads_dir, device, model.dtype, "layers")
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "model": model.cfg.name,
-                "layers": best["layers"],
-                "gamma": best["gamma"],
-                "machine": mach,
-                "expected_speedup": speedup,
-            },
-            f,
-            indent=1,
-        )
+    write_json(
+        out,
+        {
+            "model": model.cfg.name,
+            "layers": best["layers"],
+            "gamma": best["gamma"],
+            "machine": mach,
+            "expected_speedup": speedup,
+        },
+    )
     print(
         f"\nchosen: layers:{best['layers']} --gamma {best['gamma']}, expected tau "
         f"{best['expected_tau']:.2f}, "
@@ -682,17 +685,15 @@ def tune_layers(args, model, prompts, device, eos):
         f"saved {out}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": mach,
-                    "plain_ms": plain_ms,
-                    "rows": table,
-                    "chosen": {k: best[k] for k in ("layers", "gamma")},
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "machine": mach,
+                "plain_ms": plain_ms,
+                "rows": table,
+                "chosen": {k: best[k] for k in ("layers", "gamma")},
+            },
+        )
 
 
 # --- skip tuning ----------------------------------------------------------------------------------
@@ -762,9 +763,7 @@ def skip_step_ms(model, prefix, G, repeats):
     token through k layers (the first k: any k layers cost alike)."""
     dev = model.device
     P = len(prefix)
-    cache = model.new_cache(P + G + 1)
-    model(torch.tensor([prefix], device=dev), torch.arange(P, device=dev), None, cache)
-    cache.keep(range(P))
+    cache = prefilled(model, prefix, G + 1)
     chain = torch.full((1, G + 1), prefix[-1], device=dev)  # (1, G+1) any tokens do
     at = P + torch.arange(G + 1, device=dev)  # (G+1,) the positions after the prefix
     timers = {
@@ -772,10 +771,7 @@ def skip_step_ms(model, prefix, G, repeats):
         for g in range(0, G + 1)
     }
     for k in range(1, model.cfg.n_layers):
-        dcache = model.new_cache(P + 1, num_layers=k)
-        ids = torch.tensor([prefix], device=dev)
-        model(ids, torch.arange(P, device=dev), None, dcache, last_only=True, layers=range(k))
-        dcache.keep(range(P))
+        dcache = prefilled(model, prefix, 1, range(k))
         timers["draft", k] = lambda k=k, dcache=dcache: model(
             chain[:, :1], at[:1], None, dcache, layers=range(k)
         )
@@ -870,15 +866,8 @@ def tune_skip(args, model, prompts, device, eos):
     first_n = {s: tuple(range(L - len(s), L)) for s in path}  # equal draft cost: as many layers run
     for s in first_n.values():
         score(s)
-    mach = machine(
-        device,
-        model.dtype,
-        path=catalog.cpu_path(device),
-        prefix_tokens=len(prefix),
-        prompts=len(prompts),
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.tune_repeats,
-        **distance_to_floor(model, device),
+    mach = decoding_machine(
+        args, model, device, prompts, path=catalog.cpu_path(device), prefix_tokens=len(prefix)
     )
     print(
         machine_line(mach)
@@ -899,40 +888,36 @@ def tune_skip(args, model, prompts, device, eos):
     chosen = rows[best]
     speedup = chosen["tokens_per_s"] * plain_ms / 1e3
     out = catalog.tuned_tree_file(args.heads_dir, device, model.dtype, "skip")
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "model": model.cfg.name,
-                "path": catalog.cpu_path(device),
-                "skip": list(best),
-                "gamma": chosen["gamma"],
-                "expected_tau": chosen["tau"],
-                "expected_speedup": speedup,
-                "machine": mach,
-            },
-            f,
-            indent=1,
-        )
+    write_json(
+        out,
+        {
+            "model": model.cfg.name,
+            "path": catalog.cpu_path(device),
+            "skip": list(best),
+            "gamma": chosen["gamma"],
+            "expected_tau": chosen["tau"],
+            "expected_speedup": speedup,
+            "machine": mach,
+        },
+    )
     print(
         f"\nchosen: skip:{catalog.skip_spec(best)} --gamma {chosen['gamma']} ({chosen['kept']} of "
         f"{L} layers draft), expected tau {chosen['tau']:.2f}, {speedup:.2f}x plain decoding"
         f"{'' if speedup > 1 else ' (no set beats plain decoding on this machine)'}; saved {out}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": mach,
-                    "plain_ms": plain_ms,
-                    "draft_ms": {k: ms["draft", k] for k in range(1, L)},
-                    "verify_ms": {g: ms["verify", g] for g in range(1, G + 1)},
-                    "path": [list(s) for s in path],
-                    "rows": [r | {"skip": list(r["skip"])} for r in rows.values()],
-                    "chosen": {"skip": list(best), "gamma": chosen["gamma"]},
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "machine": mach,
+                "plain_ms": plain_ms,
+                "draft_ms": {k: ms["draft", k] for k in range(1, L)},
+                "verify_ms": {g: ms["verify", g] for g in range(1, G + 1)},
+                "path": [list(s) for s in path],
+                "rows": [r | {"skip": list(r["skip"])} for r in rows.values()],
+                "chosen": {"skip": list(best), "gamma": chosen["gamma"]},
+            },
+        )
 
 
 # --- Jacobi's, lookahead's and PaSS's settings ----------------------------------------------------
@@ -1028,15 +1013,7 @@ def tune_parallel(args, model, prompts, eos, machine):
     dev = model.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
-    cache = model.new_cache(len(prefix) + tree_lib.MAX_NODES)
-    model(
-        torch.tensor([prefix], device=dev),
-        torch.arange(len(prefix), device=dev),
-        None,
-        cache,
-        last_only=True,
-    )
-    cache.keep(range(len(prefix)))
+    cache = prefilled(model, prefix, tree_lib.MAX_NODES)
     times = {}
 
     def step_ms(
@@ -1121,12 +1098,10 @@ def tune_parallel(args, model, prompts, eos, machine):
         )
     out = catalog.tuned_tree_file(args.heads_dir, dev, model.dtype, "parallel")
     expected = {kind: rows[kind, label(s)]["tokens_per_s"] / plain for kind, s in chosen.items()}
-    with open(out, "w") as f:
-        json.dump(
-            {"model": model.cfg.name, **chosen, "expected_speedup": expected, "machine": mach},
-            f,
-            indent=1,
-        )
+    write_json(
+        out,
+        {"model": model.cfg.name, **chosen, "expected_speedup": expected, "machine": mach},
+    )
     print(
         "\nchosen: "
         + "; ".join(
@@ -1136,14 +1111,12 @@ def tune_parallel(args, model, prompts, eos, machine):
         + f"; saved {out}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": mach,
-                    "plain_tokens_per_s": plain,
-                    "rows": list(rows.values()),
-                    "chosen": chosen,
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "machine": mach,
+                "plain_tokens_per_s": plain,
+                "rows": list(rows.values()),
+                "chosen": chosen,
+            },
+        )

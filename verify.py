@@ -9,16 +9,14 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
     logits_to_probs(logits, temperature, top_p) -> probs      the one sampling primitive
     sample(probs, generator) -> token ids
     greedy(logits, tokens, tree)                               lossless at temperature 0
-    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra typical acceptance,
-                                                               lossy
-    speculative(logits, tokens, tree, temperature, top_p, generator)   lossless sampling on a tree
-    leviathan(logits, tokens, draft_probs, temperature, top_p, generator)  lossless, a chain of
-    sampled drafts
+    typical(logits, tokens, tree, temperature, top_p, ...)     Medusa/Hydra's acceptance, lossy
+    speculative(logits, tokens, tree, temperature, ...)        lossless sampling on a tree
+    leviathan(logits, tokens, draft_probs, temperature, ...)   lossless, a chain of sampled drafts
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
-Shape legend: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a
-chain."""
+Shapes: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
+"""
 
 from __future__ import annotations
 
@@ -87,8 +85,7 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of tree.retrieve (L, D): how many leading nodes (root included) are accepted,
-    and the last."""
+    """Per row of tree.retrieve (L, D): its accepted prefix's length (root included), last node."""
     ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
     length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
     last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
@@ -185,11 +182,8 @@ def speculative(
     n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
     u = torch.rand(n - 1, device=probs.device, generator=generator)  # (N-1,) a draw for each child
     # the walk needs only q(child's token) at its parent, and the draws: one transfer
-    token, q, u = (
-        torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u]).tolist()
-        if n > 1
-        else ([], [], [])
-    )
+    walk = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u])  # (3, N-1)
+    token, q, u = walk.tolist() if n > 1 else ([], [], [])
     nodes, rejected = [0], []  # path; tokens zeroed at its end
     while True:
         accepted, mass = None, 1.0  # mass: what q' still holds
@@ -201,9 +195,8 @@ def speculative(
                 break
             rejected.append(t)
             mass -= held
-            if (
-                mass <= 0
-            ):  # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+            # unreachable: a token holding all the mass has q' = 1 > u and is accepted
+            if mass <= 0:
                 rejected = []
                 break
         if accepted is None:
@@ -230,8 +223,7 @@ def without_tried(
 
 
 def path_to(tree: Tree, node: int, length: int) -> torch.Tensor:
-    """The node indices from the root down to `node` (at depth length - 1), read on the device
-    from the row of a leaf below it."""
+    """The node indices from the root down to `node` (at depth length - 1), from a leaf's row."""
     rows = tree.retrieve  # (L, D)
     return rows[(rows[:, length - 1] == node).int().argmax(), :length]
 
@@ -275,9 +267,8 @@ def leviathan(
     ok = u * px < qx  # (G,) u < q/p; px > 0, x was sampled from p
     n = int(ok.long().cumprod(0).sum())  # drafts accepted
     residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)  # (V,)
-    if (
-        residual.sum() <= 0
-    ):  # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+    # q == p up to rounding: a rejection is then a rounding artefact, draw from q
+    if residual.sum() <= 0:
         residual = q[n]
     bonus = sample(residual / residual.sum(), generator)
     return torch.arange(n + 1, device=tokens.device), int(bonus)

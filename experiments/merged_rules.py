@@ -6,7 +6,7 @@ machine noise hits all alike), against the better of hydra++ and lookup alone pe
 
 shortest: lookup proposes matches of at least this many tokens; floor: the step keeps the heads'
 tree size, at least `floor` heads nodes (None: both trees whole). Both variants keep the older rules
-(lookup's chain adapts its length, and is verified alone while it copies). drafters.heads_and_lookup
+(lookup's chain adapts its length, and is verified alone while it copies). catalog.heads_and_lookup
 is shortest 2, floor 4: with the shipped Hydra++'s 4-node tree the heads' tree stays whole, as with
 floor None. Prints a markdown table: overall tokens/s, then per category the ratio to
 max(hydra++, lookup) in that category (results/merged-rules.md: --repeats 3 --max-new-tokens 128).

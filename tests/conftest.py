@@ -53,6 +53,37 @@ def default_model():
     return checkpoint.load(checkpoint.DEFAULT, "cpu", torch.float32)
 
 
+# a tiny Llama as transformers configures it: save_tiny_model's, and test_model's stand-in for the
+# default model
+TINY_LLAMA = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_id=2,
+    _name_or_path="tiny-random-llama",
+)
+
+
+def torchrun_env(rank, port):
+    """What torchrun sets for rank `rank` of two CPU processes, set by hand in a forked worker; one
+    thread each, as the two share the cores."""
+    os.environ.update(
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+
+
 def save_tiny_model(folder, seed=0, **config):
     """A tiny random Llama saved as a transformers folder (config.json, safetensors) with the
     default model's tokenizer, so that the scripts load it like any model, in well under a
@@ -61,23 +92,7 @@ def save_tiny_model(folder, seed=0, **config):
     import shutil
     from safetensors.torch import save_file
 
-    hf = (
-        dict(
-            model_type="llama",
-            vocab_size=49152,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=512,
-            tie_word_embeddings=True,
-            eos_token_id=2,
-            _name_or_path="tiny-random-llama",
-        )
-        | config
-    )
+    hf = TINY_LLAMA | config
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
     model = model_lib.Transformer(checkpoint.config_from_hf(hf, hf["_name_or_path"]))

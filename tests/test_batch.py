@@ -6,14 +6,15 @@ refused."""
 import pytest
 import torch
 
+import catalog
 import drafters
 import generate as G
 import kernels
 import model as model_lib
+import test_kernels
 import tree as tree_lib
 from conftest import tiny_config
-import test_kernels
-from test_generate import random_heads
+from test_generate import random_heads, small  # noqa: F401 (a fixture)
 from test_kernels import native_path  # noqa: F401 (a fixture)
 
 # prompts of 3 to 13 tokens; with EOS = 11 the rows end at different steps (after 40, 13, 3 (EOS),
@@ -26,22 +27,23 @@ LIMITS = [40, 13, 33, 1, 25, 40]
 EOS = {11}
 
 
-@pytest.fixture(scope="module")
-def small():
-    torch.manual_seed(0)
-    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
-
-
-def make_drafter(name, model):
+def make_drafter(name, model, matches=3):
+    """The drafter `name` for `model`: heads are random, their tree cartesian 3, 2, 2; lookup
+    proposes up to `matches` continuations."""
     tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
     if name == "plain":
         return drafters.Plain("cpu")
     if name in ("medusa", "hydra", "hydra++"):
         return drafters.HeadsDrafter(random_heads(model, name), tree)
     if name == "lookup":
-        return drafters.Lookup(4, 3, 3, "cpu")
-    heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
-    return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
+        return drafters.Lookup(4, 3, matches, "cpu")
+    if name == "heads+lookup":
+        heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
+        return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
+    if name == "layers":
+        return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
+    assert name == "lookahead", name
+    return drafters.Lookahead(3, 3, 2, "cpu")
 
 
 BATCHING = ["plain", "medusa", "hydra", "hydra++", "lookup", "heads+lookup"]

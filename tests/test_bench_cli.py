@@ -46,6 +46,15 @@ def prompts_file(folder, n=3):
     return path
 
 
+def short_run(folder, model=None, limit=1, max_new_tokens=4, repeats=1):
+    """The flags of a short bench run in fp32: `limit` of prompts_file(folder)'s prompts, on `model`
+    (None: the default), `repeats` times (None: bench's default)."""
+    argv = [] if model is None else ["--model", model]
+    argv += ["--prompts", prompts_file(folder), "--limit", limit]
+    argv += [] if repeats is None else ["--repeats", repeats]
+    return argv + ["--max-new-tokens", max_new_tokens, "--dtype", "fp32"]
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -270,20 +279,7 @@ def test_heads_folders_as_train_writes_them(capsys, tmp_path, tiny_model_dir):
     names);
     a heads method that --methods names and that is not there is an error, not a skip."""
     saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
-    common = [
-        "--model",
-        tiny_model_dir,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        1,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        4,
-        "--dtype",
-        "fp32",
-    ]
+    common = short_run(tmp_path, tiny_model_dir)
     for heads_dir in (tmp_path / "heads-hydra++", tmp_path):
         code, out, err = run_bench(
             capsys, *common, "--methods", "plain,hydra++", "--heads-dir", heads_dir
@@ -308,20 +304,7 @@ def test_a_missing_heads_dir_is_refused_before_the_model_loads(no_model, capsys,
 def test_another_model_skips_the_shipped_heads_unless_they_are_named(
     capsys, tmp_path, tiny_model_dir
 ):
-    common = [
-        "--model",
-        tiny_model_dir,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        1,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        4,
-        "--dtype",
-        "fp32",
-    ]
+    common = short_run(tmp_path, tiny_model_dir)
     code, out, err = run_bench(capsys, *common, "--methods", "plain,lookup,medusa")
     check_one_line_error(code, err, "--heads-dir", "heads were trained for")
     code, out, err = run_bench(capsys, *common, "--methods", "all")
@@ -335,20 +318,8 @@ def test_another_model_skips_the_shipped_heads_unless_they_are_named(
 def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_path, tiny_model_dir):
     """--tune-parallel prints every setting it tried and saves its choice for this model, device and
     dtype in --heads-dir; bench's jacobi and lookahead methods then decode at it, as plain does."""
-    common = [
-        "--model",
-        tiny_model_dir,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        2,
-        "--max-new-tokens",
-        6,
-        "--dtype",
-        "fp32",
-        "--heads-dir",
-        tmp_path,
-    ]
+    common = short_run(tmp_path, tiny_model_dir, limit=2, max_new_tokens=6, repeats=None)
+    common += ["--heads-dir", tmp_path]
     code, out, err = run_bench(capsys, *common, "--tune-parallel", "--tune-repeats", 1)
     assert code == 0, err
     saved = json.loads(
@@ -394,21 +365,7 @@ def test_quantized_methods_run_beside_plain_and_say_how_many_replies_they_keep(
     """plain-int8 (plain-int4) runs only when named, on an int8 (int4) copy of the model, in the
     same run as plain."""
     code, out, err = run_bench(
-        capsys,
-        "--model",
-        tiny_model_dir,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        2,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        4,
-        "--dtype",
-        "fp32",
-        "--methods",
-        f"plain,plain-{quant}",
+        capsys, *short_run(tmp_path, tiny_model_dir, limit=2), "--methods", f"plain,plain-{quant}"
     )
     assert code == 0 and f"| plain-{quant} |" in out, err
     assert (
@@ -549,16 +506,7 @@ def test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads(
     shipped = tmp_path / "shipped.Q4_1.gguf"
     code, out, err = run_bench(
         capsys,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        2,
-        "--repeats",
-        1,
-        "--max-new-tokens",
-        4,
-        "--dtype",
-        "fp32",
+        *short_run(tmp_path, limit=2),
         "--methods",
         "plain,llama.cpp-f16,llama.cpp-q4_1",
         "--heads-dir",

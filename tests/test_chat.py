@@ -20,36 +20,18 @@ import torch
 import checkpoint
 import drafters
 import generate as G
-import model as model_lib
+import test_batch
 import tree as tree_lib
-from conftest import save_tiny_model, tiny_config
-from test_generate import random_heads
+from conftest import save_tiny_model
+from test_generate import random_heads, small  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = {11}
 
 
-@pytest.fixture(scope="module")
-def small():
-    """A tiny model with a 12-token vocabulary, so random drafts are often accepted."""
-    torch.manual_seed(0)
-    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
-
-
 def make_drafter(name, model):
-    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
-    if name == "plain":
-        return drafters.Plain("cpu")
-    if name in ("medusa", "hydra++"):
-        return drafters.HeadsDrafter(random_heads(model, name), tree)
-    if name == "lookup":
-        return drafters.Lookup(4, 3, 2, "cpu")
-    if name == "heads+lookup":
-        heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
-        return drafters.heads_and_lookup(heads, 4, 3, 1, "cpu")
-    if name == "layers":
-        return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
-    return drafters.Lookahead(3, 3, 2, "cpu")
+    """test_batch's drafter `name`; lookup proposes up to 2 continuations."""
+    return test_batch.make_drafter(name, model, matches=2)
 
 
 def assert_same_state(a, b):

@@ -446,6 +446,24 @@ def test_heads_and_tree_that_fit_work(loaded, capsys, heads_dir):
     assert "heads: hydra, tree: 11 nodes" in err
 
 
+def reply_ids(capsys, tmp_path, *argv):
+    """The ids of a 12-token reply to one prompt, and stderr."""
+    out = tmp_path / "reply.jsonl"
+    code, _, err = run_cli(
+        capsys,
+        "--prompt",
+        "Name two rivers.",
+        "--max-new-tokens",
+        12,
+        "--quiet",
+        "--out",
+        out,
+        *argv,
+    )
+    assert code == 0, err
+    return json.loads(out.read_text())["token_ids"], err
+
+
 def test_sample_and_typical_at_temperature_0_are_greedy(loaded, capsys, tmp_path, heads_dir):
     """At --temperature 0 every verifier reduces to greedy: the same ids as plain greedy
     decoding."""
@@ -456,20 +474,7 @@ def test_sample_and_typical_at_temperature_0_are_greedy(loaded, capsys, tmp_path
         ("sample", ["--heads", heads_dir, "--verify", "sample", "--temperature", "0"]),
         ("typical", ["--heads", heads_dir, "--verify", "typical", "--temperature", "0"]),
     ]:
-        out = tmp_path / f"{name}.jsonl"
-        code, _, err = run_cli(
-            capsys,
-            "--prompt",
-            "Name two rivers.",
-            "--max-new-tokens",
-            12,
-            "--quiet",
-            "--out",
-            out,
-            *extra,
-        )
-        assert code == 0, err
-        ids[name] = json.loads(out.read_text())["token_ids"]
+        ids[name], _ = reply_ids(capsys, tmp_path, *extra)
     assert len(ids["plain"]) == 12 or ids["plain"][-1] in loaded[0].cfg.eos_ids + (
         loaded[1].eos_token_id,
     )
@@ -610,23 +615,6 @@ def test_draft_model_not_llama_or_missing(loaded, capsys, tmp_path):
         "--draft-model",
         "not a folder nor a hub id",
     )
-
-
-def reply_ids(capsys, tmp_path, *argv):
-    out = tmp_path / "reply.jsonl"
-    code, _, err = run_cli(
-        capsys,
-        "--prompt",
-        "Name two rivers.",
-        "--max-new-tokens",
-        12,
-        "--quiet",
-        "--out",
-        out,
-        *argv,
-    )
-    assert code == 0, err
-    return json.loads(out.read_text())["token_ids"], err
 
 
 def test_fp16_weights_through_the_cli_decode_speculatively_as_plainly(
@@ -978,16 +966,10 @@ def test_library_verifiers_at_a_tiny_temperature_are_greedy():
 
 
 def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
+    plain = ["--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--max-new-tokens", 3]
     code, out, err = run_cli(
         capsys,
-        "--model",
-        tiny_model_dir,
-        "--heads",
-        "none",
-        "--prompt",
-        "hi",
-        "--max-new-tokens",
-        3,
+        *plain,
         "--top-p",
         0.5,
         "--seed",
@@ -1009,17 +991,7 @@ def test_flags_without_effect_get_a_notice_on_stderr(capsys, tiny_model_dir):
         assert f"notice: {words}" in err
     # stdout: only the generated text
     assert "notice" not in out and len(out.strip().splitlines()) <= 1
-    code, out, err = run_cli(
-        capsys,
-        "--model",
-        tiny_model_dir,
-        "--heads",
-        "none",
-        "--prompt",
-        "hi",
-        "--max-new-tokens",
-        3,
-    )
+    code, out, err = run_cli(capsys, *plain)
     assert code == 0 and "notice" not in err, err
 
 

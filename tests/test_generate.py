@@ -41,21 +41,29 @@ def small():
     return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
 
 
+def greedy_runs(model, drafter, seeds=4):
+    """Greedy replies to `seeds` random prompts of 5 or more tokens, drafted by `drafter`, each
+    checked token for token against plain decoding and in no more steps; their Results."""
+    runs = []
+    for seed in range(seeds):
+        prompt = torch.randint(
+            0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
+        plain = G.generate(model, prompt, 40)
+        r = G.generate(model, prompt, 40, drafter)
+        assert r.tokens == plain.tokens
+        assert r.steps <= plain.steps
+        runs.append(r)
+    return runs
+
+
 @pytest.mark.parametrize("kind", heads_lib.KINDS)
 @pytest.mark.parametrize("spec", TREES)
 def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
     heads = random_heads(small, kind)
     tree = tree_lib.build(tree_lib.parse(spec))
-    accepted = 0
-    for seed in range(4):
-        prompt = torch.randint(
-            0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)
-        ).tolist()
-        plain = G.generate(small, prompt, 40)
-        spec_r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree))
-        assert spec_r.tokens == plain.tokens
-        assert spec_r.steps <= plain.steps
-        accepted += sum(spec_r.accepted)
+    runs = greedy_runs(small, drafters.HeadsDrafter(heads, tree))
+    accepted = sum(sum(r.accepted) for r in runs)
     if spec.startswith("cartesian"):  # random heads on a chain may never be right; a bushy tree is
         assert accepted > 0, "no draft was ever accepted: the test would not exercise the tree path"
 
@@ -188,11 +196,8 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
     )
 
 
-def test_speculative_sampling_matches_base_distribution():
-    """The first three tokens of speculative sampling on a tree (Hydra heads that draft the
-    likeliest tokens) follow the base model's own joint distribution: chi-square with 63 degrees of
-    freedom stays below its 99.9% quantile (103); with the rejected token kept in the residual the
-    same check fails by far."""
+def four_token_setup():
+    """A one-layer model over 4 tokens, random Hydra heads for it and a cartesian 2, 2 tree."""
     torch.manual_seed(0)
     model = model_lib.Transformer(
         tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
@@ -201,16 +206,23 @@ def test_speculative_sampling_matches_base_distribution():
     with torch.no_grad():
         model.lm_head.weight.mul_(3)  # peakier distributions: drafts get accepted and rejected
     heads = random_heads(model, "hydra", k=2, scale=0.1)
-    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    return model, heads, tree_lib.build(tree_lib.cartesian([2, 2]))
+
+
+def test_speculative_sampling_matches_base_distribution():
+    """The first three tokens of speculative sampling on a tree (Hydra heads that draft the
+    likeliest tokens) follow the base model's own joint distribution: chi-square with 63 degrees of
+    freedom stays below its 99.9% quantile (103); with the rejected token kept in the residual the
+    same check fails by far."""
+    model, heads, tree = four_token_setup()
     assert chi_square(model, heads, tree, "sample", 3000, [1, 2]) < 103
 
 
 def test_broken_residual_rule_is_caught(monkeypatch):
     import verify
 
-    def broken(
-        logits, tokens, tree, temperature, top_p, generator
-    ):  # never removes rejected tokens
+    def broken(logits, tokens, tree, temperature, top_p, generator):
+        """The tree rule without its residual: rejected tokens are never removed."""
         q = verify.logits_to_probs(logits, temperature, top_p)
         node = 0
         while True:
@@ -222,15 +234,7 @@ def test_broken_residual_rule_is_caught(monkeypatch):
                 path = tree.mask[node].nonzero()[:, 0]
                 return path, int(verify.sample(q[node], generator))
 
-    torch.manual_seed(0)
-    model = model_lib.Transformer(
-        tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
-    ).eval()
-    model.requires_grad_(False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3)
-    heads = random_heads(model, "hydra", k=2, scale=0.1)
-    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    model, heads, tree = four_token_setup()
     monkeypatch.setattr(verify, "speculative", broken)
     assert chi_square(model, heads, tree, "sample", 3000, [1, 2]) > 103
 

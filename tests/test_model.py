@@ -11,7 +11,7 @@ import checkpoint
 import kernels
 import model as model_lib
 import tree as tree_lib
-from conftest import tiny_config
+from conftest import TINY_LLAMA, tiny_config
 
 
 def hf_twin(cfg, rope_scaling=None, tie=False):
@@ -245,17 +245,7 @@ def test_conversion_notice_goes_to_stderr(capsys, monkeypatch, tmp_path, tiny_mo
     import transformers
 
     real = transformers.AutoTokenizer.from_pretrained
-    hf = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=49152,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            tie_word_embeddings=True,
-        )
-    )
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
     monkeypatch.setattr(
         transformers.AutoTokenizer, "from_pretrained", lambda src, gguf_file: real(tiny_model_dir)
     )

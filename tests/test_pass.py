@@ -17,7 +17,7 @@ import generate as G
 import model as model_lib
 import pass_tokens
 from conftest import save_tiny_model, tiny_config
-from test_bench_cli import prompts_file, run_bench
+from test_bench_cli import run_bench, short_run
 from test_cli import check_one_line_error, run_cli
 
 
@@ -253,20 +253,8 @@ def test_bad_draft_pass_input_is_one_line(capsys, tmp_path, tiny_model_dir):
 def test_bench_tunes_pass_where_it_finds_tokens_for_the_model_and_then_uses_them(
     capsys, tmp_path, tiny_model_dir
 ):
-    common = [
-        "--model",
-        tiny_model_dir,
-        "--prompts",
-        prompts_file(tmp_path),
-        "--limit",
-        2,
-        "--max-new-tokens",
-        6,
-        "--dtype",
-        "fp32",
-        "--heads-dir",
-        tmp_path,
-    ]
+    common = short_run(tmp_path, tiny_model_dir, limit=2, max_new_tokens=6, repeats=None)
+    common += ["--heads-dir", tmp_path]
     check_one_line_error(
         *run_bench(capsys, *common, "--methods", "pass")[::2], "no [LA] tokens for this model"
     )

@@ -10,11 +10,14 @@ with DDP. Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions,
 teacher top-k.
 """
 
+import importlib.util
 import json
 import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -27,13 +30,28 @@ import kernels
 import losses
 import model as model_lib
 import train as T
-from conftest import tiny_config
+from conftest import tiny_config, torchrun_env
 
 KINDS = ["medusa", "hydra", "hydra++"]
 V = 64  # tiny_config's vocabulary
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def experiment(name):
+    """experiments/NAME.py: its path, and the script imported as a module."""
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return script, module
+
+
+def run_script(script, *argv):
+    """`python SCRIPT ARGV...` in a subprocess: its exit code and stderr."""
+    done = subprocess.run([sys.executable, script, *map(str, argv)], capture_output=True, text=True)
+    return done.returncode, done.stderr
 
 
 def tiny_base(seed=0):
@@ -150,6 +168,16 @@ TARGET = torch.tensor([1, -1, 3])  # data tokens; -1 is not kept
 J = torch.tensor([0, 1, 2])  # head - 1
 
 
+def check_batch_loss(loss, want):
+    """The batch loss over Q's rows is `want`, as losses.batch_loss computes it and as the fused one
+    does with z = log q through an identity LM head, shared or one per head."""
+    got = losses.batch_loss(loss, Q.log(), J, TOP_IDS, TOP_P, TARGET).item()
+    assert math.isclose(got, want, abs_tol=1e-6)
+    for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
+        got = kernels.fused_batch_loss(loss, Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
+        assert math.isclose(got, want, abs_tol=1e-6)
+
+
 def test_teacher_loss_by_hand():
     # row 0: r = 1 - 0.9 = 0.1, head mass outside {0, 2} = 1 - 0.625 = 0.375
     #   -(0.6 ln 0.5 + 0.3 ln 0.125 + 0.1 ln 0.375) = 0.4158883 + 0.6238325 + 0.0980829 = 1.1378037
@@ -159,18 +187,8 @@ def test_teacher_loss_by_hand():
     # 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
     assert torch.allclose(losses.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
-    # the batch loss is their mean: 3.4109430 / 3; the fused one's too, with z = log q through an
-    # identity LM head, shared or one per head
-    assert math.isclose(
-        losses.batch_loss("teacher", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
-        1.1369810,
-        abs_tol=1e-6,
-    )
-    for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = kernels.fused_batch_loss(
-            "teacher", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET
-        ).item()
-        assert math.isclose(got, 1.1369810, abs_tol=1e-6)
+    # the batch loss is their mean: 3.4109430 / 3
+    check_batch_loss("teacher", 1.1369810)
 
 
 def test_next_token_loss_by_hand():
@@ -179,16 +197,7 @@ def test_next_token_loss_by_hand():
     assert torch.allclose(losses.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 +
     # 0.4691408) / 3
-    assert math.isclose(
-        losses.batch_loss("next-token", Q.log(), J, TOP_IDS, TOP_P, TARGET).item(),
-        0.5260588,
-        abs_tol=1e-6,
-    )
-    for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
-        got = kernels.fused_batch_loss(
-            "next-token", Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET
-        ).item()
-        assert math.isclose(got, 0.5260588, abs_tol=1e-6)
+    check_batch_loss("next-token", 0.5260588)
 
 
 def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residual():
@@ -513,14 +522,7 @@ def test_a_chat_template_that_cannot_split_turns_is_reported_with_the_line(tmp_p
 
 
 def ddp_worker(rank, port, folder, out, results):
-    os.environ.update(
-        WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    torchrun_env(rank, port)
     assert T.init_distributed("cpu")[:2] == (rank, 2)
     mp = pytest.MonkeyPatch()
     done = record_steps(mp)
@@ -902,17 +904,11 @@ def test_eval_json_keeps_the_learning_curve(features, tmp_path):
 
 
 def test_plot_curves_reads_eval_json_curves(features, tmp_path):
-    import importlib.util
     import xml.dom.minidom
 
     out = tmp_path / "hydra++"
     run(features, out)
-    spec = importlib.util.spec_from_file_location(
-        "plot_curves",
-        os.path.join(os.path.dirname(__file__), "..", "experiments", "plot_curves.py"),
-    )
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    _, plot = experiment("plot_curves")
     curves = plot.read_curves(str(tmp_path))
     with open(out / "eval.json") as f:
         assert curves == {"hydra++": json.load(f)["curve"]}
@@ -921,32 +917,18 @@ def test_plot_curves_reads_eval_json_curves(features, tmp_path):
 
 
 def test_ablations_table_reads_each_run(features, tmp_path):
-    import importlib.util
-    import subprocess
-    import sys
     import xml.dom.minidom
 
     run(features, tmp_path / "run")
-    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ablations.py")
-    spec = importlib.util.spec_from_file_location("ablations", script)
-    abl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(abl)
+    script, abl = experiment("ablations")
     r = abl.read_run(str(tmp_path / "run"))
     with open(tmp_path / "run" / "eval.json") as f:
         assert r["chain_tau"] == json.load(f)["chain_tau"] and r["kind"] == "hydra++"
     runs = {"K=2 (base)": r, "same again": r}
     assert abl.table(runs).count(f"| {r['chain_tau']:.3f} |") == 2
     xml.dom.minidom.parseString(abl.svg(runs))  # well-formed
-    bad = subprocess.run(
-        [sys.executable, script, str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
-        capture_output=True,
-        text=True,
-    )
-    assert (
-        bad.returncode == 2
-        and "train that run first" in bad.stderr
-        and not (tmp_path / "out.md").exists()
-    )
+    code, err = run_script(script, tmp_path / "out", f"x={tmp_path / 'nothing'}")
+    assert code == 2 and "train that run first" in err and not (tmp_path / "out.md").exists()
 
 
 def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features, tmp_path):
@@ -996,17 +978,11 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
 def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp_path):
     """experiments/data_size.py on all held-out conversations (FIRST_FRESH 0) gives the chain tau
     that train.py measured on its own held-out split at the end of the run; bad input exits 2."""
-    import importlib.util
-    import subprocess
-    import sys
     import xml.dom.minidom
 
     base, folder = features
     run(features, tmp_path / "run")
-    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "data_size.py")
-    spec = importlib.util.spec_from_file_location("data_size", script)
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
+    script, ds = experiment("data_size")
     what, reports = ds.measure(base, D.load_data(folder), 0, [("a", str(tmp_path / "run"))])
     with open(tmp_path / "run" / "eval.json") as f:
         report = json.load(f)
@@ -1015,32 +991,17 @@ def test_data_size_measures_heads_on_the_held_out_split_train_uses(features, tmp
     xml.dom.minidom.parseString(ds.ablations.svg(reports))  # well-formed
     with pytest.raises(SystemExit):  # nothing held out after them all
         ds.measure(base, D.load_data(folder), 24, [("a", str(tmp_path / "run"))])
-    bad = subprocess.run(
-        [sys.executable, script, folder, "0", str(tmp_path / "out"), f"x={tmp_path / 'nothing'}"],
-        capture_output=True,
-        text=True,
-    )
-    assert (
-        bad.returncode == 2
-        and "has no heads.json" in bad.stderr
-        and not (tmp_path / "out.md").exists()
-    )
+    code, err = run_script(script, folder, "0", tmp_path / "out", f"x={tmp_path / 'nothing'}")
+    assert code == 2 and "has no heads.json" in err and not (tmp_path / "out.md").exists()
 
 
 def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_path):
     """experiments/tau_by_position.py: answer positions restart at each assistant turn; the window
     of every position gives train.py's own held-out chain tau, and a window past every answer has no
     chain to count (tau 1); bad input exits 2."""
-    import importlib.util
-    import subprocess
-    import sys
-
     base, folder = features
     run(features, tmp_path / "run", "--train-dtype", "fp32")
-    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "tau_by_position.py")
-    spec = importlib.util.spec_from_file_location("tau_by_position", script)
-    tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp)
+    script, tp = experiment("tau_by_position")
     loss = torch.tensor([False, True, True, False, False, True, True, True, False])
     assert tp.answer_positions(loss)[loss].tolist() == [0, 1, 0, 1, 2]
     tp.WINDOWS = [(0, 1 << 30), (1 << 20, 1 << 30)]
@@ -1049,29 +1010,18 @@ def test_tau_by_position_windows_split_the_held_out_measurement(features, tmp_pa
         assert rows["a"][0]["chain_tau"] == pytest.approx(json.load(f)["chain_tau"], abs=1e-3)
     assert rows["a"][1]["chain_tau"] == 1.0 and rows["a"][1]["trees"][0] == 1.0
     assert tp.table(n, rows).count("| a | ") == 2
-    bad = subprocess.run(
-        [sys.executable, script, folder, str(tmp_path / "out.md"), f"x={tmp_path / 'nothing'}"],
-        capture_output=True,
-        text=True,
-    )
-    assert (
-        bad.returncode == 2
-        and "has no heads.json" in bad.stderr
-        and not (tmp_path / "out.md").exists()
-    )
+    code, err = run_script(script, folder, tmp_path / "out.md", f"x={tmp_path / 'nothing'}")
+    assert code == 2 and "has no heads.json" in err and not (tmp_path / "out.md").exists()
 
 
 def test_profile_train_refuses_bad_arguments(tmp_path):
-    import subprocess
-    import sys
-
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "profile_train.py")
     for argv, words in (
         ([str(tmp_path), "eagle"], "usage: python experiments/profile_train.py"),
         ([str(tmp_path / "nothing"), "hydra++"], "is not a folder"),
     ):
-        bad = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
-        assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
+        code, err = run_script(script, *argv)
+        assert code == 2 and words in err and err.count("\n") == 1
 
 
 def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():

@@ -24,7 +24,7 @@ import checkpoint
 import model as model_lib
 import dataset as D
 import train as T
-from conftest import ctrl_c_after, save_tiny_model, tiny_config
+from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +48,11 @@ def conversations(path, n=30, seed=0, assistant=True):
             )
             f.write(json.dumps({"conversations": turns}) + "\n")
     return path
+
+
+def model_data_work(model, data, work):
+    """The flags of what a train.py run reads (--model, --data) and where it caches (--work)."""
+    return ["--model", model, "--data", data, "--work", work]
 
 
 TINY_RUN = [
@@ -151,16 +156,7 @@ def test_epochs_0_and_data_without_assistant_turns_train_nothing_and_are_refused
     out = tmp_path / "heads"
     check_one_line_error(
         *run_train(
-            capsys,
-            "--model",
-            tiny_model_dir,
-            "--data",
-            chats,
-            "--work",
-            tmp_path,
-            "--out",
-            out,
-            *TINY_RUN,
+            capsys, *model_data_work(tiny_model_dir, chats, tmp_path), "--out", out, *TINY_RUN
         )[::2],
         "no conversation has an assistant turn",
     )
@@ -189,16 +185,7 @@ def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_mo
     folder = tmp_path / "features-chats.jsonl"
     shard = folder / "shard-00000.safetensors"
     run = lambda *flags: run_train(
-        capsys,
-        "--model",
-        tiny_model_dir,
-        "--data",
-        chats,
-        "--work",
-        tmp_path,
-        *TINY_RUN,
-        "--overwrite",
-        *flags,
+        capsys, *model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--overwrite", *flags
     )
 
     code, _, err = run("--gen-batch", 4)
@@ -373,7 +360,7 @@ def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    common = ["--model", tiny_model_dir, "--data", chats, "--work", tmp_path, *TINY_RUN]
+    common = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN]
     code, _, err = run_train(capsys, *common, "--out", mine)
     assert code == 0, err
     assert (mine / "heads.safetensors").exists() and (mine / "notes.txt").read_text() == "mine"
@@ -568,25 +555,12 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
     )
     export = tmp_path / "convs.safetensors"
     code, _, err = run_train(
-        capsys,
-        "--model",
-        tiny_model_dir,
-        "--data",
-        chats,
-        "--work",
-        tmp_path,
-        "--export-conversations",
-        export,
+        capsys, *model_data_work(tiny_model_dir, chats, tmp_path), "--export-conversations", export
     )
     assert code == 0 and "30 conversations" in err and os.path.isfile(export), err
     code, _, err = run_train(
         capsys,
-        "--model",
-        tiny_model_dir,
-        "--data",
-        export,
-        "--work",
-        tmp_path,
+        *model_data_work(tiny_model_dir, export, tmp_path),
         *TINY_RUN,
         "--out",
         tmp_path / "heads",
@@ -608,14 +582,7 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
 
 
 def rank_worker(rank, port, argv, results):
-    os.environ.update(
-        WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    torchrun_env(rank, port)
     with open(os.path.join(results, f"rank{rank}"), "w") as f:
         f.write(str(T.cli_main(argv)))
 
@@ -632,21 +599,8 @@ def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(
     if case == "bad data":
         chats.write_text("{not json\n")
     extra = ["--export-conversations", tmp_path / "c.safetensors"] if case == "export" else []
-    argv = [
-        str(a)
-        for a in [
-            "--model",
-            tiny_model_dir,
-            "--data",
-            chats,
-            "--work",
-            tmp_path,
-            "--device",
-            "cpu",
-            *TINY_RUN,
-            *extra,
-        ]
-    ]
+    argv = [*model_data_work(tiny_model_dir, chats, tmp_path), "--device", "cpu", *TINY_RUN, *extra]
+    argv = [str(a) for a in argv]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
