@@ -10,8 +10,6 @@ propose tokens, one forward verifies them.
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
     python generate.py --chat                          # talk; the KV cache is kept between turns
 
-The README lists more (the other drafters, --online), and --help every flag.
-
 One decode loop, generate(), serves every method. Each step:
     the drafter fills a tree of candidate tokens after the last one     (drafters.py)
     -> one forward of the base model over the whole tree, tree mask     (model.Transformer)
@@ -24,11 +22,10 @@ one); only the plain, heads, lookup and heads+lookup drafters batch (drafter.row
 A Conversation keeps the KV cache from one reply to the next (--chat).
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
-speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter (in
-bf16 a tree step and a one-token step round differently, so near-ties can flip); speculative
-sampling samples from the base model's own distribution; a row of a batch is its prompt decoded
-alone (greedy, fp32) or, sampled, decoded alone with its own generator; a chat's reply is the
-one-shot reply to the same conversation (greedy, fp32).
+speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter, and
+in bf16 through kernels.c (elsewhere a tree step and a one-token step round differently); sampling
+samples from the base model's own distribution; a row of a batch is its prompt decoded alone
+(greedy; sampled, with its own generator); a chat's reply is the one-shot reply (greedy, fp32).
 Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
 """
 

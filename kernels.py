@@ -54,8 +54,8 @@ already run the fast kernels and use() keeps them. Under autograd every twin run
 forward (oneDNN's prepacked product has no backward): weights trained after use() need use()
 again before inference reads them.
 
-Test: `python -m pytest -q tests/test_kernels.py` (tests/test_kernels_qemu.py: the NEON path off ARM,
-under qemu-user). Shapes: B batch, T new tokens, S cache slots,
+Test: `python -m pytest -q tests/test_kernels.py` (and tests/test_kernels_qemu.py: the NEON path
+off ARM, under qemu-user). Shapes: B batch, T new tokens, S cache slots,
 H query heads, Hkv key/value heads, Dh head size, D hidden, M predictions, V' head vocabulary,
 k teacher top-k, R rows of a block.
 """
@@ -858,11 +858,12 @@ def native_layer(block):
 
 
 def native_block_takes(block, x, kv):
-    """Whether block_native computes this forward: a layer it takes (native_layer), bf16 rows, at
-    most 64 new tokens a batch row, a cache with its layout."""
+    """Whether block_native computes this forward: a layer it takes (native_layer), bf16 rows, up
+    to 512 new tokens a row (a longer prefill's attention is faster in SDPA's blocked kernel:
+    results/kernels-cpu.md), a cache with its layout."""
     return (
         kv is not None
-        and x.shape[1] <= 64
+        and x.shape[1] <= 512
         and x.dtype == torch.bfloat16
         and kv[0].stride() == kv[1].stride()
         and kv[0].stride()[2:] == (kv[0].shape[-1], 1)
