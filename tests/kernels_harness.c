@@ -9,28 +9,9 @@
    addresses, in its declared order (kernels.NativeLayer's).
    stdout: each call's outputs in turn: linear_bf16's y; attend_bf16's y; block_bf16's out, then
    its k and v caches, as the call left them. An error: a line on stderr, exit status 1. */
-#include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-typedef uint16_t bf16;
-
-typedef struct {   /* kernels.c's Layer, field for field */
-  int D, H, Hkv, Dh, F, gelu;
-  float eps;
-  const bf16 *norm1, *norm2, *bqkv, *qnorm, *knorm;
-  const void *wqkv, *wo, *wgu, *wdown;
-  const float *sqkv, *so, *sgu, *sdown;
-} Layer;
-
-void linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N,
-                 const bf16 *bias, const bf16 *add, bf16 *y);
-int attend_bf16(const bf16 *q, int B, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv,
-                int S, long row, long head, const uint8_t *mask, float scale, bf16 *y);
-int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, const bf16 *sin,
-               bf16 *k_cache, bf16 *v_cache, long row, long head, int start, const uint8_t *mask,
-               bf16 *out);
+#include "../kernels.c"   /* its functions, its Layer: compiled here, with the path's flags */
 
 static void fail(const char *why) {
   fprintf(stderr, "kernels_harness: %s\n", why);
@@ -64,7 +45,7 @@ static void linear(void) {
   const bf16 *bias = array(NULL);
   const bf16 *add = array(NULL);
   bf16 *y = malloc(sizeof(bf16) * M * N);
-  linear_bf16(x, M, K, w, scale, N, bias, add, y);
+  if (linear_bf16(x, M, K, w, scale, N, bias, add, y)) fail("linear_bf16 failed");
   put(y, sizeof(bf16) * M * N);
 }
 
