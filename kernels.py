@@ -634,7 +634,7 @@ def attend_native(q, k, v, mask):
     return y.transpose(1, 2)  # (B, H, T, Dh)
 
 
-def native_attends(q, k, v, mask):
+def native_attends(q, k, v):
     """Whether attend_native takes these: a decode step or a tree of each row (not a prefill), Dh
     even and at most 256, k and v with the cache's layout."""
     return (
@@ -729,7 +729,7 @@ class FastAttention(model.Attention):
             return attend_expanded(q, k, v, mask)  # (B, H, T, Dh)
         if self.kernels.attention == "sdpa" or torch.is_grad_enabled():
             return super().attend(q, k, v, mask)
-        if self.kernels.native and native_attends(q, k, v, mask):
+        if self.kernels.native and native_attends(q, k, v):
             return attend_native(q, k, v, mask)  # (B, H, T, Dh)
         return attend(q, k, v, mask)  # (B, H, T, Dh)
 
@@ -811,8 +811,8 @@ def block_native(block, x, cos, sin, mask, kv):
     (k_cache, v_cache, start), Dh = kv, block.self_attn.cfg.head_dim
     B, T, _ = x.shape
     x, out = x.contiguous(), torch.empty_like(x)  # (B, T, D) each
-    # (B, T, Dh)
-    cos, sin = (cos.expand(B, 1, T, Dh).contiguous(), sin.expand(B, 1, T, Dh).contiguous())
+    cos = cos.expand(B, 1, T, Dh).contiguous()  # (B, 1, T, Dh): each row's positions
+    sin = sin.expand(B, 1, T, Dh).contiguous()
     if mask is not None:  # (B, T, S) bool
         mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
     failed = native_library().block_bf16(
