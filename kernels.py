@@ -163,8 +163,8 @@ def pick_dtype(name, device, quantize="none"):
 # --- sizes of work, per device -------------------------------------------------------------------
 # Chosen in this one place. The CPU's were measured there (the data stage's batch: commit 06d743e;
 # the loss's blocks: results/train-speed-zen5-bf16.md). A GPU runs a kernel over more rows in about
-# the time of fewer, so its sizes are larger: guesses, not measured (no GPU has run this code yet);
-# bench on one and set them here.
+# the time of fewer, so its sizes are larger: guesses, not measured (no GPU has trained or run the
+# data stage yet); bench on one and set them here.
 
 
 @dataclass(frozen=True)
@@ -651,13 +651,21 @@ def attend_expanded(q, k, v, mask):
     """model.attend's twin on a GPU: an explicit mask together with enable_gqa leaves SDPA only its
     slowest (math) backend; with the key and value heads repeated to the query heads, the
     memory-efficient one takes the mask (a tree, padding). A causal prefill has no mask
-    (is_causal): model.attend's SDPA call runs its flash kernel as it is."""
-    if mask is None or k.shape[1] == q.shape[1]:
-        return model.attend(q, k, v, mask)
-    G = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask
-    )
+    (is_causal): model.attend's SDPA call runs its flash kernel as it is. Never cuDNN's attention:
+    it builds a plan for each new shape, and a decode step's key length is new every step (1.4 ms
+    of host time a call on an H200, results/bench-gpu-h200-bf16.md); the caller's setting is put
+    back after."""
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        if mask is None or k.shape[1] == q.shape[1]:
+            return model.attend(q, k, v, mask)
+        G = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask
+        )
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 class FastAttention(model.Attention):

@@ -889,3 +889,33 @@ def test_expanded_kv_attention_equals_the_readable_one_with_every_kind_of_mask(t
         torch.testing.assert_close(
             kernels.attend_expanded(q, k, v, mask), model_lib.attend(q, k, v, mask)
         )
+
+
+@pytest.mark.parametrize("mask", [None, "tree"])
+def test_the_gpu_attention_never_lets_sdpa_pick_cudnn_and_restores_the_callers_choice(
+    monkeypatch, mask
+):
+    """cuDNN's attention plans each new shape: a decode step (a new key length every step) paid
+    1.4 ms of host time a layer for it on an H200. SDPA sees it off; the caller's flag comes back,
+    on an error too."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*a, **k),
+    )
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    if mask == "tree":
+        mask = model_lib.attention_mask(
+            3, 4, torch.ones(3, 3, dtype=torch.bool).tril(), None, "cpu"
+        )
+    for before in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(before)
+        try:
+            kernels.attend_expanded(q, k, v, mask)
+            with pytest.raises(RuntimeError):
+                kernels.attend_expanded(q, k[..., :5], v, mask)  # Dh differs: SDPA refuses
+            assert torch.backends.cuda.cudnn_sdp_enabled() is before
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+    assert seen and not any(seen)
