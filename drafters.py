@@ -167,14 +167,18 @@ def draft_plan(tree):
     return plan
 
 
-def draft(heads, h, root, plan, num_nodes):
-    """h (1, D) draft state, root = the last emitted token -> tokens (N,) for every tree node."""
-    tokens = torch.full((num_nodes,), root, dtype=torch.long, device=h.device)  # (N,)
+def draft(heads, h, roots, plan, num_nodes):
+    """h (B, D) the draft states of B rows, roots (B,) their last emitted tokens -> tokens (B, N)
+    for every node of each row's tree; each depth's head runs once for every row's parents."""
+    B = len(roots)
+    tokens = roots[:, None].repeat(1, num_nodes)  # (B, N)
     for d, step in enumerate(plan, start=1):
-        z = heads.head(d, h, tokens[step.paths])  # (P, D), or (1, D) for Medusa
-        top = heads.project(z, d).topk(step.k, dim=-1).indices  # (P|1, k)
-        top = heads.full_ids(top).expand(len(step.paths), -1)  # (P, k) base-vocabulary ids
-        tokens[step.nodes] = top[step.row, step.rank]
+        P = len(step.paths)
+        # (B*P, D), or (B, D) for Medusa: row b's parents are rows [b*P, (b+1)*P) of the paths
+        z = heads.head(d, h, tokens[:, step.paths].flatten(0, 1))
+        top = heads.project(z, d).topk(step.k, dim=-1).indices  # (B*P | B, k)
+        top = heads.full_ids(top).view(B, -1, step.k).expand(-1, P, -1)  # (B, P, k) base ids
+        tokens[:, step.nodes] = top[:, step.row, step.rank]
     return tokens
 
 
@@ -209,8 +213,14 @@ class HeadsDrafter:
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
     def draft(self, root):
-        tokens = draft(self.heads, self.h, root, self.plan, self.tree.num_nodes)  # (N,)
-        return Draft(tokens, self.tree, self.mask, self.depth, self.source)
+        return self.draft_rows([self], [root])[0]
+
+    def draft_rows(self, rows, roots):
+        """draft() of each of the rows (this drafter's row()s), every head called once for all."""
+        h = torch.cat([r.h for r in rows])  # (B, D)
+        roots = torch.tensor(roots, device=h.device)  # (B,)
+        tokens = draft(self.heads, h, roots, self.plan, self.tree.num_nodes)  # (B, N)
+        return [Draft(t, self.tree, self.mask, self.depth, self.source) for t in tokens]
 
     def accept(self, tokens, hidden, positions, logits):
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)

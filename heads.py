@@ -14,7 +14,7 @@ W and the last MLP layer start at zero, so an untrained Medusa or Hydra head is 
     heads = build(HeadsConfig("hydra", num_heads=4), base)   # base: a model.Transformer
     cache = heads.new_cache(max_len)                        # Hydra++ only, else None
     h = heads.context(hidden, positions, cache)             # (B, T, D) the state heads draft from
-    z = heads.head(d, h[:, -1], path)                       # drafting, depth d: (P, D) or (1, D)
+    z = heads.head(d, h[:, -1], paths)                      # drafting, depth d: (B*P, D) or (B, D)
     z = heads(h, tokens)                                    # training: (B, T, K, D)
     z = heads(h, tokens, at=(b, t))                         # training at N positions: (N, K, D)
     logits = heads.project(z, d)                            # (..., V'); full_ids(ids): base ids
@@ -115,8 +115,8 @@ class MedusaHeads(nn.Module):
         return None
 
     def head(self, d, h, path):
-        """Head d from the draft state h (1, D); path is ignored: one row serves every parent."""
-        return self.blocks[d - 1](h[:1])  # (1, D)
+        """Head d from the draft states h (R, D); path is ignored: a row serves all its parents."""
+        return self.blocks[d - 1](h)  # (R, D)
 
     def forward(self, h, tokens, at=None):
         """Every head at every position (B, T, K, D), or at the positions at = (b, t): (N, K, D)."""
@@ -212,12 +212,14 @@ class HydraHeads(nn.Module):
         return KVCache(self.prefix.cfg, 1, max_len, w.device, w.dtype)
 
     def head(self, d, h, path):
-        """Head d for P parents: h (1, D) or (P, D); path (P, d) token ids root..parent."""
-        P = path.shape[0]
-        assert path.shape == (P, d), (
-            f"head {d} needs a path (P, {d}) from the root, got {tuple(path.shape)}"
+        """Head d for the parents of R rows: h (R, D) their draft states; path (R*P, d) token ids
+        root..parent, row r's parents at [r*P, (r+1)*P)."""
+        P = path.shape[0] // len(h)
+        assert path.shape == (len(h) * P, d), (
+            f"head {d} needs paths (R*P, {d}) from the root for R = {len(h)}, got "
+            f"{tuple(path.shape)}"
         )
-        h = h.expand(P, -1)  # (P, D)
+        h = h.repeat_interleave(P, 0)  # (R*P, D)
         tokens = F.embedding(path, self.embed).flatten(1)  # (P, d*D)
         return h + self.mlps[d - 1](torch.cat([h, tokens], dim=-1))  # (P, D)
 

@@ -473,14 +473,14 @@ def tune_tree(args, model, prompts, device):
     )
     cache.keep(range(len(prefix)))
     h = heads.context(hidden, positions, head_cache)[:, -1]  # (1, D)
-    root = int(logits[0, -1].argmax())
+    roots = logits[0, -1:].argmax(-1)  # (1,) the root: the next token
     rows = []
     for budget in range(0, args.max_budget + 1):  # budget 0 = plain decoding, for reference
         paths = sparse(acc, budget)
         t = tree_lib.build(paths)
         plan = drafters.draft_plan(t.to(device))
-        draft = lambda t=t, plan=plan: drafters.draft(heads, h, root, plan, t.num_nodes)  # (N,)
-        tokens = draft() if budget else torch.tensor([root], device=device)  # (N,)
+        draft = lambda t=t, plan=plan: drafters.draft(heads, h, roots, plan, t.num_nodes)[0]  # (N,)
+        tokens = draft() if budget else roots  # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
         step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
         step(), step(), draft()  # warm-up

@@ -203,3 +203,37 @@ def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, nativ
         batch = G.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
     assert [b.tokens for b in batch] == [a.tokens for a in alone]
     assert max(calls) > 1, "no batch of several rows went through kernels.c's layer"
+
+
+def rows_drafted_together_and_alone(base, kind):
+    """HeadsDrafter.draft_rows over 5 rows (each its own draft state and root), and each row's
+    draft() alone; the heads random, their tree cartesian 3, 2, 2."""
+    heads = kernels.use(random_heads(base, kind).to(base.dtype))
+    drafter = drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2, 2])))
+    rows = [drafter.row() for _ in range(5)]
+    for i, row in enumerate(rows):
+        row.h = torch.randn(1, base.cfg.dim, generator=torch.Generator().manual_seed(i))
+        row.h = row.h.to(base.dtype)
+    roots = [3, 7, 3, 0, 11]
+    together = drafter.draft_rows(rows, roots)
+    return [d.tokens for d in together], [row.draft(r).tokens for row, r in zip(rows, roots)]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_rows_drafted_in_one_call_of_each_head_are_each_row_drafted_alone(small, kind):
+    together, alone = rows_drafted_together_and_alone(small, kind)
+    assert len({tuple(t.tolist()) for t in alone}) > 1, "the rows should draft different trees"
+    for t, a in zip(together, alone):
+        assert torch.equal(t, a)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_rows_drafted_together_in_bf16_through_kernels_c_are_each_row_alone(kind, native_path):
+    """kernels.c computes each row of a product alone: a row's draft does not depend on its mates
+    in bf16 either."""
+    torch.manual_seed(0)
+    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    bf16 = kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
+    together, alone = rows_drafted_together_and_alone(bf16, kind)
+    for t, a in zip(together, alone):
+        assert torch.equal(t, a)
