@@ -431,16 +431,25 @@ def load_llama_cpp(name, device, context):
 
 def in_llama_cpp(llm, eos):
     """llama.cpp's greedy decoding of the same prompt ids (the chat template applied by
-    checkpoint.encode, no BOS added). Its cache is reset first: it would otherwise skip the prefill
-    of a prompt it has seen, and ours pays it every run."""
+    checkpoint.encode, no BOS added): one llama_decode a token (Llama.eval) and the argmax of its
+    logits, as llama.cpp's own greedy sampler takes it in C; not llama-cpp-python's generate(),
+    whose sampler runs in Python every token (results/kernels-cpu.md timed both). Its cache is
+    reset first: it would otherwise skip the prefill of a prompt it has seen, and ours pays it
+    every run."""
+    import numpy as np
+
+    llama_cpp, vocab = llama_cpp_module(), llm.n_vocab()
 
     def run(ids, max_new, seed):
         llm.reset()
+        llm.eval(ids)
         new = []
-        for t in llm.generate(ids, temp=0.0, repeat_penalty=1.0):  # temperature 0: greedy
-            new.append(t)
-            if t in eos or len(new) == max_new:
+        while True:
+            logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the last token's
+            new.append(int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,)))))
+            if new[-1] in eos or len(new) == max_new:
                 return new, len(new), None  # one forward per token, the prefill's included
+            llm.eval(new[-1:])
 
     return run
 

@@ -449,26 +449,40 @@ def one_prompt(tmp_path):
 
 
 def fake_llama_cpp(reply):
-    """A stand-in for llama-cpp-python: Llama records how it was made and the prompts it was given,
-    and its greedy generate() yields `reply` then 0s; llama_model_quantize records its call and
-    writes the file."""
+    """A stand-in for llama-cpp-python: Llama records how it was made, the prompts it was given
+    (the first eval() after reset()) and the tokens fed after each; its logits, read through
+    llama_get_logits_ith, make `reply` then 0s the greedy continuation; llama_model_quantize
+    records its call and writes the file."""
     made, prompts, quantized = [], [], []
+    V = max(reply) + 1
 
     class Llama:
+        ctx = "ctx"
+        last = None  # the Llama that evaluated last: llama_get_logits_ith reads its logits
+
         def __init__(self, **kw):
             made.append(kw)
-            self.cached = False
+            self.fed = None  # the tokens evaluated after the prompt; None: its cache is empty
+
+        def n_vocab(self):
+            return V
 
         def reset(self):
-            self.cached = False
+            self.fed = None
 
-        def generate(self, tokens, temp, repeat_penalty):
-            assert not self.cached and temp == 0.0 and repeat_penalty == 1.0, (
-                "prefill skipped, or not greedy"
-            )
-            self.cached = True
-            prompts.append(list(tokens))
-            yield from reply + [0] * 100
+        def eval(self, ids):
+            if self.fed is None:
+                prompts.append(list(ids))
+                self.fed = []
+            else:
+                self.fed += list(ids)
+            token = (reply + [0] * 100)[len(self.fed)]
+            self.logits = (ctypes.c_float * V)(*[float(i == token) for i in range(V)])
+            Llama.last = self
+
+    def llama_get_logits_ith(ctx, i):
+        assert (ctx, i) == ("ctx", -1), "the last token's logits"
+        return ctypes.cast(Llama.last.logits, ctypes.POINTER(ctypes.c_float))
 
     class Params(ctypes.Structure):
         _fields_ = [("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool)]
@@ -483,6 +497,7 @@ def fake_llama_cpp(reply):
     return (
         types.SimpleNamespace(
             Llama=Llama,
+            llama_get_logits_ith=llama_get_logits_ith,
             llama_model_quantize=quantize,
             llama_model_quantize_default_params=Params,
             LLAMA_FTYPE_MOSTLY_F16=1,
@@ -548,3 +563,17 @@ def test_a_batch_size_reports_batched_throughput_beside_batch_1(capsys, tmp_path
         for size in (2, 5):
             (row,) = [line for line in out.splitlines() if line.startswith(f"| {name} | {size} |")]
             assert row.endswith("| yes |"), row
+
+
+def test_the_llama_cpp_anchor_decodes_greedily_one_eval_a_token(monkeypatch):
+    """llama.cpp's row: its cache reset, the prompt evaluated once, then each token the argmax of
+    the last token's logits, evaluated in turn; it ends at EOS or max_new without evaluating the
+    last token."""
+    fake, _, prompts, _ = fake_llama_cpp([4, 2, 5, 3])
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    llm = fake.Llama()
+    run = B.in_llama_cpp(llm, eos={5})
+    assert run([7, 8, 9], 10, 0) == ([4, 2, 5], 3, None)  # EOS
+    assert prompts == [[7, 8, 9]] and llm.fed == [4, 2]
+    assert run([7], 2, 0) == ([4, 2], 2, None)  # max_new
+    assert prompts == [[7, 8, 9], [7]] and llm.fed == [4]
