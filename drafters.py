@@ -217,6 +217,8 @@ class HeadsDrafter:
 
     def draft_rows(self, rows, roots):
         """draft() of each of the rows (this drafter's row()s), every head called once for all."""
+        if not rows:
+            return []
         h = torch.cat([r.h for r in rows])  # (B, D)
         roots = torch.tensor(roots, device=h.device)  # (B,)
         tokens = draft(self.heads, h, roots, self.plan, self.tree.num_nodes)  # (B, N)
@@ -467,14 +469,29 @@ class HeadsPlusLookup:
         self.lookup.start(prompt, hidden, max_len, kept)
 
     def draft(self, root):
-        copied = draft_nodes(self.lookup.draft(root))
+        return self.draft_rows([self], [root])[0]
+
+    def draft_rows(self, rows, roots):
+        """draft() of each of the rows (this drafter's row()s); the heads' trees of the rows that
+        want one are drafted in one call (HeadsDrafter.draft_rows)."""
+        copied = [draft_nodes(row.lookup.draft(root)) for row, root in zip(rows, roots)]
         # on a copying streak the heads' nodes would only cost the step
-        if copied and self.lookup.copying:
+        wanted = [
+            i for i, (row, c) in enumerate(zip(rows, copied)) if not (c and row.lookup.copying)
+        ]
+        trees = self.heads.draft_rows([rows[i].heads for i in wanted], [roots[i] for i in wanted])
+        heads = dict(zip(wanted, trees))
+        return [
+            row.merged(r, c, heads.get(i)) for i, (row, r, c) in enumerate(zip(rows, roots, copied))
+        ]
+
+    def merged(self, root, copied, heads):
+        """One row's draft: lookup's nodes `copied` grafted on the heads' Draft (None: alone)."""
+        if heads is None:
             return self.shapes.draft(root, graft({}, copied, self.offset))
-        a = self.heads.draft(root)
         if not copied:
-            return a  # nothing to graft (no lookup match): the heads' tree as it is
-        nodes = draft_nodes(a)
+            return heads  # nothing to graft (no lookup match): the heads' tree as it is
+        nodes = draft_nodes(heads)
         if self.floor is not None:  # dicts keep the tree's order: a prefix of it is a tree
             nodes = dict(list(nodes.items())[: max(len(nodes) - len(copied), self.floor)])
         return self.shapes.draft(root, graft(nodes, copied, self.offset))
