@@ -161,10 +161,12 @@ def pick_dtype(name, device, quantize="none"):
 
 
 # --- sizes of work, per device -------------------------------------------------------------------
-# Chosen in this one place. The CPU's were measured there (the data stage's batch: commit 06d743e;
-# the loss's blocks: results/train-speed-zen5-bf16.md). A GPU runs a kernel over more rows in about
-# the time of fewer, so its sizes are larger: guesses, not measured (no GPU has trained or run the
-# data stage yet); bench on one and set them here.
+# Chosen in this one place. The CPU's were measured there (the data stage's batch: 128 rows with
+# oneDNN's products, commit 06d743e; 16 where kernels.c's run, which read the weights again for
+# each 8 rows: 1.4-1.5x 128 rows on AVX2, results/batch-cpu.md; the loss's blocks:
+# results/train-speed-zen5-bf16.md). A GPU runs a kernel over more rows in about the time of fewer,
+# so its sizes are larger: guesses, not measured (no GPU has trained or run the data stage yet);
+# bench on one and set them here.
 
 
 @dataclass(frozen=True)
@@ -173,11 +175,12 @@ class Sizes:
     loss_rows: int  # rows in a block of FusedHeadLoss; a CPU's block of logits stays in its caches
 
 
-def sizes(device) -> Sizes:
-    """The Sizes for `device`: the CPU's measured ones, or a GPU's untested guesses."""
+def sizes(device, native=False) -> Sizes:
+    """The Sizes for `device`: the CPU's measured ones (native: kernels.c's products run, as
+    Kernels.native says), or a GPU's untested guesses."""
     if torch.device(device).type == "cuda":
         return Sizes(gen_batch=256, loss_rows=2048)
-    return Sizes(gen_batch=128, loss_rows=256)
+    return Sizes(gen_batch=16 if native else 128, loss_rows=256)
 
 
 # --- linear layers: kernels.c's product, for bf16 ------------------------------------------------

@@ -82,9 +82,11 @@ def hardware(device):
 
 
 def machine(device, dtype, **extra):
+    """What a number was measured on; on a CPU the device names the kernels.c path it runs
+    (cpu-avx2, cpu-avx512-bf16, cpu-neon; cpu-generic where none does), as tuned files do."""
     return {
         "hardware": hardware(device),
-        "device": str(device),
+        "device": catalog.cpu_path(device) if torch.device(device).type == "cpu" else str(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),

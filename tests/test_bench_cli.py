@@ -21,6 +21,7 @@ import torch
 import catalog
 import checkpoint
 import cli
+import kernels
 import bench as B
 import tuning
 from conftest import ctrl_c_after
@@ -577,3 +578,13 @@ def test_the_llama_cpp_anchor_decodes_greedily_one_eval_a_token(monkeypatch):
     assert prompts == [[7, 8, 9]] and llm.fed == [4, 2]
     assert run([7], 2, 0) == ([4, 2], 2, None)  # max_new
     assert prompts == [[7, 8, 9], [7]] and llm.fed == [4]
+
+
+@pytest.mark.parametrize("forced", ["off", *kernels.runnable_paths()])
+def test_every_measurement_names_the_cpu_path_it_ran(monkeypatch, forced):
+    """bench.py's and the tuners' machine line: on a CPU the device is cpu-PATH, kernels.c's path
+    (cpu-generic where none runs), as the tuned files are named."""
+    monkeypatch.setenv("SPECDEC_KERNELS", forced)
+    want = "cpu-generic" if forced == "off" else f"cpu-{forced}"
+    assert tuning.machine("cpu", torch.bfloat16)["device"] == want
+    assert f"device: {want}," in tuning.machine_line(tuning.machine("cpu", torch.float32))

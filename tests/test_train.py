@@ -861,7 +861,9 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
     monkeypatch.setattr(
         D.kernels,
         "sizes",
-        lambda device: D.kernels.Sizes(2 if torch.device(device).type == "cpu" else 64, 1),
+        lambda device, native=False: D.kernels.Sizes(
+            2 if torch.device(device).type == "cpu" else 64, 1
+        ),
     )
     seeds = tmp_path / "seeds.json"
     seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
@@ -876,7 +878,7 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
         teacher_k=4,
     )
     D.self_distill(
-        SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu"),
+        SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu", modules=lambda: []),
         Tokenizer(),
         str(tmp_path / "d"),
         args,
