@@ -301,11 +301,11 @@ def draft_rows(drafter, rows, idle):
     """Each row's Draft (a free row's: idle's root, which nobody keeps): in one call for all the
     rows where the drafter drafts rows together (HeadsDrafter.draft_rows: each head reads its
     weights once a step, not once a row), else row by row."""
+    if not hasattr(drafter, "draft_rows"):
+        return [row.drafter.draft(row.root) if row else idle.draft(0) for row in rows]
     live = [row for row in rows if row]
-    if len(live) > 1 and hasattr(drafter, "draft_rows"):
-        together = iter(drafter.draft_rows([r.drafter for r in live], [r.root for r in live]))
-        return [next(together) if row else idle.draft(0) for row in rows]
-    return [row.drafter.draft(row.root) if row else idle.draft(0) for row in rows]
+    together = iter(drafter.draft_rows([r.drafter for r in live], [r.root for r in live]))
+    return [next(together) if row else idle.draft(0) for row in rows]
 
 
 def generate(

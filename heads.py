@@ -220,8 +220,8 @@ class HydraHeads(nn.Module):
             f"{tuple(path.shape)}"
         )
         h = h.repeat_interleave(P, 0)  # (R*P, D)
-        tokens = F.embedding(path, self.embed).flatten(1)  # (P, d*D)
-        return h + self.mlps[d - 1](torch.cat([h, tokens], dim=-1))  # (P, D)
+        tokens = F.embedding(path, self.embed).flatten(1)  # (R*P, d*D)
+        return h + self.mlps[d - 1](torch.cat([h, tokens], dim=-1))  # (R*P, D)
 
     def forward(self, h, tokens, at=None):
         """Teacher forcing: head k at t reads concat[h_t, E(tokens[t+1]), ..., E(tokens[t+k])];
