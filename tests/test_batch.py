@@ -184,14 +184,19 @@ def test_observe_sees_what_a_fresh_forward_over_prompt_and_reply_computes(small,
         assert torch.allclose(got_logits, logits[0, len(prompt) - 1 :], atol=1e-4)
 
 
+def small_through_kernels_c():
+    """The tests' small model in bf16, every layer through kernels.c's twins."""
+    torch.manual_seed(0)
+    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    return kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
+
+
 @pytest.mark.parametrize("name", ["plain", "hydra++"])
 def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, native_path):
     """kernels.c's layer takes the rows of a batch in one call (each row's cache, positions and gap
     its own) and computes every row alone: in bf16 too, a row of a greedy batch is its prompt's
     reply alone, token for token."""
-    torch.manual_seed(0)
-    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
-    bf16 = kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
+    bf16 = small_through_kernels_c()
     calls = []
     real = kernels.block_native
     with pytest.MonkeyPatch.context() as mp:
@@ -212,8 +217,8 @@ def rows_drafted_together_and_alone(base, kind):
     drafter = drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2, 2])))
     rows = [drafter.row() for _ in range(5)]
     for i, row in enumerate(rows):
-        row.h = torch.randn(1, base.cfg.dim, generator=torch.Generator().manual_seed(i))
-        row.h = row.h.to(base.dtype)
+        seeded = torch.Generator().manual_seed(i)
+        row.h = torch.randn(1, base.cfg.dim, generator=seeded).to(base.dtype)
     roots = [3, 7, 3, 0, 11]
     together = drafter.draft_rows(rows, roots)
     return [d.tokens for d in together], [row.draft(r).tokens for row, r in zip(rows, roots)]
@@ -231,9 +236,7 @@ def test_rows_drafted_in_one_call_of_each_head_are_each_row_drafted_alone(small,
 def test_rows_drafted_together_in_bf16_through_kernels_c_are_each_row_alone(kind, native_path):
     """kernels.c computes each row of a product alone: a row's draft does not depend on its mates
     in bf16 either."""
-    torch.manual_seed(0)
-    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
-    bf16 = kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
+    bf16 = small_through_kernels_c()
     together, alone = rows_drafted_together_and_alone(bf16, kind)
     for t, a in zip(together, alone):
         assert torch.equal(t, a)
