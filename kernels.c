@@ -41,13 +41,15 @@ typedef uint16_t bf16;
 /* --- the vector layer: the few operations the kernels below are written in, per instruction set.
    V holds VL fp32 numbers; P holds VL pairs of numbers (2 VL bf16), the operand of dot2:
    dot2(acc, a, b)[i] = acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]. Loads and stores take a count n
-   of numbers (the rest read as 0, or left alone). ACCS: how many accumulators a tile of
-   linear_bf16 keeps in registers, as many as leave room for its weights. */
+   of numbers (the rest read as 0, or left alone). REGS: the vector registers, which bound a tile
+   of linear_bf16. A tile's step (weight_part, x_part, mac) takes a pair of inputs in PARTS parts:
+   whole where the hardware multiplies bf16 pairs, else the pair's first numbers, then its second
+   (dot2's order), so that a step's weights take one register a vector. */
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ISA "avx512-bf16"
-enum { VL = 16, ACCS = 16 };    /* of 32 registers */
+enum { VL = 16, REGS = 32 };
 typedef __m512 V;
 typedef __m512bh P;            /* 32 bf16: the hardware multiplies pairs of them */
 
@@ -97,6 +99,12 @@ static inline P pair_bcast(const X *p) {   /* p[0], p[1] as every pair */
   return (P)_mm512_set1_epi32(b);
 }
 static inline V dot2(V acc, P a, P b) { return _mm512_dpbf16_ps(acc, a, b); }
+#define PARTS 1
+typedef P W;
+static inline W weight_part(const bf16 *p, int part) { (void)part; return pairs_all(p); }
+static inline W weight_part_int8(const int8_t *p, int part) { (void)part; return pairs_int8(p); }
+static inline P x_part(const X *p, int part) { (void)part; return pair_bcast(p); }
+static inline V mac(V acc, P x, W w) { return dot2(acc, x, w); }
 /* 2 VL bf16 as their even-numbered and odd-numbered halves, and back, rounded */
 static inline void halves(const bf16 *p, int n, V *even, V *odd) {
   __m512i pair = _mm512_maskz_loadu_epi16(first32(n), p);
@@ -134,7 +142,7 @@ static inline V sums(const V v[16]) {
    two fp32 vectors, the pairs' first numbers and their second: dot2 is two multiply-adds. */
 #include <immintrin.h>
 #define ISA "avx2"
-enum { VL = 8, ACCS = 8 };      /* of 16 registers */
+enum { VL = 8, REGS = 16 };
 typedef __m256 V;
 typedef struct { __m256 even, odd; } P;
 
@@ -201,6 +209,19 @@ static inline P pair_bcast(const X *p) { return (P){_mm256_set1_ps(p[0]), _mm256
 static inline V dot2(V acc, P a, P b) {   /* the first numbers of the pairs, then the second */
   return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, acc));
 }
+#define PARTS 2
+typedef V W;
+static inline W weight_part(const bf16 *p, int part) {
+  __m256i pair = _mm256_loadu_si256((const __m256i *)p);
+  return _mm256_castsi256_ps(part ? _mm256_and_si256(pair, _mm256_set1_epi32((int)0xffff0000u))
+                                  : _mm256_slli_epi32(pair, 16));
+}
+static inline W weight_part_int8(const int8_t *p, int part) {
+  __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(part ? q : _mm256_slli_epi32(q, 16), 16));
+}
+static inline V x_part(const X *p, int part) { return _mm256_set1_ps(p[part]); }
+static inline V mac(V acc, V x, W w) { return _mm256_fmadd_ps(x, w, acc); }
 static inline void store_halves_all(bf16 *p, V even, V odd) {
   __m256i b = _mm256_or_si256(bf16_bits(even), _mm256_slli_epi32(bf16_bits(odd), 16));
   _mm256_storeu_si256((__m256i *)p, b);
@@ -216,7 +237,7 @@ static inline V sums(const V v[8]) {   /* r[i] = the sum of v[i]'s 8 numbers: a 
 /* As AVX2's, 4 lanes: bf16 widened by a shift, fp32 fused multiply-adds. */
 #include <arm_neon.h>
 #define ISA "neon"
-enum { VL = 4, ACCS = 24 };     /* of 32 registers */
+enum { VL = 4, REGS = 32 };
 typedef float32x4_t V;
 typedef struct { float32x4_t even, odd; } P;
 
@@ -266,6 +287,19 @@ static inline P pair_bcast(const X *p) { return (P){vdupq_n_f32(p[0]), vdupq_n_f
 static inline V dot2(V acc, P a, P b) {
   return vfmaq_f32(vfmaq_f32(acc, a.even, b.even), a.odd, b.odd);
 }
+#define PARTS 2
+typedef V W;
+static inline W weight_part(const bf16 *p, int part) {
+  uint32x4_t pair = vreinterpretq_u32_u16(vld1q_u16(p));
+  return vreinterpretq_f32_u32(part ? vandq_u32(pair, vdupq_n_u32(0xffff0000u))
+                                    : vshlq_n_u32(pair, 16));
+}
+static inline W weight_part_int8(const int8_t *p, int part) {
+  int32x4_t q = vreinterpretq_s32_s16(vmovl_s8(vld1_s8(p)));
+  return vcvtq_f32_s32(vshrq_n_s32(part ? q : vshlq_n_s32(q, 16), 16));
+}
+static inline V x_part(const X *p, int part) { return vdupq_n_f32(p[part]); }
+static inline V mac(V acc, V x, W w) { return vfmaq_f32(acc, x, w); }
 static inline void store_halves_all(bf16 *p, V even, V odd) {
   vst1q_u16(p, vreinterpretq_u16_u32(vorrq_u32(bf16_bits(even), vshlq_n_u32(bf16_bits(odd), 16))));
 }
@@ -326,32 +360,50 @@ const char *kernels_isa(void) { return ISA; }   /* which of the paths above this
 
 /* --- the product of a few rows --------------------------------------------------------------- */
 
-enum { BLOCK = 16, PER = BLOCK / VL, ROWS = 8 };   /* a packed block's outputs, its vectors; rows */
+/* a packed block's outputs; the output vectors of a group of two blocks; a tile's rows at most */
+enum { BLOCK = 16, GV = 2 * BLOCK / VL, ROWS = 8 };
 
-/* rows x[0..m) times the nb blocks starting at output n0, written to y (row stride N). The
-   accumulators acc[r][v] stay in registers: m and nb are constants where this is inlined. */
+/* A tile keeps in registers its m x nv accumulators, the nv weight vectors of a step and a
+   broadcast (a spare for the compiler): NV(m), the most vectors of a group it takes at once; a
+   tile of 2 vectors takes up to TILE_ROWS rows (AVX2's 16 registers: 6, else ROWS). */
+#define FITS(m, nv) ((m) * (nv) + (nv) + 2 <= REGS)
+#define NV(m) \
+  (FITS(m, GV) ? GV : FITS(m, GV / 2) ? GV / 2 : GV >= 4 && FITS(m, GV / 4) ? GV / 4 : 1)
+#define TILE_ROWS (FITS(ROWS, 2) ? ROWS : (REGS - 4) / 2)
+
+/* rows x[0..m) times the nv output vectors (VL outputs each) from output n0, written to y (row
+   stride N). Each step takes PARTS parts of a pair of inputs: its weights, then for each row its
+   broadcast and nv multiply-adds. The accumulators acc[r][v] stay in registers: m and nv are
+   constants where this is inlined. */
 static inline __attribute__((always_inline)) void tile(
-    const X *x, const int m, const int nb, int K, const void *w, const int int8,
+    const X *x, const int m, const int nv, int K, const void *w, const int int8,
     const float *scale, int n0, int N, const bf16 *bias, const bf16 *add, bf16 *y) {
-  V acc[ROWS][2 * PER];
-  const int nv = nb * PER;
-  for (int r = 0; r < m; r++)
-    for (int v = 0; v < nv; v++) acc[r][v] = vzero();
-  for (int k = 0; k < K; k += 2) {
-    P wk[2 * PER];
-    for (int v = 0; v < nv; v++) {                   /* block v / PER's pair k, its part v % PER */
-      long i = ((long)n0 + BLOCK * (v / PER)) * K + (long)k * BLOCK + 2 * VL * (v % PER);
-      if (v % PER == 0) prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2));   /* 1024 ahead */
-      wk[v] = int8 ? pairs_int8((const int8_t *)w + i) : pairs_all((const bf16 *)w + i);
-    }
-    for (int r = 0; r < m; r++) {
-      P xk = pair_bcast(x + (long)r * K + k);                 /* x[r, k:k+2] */
-      for (int v = 0; v < nv; v++) acc[r][v] = dot2(acc[r][v], xk, wk[v]);
-    }
+  V acc[ROWS][GV];
+  long at[GV];                       /* where output vector v's stream starts: its block's, plus */
+  for (int v = 0; v < nv; v++) {     /* its place among the block's 16 outputs, pair k = 0 */
+    int n = n0 + VL * v;
+    at[v] = (long)(n - n % BLOCK) * K + 2 * (n % BLOCK);
   }
   for (int r = 0; r < m; r++)
+    for (int v = 0; v < nv; v++) acc[r][v] = vzero();
+  for (int k = 0; k < K; k += 2)
+    for (int part = 0; part < PARTS; part++) {
+      W wk[GV];
+      for (int v = 0; v < nv; v++) {                 /* output vector v's weights at pair k */
+        long i = at[v] + (long)k * BLOCK;
+        if (part == 0 && (v == 0 || (n0 + VL * v) % BLOCK == 0))   /* a block's, 1024 ahead */
+          prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2));
+        wk[v] = int8 ? weight_part_int8((const int8_t *)w + i, part)
+                     : weight_part((const bf16 *)w + i, part);
+      }
+      for (int r = 0; r < m; r++) {
+        W xk = x_part(x + (long)r * K + k, part);              /* x[r, k:k+2], or its part */
+        for (int v = 0; v < nv; v++) acc[r][v] = mac(acc[r][v], xk, wk[v]);
+      }
+    }
+  for (int r = 0; r < m; r++)
     for (int v = 0; v < nv; v++) {
-      int n = n0 + BLOCK * (v / PER) + VL * (v % PER), kept = N - n < VL ? N - n : VL;
+      int n = n0 + VL * v, kept = N - n < VL ? N - n : VL;
       if (kept <= 0) break;                                   /* past the last output */
       V s = acc[r][v];
       if (scale) s = vmul(s, loadf(scale + n, kept));
@@ -381,26 +433,27 @@ static const X *product_rows(const bf16 *x, long n) {
 /* y (M, N) = x (M, K) @ w^T + bias + add. w packed as above with N rounded up to 32 (zeros): bf16,
    or int8 where scale (N,) is given, the weight then being scale[n] * w[n, :] (kernels.int8_weight);
    K even; bias (N,) and add (M, N) may be NULL. The threads share out the outputs, 32 at a time;
-   each group of 32 is read from memory once, by up to 8 rows at a time, then from the caches.
+   each group of 32 is read from memory once, by up to TILE_ROWS rows at a time, then from the
+   caches.
    Returns 0, or -1 where scratch memory is not to be had. */
 int linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, int N,
                 const bf16 *bias, const bf16 *add, bf16 *y) {
   const X *xs = product_rows(x, (long)M * K);
   if (!xs) return -1;
+  const int tiles = (M + TILE_ROWS - 1) / TILE_ROWS;   /* the rows shared out evenly (8: 4 + 4) */
   #pragma omp parallel for schedule(static)
   for (int n0 = 0; n0 < N; n0 += 2 * BLOCK)
-    for (int r0 = 0; r0 < M; r0 += ROWS) {
+    for (int t = 0; t < tiles; t++) {
+      const int r0 = t * M / tiles, m = (t + 1) * M / tiles - r0;
       const X *xr = xs + (long)r0 * K;
       const bf16 *ar = add ? add + (long)r0 * N : 0;
       bf16 *yr = y + (long)r0 * N;
-      int m = M - r0 < ROWS ? M - r0 : ROWS;
-/* m rows over both blocks: together where their accumulators fit in ACCS registers, else in turn */
-#define NB(m) (2 * (m) * PER <= ACCS ? 2 : 1)
-#define TILE(m) for (int b = 0; b < 2; b += NB(m)) {                                          \
-        if (scale) tile(xr, m, NB(m), K, w, 1, scale, n0 + BLOCK * b, N, bias, ar, yr);      \
-        else tile(xr, m, NB(m), K, w, 0, NULL, n0 + BLOCK * b, N, bias, ar, yr);             \
+/* m rows over the group's GV output vectors, NV(m) of them at a time */
+#define TILE(m) for (int v = 0; v < GV; v += NV(m)) {                                         \
+        if (scale) tile(xr, m, NV(m), K, w, 1, scale, n0 + VL * v, N, bias, ar, yr);         \
+        else tile(xr, m, NV(m), K, w, 0, NULL, n0 + VL * v, N, bias, ar, yr);                \
       }
-      switch (m) {   /* m, nb, the weights' type known when compiled: accumulators in registers */
+      switch (m) {   /* m, nv, the weights' type known when compiled: accumulators in registers */
         case 1: TILE(1); break;
         case 2: TILE(2); break;
         case 3: TILE(3); break;
@@ -411,7 +464,6 @@ int linear_bf16(const bf16 *x, int M, int K, const void *w, const float *scale, 
         default: TILE(8); break;
       }
 #undef TILE
-#undef NB
     }
   if ((const void *)xs != (const void *)x) free((void *)xs);
   return 0;
@@ -660,4 +712,17 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
   }
   free(h); free(qkv); free(q); free(y); free(gu); free(act);
   return failed ? -1 : 0;
+}
+
+/* The decoder layers L[0..n) in turn, in place: x (B, T, D) becomes the last one's output (a
+   layer's x and out may be one buffer: x is read before out is written, element by element).
+   Layer l's cache starts `layer` elements after layer l - 1's; the rest as block_bf16's. */
+int stack_bf16(const Layer *L, int n, bf16 *x, int B, int T, const bf16 *cos, const bf16 *sin,
+               bf16 *k_cache, bf16 *v_cache, long layer, long row, long head, int start,
+               const uint8_t *mask) {
+  for (int l = 0; l < n; l++)
+    if (block_bf16(L + l, x, B, T, cos, sin, k_cache + l * layer, v_cache + l * layer, row, head,
+                   start, mask, x))
+      return -1;
+  return 0;
 }

@@ -30,6 +30,8 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     model.Block: x + o_proj(..), x + down_proj(..)  FastBlock: each residual add inside its product;
                                                     block_native: kernels.c, the whole layer in one
                                                     call
+    model.Transformer.run_layers: layer by layer    FastTransformer: kernels.c, all of them in one
+                                                    call (stack_native)
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
     losses.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of
                                                     rows
@@ -42,7 +44,8 @@ of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
 kernels.c (beside this file, compiled once per machine for its CPU: AVX512-BF16, AVX2 or NEON;
 native_path()) holds three of them in C, for bf16: the product of a few rows, reading the weight
 once; the attention of a few queries; and a whole decoder layer built from them, one call instead
-of some forty PyTorch operations. Each computes every row alone, so in bf16 a tree's nodes get
+of some forty PyTorch operations (and the layers of a forward in one call, no Python between two
+of them). Each computes every row alone, so in bf16 a tree's nodes get
 exactly what plain decoding gets: greedy speculative decoding is token-identical to plain greedy
 in bf16 too. Where it runs, bf16 runs through it, whether PyTorch's bf16 is native here or not.
 Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
@@ -313,6 +316,9 @@ def native():
     lib.attend_bf16.restype = i
     lib.block_bf16.argtypes = [p, p, i, i, p, p, p, p, ctypes.c_long, ctypes.c_long, i, p, p]
     lib.block_bf16.restype = i
+    long = ctypes.c_long
+    lib.stack_bf16.argtypes = [p, i, p, i, i, p, p, p, p, long, long, long, i, p]
+    lib.stack_bf16.restype = i
     return lib, None
 
 
@@ -904,6 +910,74 @@ class FastBlock(model.Block):
         return self.mlp(self.post_attention_layernorm(x), residual=x)  # (B, T, D)
 
 
+class FastTransformer(model.Transformer):
+    """model.Transformer's twin: with kernels.c, the decoder layers in one call (stack_native) where
+    block_native would take each of them (no Python between two layers), else one by one."""
+
+    @staticmethod
+    def wanted(layer, kernels):
+        return kernels.glue and kernels.packed
+
+    def prepare(self, kernels):
+        self.kernels = kernels
+        self.native_stack = {}  # the layers run (indices) -> their NativeLayers, or None
+
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+        if self.kernels.native and cache is not None and not torch.is_grad_enabled():
+            run = tuple(range(len(self.layers)) if layers is None else layers)
+            stack, first = self.stack(run), self.layers[run[0]] if run else None
+            if stack and native_block_takes(first, x, (cache.k[0], cache.v[0], start)):
+                return stack_native(stack, x, cos, sin, attn_mask, cache, start)  # (B, T, D)
+        return super().run_layers(x, cos, sin, attn_mask, cache, start, layers)
+
+    def stack(self, run):
+        """The layers `run` as an array of NativeLayers where block_native takes each, none with a
+        hook (a hook sees its layer run alone); else None. Laid out at the first call."""
+        if run not in self.native_stack:
+            blocks = [self.layers[i] for i in run]
+            takes = all(
+                type(b) is FastBlock
+                and native_layer(b) is not None
+                and not (b._forward_hooks or b._forward_pre_hooks)
+                for b in blocks
+            )
+            layers = [b.native_layer for b in blocks] if takes else None
+            self.native_stack[run] = layers and (NativeLayer * len(layers))(*layers)
+        return self.native_stack[run]
+
+
+def stack_native(stack, x, cos, sin, mask, cache, start):
+    """Transformer.run_layers through kernels.c's stack_bf16: every layer of `stack` (an array of
+    NativeLayer) in one call, in place on a copy of x (B, T, D); cos, sin, mask as block_native's;
+    layer i of the stack reads and extends cache.k[i], cache.v[i] -> (B, T, D)."""
+    B, T, _ = x.shape
+    Dh, k, v = cos.shape[-1], cache.k, cache.v
+    x = x.clone(memory_format=torch.contiguous_format)  # (B, T, D): the layers write it in place
+    cos = cos.expand(B, 1, T, Dh).contiguous()  # (B, 1, T, Dh): each row's positions
+    sin = sin.expand(B, 1, T, Dh).contiguous()
+    if mask is not None:  # (B, T, S) bool
+        mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
+    failed = native_library().stack_bf16(
+        stack,
+        len(stack),
+        address(x),
+        B,
+        T,
+        address(cos),
+        address(sin),
+        address(k),
+        address(v),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        start,
+        address(mask),
+    )
+    if failed:
+        raise MemoryError("the decoder layers in kernels.c: no scratch memory")
+    return x
+
+
 class FastLMHead(heads.LMHead):
     """heads.LMHead's twin for the frozen matrix every head shares: prepacked, as the base's."""
 
@@ -929,6 +1003,7 @@ TWINS = {
     heads.LMHead: FastLMHead,
     model.RMSNorm: FastRMSNorm,
     model.Block: FastBlock,
+    model.Transformer: FastTransformer,
 }
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 
@@ -958,7 +1033,7 @@ def use(module: nn.Module, kernels: Kernels = None) -> nn.Module:
         for m in module.modules():  # parents before their children
             if type(m) in READABLE:  # back to the readable class, without the prepacked copy
                 m.__class__ = READABLE[type(m)]
-                for name in ("kernels", "packed", "rotary", "native_layer"):
+                for name in ("kernels", "packed", "rotary", "native_layer", "native_stack"):
                     m.__dict__.pop(name, None)
             twin = TWINS.get(type(m))
             if twin is not None and id(m) not in fused and twin.wanted(m, kernels):

@@ -368,13 +368,19 @@ class Transformer(nn.Module):
         key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
+        x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers)
+        hidden = self.norm(x)  # (B, T, D)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
+        return logits, hidden
+
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+        """x (B, T, D) through the decoder layers, all or forward's `layers`: the i-th layer run
+        reads and extends cache.k[i], cache.v[i] from slot `start` (None: no cache)."""
         run = self.layers if layers is None else [self.layers[i] for i in layers]
         for i, layer in enumerate(run):  # i: the layer's place in the cache
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
-        hidden = self.norm(x)  # (B, T, D)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
-        return logits, hidden
+        return x  # (B, T, D)
 
 
 def lm_head_fingerprint(model) -> str:

@@ -193,21 +193,21 @@ def small_through_kernels_c():
 
 @pytest.mark.parametrize("name", ["plain", "hydra++"])
 def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, native_path):
-    """kernels.c's layer takes the rows of a batch in one call (each row's cache, positions and gap
-    its own) and computes every row alone: in bf16 too, a row of a greedy batch is its prompt's
+    """kernels.c's layers take the rows of a batch in one call (each row's cache, positions and gap
+    its own) and compute every row alone: in bf16 too, a row of a greedy batch is its prompt's
     reply alone, token for token."""
     bf16 = small_through_kernels_c()
     calls = []
-    real = kernels.block_native
+    real = kernels.stack_native
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "block_native", lambda b, x, *a: calls.append(len(x)) or real(b, x, *a))
+        mp.setattr(kernels, "stack_native", lambda s, x, *a: calls.append(len(x)) or real(s, x, *a))
         alone = [
             G.generate(bf16, p, n, make_drafter(name, bf16), eos_ids=EOS)
             for p, n in zip(PROMPTS, LIMITS)
         ]
         batch = G.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
     assert [b.tokens for b in batch] == [a.tokens for a in alone]
-    assert max(calls) > 1, "no batch of several rows went through kernels.c's layer"
+    assert max(calls) > 1, "no batch of several rows went through kernels.c's layers"
 
 
 def rows_drafted_together_and_alone(base, kind):

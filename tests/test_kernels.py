@@ -378,6 +378,45 @@ def test_kernels_c_attention_and_block_equal_the_readable_ones(
     assert len(calls) == (readable is model_lib.Block and start is not None)
 
 
+def test_kernels_c_runs_the_layers_in_one_call_with_the_bits_of_one_by_one(native_path):
+    """FastTransformer: through kernels.c the decoder layers run in one call (stack_native), with
+    the bits each layer's own call (block_native) gives: the rows of a batch, one with a gap, a
+    prefill and steps; a run of some layers (layers=); a layer with a hook runs alone (its hook
+    sees it)."""
+    torch.manual_seed(0)
+    tiny = model_lib.Transformer(tiny_config(n_layers=3)).eval().requires_grad_(False)
+    tiny = kernels.use(tiny.to(torch.bfloat16), C)
+    assert type(tiny) is kernels.FastTransformer
+
+    def decode(layers=None):  # logits of a prefill of 2 rows, then 3 steps, the second row behind
+        cache, out = tiny.new_cache(16, batch=2, num_layers=layers and len(layers)), []
+        with torch.inference_mode():
+            tokens = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+            out.append(tiny(tokens, torch.arange(5), None, cache, layers=layers)[0])
+            cache.lengths = [5, 3]
+            for t in range(3):
+                positions = torch.tensor([[5 + t], [3 + t]])
+                out.append(tiny(tokens[:, t : t + 1], positions, None, cache, layers=layers)[0])
+                cache.keep([0], [0])
+        return torch.stack([o[:, -1] for o in out])  # (4, 2, V)
+
+    one_call, by_layer, calls = [], [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "block_native", lambda *a: calls.append(1) or block_native(*a))
+        for layers in (None, [0, 2]):
+            one_call.append(decode(layers))
+            assert not calls, "a layer ran alone though the stack takes them all"
+            tiny.native_stack = dict.fromkeys(tiny.native_stack)  # every run: layer by layer
+            by_layer.append(decode(layers))
+            assert len(calls) == 4 * (3 if layers is None else 2)
+            tiny.native_stack, calls[:] = {}, []
+        hook = tiny.layers[1].register_forward_hook(lambda m, a, out: calls.append("hook"))
+        assert torch.equal(decode(), by_layer[0]) and calls.count("hook") == 4
+        hook.remove()
+    for a, b in zip(one_call, by_layer):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @needs_packing
