@@ -147,19 +147,21 @@ class KVCache:
         lengths[b] by len(idx[b]): accepted nodes only, never one computed but not verified."""
         assert len(idx) == len(self.lengths), f"{len(self.lengths)} rows, {len(idx)} paths"
         start = self.length  # the slot of new entry 0, in every row
+        moves = []  # (row, to slot, from slot) of every entry not in its place already
         for b, row in enumerate(idx):
             n, to = len(row), self.lengths[b]
-            if n == 0:  # a row that keeps nothing (free: its sequence ended)
-                continue
             if isinstance(row, torch.Tensor):
                 in_place = to == start and torch.equal(row, torch.arange(n, device=row.device))
+                row = row.tolist() if not in_place else row
             else:  # known on the host: no wait for the device
                 in_place = to == start and list(row) == list(range(n))
             if not in_place:  # a plain step of a row with no gap keeps 0..n-1 where they are
-                src = start + torch.as_tensor(row, device=self.k.device)
-                self.k[:, b, :, to : to + n] = self.k[:, b, :, src]
-                self.v[:, b, :, to : to + n] = self.v[:, b, :, src]
+                moves += [(b, to + j, start + i) for j, i in enumerate(row)]
             self.lengths[b] += n
+        if moves:  # every row's in one copy
+            b, to, src = torch.tensor(moves, device=self.k.device).T  # (E,) each
+            self.k[:, b, :, to] = self.k[:, b, :, src]
+            self.v[:, b, :, to] = self.v[:, b, :, src]
 
     def put(self, rows, other):
         """Cache row rows[j] starts over as `other`'s row j: a new sequence takes a free row."""
