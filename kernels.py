@@ -166,7 +166,7 @@ def pick_dtype(name, device, quantize="none"):
 # --- sizes of work, per device -------------------------------------------------------------------
 # Chosen in this one place. The CPU's were measured there (the data stage's batch: 128 rows with
 # oneDNN's products, commit 06d743e; 16 where kernels.c's run, which read the weights again for
-# each 8 rows: 1.4-1.5x 128 rows on AVX2, results/batch-cpu.md; the loss's blocks:
+# each tile of a few rows: 1.4-1.5x 128 rows on AVX2, results/batch-cpu.md; the loss's blocks:
 # results/train-speed-zen5-bf16.md). A GPU runs a kernel over more rows in about the time of fewer,
 # so its sizes are larger: guesses, not measured (no GPU has trained or run the data stage yet);
 # bench on one and set them here.
