@@ -3,9 +3,10 @@
 
    kernels.py compiles this file once per machine and path (cc -O3 -fopenmp plus the path's flags,
    into the cache folder) and calls it through ctypes: linear_bf16 (kernels.NativeWeight,
-   F.linear's twin), attend_bf16 (kernels.attend_native, model.attend's) and block_bf16
-   (kernels.block_native, model.Block's), in that order below, after a few vector helpers per
-   instruction set.
+   F.linear's twin), attend_bf16 (kernels.attend_native, model.attend's), block_bf16
+   (kernels.block_native, model.Block's) and stack_bf16 (kernels.stack_native, the layers of
+   model.Transformer.run_layers), in that order below, after a few vector helpers per instruction
+   set.
 
    Why: a decode step multiplies one row (plain decoding) or a tree's few rows by every weight of
    the model, so its time is the time to read the weights. PyTorch's CPU products (oneDNN, fbgemm)
@@ -13,8 +14,9 @@
    arithmetic, for a few; on a CPU without native bf16 (AVX2) its bf16 products are emulated and
    tens of times slower than fp32's; and each layer's ~40 small PyTorch operations cost as much
    again (results/kernels-cpu.md). Here every weight is read from memory once per call and
-   multiplied into up to 8 rows: for 1 to 8 rows the call costs about what reading the weight
-   costs.
+   multiplied into a tile of rows (6 to 8, as the registers hold) from the caches: where the CPU
+   multiplies bf16 pairs (AVX512-BF16), 1 to 8 rows cost about what reading the weight costs; on
+   AVX2, whose widening shares the arithmetic's ports, a few rows do (results/batch-cpu.md).
 
    y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
    product with an add post-op). A bf16 number is the top half of an fp32 one, so it is widened

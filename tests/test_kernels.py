@@ -733,8 +733,8 @@ def test_fp16_weights_multiply_in_fp32_and_rows_alone_where_the_cpu_says():
 def test_kernels_c_product_is_the_bf16_product_and_each_row_alone(product, native_path):
     """kernels.c: bf16 rows times a bf16 weight (or int8_weight's, widened), exact products summed
     in fp32, bias and `add` inside the one rounding to bf16; outputs not a multiple of its blocks
-    (100); a row's result the same bits whatever rows share the call, from 1 row to more than its
-    8-row tiles."""
+    (100); a row's result the same bits whatever rows share the call, from 1 row to more than a
+    tile's rows."""
     torch.manual_seed(0)
     w, bias = (torch.randn(100, 64) * 0.1).bfloat16(), torch.randn(100).bfloat16()
     packed = kernels.prepack(w[:40], w[40:], product=product)

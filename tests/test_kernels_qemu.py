@@ -97,8 +97,8 @@ def linear(x, weight, bias=None, add=None):
 def test_neon_product_is_the_bf16_product_and_each_row_alone(int8, neon):
     """linear_bf16 on NEON: bf16 rows times a bf16 weight (or int8_weight's, widened), exact
     products summed in fp32, bias and add inside the one rounding to bf16, outputs not a multiple
-    of its blocks (40); 1, 3 (two blocks of outputs a pass), 8 (one) and 13 rows (a tile of 8, then
-    5); each row the same bits alone, in a call of 13 and in smaller ones."""
+    of its blocks (40); 1 (both blocks of outputs a pass), 3 (one), 8 (half of one) and 13 rows
+    (tiles of 6 and 7); each row the same bits alone, in a call of 13 and in smaller ones."""
     torch.manual_seed(0)
     w, bias = (torch.randn(40, 38) * 0.1).bfloat16(), torch.randn(40).bfloat16()
     x, add = torch.randn(13, 38).bfloat16(), torch.randn(13, 40).bfloat16()
