@@ -393,8 +393,8 @@ static inline __attribute__((always_inline)) void tile(
       W wk[GV];
       for (int v = 0; v < nv; v++) {                 /* output vector v's weights at pair k */
         long i = at[v] + (long)k * BLOCK;
-        if (part == 0 && (v == 0 || (n0 + VL * v) % BLOCK == 0))   /* a block's, 1024 ahead */
-          prefetch((const char *)w + (i + 1024) * (int8 ? 1 : 2));
+        if (part == 0 && (v == 0 || (n0 + VL * v) % BLOCK == 0))   /* a block's, 4096 ahead */
+          prefetch((const char *)w + (i + 4096) * (int8 ? 1 : 2));
         wk[v] = int8 ? weight_part_int8((const int8_t *)w + i, part)
                      : weight_part((const bf16 *)w + i, part);
       }
