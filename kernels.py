@@ -925,8 +925,9 @@ class FastTransformer(model.Transformer):
     def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
         if self.kernels.native and cache is not None and not torch.is_grad_enabled():
             run = tuple(range(len(self.layers)) if layers is None else layers)
-            stack, first = self.stack(run), self.layers[run[0]] if run else None
-            if stack and native_block_takes(first, x, (cache.k[0], cache.v[0], start)):
+            stack = self.stack(run)  # None where kernels.c does not take every layer of the run
+            kv = (cache.k[0], cache.v[0], start)  # the first layer's cache, as block_native's
+            if stack is not None and native_block_takes(self.layers[run[0]], x, kv):
                 return stack_native(stack, x, cos, sin, attn_mask, cache, start)  # (B, T, D)
         return super().run_layers(x, cos, sin, attn_mask, cache, start, layers)
 
@@ -935,14 +936,14 @@ class FastTransformer(model.Transformer):
         hook (a hook sees its layer run alone); else None. Laid out at the first call."""
         if run not in self.native_stack:
             blocks = [self.layers[i] for i in run]
-            takes = all(
+            takes = blocks and all(
                 type(b) is FastBlock
                 and native_layer(b) is not None
                 and not (b._forward_hooks or b._forward_pre_hooks)
                 for b in blocks
             )
-            layers = [b.native_layer for b in blocks] if takes else None
-            self.native_stack[run] = layers and (NativeLayer * len(layers))(*layers)
+            array = NativeLayer * len(blocks)  # a C array of the layers' structs
+            self.native_stack[run] = array(*[b.native_layer for b in blocks]) if takes else None
         return self.native_stack[run]
 
 
