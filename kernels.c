@@ -207,23 +207,9 @@ static inline P pairs_int8(const int8_t *p) {   /* 16 int8 as 8 pairs of int16, 
   return (P){_mm256_cvtepi32_ps(even), _mm256_cvtepi32_ps(odd)};
 }
 typedef float X;   /* a product's rows as its tile reads them: widened to fp32 once a call */
-static inline P pair_bcast(const X *p) { return (P){_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1])}; }
 static inline V dot2(V acc, P a, P b) {   /* the first numbers of the pairs, then the second */
   return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, acc));
 }
-#define PARTS 2
-typedef V W;
-static inline W weight_part(const bf16 *p, int part) {
-  __m256i pair = _mm256_loadu_si256((const __m256i *)p);
-  return _mm256_castsi256_ps(part ? _mm256_and_si256(pair, _mm256_set1_epi32((int)0xffff0000u))
-                                  : _mm256_slli_epi32(pair, 16));
-}
-static inline W weight_part_int8(const int8_t *p, int part) {
-  __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(part ? q : _mm256_slli_epi32(q, 16), 16));
-}
-static inline V x_part(const X *p, int part) { return _mm256_set1_ps(p[part]); }
-static inline V mac(V acc, V x, W w) { return _mm256_fmadd_ps(x, w, acc); }
 static inline void store_halves_all(bf16 *p, V even, V odd) {
   __m256i b = _mm256_or_si256(bf16_bits(even), _mm256_slli_epi32(bf16_bits(odd), 16));
   _mm256_storeu_si256((__m256i *)p, b);
@@ -285,23 +271,9 @@ static inline P pairs_int8(const int8_t *p) {
   return (P){vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(q, 16), 16)), vcvtq_f32_s32(vshrq_n_s32(q, 16))};
 }
 typedef float X;   /* a product's rows as its tile reads them: widened to fp32 once a call */
-static inline P pair_bcast(const X *p) { return (P){vdupq_n_f32(p[0]), vdupq_n_f32(p[1])}; }
 static inline V dot2(V acc, P a, P b) {
   return vfmaq_f32(vfmaq_f32(acc, a.even, b.even), a.odd, b.odd);
 }
-#define PARTS 2
-typedef V W;
-static inline W weight_part(const bf16 *p, int part) {
-  uint32x4_t pair = vreinterpretq_u32_u16(vld1q_u16(p));
-  return vreinterpretq_f32_u32(part ? vandq_u32(pair, vdupq_n_u32(0xffff0000u))
-                                    : vshlq_n_u32(pair, 16));
-}
-static inline W weight_part_int8(const int8_t *p, int part) {
-  int32x4_t q = vreinterpretq_s32_s16(vmovl_s8(vld1_s8(p)));
-  return vcvtq_f32_s32(vshrq_n_s32(part ? q : vshlq_n_s32(q, 16), 16));
-}
-static inline V x_part(const X *p, int part) { return vdupq_n_f32(p[part]); }
-static inline V mac(V acc, V x, W w) { return vfmaq_f32(acc, x, w); }
 static inline void store_halves_all(bf16 *p, V even, V odd) {
   vst1q_u16(p, vreinterpretq_u16_u32(vorrq_u32(bf16_bits(even), vshlq_n_u32(bf16_bits(odd), 16))));
 }
@@ -312,6 +284,20 @@ static inline V sums(const V v[4]) {
 
 #else
 #error "kernels.c needs AVX512-BF16, AVX2 with FMA, or NEON on aarch64"
+#endif
+
+#if !defined(__AVX512BF16__)
+/* The tile's step where bf16 is widened (AVX2, NEON): a pair's first numbers, then its second. */
+#define PARTS 2
+typedef V W;
+static inline W weight_part(const bf16 *p, int part) {
+  return part ? pairs_all(p).odd : pairs_all(p).even;
+}
+static inline W weight_part_int8(const int8_t *p, int part) {
+  return part ? pairs_int8(p).odd : pairs_int8(p).even;
+}
+static inline V x_part(const X *p, int part) { return vset(p[part]); }
+static inline V mac(V acc, V x, W w) { return vfma(x, w, acc); }
 #endif
 
 #if !defined(__AVX512BF16__)
