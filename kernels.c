@@ -298,9 +298,7 @@ static inline W weight_part_int8(const int8_t *p, int part) {
 }
 static inline V x_part(const X *p, int part) { return vset(p[part]); }
 static inline V mac(V acc, V x, W w) { return vfma(x, w, acc); }
-#endif
 
-#if !defined(__AVX512BF16__)
 /* Loads and stores of n < VL numbers, through a vector's worth of scratch (AVX512 masks them). */
 static inline V loadf(const float *p, int n) {
   if (n >= VL) return loadf_all(p);

@@ -820,18 +820,26 @@ class NativeLayer(ctypes.Structure):
         )
 
 
+def per_row(B, T, start, cos, sin, mask):
+    """cos, sin (B|1, 1, T, Dh) and mask (B|1, 1, T, start+T) or None as kernels.c reads them: every
+    batch row's own, contiguous: (B, 1, T, Dh) each, (B, T, start+T) bool or None."""
+    Dh = cos.shape[-1]
+    cos = cos.expand(B, 1, T, Dh).contiguous()  # each row's positions
+    sin = sin.expand(B, 1, T, Dh).contiguous()
+    if mask is not None:
+        mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
+    return cos, sin, mask
+
+
 def block_native(block, x, cos, sin, mask, kv):
     """model.Block's forward through kernels.c's block_bf16, one call for the layer: x (B, T, D)
     bf16; cos, sin (B|1, 1, T, Dh); mask (B|1, 1, T, S) bool or None; kv = (k_cache, v_cache,
     start), the layer's cache (B, Hkv, slots, Dh) each -> (B, T, D). The new keys and values are
     written to the cache as model.Attention writes them."""
-    (k_cache, v_cache, start), Dh = kv, block.self_attn.cfg.head_dim
+    k_cache, v_cache, start = kv
     B, T, _ = x.shape
     x, out = x.contiguous(), torch.empty_like(x)  # (B, T, D) each
-    cos = cos.expand(B, 1, T, Dh).contiguous()  # (B, 1, T, Dh): each row's positions
-    sin = sin.expand(B, 1, T, Dh).contiguous()
-    if mask is not None:  # (B, T, S) bool
-        mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
+    cos, sin, mask = per_row(B, T, start, cos, sin, mask)
     failed = native_library().block_bf16(
         ctypes.byref(block.native_layer),
         address(x),
@@ -952,12 +960,9 @@ def stack_native(stack, x, cos, sin, mask, cache, start):
     NativeLayer) in one call, in place on a copy of x (B, T, D); cos, sin, mask as block_native's;
     layer i of the stack reads and extends cache.k[i], cache.v[i] -> (B, T, D)."""
     B, T, _ = x.shape
-    Dh, k, v = cos.shape[-1], cache.k, cache.v
+    k, v = cache.k, cache.v
     x = x.clone(memory_format=torch.contiguous_format)  # (B, T, D): the layers write it in place
-    cos = cos.expand(B, 1, T, Dh).contiguous()  # (B, 1, T, Dh): each row's positions
-    sin = sin.expand(B, 1, T, Dh).contiguous()
-    if mask is not None:  # (B, T, S) bool
-        mask = mask.expand(B, 1, T, start + T).reshape(B, T, start + T).contiguous()
+    cos, sin, mask = per_row(B, T, start, cos, sin, mask)
     failed = native_library().stack_bf16(
         stack,
         len(stack),
