@@ -291,8 +291,9 @@ def generate_batch(
             row.drafter.accept(
                 kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
             )
-            if ended:
-                rows[b] = None  # free: the next waiting prompt takes its cache row
+            if ended:  # free: the next waiting prompt takes its cache row; until then its
+                rows[b] = None  # entries (drafts kept past its limit too) must not move the slot
+                cache.lengths[b] = 0  # every row's forward writes at: the longest row's length
             row.root = bonus
     return results
 

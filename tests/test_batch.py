@@ -240,3 +240,52 @@ def test_rows_drafted_together_in_bf16_through_kernels_c_are_each_row_alone(kind
     together, alone = rows_drafted_together_and_alone(bf16, kind)
     for t, a in zip(together, alone):
         assert torch.equal(t, a)
+
+
+class Repeat:
+    """A test drafter: a chain of `gamma` copies of the root, its largest draft every step."""
+
+    legend = ["base model", "repeat"]
+
+    def __init__(self, gamma):
+        self.shapes = drafters.Shapes("cpu")
+        self.name, self.max_nodes, self.max_depth = f"repeat {gamma}", 1 + gamma, gamma
+
+    def row(self):
+        return self
+
+    def start(self, prompt, hidden, max_len, kept=0):
+        pass
+
+    def draft(self, root):
+        return self.shapes.draft(root, drafters.chain_nodes([root] * self.max_depth, 1))
+
+    def accept(self, tokens, hidden, positions, logits):
+        pass
+
+
+@pytest.fixture(scope="module")
+def echo():
+    """A tiny model whose LM head is zero: every logit is 0, so greedy decoding emits token 0
+    forever (argmax takes the first of equal values) and Repeat's chains of 0 are accepted whole."""
+    torch.manual_seed(0)
+    model = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    model.lm_head.weight.zero_()
+    return model
+
+
+@pytest.mark.parametrize("size", [1, 4, 8])
+@pytest.mark.parametrize("name", BATCHING + ["repeat"])
+def test_rows_that_end_past_their_limit_leave_room_for_the_rest(echo, name, size):
+    """The cache is sized for the longest prompt + reply and one largest draft. A row that ends
+    accepts drafts past its limit (kept, not emitted); while it waits to leave the batch its
+    entries must not push the next forward's slots past the cache's end. Every drafter at batch 1,
+    4 and 8 (where an ended row lingers a step), the longest row ending first; Repeat drafts its
+    largest tree every step and has it accepted."""
+    prompts = [[0] * 30] + [[0] * (3 + i) for i in range(7)]
+    limits = [8] + [25] * 7  # row 0's prompt + reply is the longest
+    drafter = Repeat(4) if name == "repeat" else make_drafter(name, echo)
+    batch = G.generate_batch(echo, prompts, limits, drafter, batch_size=size)
+    assert [r.tokens for r in batch] == [[0] * n for n in limits]
+    if name == "repeat":
+        assert batch[0].accepted == [4, 2], "row 0 keeps 2 drafts past its limit"
