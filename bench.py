@@ -23,7 +23,7 @@ machine.
     python bench.py --kernels                                # the fast kernels against the readable
                                                              path, here
 
-Every method decodes through generate.generate() (plain, the heads and their sampling variants,
+Every method decodes through decode.generate() (plain, the heads and their sampling variants,
 lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, pld, assisted) or
 llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
 llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
@@ -61,7 +61,8 @@ import catalog
 import checkpoint
 import cli
 import drafters
-import generate
+import decode
+import engine
 import heads as heads_lib
 import kernels as kernels_lib
 import online
@@ -135,7 +136,7 @@ def build_parser():
         "--batch-size",
         default="1",
         help="also decode the prompts this many at a time, or at each of a comma list of sizes "
-        "(generate.generate_batch: a row that ends takes the next prompt) with the methods that "
+        "(engine.generate_batch: a row that ends takes the next prompt) with the methods that "
         "batch (plain, the heads, lookup, hydra++-lookup): total and mean per-sequence tokens/s "
         "and the time of a step beside the one-at-a-time row",
     )
@@ -266,7 +267,7 @@ def build_parser():
 
 # --- methods --------------------------------------------------------------------------------------
 # A method is run(ids, max_new, seed) -> (new token ids, base forward passes or None, accepted per
-# step or None). Ours wrap generate.generate(); transformers' count the base model's forward calls.
+# step or None). Ours wrap decode.generate(); transformers' count the base model's forward calls.
 
 
 @dataclass
@@ -286,7 +287,7 @@ class Method:
 def ours(model, drafter, verify, temperature, eos):
     def run(ids, max_new, seed):
         g = torch.Generator(device=model.device).manual_seed(seed)
-        r = generate.generate(
+        r = decode.generate(
             model,
             ids,
             max_new,
@@ -302,14 +303,14 @@ def ours(model, drafter, verify, temperature, eos):
 
 
 def ours_batched(model, drafter, verify, temperature, eos):
-    """A batch of prompts through generate.generate_batch: row j samples from seed + j, as the
+    """A batch of prompts through engine.generate_batch: row j samples from seed + j, as the
     one-at-a-time run samples prompt i from seed + i."""
 
     def run_batch(prompts, max_new, seed, size):
         forwards = []  # the base model's forward passes: one a step (the prefills too)
         hook = model.register_forward_hook(lambda *_: forwards.append(1))
         try:
-            results = generate.generate_batch(
+            results = engine.generate_batch(
                 model,
                 prompts,
                 [max_new] * len(prompts),
@@ -346,7 +347,7 @@ class Online:
     def reset(self):
         self.heads.load_state_dict(self.initial)
         kernels_lib.use(self.heads)  # packed again from the initial weights
-        self.learner = online.Learner(self.heads, self.model, **generate.ONLINE)
+        self.learner = online.Learner(self.heads, self.model, **online.DEFAULTS)
         drafter = online.OnlineHeads(drafters.HeadsDrafter(self.heads, self.tree), self.learner)
         self.decode = ours(self.model, drafter, "greedy", 0.0, self.eos)
 
@@ -880,9 +881,7 @@ def results(methods, prompts, secs, outs):
     for name, m in methods.items():
         row = summary(every, secs[name], outs[name], plain)
         accepted = [a for out in outs[name] if out[2] is not None for a in out[2]]
-        row["accept_by_depth"] = (
-            generate.acceptance_by_depth(accepted, m.depth) if m.depth else None
-        )
+        row["accept_by_depth"] = decode.acceptance_by_depth(accepted, m.depth) if m.depth else None
         differ = [prompts[i][0] for i in every if outs[name][i][0] != outs["plain"][i][0]]
         row["identical"] = not differ if m.greedy else None
         row["differs_on"] = differ if m.greedy else None

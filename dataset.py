@@ -9,7 +9,7 @@ tokens) with the frozen base model's features of every token, on disk.
 1. self-distillation (self_distill): the base model writes user prompts itself (Magpie-style: the
    chat template up to the start of a user turn, seeded with a task and a topic, then sample), they
    are filtered for length and near-duplicates (PromptFilter), and the model answers them greedily,
-   as the heads will be used. Prompts and answers run through generate.py's decode loop,
+   as the heads will be used. Prompts and answers run through the decode loop (engine.py),
    many rows at once (decode). Or a user's ShareGPT-style JSONL (read_sharegpt).
 2. features: per token, the base model's final hidden state and its top-k next-token probabilities
    (the teacher), recorded while answering or by one pass over given conversations (features_of).
@@ -24,6 +24,7 @@ tests/test_train_cli.py. Shapes: B batch, T time, D hidden, V vocabulary, k teac
 """
 
 import bisect
+import copy
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-import generate
+import drafters
+import engine
 import kernels
 import model as model_lib
 from checkpoint import encode, eos_ids
@@ -46,9 +48,46 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # --- decoding: the data stage's engine ----------------------------------------------------------
-# generate.generate_batch, the one decode loop: `batch` rows at a time, each prompt taking the row
-# of one that ends. Its observe() hands over, as they are computed, the final hidden states at every
-# position and the logits that chose each new token: the features, taken as the model writes.
+# engine.generate_batch, the one decode loop: `batch` rows at a time, each prompt taking the row of
+# one that ends. The features are what the base model computed as it wrote the answer, recorded by
+# a drafter that proposes nothing (plain decoding): the final hidden states over the prompt (its
+# prefill, start()) and at every committed token (accept()), and the logits that chose each token.
+
+
+class Recorder:
+    """Plain decoding's drafter that records the features train.py learns from, a record per
+    prompt in the order they start (the engine's queue: the prompts' order): hidden states over
+    the prompt and at every committed token, and the top-k next-token probabilities before each
+    answer token (the first from the prompt's last hidden state)."""
+
+    name, legend, max_nodes, max_depth = "heads: none (plain decoding)", ["base model"], 1, 0
+
+    def __init__(self, model, top_k):
+        self.model = model
+        self.top_k = top_k
+        self.plain = drafters.Plain(model.device)
+        self.records = []  # shared by every row()
+
+    def row(self):  # start() makes the state
+        return copy.copy(self)
+
+    def start(self, prompt, hidden, max_len, kept=0):
+        self.record = {"hidden": [hidden[0].half()], "top_ids": [], "top_p": []}  # (T, D)
+        self.records.append(self.record)
+        self.teach(self.model.lm_head(hidden[0, -1:]))  # (1, V): the first answer token's teacher
+
+    def draft(self, rows, roots):
+        return self.plain.draft(rows, roots)
+
+    def accept(self, step):  # plain decoding: a step keeps its root, then emits the bonus
+        self.record["hidden"].append(step.hidden[0].half())  # (1, D)
+        self.teach(step.logits)  # (1, V)
+
+    def teach(self, logits):
+        top = logits.float().topk(self.top_k, dim=-1)  # (1, k): normalised over the vocabulary
+        p = (top.values - logits.float().logsumexp(-1, keepdim=True)).exp()
+        self.record["top_ids"].append(top.indices.int())
+        self.record["top_p"].append(p.half())
 
 
 def decode(
@@ -60,35 +99,26 @@ def decode(
     hidden (T-1, D) at every position but the last of prompt + answer, top_ids / top_p
     (len(answer), k) the model's top-k next-token probabilities before each answer token; else
     features is None."""
-    parts = [[] for _ in prompts]  # per prompt: (hidden, top ids, top p) of each forward
-
-    def observe(i, hidden, logits):  # (n, D), (m, V)
-        top = logits.float().topk(top_k, dim=-1)  # (m, k): normalised over the whole vocabulary
-        p = (top.values - logits.float().logsumexp(-1, keepdim=True)).exp()
-        parts[i].append((hidden.half(), top.indices.int(), p.half()))
-
+    recorder = Recorder(model, top_k) if top_k else None
     generators = None
     if temperature > 0:
         generators = [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
-    replies = generate.generate_batch(
+    replies = engine.generate_batch(
         model,
         prompts,
         [max_new] * len(prompts),
+        recorder,
         temperature=temperature,
         top_p=top_p,
         generators=generators,
         eos_ids=stop_ids,
-        observe=observe if top_k else None,
         batch_size=batch,
     )
-    out = []
-    for reply, part in zip(replies, parts):
-        features = None
-        if top_k:
-            hidden, ids, probs = (torch.cat(column) for column in zip(*part))
-            features = dict(hidden=hidden, top_ids=ids, top_p=probs)
-        out.append((reply.tokens, features))
-    return out
+    if not top_k:
+        return [(reply.tokens, None) for reply in replies]
+    assert len(recorder.records) == len(replies), "a record a prompt"
+    features = [{k: torch.cat(v) for k, v in r.items()} for r in recorder.records]
+    return [(reply.tokens, f) for reply, f in zip(replies, features)]
 
 
 def normalise(text):

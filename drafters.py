@@ -1,4 +1,4 @@
-"""Drafters: whoever fills the tree, generate.py's one loop verifies it alike.
+"""Drafters: whoever fills the tree, decode.py's one step verifies it alike.
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
 tree with one path. Verification does not care who drafted: the base model scores every node in
@@ -13,17 +13,17 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
     Lookahead(window, ngram, guesses)  n-grams from a window of Jacobi trajectories, same forward
     PaSS(model, embeddings, gamma)     learned [LA] tokens: the model drafts for itself
 
-    d.start(prompt, hidden, max_len, kept=0)     a new sequence: the prompt ids, the base model's
+    d.row()                                  a drafter for one more sequence of a batch: the same
+        weights and settings, its own state (start() makes it); a drafter alone is one sequence's
+    d.start(prompt, hidden, max_len, kept=0)  a new sequence: the prompt ids, the base model's
         hidden states over them (1, T, D), room for max_len positions; kept > 0: the last sequence
-        goes on (generate.Conversation's next turn): its first kept tokens are prompt[:kept], the
+        goes on (decode.Conversation's next turn): its first kept tokens are prompt[:kept], the
         state held for them stays, hidden covers prompt[kept:] only
-    d.draft(root) -> Draft                       the tree to verify, rooted at the last token
-    d.accept(tokens, hidden, positions, logits)  what the base model committed (the root and the
-        accepted drafts, their hidden states and positions), its logits (N, V) at every node,
-        kept or not
+    d.draft(rows, roots) -> [Draft]          the tree of each row (d's row()s, or [d] alone),
+        rooted at its last token: one call a step for every row (the heads run once for all)
+    d.accept(step: Accepted)                 what the step kept of this row's draft and what the
+        base model computed there
     d.name, d.legend, d.max_nodes, d.max_depth   for printing, --show and sizing the KV cache
-    d.row()    (plain, heads, lookup, heads+lookup) a drafter for one more sequence of a batch: the
-        same heads, tree and settings, its own state (start() makes it)
 
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
@@ -64,6 +64,25 @@ class Draft:
         after them is computed only: it rides in the same forward under the same mask, no verifier
         reads it, its KV entries are never kept, and the drafter reads its logits in accept()."""
         return self.tree.num_nodes
+
+
+@dataclass
+class Accepted:
+    """What a step kept of one row's Draft and what the base model computed there: the drafter's
+    accept() reads it, as does whoever learns from the step (online.py, the data stage)."""
+
+    kept: list  # the root and the accepted drafts: their ids, now in the cache
+    hidden: torch.Tensor | None = None  # (1, n, D) the base model's final hidden states at them
+    positions: torch.Tensor | None = None  # (n,) their positions in the sequence
+    logits: torch.Tensor | None = None  # (N, V) its logits at every node of the draft, kept or not
+    nodes: list = None  # (n,) the kept tokens' nodes in the draft, the root (0) first
+    bonus: int = 0  # the base model's own token after them: emitted, not in the cache yet
+    sources: list = None  # who drafted each emitted token (the kept drafts, then the bonus: 0)
+
+    @property
+    def tokens(self) -> list:
+        """What the step emits: the accepted drafts, then the bonus."""
+        return self.kept[1:] + [self.bonus]
 
 
 @dataclass(frozen=True)
@@ -212,11 +231,8 @@ class HeadsDrafter:
         positions = torch.arange(kept, len(prompt), device=hidden.device)
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
-    def draft(self, root):
-        return self.draft_rows([self], [root])[0]
-
-    def draft_rows(self, rows, roots):
-        """draft() of each of the rows (this drafter's row()s), every head called once for all."""
+    def draft(self, rows, roots):
+        """Every head called once for all the rows."""
         if not rows:
             return []
         h = torch.cat([r.h for r in rows])  # (B, D)
@@ -224,8 +240,8 @@ class HeadsDrafter:
         tokens = draft(self.heads, h, roots, self.plan, self.tree.num_nodes)  # (B, N)
         return [Draft(t, self.tree, self.mask, self.depth, self.source) for t in tokens]
 
-    def accept(self, tokens, hidden, positions, logits):
-        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
+    def accept(self, step):
+        self.h = self.heads.context(step.hidden, step.positions, self.cache)[:, -1]  # (1, D)
 
 
 # --- plain decoding -----------------------------------------------------------------------------
@@ -244,10 +260,10 @@ class Plain:
     def start(self, prompt, hidden, max_len, kept=0):
         pass
 
-    def draft(self, root):
-        return self.shapes.draft(root, {})
+    def draft(self, rows, roots):
+        return [self.shapes.draft(root, {}) for root in roots]
 
-    def accept(self, tokens, hidden, positions, logits):
+    def accept(self, step):
         pass
 
 
@@ -317,14 +333,18 @@ class Lookup:
                         return found
         return found
 
-    def draft(self, root):
+    def draft(self, rows, roots):
+        return [row.propose(root) for row, root in zip(rows, roots)]
+
+    def propose(self, root):
         nodes = {}
         self.proposed = self.continuations(root)
         for follow in self.proposed:
             graft(nodes, chain_nodes(follow, 1))
         return self.shapes.draft(root, nodes)
 
-    def accept(self, tokens, hidden, positions, logits):
+    def accept(self, step):
+        tokens = step.kept
         # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
         # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
         # for assisted generation. Where the reply does not copy (free writing), the chain shrinks
@@ -388,6 +408,9 @@ class ModelDrafter:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
+    def row(self):  # start() makes the state (its cache, what it has not fed)
+        return copy.copy(self)
+
     def start(self, prompt, hidden, max_len, kept=0):
         if not kept:
             runs = None if self.layers is None else len(self.layers)
@@ -409,7 +432,10 @@ class ModelDrafter:
         p = verify_lib.logits_to_probs(logits[0, -1].float(), self.temperature, self.top_p)  # (V,)
         return verify_lib.sample(p, self.generator), p
 
-    def draft(self, root):
+    def draft(self, rows, roots):
+        return [row.chain(root) for row, root in zip(rows, roots)]
+
+    def chain(self, root):
         dev = self.model.device
         self.fed = self.cache.length + len(self.pending) + 1  # the accepted sequence, root included
         x, p = self._next(torch.tensor([self.pending + [root]], device=dev))
@@ -424,8 +450,8 @@ class ModelDrafter:
         sampled = None if verify_lib.is_greedy(self.temperature) else torch.stack(probs)  # (G, V)
         return Draft(tokens, tree, mask, depth, [0] + [1] * self.gamma, sampled)
 
-    def accept(self, tokens, hidden, positions, logits):
-        drafts, k = self.drafts.tolist(), 0
+    def accept(self, step):
+        tokens, drafts, k = step.kept, self.drafts.tolist(), 0
         while k < len(tokens) - 1 and k < self.gamma - 1 and tokens[1 + k] == drafts[k]:
             k += 1  # accepted drafts whose keys are in the cache
         self.cache.length = self.fed + k  # cut back to the accepted prefix
@@ -468,18 +494,14 @@ class HeadsPlusLookup:
         self.heads.start(prompt, hidden, max_len, kept)
         self.lookup.start(prompt, hidden, max_len, kept)
 
-    def draft(self, root):
-        return self.draft_rows([self], [root])[0]
-
-    def draft_rows(self, rows, roots):
-        """draft() of each of the rows (this drafter's row()s); the heads' trees of the rows that
-        want one are drafted in one call (HeadsDrafter.draft_rows)."""
-        copied = [draft_nodes(row.lookup.draft(root)) for row, root in zip(rows, roots)]
+    def draft(self, rows, roots):
+        """The heads' trees of the rows that want one are drafted in one call."""
+        copied = [draft_nodes(row.lookup.propose(root)) for row, root in zip(rows, roots)]
         # on a copying streak the heads' nodes would only cost the step
         wanted = [
             i for i, (row, c) in enumerate(zip(rows, copied)) if not (c and row.lookup.copying)
         ]
-        trees = self.heads.draft_rows([rows[i].heads for i in wanted], [roots[i] for i in wanted])
+        trees = self.heads.draft([rows[i].heads for i in wanted], [roots[i] for i in wanted])
         heads = dict(zip(wanted, trees))
         return [
             row.merged(r, c, heads.get(i)) for i, (row, r, c) in enumerate(zip(rows, roots, copied))
@@ -496,9 +518,9 @@ class HeadsPlusLookup:
             nodes = dict(list(nodes.items())[: max(len(nodes) - len(copied), self.floor)])
         return self.shapes.draft(root, graft(nodes, copied, self.offset))
 
-    def accept(self, tokens, hidden, positions, logits):
-        self.heads.accept(tokens, hidden, positions, logits)
-        self.lookup.accept(tokens, hidden, positions, logits)
+    def accept(self, step):
+        self.heads.accept(step)
+        self.lookup.accept(step)
 
 
 # --- Jacobi decoding -----------------------------------------------------------------------------
@@ -522,18 +544,24 @@ class Jacobi:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
+    def row(self):  # start() makes the state (the guesses)
+        return copy.copy(self)
+
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         self.guesses = []
 
-    def draft(self, root):
+    def draft(self, rows, roots):
+        return [row.guess(root) for row, root in zip(rows, roots)]
+
+    def guess(self, root):
         pad = self.guesses[-1] if self.guesses else root
         guesses = (self.guesses + [pad] * self.gamma)[: self.gamma]
         return self.shapes.draft(root, chain_nodes(guesses, 1))
 
-    def accept(self, tokens, hidden, positions, logits):
-        # nodes 0..k were kept (tokens: the root and k guesses) and the bonus is the output at node
-        # k; the output at node k+i guesses the token i places after the bonus
-        self.guesses = logits[len(tokens) :].argmax(-1).tolist()  # (m-k,)
+    def accept(self, step):
+        # nodes 0..k were kept (the root and k guesses) and the bonus is the output at node k; the
+        # output at node k+i guesses the token i places after the bonus
+        self.guesses = step.logits[len(step.kept) :].argmax(-1).tolist()  # (m-k,)
 
 
 # --- lookahead decoding --------------------------------------------------------------------------
@@ -582,6 +610,9 @@ class Lookahead:
         self.max_depth = ngram - 1
         self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
 
+    def row(self):  # start() makes the state (the window, the pool)
+        return copy.copy(self)
+
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         fill = itertools.cycle(prompt)
         self.levels = [
@@ -590,7 +621,10 @@ class Lookahead:
         self.pool = {}  # first token -> the latest distinct n-grams after it, oldest first
         self.steps = 0
 
-    def draft(self, root):
+    def draft(self, rows, roots):
+        return [row.guess(root) for row, root in zip(rows, roots)]
+
+    def guess(self, root):
         nodes = {}
         # the latest first: the verifiers try it first
         for gram in reversed(self.pool.get(root, [])):
@@ -599,12 +633,12 @@ class Lookahead:
         self.n = d.candidates
         return d
 
-    def accept(self, tokens, hidden, positions, logits):
+    def accept(self, step):
         # window node i follows the n candidates
         at = [self.n + i - 1 if i else 0 for i in self.top]
-        new = logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
+        new = step.logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
         if self.steps >= self.N - 2:
-            starts = [tokens[0]] + self.levels[0]  # c_0 = this step's root, then the chain
+            starts = [step.kept[0]] + self.levels[0]  # c_0 = this step's root, then the chain
             for r in range(self.W):
                 self._add(starts[r], tuple(level[r] for level in self.levels[1:]) + (new[r],))
         stack = self.levels + [new]
@@ -647,7 +681,6 @@ class PaSS:
         t = tree_lib.build([(r,) for r in range(G)] + [(0,) * d for d in range(2, K + 1)])
         n = t.num_nodes
         self.tree = t.to(self.dev)
-        self.node = {p: i for i, p in enumerate([()] + t.paths)}  # path -> node index
         # the [LA] tokens: ids past the vocabulary, embedded by rows given to the model with them
         V = model.embed_tokens.num_embeddings
         self.extra = embeddings[:K].to(self.dev, model.dtype)  # (K, D): ids V .. V+K-1
@@ -668,10 +701,16 @@ class PaSS:
         self.max_nodes = n * (K + 1)
         self.max_depth = K
 
+    def row(self):  # start() makes the state (the last step's guesses)
+        return copy.copy(self)
+
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
         self.first = self.rest = None
 
-    def draft(self, root):
+    def draft(self, rows, roots):
+        return [row.guess(root) for row, root in zip(rows, roots)]
+
+    def guess(self, root):
         self.drafted = self.first or [root] * self.G  # (G,)
         rest = self.rest or [root] * (self.K - 1)  # (K-1,)
         tokens = (
@@ -683,11 +722,9 @@ class PaSS:
         source = [0] + [1] * len(self.tree.paths)
         return Draft(tokens, self.tree, self.mask, self.depth, source, extra=self.extra)
 
-    def accept(self, tokens, hidden, positions, logits):
-        # the accepted drafts: none, one of the first guesses, or a chain under the likeliest
-        kept = tokens[1:]
-        path = (self.drafted.index(kept[0]),) if len(kept) == 1 else (0,) * len(kept)
-        first = self.tree.num_nodes + self.node[path] * self.K  # its [LA] group
-        group = logits[first : first + self.K]  # (K, V)
+    def accept(self, step):
+        # the [LA] group after the last accepted node drafts the next tree
+        first = self.tree.num_nodes + step.nodes[-1] * self.K
+        group = step.logits[first : first + self.K]  # (K, V)
         self.first = group[0].topk(self.G).indices.tolist()
         self.rest = group[1:].argmax(-1).tolist()

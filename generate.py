@@ -36,348 +36,19 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 import catalog
 import checkpoint
 import cli
+import decode
 import drafters as drafters_lib
+import engine
 import kernels
 import online
 import tree as tree_lib
 import verify as verify_lib
-
-# --- the decode loop -----------------------------------------------------------------------------
-# Prefill once, then draft, verify and keep, one base forward a step, until EOS or the length limit.
-
-
-@dataclass
-class Result:
-    tokens: list = field(default_factory=list)  # generated ids (EOS included if reached)
-    # per token: who proposed it, an index into drafter.legend (0 = the base model)
-    sources: list = field(default_factory=list)
-    accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
-    steps: int = 0  # base forward passes, the prefill included
-    seconds: float = 0.0
-    stopped: str = ""  # "eos" | "length"
-
-
-def choose_verifier(verify, temperature, top_p, generator):
-    """verifier(logits (n, V), tokens (n,), draft) -> (accepted nodes, bonus): its n candidates."""
-    if verify not in verify_lib.VERIFIERS:
-        raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
-    if verify == "greedy" and not verify_lib.is_greedy(temperature):
-        raise ValueError(
-            f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
-        )
-    # what "greedy" (checked above) and auto at temperature 0 mean
-    if verify_lib.is_greedy(temperature):
-        return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
-    if verify == "typical":
-        return lambda l, t, d: verify_lib.typical(
-            l, t, d.tree, temperature, top_p, generator=generator
-        )
-
-    def sample(l, t, d):
-        """Sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule."""
-        if d.probs is not None:
-            return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
-        return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
-
-    return sample
-
-
-def pad_drafts(drafts):
-    """The rows' drafts as one batch of N nodes, N = the largest draft's: tokens (B, N), mask
-    (B, N, N) or None (every draft is its root alone: causal), depth (B, N). A row with fewer nodes
-    is padded with token 0 at depth 0 that sees only itself: the verifiers read a row's first
-    d.candidates nodes alone, so a padding node is computed and never kept."""
-    N = max(len(d.tokens) for d in drafts)
-    tokens = torch.stack([F.pad(d.tokens, (0, N - len(d.tokens))) for d in drafts])  # (B, N)
-    depth = torch.stack([F.pad(d.depth, (0, N - len(d.depth))) for d in drafts])  # (B, N)
-    if N == 1:
-        return tokens, None, depth
-    masks = []
-    for d in drafts:
-        mask = torch.eye(N, dtype=torch.bool, device=d.tokens.device)  # (N, N)
-        if d.mask is not None:
-            mask[: len(d.mask), : len(d.mask)] = d.mask
-        masks.append(mask)
-    return tokens, torch.stack(masks), depth  # (B, N), (B, N, N), (B, N)
-
-
-@dataclass
-class Row:
-    """One sequence of a batch while it decodes: its reply so far and what decodes it."""
-
-    index: int  # its place among the prompts
-    limit: int  # its max_new_tokens
-    drafter: object  # its own (drafter.row()), or the drafter itself when rows decode one by one
-    verifier: object  # choose_verifier's, on the row's own generator
-    out: Result
-    started: float  # when its prefill began (a waiting prompt's time in the queue is not its own)
-    root: int = 0  # the last emitted token, not yet in the cache
-
-
-@torch.inference_mode()
-def generate_batch(
-    model,
-    prompts,
-    max_new_tokens,
-    drafter=None,
-    verify="auto",
-    temperature=0.0,
-    top_p=1.0,
-    generators=None,
-    eos_ids=(),
-    on_tokens=None,
-    observe=None,
-    batch_size=None,
-    cache=None,
-) -> list:
-    """Decode the prompts (lists of ids), up to max_new_tokens[i] new tokens each, verifying what
-    `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding); a Result per
-    prompt, in their order. Up to batch_size of them (None: all) decode side by side, one row each
-    of one KV cache (it keeps a length per row); the others wait, and take the rows of those that
-    end (continuous batching). Every step each row drafts its own tree (drafter.row(): its own
-    state), one forward of the base model scores all of them (pad_drafts), each row verifies its
-    own tree on its own generator (generators[i], so that a row's draws do not depend on its batch
-    mates) and keeps its own path.
-    on_tokens(i, new_ids, sources) is called as tokens are produced (a source indexes
-    drafter.legend); observe(i, hidden (n, D), logits (m, V)) after every forward with what the base
-    model computed for prompt i: its final hidden states at the n positions the forward added to
-    the sequence (the prompt, then each step's root and accepted drafts), and its logits for the m
-    tokens just emitted (the teacher a drafter learns from: train.py's features, online.py).
-    cache: a one-row KVCache to go on from (Conversation, one prompt): its slots
-    [0, cache.length) hold prompt[:cache.length], which is not forwarded again, and the drafter
-    goes on from its state for them (drafter.start's kept); None: a new cache."""
-    dev, B = model.device, len(prompts)
-    drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
-    generators = generators if generators is not None else [None] * B
-    assert len(max_new_tokens) == len(generators) == B, "one max_new_tokens, one generator a row"
-    size = min(batch_size or B, B)  # rows decoding at once
-    if size > 1 and not hasattr(drafter, "row"):
-        raise ValueError(
-            f"{drafter.name}: this drafter decodes one prompt at a time; plain, heads, lookup "
-            "and heads+lookup batch"
-        )
-    for prompt, n in zip(prompts, max_new_tokens):
-        if not prompt or len(prompt) + n > model.cfg.max_seq_len:
-            raise ValueError(
-                f"need a non-empty prompt and prompt + max_new_tokens <= the context of "
-                f"{model.cfg.max_seq_len}, got {len(prompt)} + {n}"
-            )
-    for generator in generators:
-        if generator is not None and generator.device.type != torch.device(dev).type:
-            raise ValueError(
-                f"the generator is on {generator.device}, the model on {dev}: sampling needs a "
-                f"generator made on the model's device, torch.Generator(device={str(dev)!r})"
-            )
-    eos_ids = set(eos_ids)
-    results = [Result() for _ in prompts]
-    waiting = list(range(B))[::-1]  # prompt indices; pop() takes the next in order
-    max_len = max(len(p) + n for p, n in zip(prompts, max_new_tokens)) + drafter.max_nodes
-    going_on = cache is not None  # a conversation's cache: the prompt's start is in it already
-    assert not going_on or (B == 1 and cache.length < len(prompts[0])), "one row, a prefix"
-    cache = cache if going_on else model.new_cache(max_len, batch=size)
-    rows = [None] * size  # the Row in each cache row; None: free (its sequence ended)
-    idle = drafters_lib.Plain(dev)  # what a free row drafts: a root nobody keeps
-
-    def emit(row, new, sources):  # append, stop at EOS or the length limit; True when done
-        out = row.out
-        new, sources = new[: row.limit - len(out.tokens)], sources[: row.limit - len(out.tokens)]
-        for i, t in enumerate(new):
-            if t in eos_ids:
-                new, sources, out.stopped = new[: i + 1], sources[: i + 1], "eos"
-                break
-        out.tokens += new
-        out.sources += sources
-        if on_tokens:
-            on_tokens(row.index, new, sources)
-        if not out.stopped and len(out.tokens) >= row.limit:
-            out.stopped = "length"
-        if out.stopped:
-            out.seconds = time.perf_counter() - row.started
-        return bool(out.stopped)
-
-    def begin(free):
-        """The next waiting prompts take the free cache rows: prefilled, right-padded, in one
-        forward of their own (causal: no prompt sees the padding after it), into a cache of their
-        own that then takes those rows (a conversation's goes on in its cache, after what it
-        holds; the first prompts of a new cache go straight in); each row's logits at its last
-        prompt token give its first token."""
-        started = time.perf_counter()
-        picked = [waiting.pop() for _ in free]
-        lengths = [len(prompts[i]) for i in picked]
-        L = max(lengths)
-        # a new cache's rows all at once: prefilled in place; else in a cache of their own
-        whole = free == list(range(size)) and cache.length == 0
-        into = cache if going_on or whole else model.new_cache(L, batch=len(picked))
-        cached = into.length  # the prompt's tokens in the cache already (0: a new sequence)
-        padded = torch.tensor(
-            [prompts[i][cached:] + [0] * (L - len(prompts[i])) for i in picked], device=dev
-        )  # (r, L - cached)
-        _, hidden = model(padded, torch.arange(cached, L, device=dev), None, into, last_only=True)
-        last = torch.tensor(lengths, device=dev) - 1 - cached  # (r,) each row's last prompt token
-        logits = model.lm_head(hidden[torch.arange(len(picked), device=dev), last])  # (r, V)
-        into.keep(*[range(n - cached) for n in lengths])  # row j: slots [0, len(prompt j))
-        if into is not cache:
-            cache.put(free, into)
-        for j, (slot, i) in enumerate(zip(free, picked)):
-            own = drafter if size == 1 else drafter.row()
-            verifier = choose_verifier(verify, temperature, top_p, generators[i])
-            row = Row(i, max_new_tokens[i], own, verifier, results[i], started)
-            new = hidden[j : j + 1, : lengths[j] - cached]  # the prompt's, past the cached part
-            row.drafter.start(prompts[i], new, cache.max_len, cached)
-            probs = verify_lib.logits_to_probs(logits[j].float(), temperature, top_p)  # (V,)
-            if verify_lib.is_greedy(temperature):
-                row.root = int(probs.argmax())
-            else:
-                row.root = int(verify_lib.sample(probs, generators[i]))
-            row.out.steps = 1
-            if observe:
-                observe(i, new[0], logits[j : j + 1])
-            if not emit(row, [row.root], [0]):
-                rows[slot] = row
-
-    while waiting or any(row is not None for row in rows):
-        free = [s for s, row in enumerate(rows) if row is None]
-        # refills are grouped (a prefill reads every weight once): a few at a time, or the last
-        if waiting and len(free) >= min(len(waiting), max(1, len(rows) // 8)):
-            begin(free[: len(waiting)])
-            continue
-        if not waiting and len(free) >= max(1, len(rows) // 4):
-            # ended rows leave the batch (the cache is copied: so a quarter of them at once)
-            alive = [s for s, row in enumerate(rows) if row is not None]
-            cache.select_rows(alive)
-            rows = [rows[s] for s in alive]
-
-        drafts = draft_rows(drafter, rows, idle)
-        tokens, mask, depth = pad_drafts(drafts)  # (B, N), (B, N, N) | None, (B, N)
-        # (B, N): row b's length + the node's depth; one row's length is a number, the batch's
-        # lengths come from the host (a copy a step on a GPU, which one row does without)
-        row_lengths = (
-            cache.length if len(rows) == 1 else torch.tensor(cache.lengths, device=dev)[:, None]
-        )
-        positions = row_lengths + depth  # (B, N)
-        # (B, N, V), (B, N, D); extra: PaSS's, which decodes alone
-        logits, hidden = model(tokens, positions, mask, cache, extra=drafts[0].extra)
-        steps = [None] * len(rows)  # row b's (accepted nodes, bonus, kept tokens, path)
-        for b, (row, d) in enumerate(zip(rows, drafts)):
-            if row:
-                n = d.candidates  # the row's tree; nodes after it are computed only, or padding
-                nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
-                # the root and accepted drafts, their nodes
-                kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()
-                steps[b] = (nodes, bonus, kept, path)
-        # row b's slots [0, lengths[b]): its prompt and every emitted token but the bonus
-        cache.keep(*[step[3] if step else [] for step in steps])
-        for b, (row, d, step) in enumerate(zip(rows, drafts, steps)):
-            if not row:
-                continue
-            nodes, bonus, kept, path = step
-            out = row.out
-            out.steps += 1
-            before = len(out.tokens)
-            ended = emit(row, kept[1:] + [bonus], [d.source[i] for i in path[1:]] + [0])
-            emitted = len(out.tokens) - before  # fewer than the path at EOS or the length limit
-            out.accepted.append(min(len(nodes) - 1, emitted))
-            if observe:
-                observe(row.index, hidden[b, nodes[:emitted]], logits[b, nodes[:emitted]])
-            # the last step too: the drafter's state then covers the whole cache (Conversation)
-            row.drafter.accept(
-                kept, hidden[b : b + 1, nodes], positions[b, nodes], logits[b, : len(d.tokens)]
-            )
-            if ended:  # free: the next waiting prompt takes its cache row; until then its
-                rows[b] = None  # entries (drafts kept past its limit too) must not move the slot
-                cache.lengths[b] = 0  # every row's forward writes at: the longest row's length
-            row.root = bonus
-    return results
-
-
-def draft_rows(drafter, rows, idle):
-    """Each row's Draft (a free row's: idle's root, which nobody keeps): in one call for all the
-    rows where the drafter drafts rows together (HeadsDrafter.draft_rows: each head reads its
-    weights once a step, not once a row), else row by row."""
-    if not hasattr(drafter, "draft_rows"):
-        return [row.drafter.draft(row.root) if row else idle.draft(0) for row in rows]
-    live = [row for row in rows if row]
-    together = iter(drafter.draft_rows([r.drafter for r in live], [r.root for r in live]))
-    return [next(together) if row else idle.draft(0) for row in rows]
-
-
-def generate(
-    model,
-    prompt,
-    max_new_tokens,
-    drafter=None,
-    verify="auto",
-    temperature=0.0,
-    top_p=1.0,
-    generator=None,
-    eos_ids=(),
-    on_tokens=None,
-    cache=None,
-) -> Result:
-    """generate_batch with one row: up to max_new_tokens after `prompt` (list of ids); on_tokens(
-    new_ids, sources) is called as tokens are produced; cache as generate_batch's."""
-    stream = on_tokens and (lambda b, new, sources: on_tokens(new, sources))
-    return generate_batch(
-        model,
-        [prompt],
-        [max_new_tokens],
-        drafter,
-        verify,
-        temperature,
-        top_p,
-        [generator],
-        eos_ids,
-        stream,
-        cache=cache,
-    )[0]
-
-
-# --- a conversation that keeps its cache ---------------------------------------------------------
-# Each turn the caller renders the whole conversation with the chat template; the cache keeps the
-# longest common prefix of those ids with the ids it holds and only the rest is prefilled
-# (ALGORITHMS.md 7c). A template may render an earlier turn differently from how it was generated
-# (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
-
-
-class Conversation:
-    """A KV cache that outlives the reply, the ids it holds, and the drafter that follows it.
-
-    Invariant: cache slots [0, len(self.ids)) hold the keys/values of self.ids, and the drafter's
-    state covers at least those ids (generate_batch calls its accept() every step, the last one
-    included). After a reply, self.ids = the prompt and every token emitted but the last: the last
-    was never forwarded (its logits were not needed), whether it ended at EOS or at the length
-    limit; the next turn forwards it if the template renders it. A reply stopped by an exception
-    (Ctrl-C) keeps the cut it started from: what it wrote since is not trusted."""
-
-    def __init__(self, model, drafter=None):
-        self.model = model
-        self.drafter = drafter if drafter is not None else drafters_lib.Plain(model.device)
-        # room for the whole context, and a last step's tree past it
-        self.cache = model.new_cache(model.cfg.max_seq_len + self.drafter.max_nodes)
-        self.ids = []
-        self.forwarded = 0  # the positions the last reply's prefill forwarded (tests, statistics)
-
-    def reply(self, prompt, max_new_tokens, **decoding) -> Result:
-        """generate() after `prompt` (the whole conversation's ids, ending where the reply begins),
-        forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
-        # the last prompt token is always forwarded: its logits give the reply's first token
-        # (os.path.commonprefix compares any two lists item by item, ids included)
-        kept = len(os.path.commonprefix([self.ids, prompt[:-1]]))
-        self.ids = self.ids[:kept]
-        self.cache.length = kept
-        self.forwarded = len(prompt) - kept
-        r = generate(self.model, prompt, max_new_tokens, self.drafter, cache=self.cache, **decoding)
-        self.ids = prompt + r.tokens[:-1]
-        return r
-
 
 # --- command line --------------------------------------------------------------------------------
 # The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
@@ -386,8 +57,6 @@ class Conversation:
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
 BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
-# --online's defaults: chosen on a single-domain stream (results/online-cpu.md)
-ONLINE = {"lr": 1e-4, "buffer": 4, "every": 4, "steps": 1}
 
 
 def build_parser():
@@ -517,7 +186,7 @@ def build_parser():
         ("steps", int, "optimizer steps an update"),
     ):
         p.add_argument(
-            f"--online-{name}", type=kind, default=ONLINE[name], help=f"--online: {what}"
+            f"--online-{name}", type=kind, default=online.DEFAULTS[name], help=f"--online: {what}"
         )
     p.add_argument(
         "--online-save",
@@ -962,12 +631,6 @@ class Printer:
         sys.stdout.flush()
 
 
-def acceptance_by_depth(accepted, max_depth):
-    """Fraction of speculative steps whose accepted path reached depth d, for d = 1..max_depth."""
-    steps = max(len(accepted), 1)
-    return [sum(a >= d for a in accepted) / steps for d in range(1, max_depth + 1)]
-
-
 def stats_line(r, max_depth):
     """generate.py's statistics of a Result."""
     n = len(r.tokens)
@@ -977,7 +640,7 @@ def stats_line(r, max_depth):
     )
     if max_depth:
         line += ", accepted by depth " + " ".join(
-            f"{a:.2f}" for a in acceptance_by_depth(r.accepted, max_depth)
+            f"{a:.2f}" for a in decode.acceptance_by_depth(r.accepted, max_depth)
         )
     return line + "]"
 
@@ -1295,7 +958,7 @@ def run_main(args):
             verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
         )
         chat = Chat(
-            Conversation(model, drafter),
+            decode.Conversation(model, drafter),
             tokenizer,
             args.system,
             args.max_new_tokens,
@@ -1305,7 +968,7 @@ def run_main(args):
             learner=learner,
         )
         return chat.run(interactive=sys.stdin.isatty())
-    total = Result()
+    total = decode.Result()
 
     def finish(pid, r):  # statistics, the totals and the --out line of one reply
         print(stats_line(r, drafter.max_depth), file=sys.stderr)
@@ -1339,7 +1002,7 @@ def run_main(args):
                 (pid, ids, max_new_tokens) = batch[0]
                 printer = None if args.quiet else Printer(tokenizer, show)
                 results = [
-                    generate(
+                    decode.generate(
                         model,
                         ids,
                         max_new_tokens,
@@ -1359,7 +1022,7 @@ def run_main(args):
                     torch.Generator(device=device).manual_seed(args.seed + i + j)
                     for j in range(len(batch))
                 ]
-                results = generate_batch(
+                results = engine.generate_batch(
                     model,
                     [ids for _, ids, _ in batch],
                     [n for _, _, n in batch],

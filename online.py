@@ -12,7 +12,7 @@ token-identical to plain greedy decoding (tests/test_online.py); only the drafts
     learner = Learner(heads, model, lr=1e-4, buffer=4, every=4, steps=1)
     drafter = OnlineHeads(drafters.HeadsDrafter(heads, tree), learner)
     for prompt in stream:
-        generate.generate(model, prompt, n, drafter)
+        decode.generate(model, prompt, n, drafter)
         learner.reply_done()                    # every `every` replies: an update
     checkpoint.save_heads(learner.master, folder)   # the adapted heads, loadable by --heads
 
@@ -33,6 +33,9 @@ import kernels
 import losses
 
 TEACHER_K = 16  # the base model's top-k kept per position, as train.py's --teacher-k default
+# generate.py --online's and bench.py's defaults: chosen on a single-domain stream
+# (results/online-cpu.md)
+DEFAULTS = {"lr": 1e-4, "buffer": 4, "every": 4, "steps": 1}
 
 
 # --- what a reply teaches -------------------------------------------------------------------------
@@ -61,20 +64,6 @@ class Record:
 
     def __len__(self):
         return len(self.ids)
-
-
-def path_nodes(draft, tokens):
-    """The node indices of the accepted path whose tokens are `tokens` (the root first). Siblings
-    hold distinct tokens (a head's top-k, drafters.graft's merged prefixes), so the path is found
-    by walking the tree from the root, token by token."""
-    parent = draft.tree.parent.tolist()
-    drafted = draft.tokens[: draft.candidates].tolist()
-    nodes = [0]
-    for t in tokens[1:]:
-        nodes.append(
-            next(i for i in range(1, len(parent)) if parent[i] == nodes[-1] and drafted[i] == t)
-        )
-    return nodes
 
 
 def collate(records, to_kept, K, device):
@@ -214,10 +203,9 @@ class OnlineHeads:
         # before it taught the learner already
         self.record = self.learner.new_record(prompt[kept:], hidden)
 
-    def draft(self, root):
-        self.drafted = self.inner.draft(root)
-        return self.drafted
+    def draft(self, rows, roots):
+        return self.inner.draft([row.inner for row in rows], roots)
 
-    def accept(self, tokens, hidden, positions, logits):
-        self.inner.accept(tokens, hidden, positions, logits)
-        self.record.add(tokens, hidden, logits[path_nodes(self.drafted, tokens)])
+    def accept(self, step):
+        self.inner.accept(step)
+        self.record.add(step.kept, step.hidden, step.logits[step.nodes])

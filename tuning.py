@@ -17,7 +17,7 @@ device. So the best setting belongs to the machine, as the best tree does (bench
 and is measured on it:
 
     expected tokens/s of a setting = new tokens / the sum of the step times of its forwards
-    new tokens and forwards: greedy decoding of the prompts with that setting (generate.generate),
+    new tokens and forwards: greedy decoding of the prompts with that setting (decode.generate),
         recording each forward's node count; the prefill counts as a one-node step, for every
         setting and for plain decoding alike
     step time of n nodes: one forward of n tokens after a cached prefix, timed here (median)
@@ -40,6 +40,7 @@ Test: `python -m pytest -q tests/test_bench_cli.py -k parallel`.
 import dataclasses
 import heapq
 import itertools
+import copy
 import json
 import math
 import os
@@ -53,7 +54,7 @@ import catalog
 import checkpoint
 import cli
 import drafters
-import generate
+import decode
 import heads as heads_lib
 import kernels as kernels_lib
 import model as model_lib
@@ -607,15 +608,13 @@ def tune_layers(args, model, prompts, device, eos):
         accepted = [
             a
             for _, _, ids in prompts
-            for a in generate.generate(
-                model, ids, args.max_new_tokens, drafter, eos_ids=eos
-            ).accepted
+            for a in decode.generate(model, ids, args.max_new_tokens, drafter, eos_ids=eos).accepted
         ]
         dcache = prefilled(model, prefix, 1, range(n))
         rows.append(
             {
                 "layers": n,
-                "reach": generate.acceptance_by_depth(accepted, G),
+                "reach": decode.acceptance_by_depth(accepted, G),
                 "draft_s": [],
                 "draft": lambda n=n, dcache=dcache: model(
                     chain[:, :1], at_end, None, dcache, layers=range(n)
@@ -803,7 +802,7 @@ def skip_row(model, replies, skipped, ms, G):
         "skip": skipped,
         "kept": len(kept),
         "match": sum(map(sum, matches)) / max(sum(map(len, matches)), 1),
-        "reach": generate.acceptance_by_depth(steps, G),  # P(a step accepts >= d), chains of G
+        "reach": decode.acceptance_by_depth(steps, G),  # P(a step accepts >= d), chains of G
         **best,
     }
 
@@ -841,7 +840,7 @@ def tune_skip(args, model, prompts, device, eos):
     if L < 2:
         raise cli.UsageError(f"--tune-skip: the model has {L} layer; skipping needs at least 2")
     replies = [
-        (ids, generate.generate(model, ids, args.max_new_tokens, None, eos_ids=eos).tokens)
+        (ids, decode.generate(model, ids, args.max_new_tokens, None, eos_ids=eos).tokens)
         for _, _, ids in prompts
     ]
     prefix = [t for _, _, ids in prompts for t in ids][: args.prefix_len]
@@ -948,16 +947,21 @@ class Counted:
             drafter.max_depth,
         )
 
+    def row(self):  # another sequence's: its own drafter's state, the same record of sizes
+        other = copy.copy(self)
+        other.drafter = self.drafter.row()
+        return other
+
     def start(self, prompt, hidden, max_len, kept=0):
         self.drafter.start(prompt, hidden, max_len, kept)
 
-    def draft(self, root):
-        d = self.drafter.draft(root)
-        self.sizes.append(len(d.tokens))
-        return d
+    def draft(self, rows, roots):
+        drafts = self.drafter.draft([row.drafter for row in rows], roots)
+        self.sizes += [len(d.tokens) for d in drafts]
+        return drafts
 
-    def accept(self, tokens, hidden, positions, logits):
-        self.drafter.accept(tokens, hidden, positions, logits)
+    def accept(self, step):
+        self.drafter.accept(step)
 
 
 def make(kind, setting, model, folder):
@@ -1044,7 +1048,7 @@ def tune_parallel(args, model, prompts, eos, machine):
             d = Counted(make(kind, setting, model, args.heads_dir))
             tokens = steps = 0
             for _, _, ids in prompts:
-                r = generate.generate(model, ids, args.max_new_tokens, d, eos_ids=eos)
+                r = decode.generate(model, ids, args.max_new_tokens, d, eos_ids=eos)
                 tokens, steps = tokens + len(r.tokens), steps + r.steps
             ms = (steps - len(d.sizes)) * step_ms(1) + sum(step_ms(n) for n in d.sizes)
             rows[key] = {

@@ -23,7 +23,7 @@ import kernels  # noqa: E402
 import catalog  # noqa: E402
 import cli  # noqa: E402
 import drafters as D  # noqa: E402
-import generate as G  # noqa: E402
+import decode  # noqa: E402
 import tree as T  # noqa: E402
 
 
@@ -34,7 +34,10 @@ class DynamicTree(D.HeadsDrafter):
         self.shapes, self.max_nodes = D.Shapes(heads.lm_head.weight.device), budget + 1
         self.name = f"heads: {heads.cfg.kind}, dynamic tree: {budget} nodes + root"
 
-    def draft(self, root):
+    def draft(self, rows, roots):  # each row's tree chosen for it alone
+        return [row.grow(root) for row, root in zip(rows, roots)]
+
+    def grow(self, root):
         frontier, expanded = [(0.0, (), [root])], []  # (log p of the path, path, tokens root..node)
         for d in range(1, self.heads.cfg.num_heads + 1):
             z = self.heads.head(d, self.h, torch.tensor([f[2] for f in frontier]))  # (P|1, D)
@@ -60,39 +63,50 @@ class DynamicTree(D.HeadsDrafter):
         return self.shapes.draft(root, nodes)
 
 
-p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("--repeats", type=int, default=1)
-p.add_argument("--max-new-tokens", type=int, default=64)
-p.add_argument(
-    "--budgets", default="4,6,8", help="dynamic trees of these many nodes (root not counted)"
-)
-args = p.parse_args()
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--budgets", default="4,6,8", help="dynamic trees of these many nodes (root not counted)"
+    )
+    args = p.parse_args()
 
-device = cli.pick_device("auto")
-model, tok = checkpoint.load(checkpoint.DEFAULT, device, kernels.pick_dtype("auto", device))
-heads, folder = catalog.load_heads("hydra++", model)
-tree = catalog.load_tree("auto", heads, folder)
-variants = {f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: D.HeadsDrafter(heads, tree)}
-for budget in map(int, args.budgets.split(",")):
-    variants[f"dynamic, {budget} nodes"] = lambda b=budget: DynamicTree(heads, b)
-rows = [
-    json.loads(line)
-    for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))
-]
-prompts = [checkpoint.encode(tok, r["prompt"]) for r in rows]
-G.generate(model, prompts[0], 8, D.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids)  # warm-up
-done = {name: [0, 0.0, 0] for name in variants}  # tokens, seconds, steps
-for _ in range(args.repeats):
-    for ids in prompts:
-        for name, make in variants.items():
-            out = G.generate(model, ids, args.max_new_tokens, make(), eos_ids=model.cfg.eos_ids)
-            done[name][0] += len(out.tokens)
-            done[name][1] += out.seconds
-            done[name][2] += out.steps
-print(
-    f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, "
-    f"{args.max_new_tokens} new tokens, "
-    f"{args.repeats} repeat(s)_\n\n| drafter | tokens/s | tau |\n|---|---:|---:|"
-)
-for name, (n, s, steps) in done.items():
-    print(f"| {name} | {n / s:.1f} | {n / steps:.2f} |")
+    device = cli.pick_device("auto")
+    model, tok = checkpoint.load(checkpoint.DEFAULT, device, kernels.pick_dtype("auto", device))
+    heads, folder = catalog.load_heads("hydra++", model)
+    tree = catalog.load_tree("auto", heads, folder)
+    variants = {
+        f"fixed tuned tree, {tree.num_nodes - 1} nodes": lambda: D.HeadsDrafter(heads, tree)
+    }
+    for budget in map(int, args.budgets.split(",")):
+        variants[f"dynamic, {budget} nodes"] = lambda b=budget: DynamicTree(heads, b)
+    rows = [
+        json.loads(line)
+        for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))
+    ]
+    prompts = [checkpoint.encode(tok, r["prompt"]) for r in rows]
+    decode.generate(
+        model, prompts[0], 8, D.HeadsDrafter(heads, tree), eos_ids=model.cfg.eos_ids
+    )  # warm-up
+    done = {name: [0, 0.0, 0] for name in variants}  # tokens, seconds, steps
+    for _ in range(args.repeats):
+        for ids in prompts:
+            for name, make in variants.items():
+                out = decode.generate(
+                    model, ids, args.max_new_tokens, make(), eos_ids=model.cfg.eos_ids
+                )
+                done[name][0] += len(out.tokens)
+                done[name][1] += out.seconds
+                done[name][2] += out.steps
+    print(
+        f"_{model.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts, "
+        f"{args.max_new_tokens} new tokens, "
+        f"{args.repeats} repeat(s)_\n\n| drafter | tokens/s | tau |\n|---|---:|---:|"
+    )
+    for name, (n, s, steps) in done.items():
+        print(f"| {name} | {n / s:.1f} | {n / steps:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,7 @@ import kernels  # noqa: E402
 import catalog  # noqa: E402
 import cli  # noqa: E402
 import drafters as D  # noqa: E402
-import generate as G  # noqa: E402
+import decode  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--repeats", type=int, default=1)
@@ -52,12 +52,14 @@ for shortest, floor in [(1, None), (2, None), (1, 3), (2, 3)]:
     )
 
 prompts = [(r["category"], checkpoint.encode(tok, r["prompt"])) for r in rows]
-G.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)  # warm-up
+decode.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)  # warm-up
 done = {name: {} for name in variants}  # name -> category -> [tokens, seconds]
 for _ in range(args.repeats):
     for cat, ids in prompts:
         for name, make in variants.items():
-            out = G.generate(model, ids, args.max_new_tokens, make(), eos_ids=model.cfg.eos_ids)
+            out = decode.generate(
+                model, ids, args.max_new_tokens, make(), eos_ids=model.cfg.eos_ids
+            )
             c = done[name].setdefault(cat, [0, 0.0])
             c[0], c[1] = c[0] + len(out.tokens), c[1] + out.seconds
 

@@ -30,7 +30,7 @@ import catalog  # noqa: E402
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import drafters  # noqa: E402
-import generate  # noqa: E402
+import decode  # noqa: E402
 import kernels  # noqa: E402
 import tuning  # noqa: E402
 
@@ -54,7 +54,7 @@ def prompts(tokenizer, file):
 @torch.inference_mode()
 def calibration(model, tokenizer, eos):
     ids = prompts(tokenizer, os.path.join(ROOT, "eval", "calibration.jsonl"))
-    replies = [(p, generate.generate(model, p, NEW, None, eos_ids=eos).tokens) for p in ids]
+    replies = [(p, decode.generate(model, p, NEW, None, eos_ids=eos).tokens) for p in ids]
     prefix = [t for p in ids for t in p][:200]
     return replies, tuning.skip_step_ms(model, prefix, G, 5)
 
@@ -108,7 +108,7 @@ def main(part, out, *more):
                 accepted, tokens, steps = [], 0, 0
                 for p in ids:
                     d = drafters.ModelDrafter(model, 4, 0.0, 1.0, None, kept, name)
-                    r = generate.generate(model, p, NEW, d, eos_ids=eos)
+                    r = decode.generate(model, p, NEW, d, eos_ids=eos)
                     accepted += r.accepted
                     tokens += len(r.tokens)
                     steps += r.steps
@@ -116,7 +116,7 @@ def main(part, out, *more):
                     "draft": name,
                     "layers_run": len(kept),
                     "tau_steps": tokens / steps,  # the prefill counted, as bench.py's tau
-                    "reach": generate.acceptance_by_depth(accepted, 4),
+                    "reach": decode.acceptance_by_depth(accepted, 4),
                 }
                 result["decode"].append(row)
                 print(row, file=sys.stderr)

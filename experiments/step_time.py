@@ -24,7 +24,7 @@ import checkpoint  # noqa: E402
 import catalog  # noqa: E402
 import cli  # noqa: E402
 import drafters as D  # noqa: E402
-import generate as G  # noqa: E402
+import decode  # noqa: E402
 import kernels as K  # noqa: E402
 import model as M  # noqa: E402
 import verify as V  # noqa: E402
@@ -96,7 +96,7 @@ prompts = [
     for line in open(os.path.join(os.path.dirname(__file__), "..", "eval", "prompts.jsonl"))
 ][: args.prompts]
 for name, make in (("plain", lambda: None), ("hydra++", lambda: D.HeadsDrafter(heads, tree))):
-    G.generate(model, prompts[0], 8, make())  # warm-up
+    decode.generate(model, prompts[0], 8, make())  # warm-up
     spent.clear(), calls.clear()
     tokens = seconds = steps = 0
     for ids in prompts:
@@ -106,7 +106,7 @@ for name, make in (("plain", lambda: None), ("hydra++", lambda: D.HeadsDrafter(h
                 timed(d.draft, "draft (heads)"),
                 timed(d.accept, "accept (heads' context)"),
             )
-        r = G.generate(model, ids, args.max_new_tokens, d)
+        r = decode.generate(model, ids, args.max_new_tokens, d)
         tokens, seconds, steps = tokens + len(r.tokens), seconds + r.seconds, steps + r.steps
     rows.append(
         (

@@ -181,3 +181,8 @@ def ctrl_c_after(argv, marker, seconds, sig=None):
     finally:
         watchdog.cancel()
     return p.returncode, out, "".join(lines) + err
+
+
+def draft_one(drafter, root):
+    """A drafter's draft for one sequence: drafter.draft over itself alone."""
+    return drafter.draft([drafter], [root])[0]

@@ -1,19 +1,20 @@
-"""generate_batch's contracts: a row of a batch is the reply its prompt gets alone, token for token
-(greedy, fp32), for every drafter that batches, prompts of different lengths and rows that end at
-different steps; a sampled row depends on its own seed only; a drafter that cannot batch is
-refused."""
+"""engine.generate_batch's contracts: a row of a batch is the reply its prompt gets alone, token for
+token (greedy, fp32; bf16 through kernels.c), for every drafter, prompts of different lengths and
+rows that end at different steps; a sampled row depends on its own seed only."""
 
 import pytest
 import torch
 
 import catalog
+import dataset
 import drafters
-import generate as G
+import decode
+import engine
 import kernels
 import model as model_lib
 import test_kernels
 import tree as tree_lib
-from conftest import tiny_config
+from conftest import tiny_config, draft_one
 from test_generate import random_heads, small  # noqa: F401 (a fixture)
 from test_kernels import native_path  # noqa: F401 (a fixture)
 
@@ -42,20 +43,23 @@ def make_drafter(name, model, matches=3):
         return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
     if name == "layers":
         return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
+    if name == "jacobi":
+        return drafters.Jacobi(3, "cpu")
     assert name == "lookahead", name
     return drafters.Lookahead(3, 3, 2, "cpu")
 
 
 BATCHING = ["plain", "medusa", "hydra", "hydra++", "lookup", "heads+lookup"]
+EVERY = BATCHING + ["layers", "jacobi", "lookahead"]  # every drafter decodes rows side by side
 
 
-@pytest.mark.parametrize("name", BATCHING)
+@pytest.mark.parametrize("name", EVERY)
 def test_every_row_of_a_greedy_batch_is_its_prompt_decoded_alone(small, name):
     alone = [
-        G.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
+        decode.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
         for p, n in zip(PROMPTS, LIMITS)
     ]
-    batch = G.generate_batch(small, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS)
+    batch = engine.generate_batch(small, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS)
     for a, b in zip(alone, batch):
         assert b.tokens == a.tokens and b.stopped == a.stopped
         assert b.steps == a.steps and b.accepted == a.accepted and b.sources == a.sources
@@ -74,7 +78,7 @@ def test_a_row_finishing_leaves_the_batch_and_the_cache(small, monkeypatch):
         "forward",
         lambda tokens, *a, **k: rows_seen.append(len(tokens)) or forward(tokens, *a, **k),
     )
-    G.generate_batch(small, PROMPTS, LIMITS, None)
+    engine.generate_batch(small, PROMPTS, LIMITS, None)
     assert rows_seen[0] == len(PROMPTS) and rows_seen[1] == len(PROMPTS) - 1  # LIMITS[3] == 1
     assert rows_seen == sorted(rows_seen, reverse=True) and rows_seen[-1] == 2  # two of 40
     assert len(rows_seen) == max(LIMITS)  # the prefill, then one plain step a token
@@ -87,10 +91,10 @@ def test_a_sampled_row_depends_on_its_own_seed_only(small, name, verify):
         return torch.Generator().manual_seed(s)
 
     alone = [
-        G.generate(small, p, n, make_drafter(name, small), verify, 0.9, 0.95, seeded(s)).tokens
+        decode.generate(small, p, n, make_drafter(name, small), verify, 0.9, 0.95, seeded(s)).tokens
         for s, (p, n) in enumerate(zip(PROMPTS, LIMITS))
     ]
-    batch = G.generate_batch(
+    batch = engine.generate_batch(
         small,
         PROMPTS,
         LIMITS,
@@ -101,13 +105,6 @@ def test_a_sampled_row_depends_on_its_own_seed_only(small, name, verify):
         [seeded(s) for s in range(len(PROMPTS))],
     )
     assert [r.tokens for r in batch] == alone
-
-
-def test_a_drafter_that_cannot_batch_is_refused(small):
-    with pytest.raises(ValueError, match="decodes one prompt at a time"):
-        G.generate_batch(small, PROMPTS[:2], LIMITS[:2], drafters.Jacobi(3, "cpu"))
-    one = G.generate_batch(small, PROMPTS[:1], LIMITS[:1], drafters.Jacobi(3, "cpu"))
-    assert one[0].tokens == G.generate(small, PROMPTS[0], LIMITS[0]).tokens
 
 
 def test_the_cache_holds_each_rows_sequence_after_ragged_steps(small):
@@ -140,7 +137,7 @@ def test_a_queue_of_prompts_through_fewer_rows_is_each_prompt_decoded_alone(smal
     """batch_size rows at most: the waiting prompts take the rows of those that end (continuous
     batching), and each reply is still the one its prompt gets alone."""
     alone = [
-        G.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
+        decode.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
         for p, n in zip(PROMPTS, LIMITS)
     ]
     rows_seen, forward = [], small.forward
@@ -152,7 +149,7 @@ def test_a_queue_of_prompts_through_fewer_rows_is_each_prompt_decoded_alone(smal
     drafter = make_drafter(name, small)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(small, "forward", counted)
-        batch = G.generate_batch(small, PROMPTS, LIMITS, drafter, eos_ids=EOS, batch_size=size)
+        batch = engine.generate_batch(small, PROMPTS, LIMITS, drafter, eos_ids=EOS, batch_size=size)
     for a, b in zip(alone, batch):
         assert b.tokens == a.tokens and b.stopped == a.stopped and b.accepted == a.accepted
     assert max(rows_seen) == size
@@ -161,27 +158,19 @@ def test_a_queue_of_prompts_through_fewer_rows_is_each_prompt_decoded_alone(smal
 
 
 @pytest.mark.parametrize("size", [2, None])
-def test_observe_sees_what_a_fresh_forward_over_prompt_and_reply_computes(small, size):
-    """observe(i, hidden, logits): prompt i's hidden states at every position but the last of
-    prompt + reply, and the logits that chose each reply token: what a drafter learns from."""
-    seen = {}
-
-    def observe(i, hidden, logits):
-        old = seen.get(i, (torch.zeros(0, hidden.shape[-1]), torch.zeros(0, logits.shape[-1])))
-        seen[i] = (torch.cat([old[0], hidden]), torch.cat([old[1], logits]))
-
-    drafter = make_drafter("hydra++", small)
-    out = G.generate_batch(
-        small, PROMPTS, LIMITS, drafter, eos_ids=EOS, observe=observe, batch_size=size
-    )
-    assert sum(sum(r.accepted) for r in out) > 0, "no draft accepted: no tree was exercised"
-    for i, (prompt, r) in enumerate(zip(PROMPTS, out)):
-        seq = prompt + r.tokens[:-1]  # the last token is emitted, never forwarded
+def test_the_data_stage_records_what_a_fresh_forward_over_prompt_and_reply_computes(small, size):
+    """dataset.decode's features, recorded by its drafter (Recorder) from each step's Accepted:
+    prompt i's hidden states at every position but the last of prompt + reply, and the top-k of
+    the logits that chose each reply token."""
+    out = dataset.decode(small, PROMPTS, 20, EOS, size, top_k=4)
+    for prompt, (tokens, features) in zip(PROMPTS, out):
+        seq = prompt + tokens[:-1]  # the last token is emitted, never forwarded
         logits, hidden = small(torch.tensor([seq]), torch.arange(len(seq)), None, None)
-        got_hidden, got_logits = seen[i]
-        assert got_hidden.shape[0] == len(seq) and got_logits.shape[0] == len(r.tokens)
-        assert torch.allclose(got_hidden, hidden[0], atol=1e-5)
-        assert torch.allclose(got_logits, logits[0, len(prompt) - 1 :], atol=1e-4)
+        top = logits[0, len(prompt) - 1 :].softmax(-1).topk(4)  # (len(tokens), 4)
+        assert features["hidden"].shape[0] == len(seq)
+        assert torch.allclose(features["hidden"].float(), hidden[0], atol=1e-2)  # stored in fp16
+        assert torch.equal(features["top_ids"].long(), top.indices)
+        assert torch.allclose(features["top_p"].float(), top.values, atol=1e-3)
 
 
 def small_through_kernels_c():
@@ -202,16 +191,16 @@ def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, nativ
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "stack_native", lambda s, x, *a: calls.append(len(x)) or real(s, x, *a))
         alone = [
-            G.generate(bf16, p, n, make_drafter(name, bf16), eos_ids=EOS)
+            decode.generate(bf16, p, n, make_drafter(name, bf16), eos_ids=EOS)
             for p, n in zip(PROMPTS, LIMITS)
         ]
-        batch = G.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
+        batch = engine.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
     assert [b.tokens for b in batch] == [a.tokens for a in alone]
     assert max(calls) > 1, "no batch of several rows went through kernels.c's layers"
 
 
 def rows_drafted_together_and_alone(base, kind):
-    """HeadsDrafter.draft_rows over 5 rows (each its own draft state and root), and each row's
+    """HeadsDrafter.draft over 5 rows (each its own draft state and root), and each row's
     draft() alone; the heads random, their tree cartesian 3, 2, 2."""
     heads = kernels.use(random_heads(base, kind).to(base.dtype))
     drafter = drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2, 2])))
@@ -220,8 +209,8 @@ def rows_drafted_together_and_alone(base, kind):
         seeded = torch.Generator().manual_seed(i)
         row.h = torch.randn(1, base.cfg.dim, generator=seeded).to(base.dtype)
     roots = [3, 7, 3, 0, 11]
-    together = drafter.draft_rows(rows, roots)
-    return [d.tokens for d in together], [row.draft(r).tokens for row, r in zip(rows, roots)]
+    together = drafter.draft(rows, roots)
+    return [d.tokens for d in together], [draft_one(row, r).tokens for row, r in zip(rows, roots)]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
@@ -257,10 +246,11 @@ class Repeat:
     def start(self, prompt, hidden, max_len, kept=0):
         pass
 
-    def draft(self, root):
-        return self.shapes.draft(root, drafters.chain_nodes([root] * self.max_depth, 1))
+    def draft(self, rows, roots):
+        chain = lambda root: drafters.chain_nodes([root] * self.max_depth, 1)
+        return [self.shapes.draft(root, chain(root)) for root in roots]
 
-    def accept(self, tokens, hidden, positions, logits):
+    def accept(self, step):
         pass
 
 
@@ -285,7 +275,7 @@ def test_rows_that_end_past_their_limit_leave_room_for_the_rest(echo, name, size
     prompts = [[0] * 30] + [[0] * (3 + i) for i in range(7)]
     limits = [8] + [25] * 7  # row 0's prompt + reply is the longest
     drafter = Repeat(4) if name == "repeat" else make_drafter(name, echo)
-    batch = G.generate_batch(echo, prompts, limits, drafter, batch_size=size)
+    batch = engine.generate_batch(echo, prompts, limits, drafter, batch_size=size)
     assert [r.tokens for r in batch] == [[0] * n for n in limits]
     if name == "repeat":
         assert batch[0].accepted == [4, 2], "row 0 keeps 2 drafts past its limit"

@@ -19,6 +19,7 @@ import torch
 
 import checkpoint
 import drafters
+import decode
 import generate as G
 import test_batch
 import tree as tree_lib
@@ -78,7 +79,7 @@ class Forwarded:
     "name", ["plain", "medusa", "hydra++", "lookup", "heads+lookup", "layers", "lookahead"]
 )
 def test_each_reply_equals_the_one_shot_reply_and_the_prefill_is_only_what_is_new(small, name):
-    chat = G.Conversation(small, make_drafter(name, small))
+    chat = decode.Conversation(small, make_drafter(name, small))
     prompt = user_turn(0, 5)
     stops = set()
     for turn, limit in enumerate([30, 8, 40, 25]):
@@ -86,7 +87,7 @@ def test_each_reply_equals_the_one_shot_reply_and_the_prefill_is_only_what_is_ne
         r = chat.reply(prompt, limit, eos_ids=EOS)
         forwarded.hook.remove()
         fresh = make_drafter(name, small)
-        alone = G.generate(small, prompt, limit, fresh, eos_ids=EOS)
+        alone = decode.generate(small, prompt, limit, fresh, eos_ids=EOS)
         assert r.tokens == alone.tokens and r.stopped == alone.stopped, f"turn {turn}"
         # the drafter's state followed the cut: it holds and drafts what a fresh one does
         assert r.accepted == alone.accepted, f"turn {turn}"
@@ -100,7 +101,7 @@ def test_each_reply_equals_the_one_shot_reply_and_the_prefill_is_only_what_is_ne
 
 def test_an_earlier_token_rendered_differently_is_forwarded_again(small):
     """A template that renders the first reply's third token otherwise: the cache is cut there."""
-    chat = G.Conversation(small, make_drafter("hydra++", small))
+    chat = decode.Conversation(small, make_drafter("hydra++", small))
     prompt = user_turn(0, 5)
     first = chat.reply(prompt, 20, eos_ids=EOS).tokens
     changed = first[:2] + [(first[2] + 1) % 11] + first[3:]
@@ -110,13 +111,13 @@ def test_an_earlier_token_rendered_differently_is_forwarded_again(small):
     forwarded.hook.remove()
     assert forwarded.counts[0] == len(prompt) - (5 + 2)
     fresh = make_drafter("hydra++", small)
-    alone = G.generate(small, prompt, 20, fresh, eos_ids=EOS)
+    alone = decode.generate(small, prompt, 20, fresh, eos_ids=EOS)
     assert r.tokens == alone.tokens and r.accepted == alone.accepted
     assert_same_state(chat.drafter, fresh)
 
 
 def test_a_reply_stopped_by_ctrl_c_leaves_the_conversation_whole(small):
-    chat = G.Conversation(small, make_drafter("hydra++", small))
+    chat = decode.Conversation(small, make_drafter("hydra++", small))
     prompt = user_turn(0, 5)
     reply = chat.reply(prompt, 12, eos_ids=EOS).tokens
     prompt = prompt + reply + user_turn(1)
@@ -128,7 +129,7 @@ def test_a_reply_stopped_by_ctrl_c_leaves_the_conversation_whole(small):
         chat.reply(prompt, 30, eos_ids=EOS, on_tokens=ctrl_c)
     r = chat.reply(prompt, 30, eos_ids=EOS)
     fresh = make_drafter("hydra++", small)
-    alone = G.generate(small, prompt, 30, fresh, eos_ids=EOS)
+    alone = decode.generate(small, prompt, 30, fresh, eos_ids=EOS)
     assert r.tokens == alone.tokens and r.accepted == alone.accepted
     assert_same_state(chat.drafter, fresh)
 
@@ -150,14 +151,14 @@ def test_chat_replies_equal_one_shot_replies_to_the_conversation(tiny_chat, head
         tree = tree_lib.build(tree_lib.cartesian([2, 2]))
         drafter = drafters.HeadsDrafter(random_heads(model, heads, k=2), tree)
     decoding = dict(verify="auto", temperature=0.0, top_p=1.0, generator=None, eos_ids={2})
-    chat = G.Chat(G.Conversation(model, drafter), tok, None, 12, decoding, False, True)
+    chat = G.Chat(decode.Conversation(model, drafter), tok, None, 12, decoding, False, True)
     forwarded = []
     for text in ["Hello there.", "Tell me more.", "And a third thing?"]:
         before = chat.messages
         r = chat.answer(before + [{"role": "user", "content": text}])
         conversation = chat.messages[:-1]
         assert conversation[:-1] == before and chat.messages[-1]["role"] == "assistant"
-        one_shot = G.generate(model, checkpoint.encode(tok, conversation), 12, eos_ids={2})
+        one_shot = decode.generate(model, checkpoint.encode(tok, conversation), 12, eos_ids={2})
         assert r.tokens == one_shot.tokens
         forwarded.append(chat.conversation.forwarded)
     assert forwarded[1] < forwarded[0] and forwarded[2] < len(chat.conversation.ids) / 2
@@ -180,7 +181,9 @@ def test_a_messages_line_of_prompts_is_answered_as_the_chat_answers_it(
     assert G.cli_main([str(a) for a in argv + ["--model", tiny_model_dir]]) == 0
     reply = json.loads((tmp_path / "out.jsonl").read_text())
     assert reply["text"] == saved[-1]["content"]
-    assert reply["token_ids"] == G.generate(model, checkpoint.encode(tok, saved[:-1]), 9).tokens
+    assert (
+        reply["token_ids"] == decode.generate(model, checkpoint.encode(tok, saved[:-1]), 9).tokens
+    )
 
 
 # --- bad input: one line each, the conversation stays --------------------------------------------

@@ -20,6 +20,7 @@ import catalog
 import checkpoint
 import cli
 import drafters
+import decode
 import generate as G
 import heads as heads_lib
 import kernels
@@ -276,9 +277,9 @@ def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
 
 
 def test_stats_line_counts_in_words():
-    r = G.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
+    r = decode.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
     assert G.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
-    r = G.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
+    r = decode.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
     assert G.stats_line(r, 0).startswith("[2 new tokens, 2 steps,")
 
 
@@ -951,9 +952,9 @@ def test_library_verifiers_at_a_tiny_temperature_are_greedy():
     model = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model).eval()
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
-    want = G.generate(model, [1, 2, 3], 20).tokens
+    want = decode.generate(model, [1, 2, 3], 20).tokens
     for verify in ("sample", "typical"):
-        got = G.generate(
+        got = decode.generate(
             model,
             [1, 2, 3],
             20,

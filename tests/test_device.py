@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 import catalog
 import drafters
-import generate as G
+import decode
 import heads as heads_lib
 import losses
 import train as T
@@ -150,9 +150,11 @@ def test_generate_keeps_to_the_device(small, kind):
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     with SimulatedDevice():  # drafters move their trees to the device when they are built
         for drafter in (None, drafters.HeadsDrafter(heads, tree), drafters.Lookup(3, 2, 1, "cpu")):
-            assert len(G.generate(small, [1, 2, 3, 1, 2], 12, drafter).tokens) == 12
+            assert len(decode.generate(small, [1, 2, 3, 1, 2], 12, drafter).tokens) == 12
         g = torch.Generator().manual_seed(0)
-        G.generate(small, [1, 2, 3], 8, drafters.HeadsDrafter(heads, tree), "sample", 0.8, 1.0, g)
+        decode.generate(
+            small, [1, 2, 3], 8, drafters.HeadsDrafter(heads, tree), "sample", 0.8, 1.0, g
+        )
 
 
 def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
@@ -179,7 +181,7 @@ def test_a_generator_on_another_device_is_named_before_decoding():
     # a device that is not the generator's
     on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")
     with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
-        G.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
+        decode.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
 
 
 # --- host-device synchronisations ----------------------------------------------------------------
@@ -223,9 +225,9 @@ def test_a_decode_step_makes_at_most_four_host_syncs(small, kind, verify):
     drafter = drafters.HeadsDrafter(heads, tree) if heads else None
     temperature, g = (0.0 if verify == "greedy" else 0.8), torch.Generator().manual_seed(0)
     # warm-up: trees built once
-    G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
+    decode.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
     with SyncCounter() as count:
-        r = G.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
+        r = decode.generate(small, [1, 2, 3, 1, 2], 40, drafter, verify, temperature, 1.0, g)
     assert count.n / r.steps <= 4, f"{count.n / r.steps:.1f} syncs a step"
 
 
@@ -260,9 +262,9 @@ def test_no_tree_tensor_is_copied_to_the_device_in_a_step(small, verify):
     with HostToDevice() as copies:
         for drafter in (drafters.HeadsDrafter(heads, tree), drafters.Plain("cpu")):
             # Plain builds its tree here
-            G.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
+            decode.generate(small, [1, 2, 3], 4, drafter, verify, temperature, 1.0, g)
             before = copies.n
-            r = G.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
+            r = decode.generate(small, [1, 2, 3, 1, 2], 24, drafter, verify, temperature, 1.0, g)
             assert copies.n == before, (
                 f"{(copies.n - before) / r.steps:.1f} host-to-device copies a step ({drafter.name})"
             )

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import catalog
 import checkpoint
 import drafters as D
-import generate as G
+import decode
 import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
-from conftest import tiny_config
+from conftest import tiny_config, draft_one
 from test_generate import greedy_runs, random_heads
 
 
@@ -98,7 +98,7 @@ def test_greedy_equals_plain_tiny(small, name):
 def test_draft_model_equal_to_the_base_is_always_right(small):
     """The base model as its own draft model: if the draft cache holds the accepted sequence, every
     draft is accepted (gamma + 1 tokens a step); any slip in its bookkeeping would show here."""
-    r = G.generate(small, [1, 2, 3, 4], 41, D.ModelDrafter(small, 4, 0.0, 1.0, None))
+    r = decode.generate(small, [1, 2, 3, 4], 41, D.ModelDrafter(small, 4, 0.0, 1.0, None))
     assert r.accepted == [4] * 8 and r.steps == 9
 
 
@@ -110,9 +110,9 @@ class Checked(D.ModelDrafter):
         super().start(prompt, hidden, max_len, kept)
         self.seq, self.checked = list(prompt), 0
 
-    def accept(self, tokens, hidden, positions, logits):
-        super().accept(tokens, hidden, positions, logits)
-        self.seq += tokens
+    def accept(self, step):
+        super().accept(step)
+        self.seq += step.kept
         n = self.cache.length
         assert self.seq[n:] == self.pending
         fresh = self.model.new_cache(n, num_layers=len(self.layers) if self.layers else None)
@@ -129,7 +129,7 @@ def test_draft_cache_holds_the_accepted_sequence(small, which):
         if which == "layers:1"
         else Checked(noisy_copy(small), 3, 0.0, 1.0, None)
     )
-    r = G.generate(small, [3, 1, 4, 1, 5], 40, d)
+    r = decode.generate(small, [3, 1, 4, 1, 5], 40, d)
     assert d.checked == r.steps - 1  # every step but the prefill: the last one too
     assert 0 < sum(r.accepted) < 3 * len(r.accepted), "want partial acceptance: the cut-back path"
 
@@ -147,7 +147,7 @@ def copy_plain(default_model):
     """The prompt, the reply's stop tokens and plain decoding's reply (13 tokens, EOS included)."""
     model, tok = default_model
     prompt, eos = checkpoint.encode(tok, COPY), set(model.cfg.eos_ids) | {tok.eos_token_id}
-    return prompt, eos, G.generate(model, prompt, 24, eos_ids=eos)
+    return prompt, eos, decode.generate(model, prompt, 24, eos_ids=eos)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,7 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
         name == "pass"
     ):  # the shipped [LA] tokens, passed with each forward: the model stays as loaded
         d = catalog.pass_drafter(os.path.join(catalog.SHIPPED, "pass"), 2, 2, model)
-        r = G.generate(model, prompt, 24, d, eos_ids=eos)
+        r = decode.generate(model, prompt, 24, d, eos_ids=eos)
         assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
         assert type(model.embed_tokens) is torch.nn.Embedding
         return
@@ -177,7 +177,7 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
     else:
         d = drafter(name, model, gamma=4) if name != "lookup" else D.Lookup(10, 3, 1, "cpu")
-    r = G.generate(model, prompt, 24, d, eos_ids=eos)
+    r = decode.generate(model, prompt, 24, d, eos_ids=eos)
     assert r.tokens == plain.tokens and r.stopped == "eos"
     # Jacobi's guesses are rarely right on a real model: the tiny ones test it
     assert sum(r.accepted) > 0 or name == "jacobi"
@@ -195,12 +195,12 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     assert lk.continuations(3) == [[4, 5, 3]]  # (1, 2, 3) beats the later (2, 3) and (3,)
     lk.start([1, 2, 3, 4, 5, 3, 6, 2, 3, 7, 3, 9, 8, 2], None, 64)
     assert lk.continuations(3) == [[7, 3, 9]]  # no (8, 2, 3); the latest (2, 3)
-    lk.accept([3, 7], None, None, None)  # the text grows: ... 8, 2, 3, 7 and root 3
+    lk.accept(D.Accepted([3, 7]))  # the text grows: ... 8, 2, 3, 7 and root 3
     assert lk.continuations(3) == [[9, 8, 2]]  # (3, 7, 3) at 8..10
     three = D.Lookup(2, 1, 3, "cpu")
     three.start([2, 1, 2, 3, 2, 4, 2, 1], None, 64)
     assert three.continuations(2) == [[1, 2], [4, 2], [3, 2]]  # latest first, distinct
-    d = three.draft(2)  # [1, 2], [4, 2], [3, 2] share no prefix: 7 nodes
+    d = draft_one(three, 2)  # [1, 2], [4, 2], [3, 2] share no prefix: 7 nodes
     assert d.tree.num_nodes == 7 and d.tokens.tolist() == [2, 1, 4, 3, 2, 2, 2]
     assert D.Lookup(3, 3, 1, "cpu").max_nodes == 4 and three.max_nodes == 7
 
@@ -211,7 +211,7 @@ def test_lookup_with_shortest_2_ignores_one_token_matches():
     one.start(text[:-1], None, 64)
     two.start(text[:-1], None, 64)
     assert one.continuations(3) == [[4, 5, 6]] and two.continuations(3) == []
-    assert two.draft(3).tree.num_nodes == 1  # no proposal: the root alone
+    assert draft_one(two, 3).tree.num_nodes == 1  # no proposal: the root alone
     assert two.continuations(9) == [] and two.continuations(7) == []
     two.start([1, 2, 3, 4, 5, 2], None, 64)  # (2, 3) matched: proposed
     assert two.continuations(3) == [[4, 5, 2]]
@@ -220,20 +220,28 @@ def test_lookup_with_shortest_2_ignores_one_token_matches():
 def test_adapted_lookup_shrinks_after_misses_and_grows_after_whole_chains():
     lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
     lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
-    assert lk.draft(1).tokens.tolist() == [1, 2, 3, 4, 6]  # root, then the whole gamma at first
-    lk.accept([1, 2, 3], None, None, None)  # 2 of 4 kept: 1 token fewer
-    assert lk.length == 3 and lk.draft(4).tokens.tolist() == [4, 6, 7, 1]
-    lk.accept([4], None, None, None)  # none kept: 1 fewer again
-    assert lk.length == 2 and lk.draft(8).tokens.tolist() == [8]  # no match: nothing proposed ...
-    lk.accept([8], None, None, None)
+    assert draft_one(lk, 1).tokens.tolist() == [
+        1,
+        2,
+        3,
+        4,
+        6,
+    ]  # root, then the whole gamma at first
+    lk.accept(D.Accepted([1, 2, 3]))  # 2 of 4 kept: 1 token fewer
+    assert lk.length == 3 and draft_one(lk, 4).tokens.tolist() == [4, 6, 7, 1]
+    lk.accept(D.Accepted([4]))  # none kept: 1 fewer again
+    assert lk.length == 2 and draft_one(lk, 8).tokens.tolist() == [
+        8
+    ]  # no match: nothing proposed ...
+    lk.accept(D.Accepted([8]))
     assert lk.length == 2  # ... and nothing to learn from
-    assert lk.draft(6).tokens.tolist() == [6, 7, 1]
-    lk.accept([6, 7, 1], None, None, None)  # the whole chain kept: 2 more (up to gamma)
+    assert draft_one(lk, 6).tokens.tolist() == [6, 7, 1]
+    lk.accept(D.Accepted([6, 7, 1]))  # the whole chain kept: 2 more (up to gamma)
     assert lk.length == 4
     fixed = D.Lookup(4, 1, 1, "cpu")
     fixed.start([5, 1, 2, 3, 4, 6, 7], None, 64)
-    fixed.draft(1), fixed.accept([1], None, None, None)
-    assert fixed.length == 4 and fixed.draft(2).tokens.tolist() == [
+    draft_one(fixed, 1), fixed.accept(D.Accepted([1]))
+    assert fixed.length == 4 and draft_one(fixed, 2).tokens.tolist() == [
         2,
         3,
         4,
@@ -246,17 +254,17 @@ def test_a_step_without_a_lookup_match_ends_the_copying_streak():
     lk = D.Lookup(4, 1, 1, "cpu", adapt=True)
     lk.start([5, 1, 2, 3, 4, 6, 7], None, 64)
     # the whole chain at full length: copying
-    (lk.draft(1), lk.accept([1, 2, 3, 4, 6], None, None, None))
+    (draft_one(lk, 1), lk.accept(D.Accepted([1, 2, 3, 4, 6])))
     assert lk.copying and lk.length == 4
-    assert lk.draft(8).tokens.tolist() == [8]  # no match: nothing proposed ...
-    lk.accept([8], None, None, None)
+    assert draft_one(lk, 8).tokens.tolist() == [8]  # no match: nothing proposed ...
+    lk.accept(D.Accepted([8]))
     assert not lk.copying and lk.length == 4  # ... the streak ends, the length stays
 
 
 def test_lookup_with_no_match_drafts_a_root_only_tree():
     lk = D.Lookup(5, 3, 1, "cpu")
     lk.start([1, 2, 3], None, 64)
-    d = lk.draft(9)
+    d = draft_one(lk, 9)
     assert d.tree.num_nodes == 1 and d.mask is None and d.tokens.tolist() == [9]
 
 
@@ -267,7 +275,7 @@ def copy_run(lk, prompt, answer, vocab):
     lk.start(prompt, None, 256)
     out, accepted = [answer[0]], []
     while len(out) < len(answer):
-        d = lk.draft(out[-1])
+        d = draft_one(lk, out[-1])
         at = [
             min(len(out) + int(depth), len(answer) - 1) for depth in d.depth
         ]  # every node, computed-only ones too
@@ -277,7 +285,7 @@ def copy_run(lk, prompt, answer, vocab):
         kept = d.tokens[nodes].tolist()
         out += kept[1:] + [bonus]
         accepted.append(len(nodes) - 1)
-        lk.accept(kept, None, None, logits)
+        lk.accept(D.Accepted(kept, logits=logits))
     assert out[: len(answer)] == answer
     return len(accepted), accepted
 
@@ -330,7 +338,7 @@ def test_merged_tree_holds_both_drafters_candidates(small):
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
     merged.start(prompt, hidden, 64)
-    d, h, lk = merged.draft(3), heads.draft(3), lookup.draft(3)
+    d, h, lk = draft_one(merged, 3), draft_one(heads, 3), draft_one(lookup, 3)
     assert lk.tokens.tolist() == [3, 4, 5, 6, 1]
 
     def paths(x):  # the token sequence root..node of every node
@@ -348,14 +356,14 @@ def test_merged_verifies_lookup_alone_while_it_copies(small):
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
     merged.start(prompt, hidden, 64)
-    assert merged.draft(3).tree.num_nodes > 5  # heads' 6 nodes and lookup's 4
+    assert draft_one(merged, 3).tree.num_nodes > 5  # heads' 6 nodes and lookup's 4
     accepted = [3, 4, 5, 6, 1]  # lookup's whole chain kept, at full length
     h = small(torch.tensor([prompt + accepted]), torch.arange(len(prompt) + 5))[1][:, -5:]
-    merged.accept(accepted, h, torch.arange(len(prompt), len(prompt) + 5), None)
-    d = merged.draft(2)  # copying: lookup's chain alone
+    merged.accept(D.Accepted(accepted, h, torch.arange(len(prompt), len(prompt) + 5)))
+    d = draft_one(merged, 2)  # copying: lookup's chain alone
     assert d.tokens.tolist() == [2, 3, 4, 5, 6] and d.source == [0, 3, 3, 3, 3]
-    merged.accept([2, 9], h[:, :2], torch.arange(13, 15), None)  # broken: back to both
-    assert merged.draft(4).tree.num_nodes > 5
+    merged.accept(D.Accepted([2, 9], h[:, :2], torch.arange(13, 15)))  # broken: back to both
+    assert draft_one(merged, 4).tree.num_nodes > 5
 
 
 def test_merged_with_a_floor_keeps_the_first_trees_size(small):
@@ -371,7 +379,7 @@ def test_merged_with_a_floor_keeps_the_first_trees_size(small):
         merged = D.HeadsPlusLookup(heads, D.Lookup(gamma, 3, 1, "cpu"), "cpu", floor=floor)
         merged.start(prompt, hidden, 64)
         chain = {tuple([3, 4, 5, 6, 1, 2][:n]) for n in range(2, gamma + 2)}
-        assert set(seqs(merged.draft(3))) == set(seqs(heads.draft(3))[:kept]) | chain, (
+        assert set(seqs(draft_one(merged, 3))) == set(seqs(draft_one(heads, 3))[:kept]) | chain, (
             floor,
             gamma,
         )
@@ -400,7 +408,7 @@ def chi_square(model, make_drafter, n_samples, prompt=(1, 2)):
     g = torch.Generator().manual_seed(0)
     d = make_drafter(g)
     counts = collections.Counter(
-        tuple(G.generate(model, prompt, 3, d, "sample", 1.0, 1.0, g).tokens)
+        tuple(decode.generate(model, prompt, 3, d, "sample", 1.0, 1.0, g).tokens)
         for _ in range(n_samples)
     )
     ref = exact_joint(model, prompt, 3)
@@ -459,14 +467,14 @@ def test_sampled_drafts_carry_their_distribution(small):
     g = torch.Generator().manual_seed(0)
     d = D.ModelDrafter(small, 3, 0.8, 0.9, g)
     d.start([1, 2, 3], None, 32)
-    draft = d.draft(4)
+    draft = draft_one(d, 4)
     assert draft.probs.shape == (3, 12) and torch.allclose(draft.probs.sum(-1), torch.ones(3))
     assert (
         draft.probs.gather(1, draft.tokens[1:, None]) > 0
     ).all()  # each draft was drawn from its p
     greedy = D.ModelDrafter(small, 3, 0.0, 1.0, None)
     greedy.start([1, 2, 3], None, 32)
-    assert greedy.draft(4).probs is None  # picked, not sampled: verified by the tree rule
+    assert draft_one(greedy, 4).probs is None  # picked, not sampled: verified by the tree rule
 
 
 # --- parallel decoding: Jacobi and lookahead ------------------------------------------------------
@@ -487,15 +495,15 @@ def test_parallel_greedy_equals_plain_where_nothing_is_accepted_and_where_a_repl
             prompt = torch.randint(
                 0, model.cfg.vocab_size, (5 + seed,), generator=torch.Generator().manual_seed(seed)
             ).tolist()
-            plain = G.generate(model, prompt, 40).tokens
+            plain = decode.generate(model, prompt, 40).tokens
             for n in (1, 2, 3, 5, 8, 13, 21, 34, 40):
-                r = G.generate(model, prompt, n, drafter(name, model))
+                r = decode.generate(model, prompt, n, drafter(name, model))
                 assert r.tokens == plain[:n] and len(r.sources) == n, (name, n)
                 nothing, drafted = nothing + r.accepted.count(0), drafted + sum(r.accepted)
                 # the last step's bonus was never emitted
                 inside += len(r.tokens) - 1 - sum(r.accepted) == r.steps - 2
             eos = plain[10]
-            r = G.generate(model, prompt, 40, drafter(name, model), eos_ids={eos})
+            r = decode.generate(model, prompt, 40, drafter(name, model), eos_ids={eos})
             assert r.tokens == plain[: plain.index(eos) + 1] and r.stopped == "eos"
     assert nothing and drafted and inside, (nothing, drafted, inside)
 
@@ -510,7 +518,7 @@ def test_jacobi_accepts_the_whole_block_once_it_has_converged():
     zero = tiny(0, vocab_size=12)
     # equal logits everywhere: argmax says token 0, the model repeats it
     zero.lm_head.weight.zero_()
-    r = G.generate(zero, [3, 1, 4], 21, D.Jacobi(4, "cpu"))
+    r = decode.generate(zero, [3, 1, 4], 21, D.Jacobi(4, "cpu"))
     # converged from the first step: 5 tokens a step
     assert r.tokens == [0] * 21 and r.accepted == [4] * 4
 
@@ -532,7 +540,7 @@ def test_lookahead_mask_each_node_sees_its_trajectory_or_its_ngram(small):
     prompt = [1, 2, 3, 4, 5, 6, 7]
     la.start(prompt, None, 64)
     la.pool[5] = [(8, 9, 10), (1, 4, 6), (1, 2, 3)]  # two of them share their first token
-    d = la.draft(5)
+    d = draft_one(la, 5)
     n, N = d.candidates, len(d.tokens)
     # the shared token once and d.source == [0] + [1] * (n - 1)
     assert n == 1 + 3 + 1 + 2 + 2 and N == n + 2 + 2 * 3
@@ -569,11 +577,11 @@ def test_lookahead_pool_keeps_the_latest_ngrams_and_starts_collecting_once_the_w
     vocab = 16
 
     def step(root, outputs):  # one step whose window tops (column 0, 1) say `outputs`
-        d = la.draft(root)
+        d = draft_one(la, root)
         logits = torch.zeros(len(d.tokens), vocab)  # (N, V)
         for r, t in enumerate(outputs):
             logits[d.candidates + la.cells.index((1, r)), t] = 1
-        la.accept([root], None, None, logits)
+        la.accept(D.Accepted([root], logits=logits))
 
     step(1, [2, 3])
     assert la.pool == {} and la.levels == [[9], [2, 3]]  # the first step fills level 1
@@ -584,7 +592,7 @@ def test_lookahead_pool_keeps_the_latest_ngrams_and_starts_collecting_once_the_w
     la._add(4, (2, 5))  # seen again: now the latest
     la._add(4, (1, 1))  # a third: the oldest goes (G = 2)
     assert la.pool[4] == [(2, 5), (1, 1)]
-    d = la.draft(4)
+    d = draft_one(la, 4)
     assert d.tokens[: d.candidates].tolist() == [
         4,
         1,

@@ -19,6 +19,7 @@ import transformers
 import bench
 import checkpoint
 import drafters
+import decode
 import generate as G
 import kernels
 import tree as tree_lib
@@ -175,8 +176,8 @@ def test_qwen3_heads_trained_by_train_py_draft_and_keep_greedy_output(family_dir
         "FastRMSNorm",
     )
     prompt = checkpoint.encode(tokenizer, "the cat sat on a mat")
-    plain = G.generate(model, prompt, 24)
-    spec = G.generate(
+    plain = decode.generate(model, prompt, 24)
+    spec = decode.generate(
         model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2])))
     )
     assert spec.tokens == plain.tokens and sum(spec.accepted) > 0

@@ -13,7 +13,7 @@ import catalog
 import checkpoint
 import cli
 import drafters
-import generate as G
+import decode
 import heads as heads_lib
 import kernels
 import model as model_lib
@@ -49,8 +49,8 @@ def greedy_runs(model, drafter, seeds=4):
         prompt = torch.randint(
             0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed)
         ).tolist()
-        plain = G.generate(model, prompt, 40)
-        r = G.generate(model, prompt, 40, drafter)
+        plain = decode.generate(model, prompt, 40)
+        r = decode.generate(model, prompt, 40, drafter)
         assert r.tokens == plain.tokens
         assert r.steps <= plain.steps
         runs.append(r)
@@ -72,10 +72,10 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
 def test_greedy_speculative_equals_plain_default_model(default_model, kind):
     model, tok = default_model
     prompt = checkpoint.encode(tok, "List three fruits and say one thing about each.")
-    plain = G.generate(model, prompt, 24)
+    plain = decode.generate(model, prompt, 24)
     heads = random_heads(model, kind, k=3, scale=0.05)
     for spec in ["chain:3", "cartesian:2,2,1"]:
-        r = G.generate(
+        r = decode.generate(
             model, prompt, 24, drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.parse(spec)))
         )
         assert r.tokens == plain.tokens, (kind, spec)
@@ -90,7 +90,7 @@ def test_plain_greedy_equals_transformers_generate(default_model):
     ).eval()
     for text in ["What is the capital of France?", "Write a short poem about rain."]:
         prompt = checkpoint.encode(tok, text)
-        ours = G.generate(model, prompt, 20, eos_ids={tok.eos_token_id})
+        ours = decode.generate(model, prompt, 20, eos_ids={tok.eos_token_id})
         ref = hf.generate(
             torch.tensor([prompt]),
             max_new_tokens=20,
@@ -106,15 +106,15 @@ def test_max_new_tokens_and_eos_exact(small):
     tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
     prompt = [1, 2, 3, 4]
     for n in [1, 2, 5, 17]:
-        r = G.generate(small, prompt, n, drafters.HeadsDrafter(heads, tree))
+        r = decode.generate(small, prompt, n, drafters.HeadsDrafter(heads, tree))
         assert len(r.tokens) == n
         # every step emits its accepted drafts and a bonus token, the last one cut at the limit;
         # accepted counts only the drafts emitted, so acceptance by depth never counts past it
         assert len(r.tokens) - 1 - sum(r.accepted) in (r.steps - 1, r.steps - 2)
-    full = G.generate(small, prompt, 40).tokens
+    full = decode.generate(small, prompt, 40).tokens
     eos = full[10]  # pretend the 11th token is EOS
     first = full.index(eos)
-    r = G.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree), eos_ids={eos})
+    r = decode.generate(small, prompt, 40, drafters.HeadsDrafter(heads, tree), eos_ids={eos})
     assert r.tokens == full[: first + 1] and r.stopped == "eos"
 
 
@@ -126,8 +126,8 @@ def test_computed_only_nodes_are_never_kept(small, monkeypatch):
         small, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
     )
     prompt = [1, 2, 3, 4, 5]
-    r = G.generate(small, prompt, 40, drafters.Lookahead(3, 3, 3, "cpu"))
-    assert r.tokens == G.generate(small, prompt, 40).tokens and sum(r.accepted) > 0
+    r = decode.generate(small, prompt, 40, drafters.Lookahead(3, 3, 3, "cpu"))
+    assert r.tokens == decode.generate(small, prompt, 40).tokens and sum(r.accepted) > 0
     cache, seq = caches[0], prompt + r.tokens
     n = min(cache.length, len(seq))
     fresh = new_cache(n)
@@ -142,9 +142,9 @@ def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
     with pytest.raises(
         ValueError, match="needs temperature 0"
     ):  # greedy steps after a sampled first token
-        G.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
+        decode.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
     with pytest.raises(ValueError, match="use one of"):
-        G.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
+        decode.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
 
 
 def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
@@ -157,7 +157,7 @@ def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
 
 
 def test_plain_decoding_has_tau_one(small):
-    r = G.generate(small, [1, 2, 3], 12)
+    r = decode.generate(small, [1, 2, 3], 12)
     assert r.steps == len(r.tokens) == 12 and r.accepted == [0] * 11
 
 
@@ -183,7 +183,7 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter(
         tuple(
-            G.generate(
+            decode.generate(
                 model, prompt, 3, drafters.HeadsDrafter(heads, tree), verify, temperature, 1.0, g
             ).tokens
         )
@@ -243,7 +243,7 @@ def test_same_seed_same_output(small):
     heads = random_heads(small, "hydra++")
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     runs = [
-        G.generate(
+        decode.generate(
             small,
             [1, 2, 3],
             30,
@@ -257,7 +257,7 @@ def test_same_seed_same_output(small):
     ]
     assert runs[0] == runs[1]
     plain = [
-        G.generate(
+        decode.generate(
             small, [1, 2, 3], 30, None, "sample", 0.8, 0.9, torch.Generator().manual_seed(7)
         ).tokens
         for _ in range(2)

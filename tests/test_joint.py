@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 import catalog
 import checkpoint
 import drafters
-import generate as G
+import decode
 import heads as heads_lib
 import joint
 import model as model_lib
@@ -88,14 +88,14 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
     checkpoint.save_heads(heads, str(tmp_path))
     joint.save_delta(trained_adapter(base), str(tmp_path), base)
     loaded, folder = catalog.load_heads(str(tmp_path), model)  # merges the delta into `model`
-    plain = G.generate(model, [5, 6, 7, 8], 24)
+    plain = decode.generate(model, [5, 6, 7, 8], 24)
     for tree in (tree_lib.chain(2), tree_lib.cartesian([3, 2])):
-        spec = G.generate(
+        spec = decode.generate(
             model, [5, 6, 7, 8], 24, drafters.HeadsDrafter(loaded, tree_lib.build(tree))
         )
         assert spec.tokens == plain.tokens
     # --heads none: the original model
-    assert G.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
+    assert decode.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
 
 
 def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):

@@ -838,7 +838,7 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
     and attention give each node what a plain step gives it, and greedy speculative decoding keeps
     plain greedy's tokens."""
     import drafters
-    import generate
+    import decode
 
     steps = {"plain": 0, "spec": 0}
     for seed in range(10):  # (through oneDNN and SDPA, 1 of these 10 differs)
@@ -855,8 +855,8 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
             base.layers[0].mlp.packed, kernels.NativeWeight
         )
         assert (base.layers[0].mlp.packed.scale is not None) == (quant == "int8")
-        plain = generate.generate(base, [3, 4, 5], 40)
-        spec = generate.generate(
+        plain = decode.generate(base, [3, 4, 5], 40)
+        spec = decode.generate(
             base,
             [3, 4, 5],
             40,
@@ -871,8 +871,8 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
 def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     """Quantised weights change the model a little; the lossless contract holds against that
     model."""
+    import decode
     import drafters
-    import generate
 
     torch.manual_seed(0)
     base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
@@ -880,15 +880,15 @@ def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
     before = base.lm_head.weight.clone()
-    readable = generate.generate(base, [3, 4, 5], 20)
+    readable = decode.generate(base, [3, 4, 5], 20)
     kernels.quantize(base, quant)
     assert type(base.lm_head) is kernels.PackedLinear and kernels.in_use(base).quant == quant
     assert (type(base.layers[0].mlp) is kernels.FastMLP) == (
         quant == "fp16"
     )  # fp16 keeps the fused products
     assert torch.equal(base.lm_head.weight, before)  # the weights themselves stay
-    plain = generate.generate(base, [3, 4, 5], 20)
-    spec = generate.generate(
+    plain = decode.generate(base, [3, 4, 5], 20)
+    spec = decode.generate(
         base,
         [3, 4, 5],
         20,

@@ -14,7 +14,7 @@ import torch
 import catalog
 import checkpoint
 import drafters as D
-import generate as G
+import decode
 import heads as heads_lib
 import model as model_lib
 import online
@@ -48,8 +48,8 @@ def weights(module):
 def test_greedy_with_adapting_heads_equals_plain(small, kind):
     drafter, learner = online_drafter(small, kind)
     for prompt in PROMPTS:
-        plain = G.generate(small, prompt, 24).tokens
-        assert G.generate(small, prompt, 24, drafter).tokens == plain
+        plain = decode.generate(small, prompt, 24).tokens
+        assert decode.generate(small, prompt, 24, drafter).tokens == plain
         assert learner.reply_done() is not None  # an update after every reply
     assert learner.updates == len(PROMPTS)
 
@@ -58,7 +58,7 @@ def test_a_reply_changes_the_heads_and_never_the_base(small):
     drafter, learner = online_drafter(small)
     base = weights(small)
     before = weights(learner.heads)
-    G.generate(small, PROMPTS[0], 24, drafter)
+    decode.generate(small, PROMPTS[0], 24, drafter)
     learner.reply_done()
     after = weights(learner.heads)
     assert any(
@@ -75,7 +75,7 @@ def test_the_loss_falls_on_a_repeated_stream(small):
     drafter, learner = online_drafter(small, lr=1e-2, buffer=2, every=1, steps=1)
     for _ in range(12):  # the same two replies again and again
         for prompt in PROMPTS[:2]:
-            G.generate(small, prompt, 24, drafter)
+            decode.generate(small, prompt, 24, drafter)
         learner.reply_done()
     assert learner.losses[-1] < 0.85 * learner.losses[0], learner.losses
 
@@ -85,22 +85,13 @@ def test_records_hold_the_accepted_path(small):
     at the path's nodes: its top-1 is the token greedy decoding committed next."""
     drafter, learner = online_drafter(small)
     prompt = PROMPTS[1]
-    out = G.generate(small, prompt, 20, drafter)
+    out = decode.generate(small, prompt, 20, drafter)
     record = learner.buffer[-1]
     reply = record.ids[record.prompt :]
     assert reply == out.tokens[: len(reply)] and len(reply) >= len(out.tokens) - 4
     top1 = torch.cat(record.top_ids)[:, 0].tolist()  # the teacher at reply token i says i + 1
     assert top1[: len(reply) - 1] == reply[1:]
     assert sum(len(h) for h in record.hidden) == len(record)
-
-
-def test_path_nodes_walks_the_tree_by_token():
-    tree = tree_lib.build(tree_lib.cartesian([2, 2]))  # root, a b, aa ab ba bb
-    tokens = torch.tensor([9, 4, 5, 6, 7, 8, 3])
-    d = D.Draft(tokens, tree, tree.mask, tree.depth, [0] * 7)
-    ends = {p: i + 1 for i, p in enumerate(tree.paths)}
-    assert online.path_nodes(d, [9]) == [0]
-    assert online.path_nodes(d, [9, 5, tokens[ends[(1, 1)]].item()]) == [0, 2, ends[(1, 1)]]
 
 
 def test_collate_marks_the_heads_that_have_a_teacher():

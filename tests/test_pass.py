@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 import catalog
 import checkpoint
 import drafters as D
-import generate as G
+import decode
 import model as model_lib
 import pass_tokens
-from conftest import save_tiny_model, tiny_config
+from conftest import save_tiny_model, tiny_config, draft_one
 from test_bench_cli import run_bench, short_run
 from test_cli import check_one_line_error, run_cli
 
@@ -62,7 +62,7 @@ def test_every_node_sees_its_definition_and_computes_a_plain_forward(K, G):
     cache.keep(range(5))
     d.start(prompt, None, 64)
     d.first, d.rest = [7, 2, 6][:G], [11, 12][: K - 1]
-    draft = d.draft(root)
+    draft = draft_one(d, root)
     logits, _ = model(
         draft.tokens[None], cache.length + draft.depth, draft.mask, cache, extra=draft.extra
     )
@@ -83,24 +83,23 @@ def test_accept_reads_the_group_after_the_last_kept_node(K, G):
     d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, G)
     d.start([1], None, 64)
     d.first, d.rest = [7, 2, 6][:G], [11, 12][: K - 1]
-    draft = d.draft(9)
+    draft = draft_one(d, 9)
     n = d.tree.num_nodes
     for path in [()] + d.tree.paths:
-        node = d.node.get(path, 0)
+        node = ([()] + d.tree.paths).index(path)
         logits = torch.zeros(len(draft.tokens), 32)
         # its group says 20, 21, ...
         logits[n + node * K : n + node * K + K, 20 : 20 + K] = torch.eye(K) * 5
         logits[n + node * K, 25 : 25 + G] = torch.arange(
             G, 0, -1
         ).float()  # and 25, 26, ... next for the first
-        d.accept(
-            [9] + draft.tokens[d.tree.mask[node].nonzero()[1:, 0]].tolist(), None, None, logits
-        )
+        nodes = d.tree.mask[node].nonzero()[:, 0].tolist()  # the root .. the node
+        d.accept(D.Accepted(draft.tokens[nodes].tolist(), logits=logits, nodes=nodes))
         assert d.first == ([20] + list(range(25, 25 + G)))[:G] and d.rest == list(
             range(21, 20 + K)
         ), (path, d.first, d.rest)
         d.first, d.rest = [7, 2, 6][:G], [11, 12][: K - 1]
-        d.draft(9)
+        draft_one(d, 9)
 
 
 @pytest.mark.parametrize("K, guesses", [(1, 1), (2, 1), (4, 1), (1, 3), (2, 4)])
@@ -109,11 +108,11 @@ def test_greedy_equals_plain(K, guesses):
     itself)."""
     model = tiny(vocab_size=12)
     prompts = [[s, 3, 5, 7, 1][: 3 + s] for s in range(4)]
-    plain = [G.generate(model, p, 40).tokens for p in prompts]
+    plain = [decode.generate(model, p, 40).tokens for p in prompts]
     torch.manual_seed(1)
     d = D.PaSS(model, torch.randn(K, model.cfg.dim), K, guesses)
     for p, want in zip(prompts, plain):
-        r = G.generate(model, p, 40, d)
+        r = decode.generate(model, p, 40, d)
         assert r.tokens == want and r.steps <= len(want)
 
 
@@ -125,7 +124,9 @@ def self_distilled(model, n, seed=0):
     convs = []
     for _ in range(n):
         prompt = torch.randint(6, model.cfg.vocab_size, (3,), generator=g).tolist() + [5]
-        convs.append((prompt + G.generate(model, prompt, 20).tokens, [False] * 4 + [True] * 20))
+        convs.append(
+            (prompt + decode.generate(model, prompt, 20).tokens, [False] * 4 + [True] * 20)
+        )
     return convs
 
 
@@ -179,8 +180,8 @@ def test_training_raises_the_held_out_tau_and_the_tokens_get_accepted(tmp_path):
         and report["curve"][-1]["chain_tau"] > report["curve"][0]["chain_tau"] + 0.5
     ), report["curve"]
     prompt = convs[0][0][:4]
-    plain = G.generate(base, prompt, 30)
-    r = G.generate(base, prompt, 30, catalog.pass_drafter(str(out), 2, 1, base))
+    plain = decode.generate(base, prompt, 30)
+    r = decode.generate(base, prompt, 30, catalog.pass_drafter(str(out), 2, 1, base))
     assert r.tokens == plain.tokens and r.steps < plain.steps / 2
 
 

@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import drafters
-import generate as G
+import decode
 import heads as heads_lib
 import model as model_lib
 import tree as tree_lib
@@ -100,12 +100,12 @@ def test_thousands_of_tokens_stay_in_the_preallocated_cache(monkeypatch):
     model = model_lib.Transformer(tiny_config(max_seq_len=2000)).eval().requires_grad_(False)
     made = spy_on_caches(monkeypatch, model)
     prompt = [1, 2, 3, 4, 5]
-    r = G.generate(model, prompt, 2000 - len(prompt))  # exactly up to the context
+    r = decode.generate(model, prompt, 2000 - len(prompt))  # exactly up to the context
     assert len(r.tokens) == 1995 and r.stopped == "length"
     c = assert_untouched(made)
     assert c.length == len(prompt) + len(r.tokens) - 1  # every token but the last was fed back
     with pytest.raises(ValueError, match="context of 2000"):
-        G.generate(model, prompt, 2000 - len(prompt) + 1)
+        decode.generate(model, prompt, 2000 - len(prompt) + 1)
 
 
 def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
@@ -119,7 +119,7 @@ def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
     tree = tree_lib.build(tree_lib.cartesian([3, 2]))
     made, made_heads = spy_on_caches(monkeypatch, model), spy_on_caches(monkeypatch, heads)
     prompt = [1, 2, 3]
-    r = G.generate(model, prompt, 600 - len(prompt), drafters.HeadsDrafter(heads, tree))
+    r = decode.generate(model, prompt, 600 - len(prompt), drafters.HeadsDrafter(heads, tree))
     assert len(r.tokens) == 597 and r.stopped == "length"
     assert sum(r.accepted) > 0  # drafts were accepted: the cache copies of keep() were exercised
     assert_untouched(made)

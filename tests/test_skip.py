@@ -18,7 +18,7 @@ import bench as B
 import catalog
 import cli
 import drafters as D
-import generate as G
+import decode
 import model as model_lib
 import tuning
 from conftest import save_tiny_model, tiny_config
@@ -94,7 +94,7 @@ def test_the_skip_draft_cache_holds_the_accepted_sequence(small):
     """After every step the draft's cache of its three layers equals a fresh forward of the accepted
     sequence, and what it has not fed is exactly its pending tokens (Checked)."""
     d = skipping(small, (1,), checked=True)
-    r = G.generate(small, [2, 7, 1, 8, 2, 8], 40, d)
+    r = decode.generate(small, [2, 7, 1, 8, 2, 8], 40, d)
     # checked after every step but the prefill: the last step's accept() runs too
     assert d.cache.k.shape[0] == 3 and d.checked == r.steps - 1
     assert 0 < sum(r.accepted) < 3 * len(r.accepted), "want partial acceptance: the cut-back path"
@@ -104,11 +104,11 @@ def test_teacher_forced_acceptance_is_what_decoding_accepts(small):
     """The search measures acceptance without decoding (tuning.draft_matches and
     accepted_per_step): step for step it is what greedy decoding with the same set accepts."""
     prompt = [2, 7, 1, 8, 2, 8]
-    reply = G.generate(small, prompt, 60).tokens
+    reply = decode.generate(small, prompt, 60).tokens
     for skipped, gamma in [((1,), 3), ((0, 2), 2), ((2,), 5)]:
         kept = [i for i in range(4) if i not in skipped]
         (matches,) = tuning.draft_matches(small, [(prompt, reply)], kept, chunk=7)
-        r = G.generate(small, prompt, 60, skipping(small, skipped, gamma))
+        r = decode.generate(small, prompt, 60, skipping(small, skipped, gamma))
         walked = tuning.accepted_per_step(matches, gamma)
         assert sum(walked) > 0 and len(walked) == r.steps - 1
         assert walked[:-1] == r.accepted[:-1], (walked, r.accepted)

@@ -565,9 +565,9 @@ def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path)
 
 
 def plain_answers(model, prompts, max_new, stop):
-    import generate
+    import decode
 
-    return [generate.generate(model, p, max_new, eos_ids=stop).tokens for p in prompts]
+    return [decode.generate(model, p, max_new, eos_ids=stop).tokens for p in prompts]
 
 
 def test_batched_answers_equal_plain_greedy_decoding_and_features_equal_a_forward():
