@@ -1,7 +1,7 @@
 """The convention every script follows: what a user typed, checked where it enters and reported
 in one line. It imports nothing of the project, so every file may use it.
 
-The teaching files (tree, verify, generate.generate, heads, drafters, model) raise plain errors
+The teaching files (tree, verify, decode, heads, drafters, model) raise plain errors
 (ValueError and its subclasses) and never print. The scripts parse their flags with Parser,
 check them with the functions here, and run through run(), which turns every mistake of the
 user's into one line on stderr, "error: <what> ...; <fix>", and exit code 2 (no traceback),

@@ -10,23 +10,9 @@ propose tokens, one forward verifies them.
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
     python generate.py --chat                          # talk; the KV cache is kept between turns
 
-One decode loop, generate(), serves every method. Each step:
-    the drafter fills a tree of candidate tokens after the last one     (drafters.py)
-    -> one forward of the base model over the whole tree, tree mask     (model.Transformer)
-    -> verification picks the longest acceptable path + a bonus token   (verify.py)
-    -> the accepted tokens are emitted and their KV entries kept        (KVCache.keep)
-    -> the drafter learns what was accepted, and what the model said at every node (drafter.accept)
-Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
-The loop runs B sequences side by side, each its own tree and path (generate_batch; generate() is
-one); only the plain, heads, lookup and heads+lookup drafters batch (drafter.row()).
-A Conversation keeps the KV cache from one reply to the next (--chat).
-
-Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
-speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter, and
-in bf16 through kernels.c (elsewhere a tree step and a one-token step round differently); sampling
-samples from the base model's own distribution; a row of a batch is its prompt decoded alone
-(greedy; sampled, with its own generator); a chat's reply is the one-shot reply (greedy, fp32).
-Shapes: B sequences, N tree nodes, D hidden, V vocabulary.
+The loop it runs is decode.py's (prefill -> step -> generate, read it first), and engine.py's
+for --batch-size rows; this file is the command line: its flags, their checks, what is printed,
+the chat terminal (--chat) and main().
 """
 
 import json
