@@ -137,6 +137,7 @@ def generate_batch(
     observe=None,
     batch_size=None,
     cache=None,
+    on_done=None,
 ) -> list:
     """Decode the prompts (lists of ids), up to max_new_tokens[i] new tokens each, verifying what
     `drafter` proposes (HeadsDrafter or one of drafters.py; None = plain decoding); a Result per
@@ -153,7 +154,9 @@ def generate_batch(
     tokens just emitted (the teacher a drafter learns from: train.py's features, online.py).
     cache: a one-row KVCache to go on from (Conversation, one prompt): its slots
     [0, cache.length) hold prompt[:cache.length], which is not forwarded again, and the drafter
-    goes on from its state for them (drafter.start's kept); None: a new cache."""
+    goes on from its state for them (drafter.start's kept); None: a new cache.
+    on_done(i, result) is called as soon as prompt i's Result is final (an interrupted run keeps
+    the replies that ended)."""
     dev, B = model.device, len(prompts)
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     generators = generators if generators is not None else [None] * B
@@ -242,6 +245,8 @@ def generate_batch(
                 observe(i, new[0], logits[j : j + 1])
             if not emit(row, [row.root], [0]):
                 rows[slot] = row
+            elif on_done:
+                on_done(i, row.out)
 
     while waiting or any(row is not None for row in rows):
         free = [s for s, row in enumerate(rows) if row is None]
@@ -293,6 +298,8 @@ def generate_batch(
             )
             if ended:
                 rows[b] = None  # free: the next waiting prompt takes its cache row
+                if on_done:
+                    on_done(row.index, out)
             row.root = bonus
     return results
 
