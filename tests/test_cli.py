@@ -298,9 +298,11 @@ def test_threads_are_the_cores_other_work_leaves_idle(monkeypatch):
     monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: cores + 3)  # more jobs than cores
     assert cli.use_threads(0) == 1
     monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: 0)
-    assert cli.use_threads(0) == cores and cli.use_threads(3) == 3 == torch.get_num_threads()
+    assert cli.use_threads(0) == cores and cli.use_threads(1) == 1 == torch.get_num_threads()
     with pytest.raises(cli.UsageError, match="--threads -1: must be 0"):
         cli.use_threads(-1)
+    with pytest.raises(cli.UsageError, match=f"--threads {cores + 1}: .* give at most {cores}"):
+        cli.use_threads(cores + 1)
     monkeypatch.undo()  # the real count
     assert 0 <= cli.busy_cores(0.02) <= os.cpu_count()
 
