@@ -9,6 +9,7 @@ Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
 
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
+    plural(n, word)                                  "1 message", "2 messages"
     pick_device, pick_dtype, check_seed              the machine and randomness
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, writable_folder, empty_folder     paths, checked before the work
@@ -89,6 +90,11 @@ def run(main, parser, argv=None, interrupted="[interrupted by Ctrl-C]") -> int:
 def notice(message):
     """A one-line remark on stderr (never stdout, which holds only the generated text)."""
     print(f"notice: {message}", file=sys.stderr)
+
+
+def plural(n, word):
+    """The count and the word, plural unless the count is one: 1 message, 2 messages."""
+    return f"{n} {word}{'s' * (n != 1)}"
 
 
 # --- the machine and randomness ------------------------------------------------------------------
