@@ -53,6 +53,15 @@ class LoadError(ValueError):
     """A model could not be loaded; the message says why and what to do."""
 
 
+def save_tensors(tensors, path, metadata=None):
+    """safetensors' save_file, the file then given the mode the umask gives a new file (as its
+    siblings have): save_file itself leaves it readable by its owner alone."""
+    save_file(tensors, path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 
@@ -311,7 +320,7 @@ def convert_gguf(gguf_path, folder):
         for k, v in hf.state_dict().items()
         if k != "lm_head.weight" or not config.get("tie_word_embeddings")
     }
-    save_file(state, os.path.join(tmp, "model.safetensors"))
+    save_tensors(state, os.path.join(tmp, "model.safetensors"))
     manifest = {
         n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n)))
         for n in sorted(os.listdir(tmp))
@@ -510,7 +519,7 @@ def save_heads(heads, folder, dtype=torch.float16) -> None:
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
         for k, v in heads.state_dict().items()
     }
-    save_file(state, weights + ".tmp")
+    save_tensors(state, weights + ".tmp")
     with open(config + ".tmp", "w") as f:
         json.dump(asdict(heads.cfg), f, indent=1)
     os.replace(weights + ".tmp", weights)
@@ -614,7 +623,7 @@ TOKENS, TOKENS_CONFIG = "tokens.safetensors", "tokens.json"
 
 def save_tokens(folder, embeddings, model, report):
     """The [LA] embeddings (K, D) and what they were trained for (and how well: `report`)."""
-    save_file(
+    save_tensors(
         {"embeddings": embeddings.detach().float().cpu().contiguous()}, os.path.join(folder, TOKENS)
     )
     with open(os.path.join(folder, TOKENS_CONFIG), "w") as f:
