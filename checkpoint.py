@@ -390,8 +390,14 @@ def resolve(name_or_path):
         if not cache_is_valid(folder):
             convert_gguf(default_gguf(), folder)
         return folder
-    if os.path.isdir(name_or_path):
-        return name_or_path
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        return os.path.expanduser(name_or_path)
+    parent = os.path.dirname(name_or_path)
+    if name_or_path.startswith((".", "/", "~")) or (parent and os.path.isdir(parent)):
+        raise LoadError(
+            f"model '{name_or_path}': no such folder; give a transformers folder (config.json and "
+            "*.safetensors), a hub id (owner/name) or 'default'"
+        )
     if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
         raise LoadError(
             f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for "

@@ -222,7 +222,7 @@ def test_prompts_file_missing_or_a_folder(no_model, capsys, tmp_path):
 def test_model_not_found(capsys, tmp_path):
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--model", tmp_path / "no" / "such" / "model")[::2],
-        "not a folder nor a hub id",
+        "no such folder",
     )
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2], "no readable config.json"
@@ -615,7 +615,7 @@ def test_draft_model_not_llama_or_missing(loaded, capsys, tmp_path):
             ::2
         ],
         "--draft-model",
-        "not a folder nor a hub id",
+        "no such folder",
     )
 
 
