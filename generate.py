@@ -406,7 +406,18 @@ def build_parser():
         '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last, user\'s, '
         "message is answered",
     )
-    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--out",
+        help="with --prompts: write one JSON object per prompt here, each as its reply ends (with "
+        "--batch-size, in the order they end; each names its prompt's id); a new file, unless "
+        "--overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an --out file that exists (else it is refused: its replies would be lost "
+        "as soon as decoding starts)",
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -580,9 +591,9 @@ def build_parser():
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 "
-        "kernels, AVX-512 and newer, "
-        "but fp32 under --quantize fp16; else fp32) | fp32 | bf16 | fp16",
+        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
+        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32, and fp32 under "
+        "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
     # output
     p.add_argument(
@@ -618,6 +629,8 @@ def flags_without_effect(args, parser):
         ignored.append("--verify has no effect without a drafter (--heads none)")
     if args.raw and args.system is not None:
         ignored.append("--system has no effect with --raw (no chat template)")
+    if args.overwrite and not args.out:
+        ignored.append("--overwrite has no effect without --out")
     if args.show and args.batch_size > 1:
         ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
     elif args.show and args.quiet and not args.chat:
@@ -690,6 +703,11 @@ def check_args(args, parser):
                 f"--out {args.out} is the --prompts file: the replies would overwrite the "
                 "prompts; give another --out"
             )
+        if os.path.exists(args.out) and not args.overwrite:
+            raise cli.UsageError(
+                f"--out {args.out}: the file exists, and decoding would empty it; give a new "
+                "name, remove it, or add --overwrite"
+            )
     check_online(args, kind)
     cli.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
     if args.tree != "auto":
@@ -757,7 +775,7 @@ def check_drafter_flags(kind, spec, heads, tree, draft_model):
             f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use --draft "
             "heads or heads+lookup"
         )
-    if kind not in ("heads", "heads+lookup") and heads != "auto":
+    if kind not in ("heads", "heads+lookup") and heads not in ("auto", "none"):
         raise cli.UsageError(
             f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
             "heads or heads+lookup"

@@ -451,6 +451,7 @@ def test_heads_and_tree_that_fit_work(loaded, capsys, heads_dir):
 def reply_ids(capsys, tmp_path, *argv):
     """The ids of a 12-token reply to one prompt, and stderr."""
     out = tmp_path / "reply.jsonl"
+    out.unlink(missing_ok=True)  # an existing --out is refused
     code, _, err = run_cli(
         capsys,
         "--prompt",
@@ -1069,11 +1070,16 @@ def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_
             "--max-new-tokens", 9, "--batch-size", size, "--out", out,
         )  # fmt: skip
         assert code == 0, err
-        got[size] = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["id"] for r in got[size]] == ["p0", "p1", "p2", "p3", "p4"]  # the input's order
+        # written as each reply ends: in the order they end, each named by its prompt's id
+        got[size] = sorted(
+            (json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"]
+        )
+        assert [r["id"] for r in got[size]] == ["p0", "p1", "p2", "p3", "p4"]
         assert all(r["stopped"] in ("eos", "length") for r in got[size])
     assert [r["token_ids"] for r in got[1]] == [r["token_ids"] for r in got[3]]
-    assert [line.split("]")[0] for line in stdout.splitlines()] == [f"[p{i}" for i in range(5)]
+    assert sorted(line.split("]")[0] for line in stdout.splitlines()) == [
+        f"[p{i}" for i in range(5)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1117,3 +1123,73 @@ def test_a_batch_whose_cache_would_not_fit_is_refused_before_it_is_made(
     )  # fmt: skip
     check_one_line_error(code, err, "--batch-size 3", "GB are free", "use --batch-size 1")
     assert not out.exists()
+
+
+# --- what a user trying the tool ran into (issue 58) ---------------------------------------------
+
+
+def test_more_threads_than_cores_are_refused_before_the_model_loads(no_model, capsys):
+    cores = len(os.sched_getaffinity(0))
+    check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--threads", 999)[::2],
+        "--threads 999",
+        f"give at most {cores}",
+    )
+
+
+def test_an_existing_out_is_refused_unless_overwrite(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier replies\n")
+    argv = ["--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--out", out]
+    code, _, err = run_cli(capsys, *argv, "--max-new-tokens", 2)
+    check_one_line_error(code, err, "--out", "exists", "--overwrite")
+    assert out.read_text() == "earlier replies\n"
+    code, _, err = run_cli(capsys, *argv, "--max-new-tokens", 2, "--overwrite")
+    assert code == 0, err
+    assert json.loads(out.read_text())["new_tokens"] == 2
+    assert "--overwrite" in G.build_parser().format_help()
+
+
+def test_heads_none_with_a_drafter_without_heads_is_accepted(capsys, tiny_model_dir):
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", 3,
+        "--draft", "lookup", "--heads", "none",
+    )  # fmt: skip
+    assert code == 0, err
+    check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--draft", "lookup", "--heads", "medusa")[::2],
+        "drafts without heads",
+    )
+
+
+def test_dtype_help_says_where_auto_is_bf16():
+    """kernels.pick_dtype: bf16 wherever kernels.c runs (AVX2 too), not only on AVX-512."""
+    text = " ".join(G.build_parser().format_help().split())
+    assert "bf16 where kernels.c runs" in text and "AVX-512 and newer" not in text
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "~/no-such-model", "{tmp}/no/such"])
+def test_a_missing_local_model_folder_is_no_such_folder(capsys, tmp_path, name):
+    """A path that looks local is not looked up on the hub: no word of network or HF_TOKEN."""
+    name = name.format(tmp=tmp_path)
+    line = check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--model", name)[::2], "no such folder"
+    )
+    assert "HF_TOKEN" not in line and "network" not in line
+
+
+def test_counts_are_singular_for_one():
+    assert cli.plural(1, "message") == "1 message" and cli.plural(2, "repeat") == "2 repeats"
+    assert cli.plural(0, "[LA] token") == "0 [LA] tokens"
+
+
+def test_a_batch_calls_on_done_with_each_final_result(tiny):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    seen = {}
+
+    def on_done(i, r):
+        assert i not in seen
+        seen[i] = (list(r.tokens), list(r.accepted), r.steps, r.stopped)
+
+    results = G.generate_batch(tiny, prompts, [5, 3, 6, 4, 2], batch_size=2, on_done=on_done)
+    assert seen == {i: (r.tokens, r.accepted, r.steps, r.stopped) for i, r in enumerate(results)}
