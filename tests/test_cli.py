@@ -1178,6 +1178,18 @@ def test_a_missing_local_model_folder_is_no_such_folder(capsys, tmp_path, name):
     assert "HF_TOKEN" not in line and "network" not in line
 
 
+def test_the_banner_names_the_heads_folder(capsys, tmp_path, tiny_model_dir):
+    base = checkpoint.load(tiny_model_dir, "cpu", torch.float32)[0]
+    folder = tmp_path / "my-heads"
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("medusa", 2), base), folder)
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--heads", folder, "--prompt", "hi",
+        "--max-new-tokens", 3,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "heads: medusa" in err and f"heads from {folder}" in err
+
+
 def test_counts_are_singular_for_one():
     assert cli.plural(1, "message") == "1 message" and cli.plural(2, "repeat") == "2 repeats"
     assert cli.plural(0, "[LA] token") == "0 [LA] tokens"
@@ -1193,3 +1205,33 @@ def test_a_batch_calls_on_done_with_each_final_result(tiny):
 
     results = G.generate_batch(tiny, prompts, [5, 3, 6, 4, 2], batch_size=2, on_done=on_done)
     assert seen == {i: (r.tokens, r.accepted, r.steps, r.stopped) for i, r in enumerate(results)}
+
+
+def test_ctrl_c_in_a_batch_keeps_the_replies_that_ended(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """Each reply is printed and written as it ends: a Ctrl-C after two of them keeps both."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "a longer prompt", "b", "say it", "x"])
+    out = tmp_path / "out.jsonl"
+    real = G.generate_batch
+
+    def interrupted(*args, on_done=None, **kw):
+        ended = []
+
+        def done(i, r):
+            on_done(i, r)
+            ended.append(i)
+            if len(ended) == 2:
+                raise KeyboardInterrupt
+
+        return real(*args, on_done=done, **kw)
+
+    monkeypatch.setattr(G, "generate_batch", interrupted)
+    code, stdout, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--draft", "lookup", "--prompts", prompts,
+        "--max-new-tokens", 6, "--batch-size", 2, "--out", out,
+    )  # fmt: skip
+    assert code == 130, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 and len(stdout.splitlines()) == 2
+    assert {r["id"] for r in lines} <= {f"p{i}" for i in range(5)}

@@ -104,3 +104,10 @@ def test_a_readme_generate_command_passes_the_checks(readme, line, words, tmp_pa
         os.makedirs(folder, exist_ok=True)
     parser = generate.build_parser()
     generate.check_args(parser.parse_args(script_and_argv(words)[1]), parser)
+
+
+def test_the_readme_says_what_a_full_chat_context_does():
+    """Chat.fit drops the oldest messages when the conversation and the reply no longer fit."""
+    text = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    chat = text[text.index("**A conversation.**") :].split("```")[0]
+    assert "the oldest messages are dropped" in chat
