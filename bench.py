@@ -920,6 +920,15 @@ def online_cost(learner, seconds):
     }
 
 
+def online_summary(cost):
+    """online_cost's numbers in a line."""
+    line = f"{cli.plural(cost['updates'], 'update')} in {cost['update_seconds']:.2f} s, "
+    line += f"{cost['of_decoding']:.1%} of the decoding time"
+    if cost["loss"]:
+        line += f", loss {cost['loss'][0]:.3f} -> {cost['loss'][-1]:.3f}"
+    return line
+
+
 def fmt(x):
     return "-" if x is None else f"{x:.2f}"
 
@@ -1199,8 +1208,8 @@ def main(args):
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(
-        f"[bench] measuring {len(methods)} methods on {len(prompts)} prompts, {args.repeats} "
-        "repeats "
+        f"[bench] measuring {cli.plural(len(methods), 'method')} on "
+        f"{cli.plural(len(prompts), 'prompt')}, {cli.plural(args.repeats, 'repeat')} "
         "(Ctrl-C prints what was measured so far)",
         file=sys.stderr,
         flush=True,
@@ -1254,7 +1263,7 @@ def main(args):
     for name, m in methods.items():
         if m.learns:
             res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
-            print(f"[bench] {name}: {res[name]['online']}", file=sys.stderr)
+            print(f"[bench] {name}: {online_summary(res[name]['online'])}", file=sys.stderr)
     if interrupted:
         print(
             f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "

@@ -26,7 +26,7 @@ import drafters as drafters_lib
 import heads as heads_lib
 import kernels
 import tree as tree_lib
-from cli import UsageError, notice
+from cli import UsageError, notice, plural
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
@@ -468,7 +468,8 @@ def pass_drafter(folder, gamma, guesses, model):
         raise UsageError(f"--draft pass: {e}") from None
     if gamma > len(embeddings):
         raise UsageError(
-            f"--gamma {gamma}: {folder} holds {len(embeddings)} [LA] tokens, so pass drafts at "
+            f"--gamma {gamma}: {folder} holds {plural(len(embeddings), '[LA] token')}, so "
+            "pass drafts at "
             f"most {len(embeddings)} a step; "
             f"use --gamma {len(embeddings)} or fewer"
         )

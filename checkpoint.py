@@ -53,6 +53,15 @@ class LoadError(ValueError):
     """A model could not be loaded; the message says why and what to do."""
 
 
+def save_tensors(tensors, path, metadata=None):
+    """safetensors' save_file, the file then given the mode the umask gives a new file (as its
+    siblings have): save_file itself leaves it readable by its owner alone."""
+    save_file(tensors, path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 
@@ -311,7 +320,7 @@ def convert_gguf(gguf_path, folder):
         for k, v in hf.state_dict().items()
         if k != "lm_head.weight" or not config.get("tie_word_embeddings")
     }
-    save_file(state, os.path.join(tmp, "model.safetensors"))
+    save_tensors(state, os.path.join(tmp, "model.safetensors"))
     manifest = {
         n: (os.path.getsize(os.path.join(tmp, n)), _sha256(os.path.join(tmp, n)))
         for n in sorted(os.listdir(tmp))
@@ -381,8 +390,14 @@ def resolve(name_or_path):
         if not cache_is_valid(folder):
             convert_gguf(default_gguf(), folder)
         return folder
-    if os.path.isdir(name_or_path):
-        return name_or_path
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        return os.path.expanduser(name_or_path)
+    parent = os.path.dirname(name_or_path)
+    if name_or_path.startswith((".", "/", "~")) or (parent and os.path.isdir(parent)):
+        raise LoadError(
+            f"model '{name_or_path}': no such folder; give a transformers folder (config.json and "
+            "*.safetensors), a hub id (owner/name) or 'default'"
+        )
     if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
         raise LoadError(
             f"model '{name_or_path}' is not a folder nor a hub id (owner/name); use 'default' for "
@@ -510,7 +525,7 @@ def save_heads(heads, folder, dtype=torch.float16) -> None:
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
         for k, v in heads.state_dict().items()
     }
-    save_file(state, weights + ".tmp")
+    save_tensors(state, weights + ".tmp")
     with open(config + ".tmp", "w") as f:
         json.dump(asdict(heads.cfg), f, indent=1)
     os.replace(weights + ".tmp", weights)
@@ -614,7 +629,7 @@ TOKENS, TOKENS_CONFIG = "tokens.safetensors", "tokens.json"
 
 def save_tokens(folder, embeddings, model, report):
     """The [LA] embeddings (K, D) and what they were trained for (and how well: `report`)."""
-    save_file(
+    save_tensors(
         {"embeddings": embeddings.detach().float().cpu().contiguous()}, os.path.join(folder, TOKENS)
     )
     with open(os.path.join(folder, TOKENS_CONFIG), "w") as f:

@@ -9,6 +9,7 @@ Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
 
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
+    plural(n, word)                                  "1 message", "2 messages"
     pick_device, pick_dtype, check_seed              the machine and randomness
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, writable_folder, empty_folder     paths, checked before the work
@@ -91,6 +92,11 @@ def notice(message):
     print(f"notice: {message}", file=sys.stderr)
 
 
+def plural(n, word):
+    """The count and the word, plural unless the count is one: 1 message, 2 messages."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 # --- the machine and randomness ------------------------------------------------------------------
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,12 +172,18 @@ def busy_cores(seconds=0.1):
 def use_threads(threads):
     """--threads: torch's CPU threads (and kernels.c's, which reads torch's count). 0 = the cores
     that other work leaves idle now, at least one: a thread that waits for a core another job
-    holds stalls every step, so on a shared machine fewer threads are faster. Returns the count."""
+    holds stalls every step, so on a shared machine fewer threads are faster; more threads than
+    the cores this process may use are refused. Returns the count."""
     if threads < 0:
         raise UsageError(f"--threads {threads}: must be 0 (the idle cores) or a number of threads")
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
+    if threads > cores:  # more threads than cores wait for each other every step
+        raise UsageError(
+            f"--threads {threads}: this process may use {cores} cores; give at most {cores}, or 0 "
+            "for the idle ones"
+        )
     if threads == 0:
         threads = max(1, cores - busy_cores())
     torch.set_num_threads(threads)
@@ -183,7 +195,8 @@ def threads_flag(p):
         "--threads",
         type=int,
         default=0,
-        help="CPU threads (default: 0 = the cores other work leaves idle at the start)",
+        help="CPU threads, at most the cores this process may use (default: 0 = the cores other "
+        "work leaves idle at the start)",
     )
 
 

@@ -36,7 +36,7 @@ class Waiting:
     started: float = 0.0  # when its prefill began (time in the queue is not its own)
 
 
-def check_batch(model, drafter, prompts, max_new_tokens, generators):
+def check_batch(model, prompts, max_new_tokens, generators):
     assert len(max_new_tokens) == len(generators) == len(prompts), "a limit, a generator a prompt"
     for prompt, n, generator in zip(prompts, max_new_tokens, generators):
         decode.check_prompt(model, prompt, n, generator)
@@ -64,7 +64,7 @@ def generate_batch(
     dev, B = model.device, len(prompts)
     drafter = drafter if drafter is not None else drafters_lib.Plain(dev)
     generators = generators if generators is not None else [None] * B
-    check_batch(model, drafter, prompts, max_new_tokens, generators)
+    check_batch(model, prompts, max_new_tokens, generators)
     eos_ids = set(eos_ids)
     queue = [
         Waiting(i, p, n, g, decode.Result())
@@ -77,19 +77,21 @@ def generate_batch(
     rows = [None] * size  # the decode.Row in each cache row; None: free
     jobs = [None] * size  # the Waiting each row decodes
 
-    def add(slot, new, sources):  # a row's new tokens; True when its reply is whole
+    def add(slot, new, sources):  # a row's new tokens, streamed; True when its reply is whole
         job = jobs[slot]
         before = len(job.out.tokens)
         done = job.out.add(new, sources, job.limit, eos_ids)
         if on_tokens:
             on_tokens(job.index, job.out.tokens[before:], job.out.sources[before:])
-        if done:
-            job.out.seconds = time.perf_counter() - job.started
-            rows[slot] = None  # free: a waiting prompt takes its cache row; until then its entries
-            cache.lengths[slot] = 0  # (drafts kept past its limit too) must not move the write slot
-            if on_done:
-                on_done(job.index, job.out)
         return done
+
+    def finish(slot):  # the row's Result is final: its cache row is free
+        job = jobs[slot]
+        job.out.seconds = time.perf_counter() - job.started
+        rows[slot] = None  # a waiting prompt takes it; until then its entries (drafts kept past
+        cache.lengths[slot] = 0  # its limit too) must not move where every row's forward writes
+        if on_done:
+            on_done(job.index, job.out)
 
     def refill(free):
         """The next waiting prompts take the free cache rows: prefilled in one forward into a cache
@@ -108,7 +110,8 @@ def generate_batch(
             root = decode.first_token(logits[j], temperature, top_p, job.generator)
             rows[slot], jobs[slot] = decode.Row(own, verifier, root), job
             job.out.steps = 1
-            add(slot, [root], [0])
+            if add(slot, [root], [0]):
+                finish(slot)
 
     while queue or any(rows):
         free = [s for s, row in enumerate(rows) if row is None]
@@ -127,6 +130,9 @@ def generate_batch(
             job.out.steps += 1
             before = len(job.out.tokens)
             rows[slot].root = s.bonus
-            add(slot, s.tokens, s.sources)
+            done = add(slot, s.tokens, s.sources)
+            # the drafts emitted: fewer than were accepted where EOS or the limit cut the step
             job.out.accepted.append(min(len(s.kept) - 1, len(job.out.tokens) - before))
+            if done:
+                finish(slot)
     return results

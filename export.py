@@ -32,7 +32,6 @@ import shlex
 import sys
 
 import torch
-from safetensors.torch import save_file
 
 import catalog
 import checkpoint
@@ -185,7 +184,7 @@ def main(args):
         if error := other_model(heads_cfg, args, lm_head_fingerprint(model)):
             raise error
         config, tensors = vllm_medusa(checkpoint.load_heads(folder, model), cli.DTYPES[args.dtype])
-        save_file(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
+        checkpoint.save_tensors(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(args.out, CONFIG), "w") as f:
             json.dump(config, f, indent=1)
     finally:

@@ -55,7 +55,18 @@ def build_parser():
         '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last, user\'s, '
         "message is answered",
     )
-    p.add_argument("--out", help="with --prompts: write one JSON object per prompt here")
+    p.add_argument(
+        "--out",
+        help="with --prompts: write one JSON object per prompt here, each as its reply ends (with "
+        "--batch-size, in the order they end; each names its prompt's id); a new file, unless "
+        "--overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an --out file that exists (else it is refused: its replies would be lost "
+        "as soon as decoding starts)",
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -68,8 +79,9 @@ def build_parser():
         type=int,
         default=1,
         help="with --prompts: decode this many prompts side by side, one forward of the base "
-        "model for all (--draft heads, lookup or heads+lookup); each reply is printed whole, "
-        "marked with its id, and sampled from its own generator, seeded --seed + its line's index",
+        "model for all (--draft heads, lookup or heads+lookup); each reply is printed whole as "
+        "it ends, marked with its id, and sampled from its own generator, seeded --seed + its "
+        "line's index",
     )
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -178,8 +190,9 @@ def build_parser():
         "--online-save",
         default=None,
         metavar="FOLDER",
-        help="--online: write the adapted heads here at the end (load them with --heads FOLDER); "
-        "a new folder, never the shipped heads' or one holding heads or a train.py run",
+        help="--online: write the adapted heads here at the end, or at Ctrl-C what they learned "
+        "so far (load them with --heads FOLDER); a new or empty folder, never inside the shipped "
+        "heads'",
     )
     # decoding
     p.add_argument(
@@ -229,9 +242,9 @@ def build_parser():
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; bf16 on CPUs with oneDNN bf16 "
-        "kernels, AVX-512 and newer, "
-        "but fp32 under --quantize fp16; else fp32) | fp32 | bf16 | fp16",
+        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
+        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32, and fp32 under "
+        "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
     # output
     p.add_argument(
@@ -267,6 +280,8 @@ def flags_without_effect(args, parser):
         ignored.append("--verify has no effect without a drafter (--heads none)")
     if args.raw and args.system is not None:
         ignored.append("--system has no effect with --raw (no chat template)")
+    if args.overwrite and not args.out:
+        ignored.append("--overwrite has no effect without --out")
     if args.show and args.batch_size > 1:
         ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
     elif args.show and args.quiet and not args.chat:
@@ -339,6 +354,11 @@ def check_args(args, parser):
                 f"--out {args.out} is the --prompts file: the replies would overwrite the "
                 "prompts; give another --out"
             )
+        if os.path.exists(args.out) and not args.overwrite:
+            raise cli.UsageError(
+                f"--out {args.out}: the file exists, and decoding would empty it; give a new "
+                "name, remove it, or add --overwrite"
+            )
     check_online(args, kind)
     cli.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
     if args.tree != "auto":
@@ -350,7 +370,8 @@ def check_args(args, parser):
 
 
 def check_online(args, kind):
-    """--online needs heads to train; its numbers are positive; --online-save is a new folder."""
+    """--online needs heads to train; its numbers are positive; --online-save is a new or empty
+    folder."""
     if not args.online:
         if args.online_save:
             raise cli.UsageError("--online-save writes the heads --online adapts; add --online")
@@ -382,6 +403,10 @@ def check_online(args, kind):
                 f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py "
                 "run), which saving would overwrite; give a new folder"
             )
+        if os.path.isdir(folder) and os.listdir(folder):  # the heads and trees go in loose
+            raise cli.UsageError(
+                f"--online-save {folder}: the folder is not empty; give a new or empty one"
+            )
         cli.writable_folder("--online-save", folder)
 
 
@@ -406,7 +431,7 @@ def check_drafter_flags(kind, spec, heads, tree, draft_model):
             f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use --draft "
             "heads or heads+lookup"
         )
-    if kind not in ("heads", "heads+lookup") and heads != "auto":
+    if kind not in ("heads", "heads+lookup") and heads not in ("auto", "none"):
         raise cli.UsageError(
             f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
             "heads or heads+lookup"
@@ -654,7 +679,8 @@ def check_batch_memory(model, encoded, batch_size, drafter, device):
 
 CHAT_HELP = (
     "[type a message and press Enter; /reset starts a new conversation, /save FILE appends it to "
-    'FILE as a {"messages": [...]} line (train.py reads those), /load FILE goes on with the last '
+    'FILE as a {"messages": [...]} line (train.py reads those; its "cut" lists the replies cut '
+    "short by --max-new-tokens or Ctrl-C), /load FILE goes on with the last "
     "conversation in FILE, /help shows this; a message that starts with / is typed //...; "
     "Ctrl-C stops a reply (the conversation stays), Ctrl-D ends]"
 )
@@ -669,7 +695,8 @@ def read_message(interactive):
 
 
 def last_conversation(path):
-    """The messages of the last {"messages": [...]} line of a file (/save appends them)."""
+    """The messages of the last {"messages": [...]} line of a file (/save appends them), and the
+    indices its "cut" gives of the replies cut short."""
     try:
         with open(path, encoding="utf-8-sig") as f:
             lines = [line for line in f.read().splitlines() if line.strip()]
@@ -686,7 +713,17 @@ def last_conversation(path):
         raise cli.UsageError(
             f'/load {path}: its last line is not a {{"messages": [...]}} object; the chat goes on'
         )
-    return cli.check_messages(record["messages"], f"/load {path}", ends_with_user=False)
+    messages = cli.check_messages(record["messages"], f"/load {path}", ends_with_user=False)
+    cut = record.get("cut", [])
+    if not isinstance(cut, list) or not all(
+        type(i) is int and 0 <= i < len(messages) and messages[i]["role"] == "assistant"
+        for i in cut
+    ):
+        raise cli.UsageError(
+            f'/load {path}: its "cut" is not a list of the indices of assistant messages; fix or '
+            "drop it"
+        )
+    return messages, cut
 
 
 class Chat:
@@ -707,6 +744,8 @@ class Chat:
         self.show = show
         self.stats = stats
         self.learner = learner  # --online: the heads learn between turns
+        self.cut = []  # the replies cut short (the length limit, Ctrl-C): /save marks them
+        self.seconds = 0.0  # spent answering (--online's share of it)
 
     def run(self, interactive):
         """Read, answer, repeat, until the end of the input; the exit code."""
@@ -730,35 +769,50 @@ class Chat:
 
     def command(self, line):
         name, _, path = line.partition(" ")
-        path = path.strip()
+        path = os.path.expanduser(path.strip())
         if name == "/help":
             print(CHAT_HELP, file=sys.stderr)
         elif name == "/reset":
             self.messages = list(self.system)  # the cache keeps what the next turn shares with it
+            self.cut = []
             print("[a new conversation]", file=sys.stderr)
         elif name in ("/save", "/load") and not path:
             raise cli.UsageError(f"{name} needs a file name, as in {name} chat.jsonl")
         elif name == "/save":
             self.save(path)
         elif name == "/load":
-            messages = last_conversation(path)
+            messages, cut = last_conversation(path)
             self.layout(messages)  # the template takes it (else: refused, the chat goes on)
             self.messages = messages
-            print(f"[{len(messages)} messages loaded from {path}]", file=sys.stderr)
+            self.cut = [messages[i] for i in cut]
+            print(f"[{cli.plural(len(messages), 'message')} loaded from {path}]", file=sys.stderr)
             if messages[-1]["role"] == "user":  # a question waiting: answer it
                 self.answer(messages)
         else:
             raise cli.UsageError(f"unknown command {name}; /help lists them")
 
     def save(self, path):
+        """Append the conversation as a {"messages": [...]} line; the replies cut short are marked
+        by their indices in its "cut" (train.py reads the messages: a cut reply is still the
+        model's own text; /load keeps the marks)."""
+        if len(self.messages) == len(self.system):
+            raise cli.UsageError("/save: nothing to save yet; type a message first")
+        record = {"messages": self.messages}
+        cut = [i for i, m in enumerate(self.messages) if any(m is c for c in self.cut)]
+        if cut:
+            record["cut"] = cut
         try:
             with open(path, "a", encoding="utf-8") as f:  # appended: nothing already there is lost
-                f.write(json.dumps({"messages": self.messages}, ensure_ascii=False) + "\n")
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
         except OSError as e:
             raise cli.UsageError(
                 f"/save {path}: cannot write it ({e.strerror}); give a file in a writable folder"
             ) from None
-        print(f"[{len(self.messages)} messages appended to {path}]", file=sys.stderr)
+        marks = f'; "cut": {cut} marks the replies cut short' if cut else ""
+        print(
+            f"[{cli.plural(len(self.messages), 'message')} appended to {path}{marks}]",
+            file=sys.stderr,
+        )
 
     def layout(self, messages):
         """The conversation's ids, up to where the assistant's reply begins."""
@@ -791,7 +845,7 @@ class Chat:
                 f"{context}; shorten it"
             )
         if dropped:
-            cli.notice(f"the context is full: the oldest {dropped} messages are dropped")
+            cli.notice(f"the context is full: dropping the oldest {cli.plural(dropped, 'message')}")
         if room < want:
             cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
         return messages, ids, min(want, room)
@@ -816,14 +870,23 @@ class Chat:
             text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
             if text:
                 self.messages = messages + [{"role": "assistant", "content": text}]
-            print(
-                "[stopped" + ("; the reply so far stays in the conversation]" if text else "]"),
-                file=sys.stderr,
+                self.cut.append(self.messages[-1])
+            kept = (
+                "; the reply so far stays in the conversation, /save marks it cut" if text else ""
             )
+            print(f"[stopped{kept}]", file=sys.stderr)
             return None
         print()
+        self.seconds += r.seconds
         text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         self.messages = messages + [{"role": "assistant", "content": text}]
+        if r.stopped == "length":
+            self.cut.append(self.messages[-1])
+            if limit == (self.max_new_tokens or MAX_NEW_TOKENS):
+                why = f"--max-new-tokens {limit}"
+            else:
+                why = f"{cli.plural(limit, 'new token')}, all the context leaves"
+            print(f"[cut at {why}; /save marks it cut]", file=sys.stderr)
         if self.learner:  # between turns: the next reply drafts with what this one taught
             self.learner.reply_done()
         if self.stats:
@@ -834,6 +897,15 @@ class Chat:
                 file=sys.stderr,
             )
         return r
+
+
+def heads_source(kind, name):
+    """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
+    folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
+    shipped = os.path.abspath(catalog.SHIPPED) + os.sep
+    if folder is None or os.path.abspath(folder).startswith(shipped):
+        return ""
+    return f", heads from {folder}"
 
 
 def open_output(path):
@@ -934,29 +1006,16 @@ def run_main(args):
         on += f"; kernels.c off: {kernels.native_reason()}"
     print(
         f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, "
-        f"{drafter.name}{on}]",
+        f"{drafter.name}{heads_source(kind, args.heads)}{on}]",
         file=sys.stderr,
     )
     if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
         print(legend_line(drafter), file=sys.stderr)
-    if args.chat:
-        decoding = dict(
-            verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
-        )
-        chat = Chat(
-            decode.Conversation(model, drafter),
-            tokenizer,
-            args.system,
-            args.max_new_tokens,
-            decoding | {"eos_ids": eos},
-            show,
-            stats=not args.quiet,
-            learner=learner,
-        )
-        return chat.run(interactive=sys.stdin.isatty())
     total = decode.Result()
 
     def finish(pid, r):  # statistics, the totals and the --out line of one reply
+        if batch_size > 1 and not args.quiet:  # printed whole, marked with its id
+            print(f"[{pid}] " + tokenizer.decode(r.tokens, skip_special_tokens=True))
         print(stats_line(r, drafter.max_depth), file=sys.stderr)
         total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
         total.steps = total.steps + r.steps
@@ -976,61 +1035,81 @@ def run_main(args):
                 + "\n"
             )
             writer.flush()
+        if learner:  # between replies: the next ones draft with what this one taught
+            learner.reply_done()
 
+    code = None
     try:
-        # with --batch-size, a queue of 4 batches at a time: the rows of replies that end take
-        # the next prompts, and each chunk's replies are written when it is done
-        chunk = 1 if batch_size == 1 else 4 * batch_size
-        for i in range(0, len(encoded), chunk):
-            batch = encoded[i : i + chunk]
+        if args.chat:
+            decoding = dict(
+                verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
+            )
+            chat = Chat(
+                decode.Conversation(model, drafter),
+                tokenizer,
+                args.system,
+                args.max_new_tokens,
+                decoding | {"eos_ids": eos},
+                show,
+                stats=not args.quiet,
+                learner=learner,
+            )
+            code = chat.run(interactive=sys.stdin.isatty())
+            total.seconds = chat.seconds
+        elif batch_size == 1:  # streamed, one generator through every prompt
             t0 = time.perf_counter()
-            if batch_size == 1:  # streamed, one generator through every prompt
-                (pid, ids, max_new_tokens) = batch[0]
+            for pid, ids, max_new_tokens in encoded:
                 printer = None if args.quiet else Printer(tokenizer, show)
-                results = [
-                    decode.generate(
-                        model,
-                        ids,
-                        max_new_tokens,
-                        drafter,
-                        args.verify,
-                        temperature,
-                        args.top_p,
-                        generator,
-                        eos,
-                        printer,
-                    )
-                ]
-                if printer:
-                    print()
-            else:  # printed whole; prompt i samples from its own generator, seeded seed + i
-                generators = [
-                    torch.Generator(device=device).manual_seed(args.seed + i + j)
-                    for j in range(len(batch))
-                ]
-                results = engine.generate_batch(
+                r = decode.generate(
                     model,
-                    [ids for _, ids, _ in batch],
-                    [n for _, _, n in batch],
+                    ids,
+                    max_new_tokens,
                     drafter,
                     args.verify,
                     temperature,
                     args.top_p,
-                    generators,
+                    generator,
                     eos,
-                    batch_size=batch_size,
+                    printer,
                 )
-                if not args.quiet:
-                    for (pid, _, _), r in zip(batch, results):
-                        print(f"[{pid}] " + tokenizer.decode(r.tokens, skip_special_tokens=True))
-            total.seconds += time.perf_counter() - t0  # the batch's wall time: rows overlap
-            for (pid, _, _), r in zip(batch, results):
+                if printer:
+                    print()
                 finish(pid, r)
-                if learner:  # between replies: the next ones draft with what these taught
-                    learner.reply_done()
+            total.seconds = time.perf_counter() - t0
+        else:  # each reply printed whole as it ends; prompt i samples from its own generator
+            generators = [  # seeded seed + i
+                torch.Generator(device=device).manual_seed(args.seed + i)
+                for i in range(len(encoded))
+            ]
+            t0 = time.perf_counter()
+            engine.generate_batch(
+                model,
+                [ids for _, ids, _ in encoded],
+                [n for _, _, n in encoded],
+                drafter,
+                args.verify,
+                temperature,
+                args.top_p,
+                generators,
+                eos,
+                batch_size=batch_size,
+                on_done=lambda i, r: finish(encoded[i][0], r),
+            )
+            total.seconds = time.perf_counter() - t0
+    except KeyboardInterrupt:  # what the heads learned so far is kept, not thrown away
+        if learner and args.online_save:
+            save_online(learner, args.online_save, catalog.find_heads(args.heads))
+            updates = cli.plural(learner.updates, "update")
+            print(
+                f"[online: stopped by Ctrl-C; the heads after {updates} are in {args.online_save}]",
+                file=sys.stderr,
+            )
+        raise
     finally:
         if writer:
             writer.close()
+    if learner and not args.chat:  # the decoding time, without the updates between replies
+        total.seconds -= learner.seconds
     if len(encoded) > 1:
         print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
     if learner:
@@ -1038,6 +1117,7 @@ def run_main(args):
     if args.online_save:
         save_online(learner, args.online_save, catalog.find_heads(args.heads))
         print(f"[online: the adapted heads are in {args.online_save}]", file=sys.stderr)
+    return code
 
 
 def cli_main(argv=None) -> int:

@@ -129,7 +129,7 @@ def save_delta(adapted, folder, base):
             lora.A.detach().half().contiguous(),
             lora.B.detach().half().contiguous(),
         )
-    save_file(tensors, os.path.join(folder, checkpoint.DELTA))
+    checkpoint.save_tensors(tensors, os.path.join(folder, checkpoint.DELTA))
     with open(os.path.join(folder, checkpoint.DELTA_CONFIG), "w") as f:
         json.dump(
             {

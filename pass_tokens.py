@@ -131,7 +131,8 @@ def run(args):
     r = evaluate(model, held_out, extra, args.stride)
     curve, t0, rows = [dict(step=0, **r)], time.time(), 0
     print(
-        f"[pass] {len(trained)} + {len(held_out)} conversations, {args.tokens} [LA] tokens; step "
+        f"[pass] {len(trained)} + {len(held_out)} conversations, "
+        f"{cli.plural(args.tokens, '[LA] token')}; step "
         "0: held-out chain tau "
         f"{r['chain_tau']:.3f}, top-1 {r['top1']}",
         file=sys.stderr,

@@ -588,3 +588,15 @@ def test_every_measurement_names_the_cpu_path_it_ran(monkeypatch, forced):
     want = "cpu-generic" if forced == "off" else f"cpu-{forced}"
     assert tuning.machine("cpu", torch.bfloat16)["device"] == want
     assert f"device: {want}," in tuning.machine_line(tuning.machine("cpu", torch.float32))
+
+
+def test_an_online_method_reports_its_updates_in_words(capsys, tmp_path, tiny_model_dir):
+    saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
+    code, _, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "hydra++-online",
+        "--heads-dir", tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "on 1 prompt, 1 repeat (Ctrl-C" in err
+    line = [x for x in err.splitlines() if x.startswith("[bench] hydra++-online: ")][-1]
+    assert " update" in line and "of the decoding time" in line and "{" not in line, line

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import checkpoint
+import dataset
 import drafters
 import decode
 import generate as G
@@ -247,9 +248,48 @@ def test_a_full_context_drops_the_oldest_turns(
         monkeypatch, capsys, tiny_chat, tiny_model_dir, [long + "1", long + "2", long + "3", save]
     )
     assert code == 0 and not errors
-    assert err.count("the context is full: the oldest 2 messages are dropped") == 1
+    assert err.count("the context is full: dropping the oldest 2 messages") == 1
     kept = json.loads((tmp_path / "c.jsonl").read_text())["messages"]
     assert kept[0]["content"] == long + "2" and len(kept) == 4
+
+
+def test_save_before_any_turn_writes_nothing(
+    tiny_chat, tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    lines = [f"/save {tmp_path / 'c.jsonl'}"]
+    code, _, errors = chat_session(monkeypatch, capsys, tiny_chat, tiny_model_dir, lines)
+    assert code == 0 and len(errors) == 1 and "nothing to save yet" in errors[0]
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_save_and_load_take_the_home_folder(
+    tiny_chat, tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    lines = ["Hi!", "/save ~/c.jsonl", "/load ~/c.jsonl"]
+    code, err, errors = chat_session(monkeypatch, capsys, tiny_chat, tiny_model_dir, lines)
+    assert code == 0 and not errors, err
+    assert json.loads((tmp_path / "c.jsonl").read_text())["messages"][0]["content"] == "Hi!"
+    assert "[2 messages loaded from" in err
+
+
+def test_a_reply_cut_at_max_new_tokens_is_marked_on_screen_and_in_the_save(
+    tiny_chat, tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    """The tiny model never says EOS in 5 tokens: each reply is cut, said so; /save lists them in
+    "cut", which /load keeps for the next /save; train.py reads the line's messages."""
+    path = tmp_path / "c.jsonl"
+    lines = ["Hi!", "More.", f"/save {path}", f"/load {path}", f"/save {path}"]
+    code, err, errors = chat_session(monkeypatch, capsys, tiny_chat, tiny_model_dir, lines)
+    assert code == 0 and not errors, err
+    assert err.count("[cut at --max-new-tokens 5; /save marks it cut]") == 2
+    first, again = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first["cut"] == [1, 3] == again["cut"] and first["messages"] == again["messages"]
+    assert dataset.messages_of(first, "c.jsonl") == first["messages"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps(first | {"cut": [0]}) + "\n")
+    lines = [f"/load {tmp_path / 'bad.jsonl'}"]
+    _, _, errors = chat_session(monkeypatch, capsys, tiny_chat, tiny_model_dir, lines)
+    assert len(errors) == 1 and '"cut"' in errors[0]
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import checkpoint
 import cli
 import drafters
 import decode
+import engine
 import generate as G
 import heads as heads_lib
 import kernels
@@ -223,7 +224,7 @@ def test_prompts_file_missing_or_a_folder(no_model, capsys, tmp_path):
 def test_model_not_found(capsys, tmp_path):
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--model", tmp_path / "no" / "such" / "model")[::2],
-        "not a folder nor a hub id",
+        "no such folder",
     )
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2], "no readable config.json"
@@ -299,9 +300,11 @@ def test_threads_are_the_cores_other_work_leaves_idle(monkeypatch):
     monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: cores + 3)  # more jobs than cores
     assert cli.use_threads(0) == 1
     monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: 0)
-    assert cli.use_threads(0) == cores and cli.use_threads(3) == 3 == torch.get_num_threads()
+    assert cli.use_threads(0) == cores and cli.use_threads(1) == 1 == torch.get_num_threads()
     with pytest.raises(cli.UsageError, match="--threads -1: must be 0"):
         cli.use_threads(-1)
+    with pytest.raises(cli.UsageError, match=f"--threads {cores + 1}: .* give at most {cores}"):
+        cli.use_threads(cores + 1)
     monkeypatch.undo()  # the real count
     assert 0 <= cli.busy_cores(0.02) <= os.cpu_count()
 
@@ -450,6 +453,7 @@ def test_heads_and_tree_that_fit_work(loaded, capsys, heads_dir):
 def reply_ids(capsys, tmp_path, *argv):
     """The ids of a 12-token reply to one prompt, and stderr."""
     out = tmp_path / "reply.jsonl"
+    out.unlink(missing_ok=True)  # an existing --out is refused
     code, _, err = run_cli(
         capsys,
         "--prompt",
@@ -614,7 +618,7 @@ def test_draft_model_not_llama_or_missing(loaded, capsys, tmp_path):
             ::2
         ],
         "--draft-model",
-        "not a folder nor a hub id",
+        "no such folder",
     )
 
 
@@ -1068,11 +1072,16 @@ def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_
             "--max-new-tokens", 9, "--batch-size", size, "--out", out,
         )  # fmt: skip
         assert code == 0, err
-        got[size] = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["id"] for r in got[size]] == ["p0", "p1", "p2", "p3", "p4"]  # the input's order
+        # written as each reply ends: in the order they end, each named by its prompt's id
+        got[size] = sorted(
+            (json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"]
+        )
+        assert [r["id"] for r in got[size]] == ["p0", "p1", "p2", "p3", "p4"]
         assert all(r["stopped"] in ("eos", "length") for r in got[size])
     assert [r["token_ids"] for r in got[1]] == [r["token_ids"] for r in got[3]]
-    assert [line.split("]")[0] for line in stdout.splitlines()] == [f"[p{i}" for i in range(5)]
+    assert sorted(line.split("]")[0] for line in stdout.splitlines()) == [
+        f"[p{i}" for i in range(5)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1116,3 +1125,115 @@ def test_a_batch_whose_cache_would_not_fit_is_refused_before_it_is_made(
     )  # fmt: skip
     check_one_line_error(code, err, "--batch-size 3", "GB are free", "use --batch-size 1")
     assert not out.exists()
+
+
+# --- what a user trying the tool ran into (issue 58) ---------------------------------------------
+
+
+def test_more_threads_than_cores_are_refused_before_the_model_loads(no_model, capsys):
+    cores = len(os.sched_getaffinity(0))
+    check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--threads", 999)[::2],
+        "--threads 999",
+        f"give at most {cores}",
+    )
+
+
+def test_an_existing_out_is_refused_unless_overwrite(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier replies\n")
+    argv = ["--model", tiny_model_dir, "--heads", "none", "--prompt", "hi", "--out", out]
+    code, _, err = run_cli(capsys, *argv, "--max-new-tokens", 2)
+    check_one_line_error(code, err, "--out", "exists", "--overwrite")
+    assert out.read_text() == "earlier replies\n"
+    code, _, err = run_cli(capsys, *argv, "--max-new-tokens", 2, "--overwrite")
+    assert code == 0, err
+    assert json.loads(out.read_text())["new_tokens"] == 2
+    assert "--overwrite" in G.build_parser().format_help()
+
+
+def test_heads_none_with_a_drafter_without_heads_is_accepted(capsys, tiny_model_dir):
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", 3,
+        "--draft", "lookup", "--heads", "none",
+    )  # fmt: skip
+    assert code == 0, err
+    check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--draft", "lookup", "--heads", "medusa")[::2],
+        "drafts without heads",
+    )
+
+
+def test_dtype_help_says_where_auto_is_bf16():
+    """kernels.pick_dtype: bf16 wherever kernels.c runs (AVX2 too), not only on AVX-512."""
+    text = " ".join(G.build_parser().format_help().split())
+    assert "bf16 where kernels.c runs" in text and "AVX-512 and newer" not in text
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "~/no-such-model", "{tmp}/no/such"])
+def test_a_missing_local_model_folder_is_no_such_folder(capsys, tmp_path, name):
+    """A path that looks local is not looked up on the hub: no word of network or HF_TOKEN."""
+    name = name.format(tmp=tmp_path)
+    line = check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--model", name)[::2], "no such folder"
+    )
+    assert "HF_TOKEN" not in line and "network" not in line
+
+
+def test_the_banner_names_the_heads_folder(capsys, tmp_path, tiny_model_dir):
+    base = checkpoint.load(tiny_model_dir, "cpu", torch.float32)[0]
+    folder = tmp_path / "my-heads"
+    checkpoint.save_heads(heads_lib.build(heads_lib.HeadsConfig("medusa", 2), base), folder)
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--heads", folder, "--prompt", "hi",
+        "--max-new-tokens", 3,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "heads: medusa" in err and f"heads from {folder}" in err
+
+
+def test_counts_are_singular_for_one():
+    assert cli.plural(1, "message") == "1 message" and cli.plural(2, "repeat") == "2 repeats"
+    assert cli.plural(0, "[LA] token") == "0 [LA] tokens"
+
+
+def test_a_batch_calls_on_done_with_each_final_result(tiny):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    seen = {}
+
+    def on_done(i, r):
+        assert i not in seen
+        seen[i] = (list(r.tokens), list(r.accepted), r.steps, r.stopped)
+
+    results = engine.generate_batch(tiny, prompts, [5, 3, 6, 4, 2], batch_size=2, on_done=on_done)
+    assert seen == {i: (r.tokens, r.accepted, r.steps, r.stopped) for i, r in enumerate(results)}
+
+
+def test_ctrl_c_in_a_batch_keeps_the_replies_that_ended(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """Each reply is printed and written as it ends: a Ctrl-C after two of them keeps both."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "a longer prompt", "b", "say it", "x"])
+    out = tmp_path / "out.jsonl"
+    real = engine.generate_batch
+
+    def interrupted(*args, on_done=None, **kw):
+        ended = []
+
+        def done(i, r):
+            on_done(i, r)
+            ended.append(i)
+            if len(ended) == 2:
+                raise KeyboardInterrupt
+
+        return real(*args, on_done=done, **kw)
+
+    monkeypatch.setattr(engine, "generate_batch", interrupted)
+    code, stdout, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--draft", "lookup", "--prompts", prompts,
+        "--max-new-tokens", 6, "--batch-size", 2, "--out", out,
+    )  # fmt: skip
+    assert code == 130, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 and len(stdout.splitlines()) == 2
+    assert {r["id"] for r in lines} <= {f"p{i}" for i in range(5)}

@@ -21,6 +21,7 @@ Run: `python -m pytest -q tests/test_export.py`. Shapes: B batch, T time, K head
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -142,6 +143,9 @@ def test_vllm_reads_our_heads_logits(capsys, tmp_path, tiny_model_dir, own, kept
         ]
     )
     assert code == 0, capsys.readouterr().err
+    # safetensors writes for the owner alone; the export takes the umask's mode, as config.json
+    modes = {os.stat(tmp_path / "vllm" / n).st_mode for n in ("model.safetensors", "config.json")}
+    assert len(modes) == 1
     heads = checkpoint.load_heads(folder, model)
     torch.manual_seed(3)
     tokens = torch.randint(0, V, (2, 5))  # (B, T)

@@ -189,7 +189,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_missing_model():
-    with pytest.raises(checkpoint.LoadError, match="not a folder nor a hub id"):
+    with pytest.raises(checkpoint.LoadError, match="no such folder"):
         checkpoint.load("/no/such/folder")
 
 
@@ -234,7 +234,7 @@ def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
     out, err = capsys.readouterr()
     assert out.startswith("loaded tiny-random-llama in ") and err == ""
     assert checkpoint.main(["--model", "/no/such/model"]) == 2
-    one_line_error("not a folder nor a hub id")
+    one_line_error("no such folder")
     assert checkpoint.main(["--bogus"]) == 2
     one_line_error("unrecognized arguments: --bogus")
 

@@ -6,7 +6,10 @@ bad input to --online gets one line, exit code 2, and nothing of the user's is o
 Run: `python -m pytest -q tests/test_online.py`.
 """
 
+import io
 import os
+import stat
+import sys
 
 import pytest
 import torch
@@ -155,6 +158,7 @@ BAD = [
     (["--online-save", "x"], "add --online"),
     (["--online", "--online-save", os.path.join(catalog.SHIPPED, "hydra++")], "shipped"),
     (["--online", "--online-save", os.path.join(catalog.SHIPPED, "new")], "shipped"),
+    (["--online", "--online-save", os.path.dirname(catalog.SHIPPED)], "not empty"),  # weights/
 ]
 
 
@@ -174,3 +178,57 @@ def test_online_save_onto_a_run_is_refused_before_the_model_loads(no_model, caps
 def test_online_without_heads_for_the_model(tiny_model_dir, capsys):
     code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--prompt", "hi", "--online")
     check_one_line_error(code, err, "--online", "no heads", "--heads FOLDER")
+
+
+def test_online_save_into_a_folder_holding_anything_is_refused(no_model, capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "--prompt", "hi", "--online", "--online-save", tmp_path)
+    check_one_line_error(code, err, "--online-save", "not empty", "new or empty")
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_a_chat_with_online_save_saves_the_heads(
+    tiny_model_dir, tiny_heads, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi!\nTell me more.\n"))
+    out = tmp_path / "adapted"
+    code, _, err = run_cli(
+        capsys, "--chat", "--model", tiny_model_dir, "--heads", tiny_heads[1], "--max-new-tokens",
+        6, "--online", "--online-every", 1, "--online-save", out,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "[online: 2 updates" in err and f"[online: the adapted heads are in {out}]" in err
+    checkpoint.load_heads(out, tiny_heads[0])
+
+
+def test_ctrl_c_keeps_what_the_heads_learned(
+    tiny_model_dir, tiny_heads, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C in the second reply: the heads after the first reply's update are saved, and said."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "hello there"}\n{"prompt": "yo"}\n')
+    real, calls = decode.generate, []
+
+    def interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode, "generate", interrupted)
+    out = tmp_path / "adapted"
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--max-new-tokens", 6, "--quiet",
+        "--heads", tiny_heads[1], "--online", "--online-every", 1, "--online-save", out,
+    )  # fmt: skip
+    assert code == 130, err
+    assert f"[online: stopped by Ctrl-C; the heads after 1 update are in {out}]" in err
+    assert sorted(os.listdir(out)) == ["heads.json", "heads.safetensors", "tree.json"]
+    checkpoint.load_heads(out, tiny_heads[0])
+
+
+def test_saved_heads_have_the_mode_of_their_siblings(small, tmp_path):
+    """safetensors writes its files for their owner alone; saved heads get the umask's mode."""
+    checkpoint.save_heads(random_heads(small, "medusa"), tmp_path)
+    mode = {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in os.listdir(tmp_path)}
+    assert mode["heads.safetensors"] == mode["heads.json"], mode

@@ -1,7 +1,8 @@
 """Every command the READMEs show names only flags and choices its script accepts: each
 `python SCRIPT.py ...` (or torchrun's) in README.md, results/README.md and weights/*/README.md,
 in a code block or inline, parsed by that script's own parser (not run), so a README command
-cannot drift from the code. Research scripts (experiments/) parse at import and are not checked.
+cannot drift from the code; generate.py's commands pass its checks that need no model too.
+Research scripts (experiments/) parse at import and are not checked.
 
 Test: `python -m pytest -q tests/test_readme.py`.
 """
@@ -74,3 +75,39 @@ def test_a_readme_command_parses(readme, line, words):
     name, argv = script_and_argv(words)
     parser = importlib.import_module(name).build_parser()
     parser.parse_args(argv)  # a UsageError (cli.Parser.error) names the flag that drifted
+
+
+def made_by_the_readmes():
+    """The relative folders the READMEs' other commands write (train.py --out my-heads, ...): a
+    later command may name them."""
+    return {
+        argv[i + 1]
+        for _, _, words in CASES
+        for name, argv in [script_and_argv(words)]
+        for i in range(len(argv) - 1)
+        if name != "generate" and argv[i] == "--out" and not os.path.isabs(argv[i + 1])
+    }
+
+
+GENERATE = [(r, line, words) for r, line, words in CASES if script_and_argv(words)[0] == "generate"]
+
+
+@pytest.mark.parametrize(
+    "readme, line, words", GENERATE, ids=[f"{r}: {l[:60]}" for r, l, _ in GENERATE]
+)
+def test_a_readme_generate_command_passes_the_checks(readme, line, words, tmp_path, monkeypatch):
+    """generate.py's checks before the model loads, run where the earlier commands' folders
+    exist (empty: a check that needs more than a folder is left to the load)."""
+    generate = importlib.import_module("generate")
+    monkeypatch.chdir(tmp_path)
+    for folder in made_by_the_readmes():
+        os.makedirs(folder, exist_ok=True)
+    parser = generate.build_parser()
+    generate.check_args(parser.parse_args(script_and_argv(words)[1]), parser)
+
+
+def test_the_readme_says_what_a_full_chat_context_does():
+    """Chat.fit drops the oldest messages when the conversation and the reply no longer fit."""
+    text = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    chat = text[text.index("**A conversation.**") :].split("```")[0]
+    assert "the oldest messages are dropped" in chat
