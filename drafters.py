@@ -696,7 +696,9 @@ class PaSS:
             depth += range(depth[g] + 1, depth[g] + K + 1)
         self.mask = mask.to(self.dev)
         self.depth = torch.tensor(depth, device=self.dev)
-        self.name = f"pass: {K} [LA] tokens" + (f", {G} first guesses" if G > 1 else "")
+        self.name = f"pass: {K} [LA] token{'s' * (K != 1)}" + (
+            f", {G} first guesses" if G > 1 else ""
+        )
         self.legend = ["base model", "[LA] tokens"]
         self.max_nodes = n * (K + 1)
         self.max_depth = K
