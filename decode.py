@@ -169,15 +169,18 @@ def step(model, cache, drafter, rows):
             steps.append(None)
             continue
         n = d.candidates  # the row's tree; nodes after it are computed only, or padding
-        nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V), (n,)
+        nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V) -> (k,)
         kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()  # the root, accepted drafts
-        sources = [d.source[i] for i in path[1:]] + [0]
-        hidden_at, at = hidden[b : b + 1, nodes], positions[b, nodes]  # (1, n, D), (n,)
-        steps.append(
-            drafters_lib.Accepted(
-                kept, hidden_at, at, logits[b, : len(d.tokens)], path, bonus, sources
-            )
+        accepted = drafters_lib.Accepted(
+            kept=kept,
+            hidden=hidden[b : b + 1, nodes],  # (1, n, D)
+            positions=positions[b, nodes],  # (n,)
+            logits=logits[b, : len(d.tokens)],  # (N_b, V): the row's nodes, computed-only too
+            nodes=path,
+            bonus=bonus,
+            sources=[d.source[i] for i in path[1:]] + [0],
         )
+        steps.append(accepted)
     cache.keep(*[s.nodes if s else [] for s in steps])  # row b: its prompt, then what it kept
     for row, s in zip(rows, steps):
         if row:
