@@ -1,0 +1,232 @@
+"""graphs.py's contracts: the static step is the readable forward's twin (greedy output token for
+token in fp32: plain, heads, heads+lookup, batch rows); every step of one shape key runs the same
+operations on the same shapes; nothing inside the step that a graph replays reads a value back to
+the host or mixes in a host tensor; what cannot be served statically runs eagerly and is counted.
+Real capture and replay run only where CUDA is (skipped elsewhere)."""
+
+import collections
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+import catalog
+import drafters
+import generate as G
+import graphs
+import model as model_lib
+import tree as tree_lib
+from conftest import tiny_config
+from test_batch import EOS, LIMITS, PROMPTS
+from test_device import SimulatedDevice, SyncCounter, placed
+from test_generate import random_heads, small  # noqa: F401 (a fixture)
+
+DRAFTERS = ["plain", "hydra++", "heads+lookup"]
+
+
+def make_drafter(name, model, device="cpu", heads=None):
+    """Plain decoding, random Hydra++ heads (or `heads`) on a tree cartesian 3, 2, 2, or those
+    heads and prompt lookup in one tree."""
+    if name == "plain":
+        return drafters.Plain(device)
+    heads = heads if heads is not None else random_heads(model, "hydra++").to(device)
+    d = drafters.HeadsDrafter(heads, tree_lib.build(tree_lib.cartesian([3, 2, 2])))
+    return d if name == "hydra++" else catalog.heads_and_lookup(d, 4, 3, 1, device)
+
+
+def wrapped(model, **kw):
+    """A GraphedForward with small length buckets, so that a generation crosses some."""
+    return graphs.GraphedForward(model, bucket=kw.pop("bucket", 16), **kw)
+
+
+# --- the twin: token for token -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_output_through_the_static_step_is_the_readable_models(small, name):
+    fast = wrapped(small)
+    for p, n in zip(PROMPTS, LIMITS):
+        eager = G.generate(small, p, n, make_drafter(name, small), eos_ids=EOS)
+        static = G.generate(fast, p, n, make_drafter(name, small), eos_ids=EOS)
+        assert static.tokens == eager.tokens and static.steps == eager.steps
+    assert not fast.enabled and fast.replays > 0
+    assert set(fast.fallbacks) == {"last_only"}  # the prefills, and nothing else
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_row_of_a_batch_through_the_static_step_is_the_readable_models(small, name):
+    """Rows of different lengths (gaps), rows that end and leave (select_rows), waiting prompts
+    that take free rows (a prefill cache of their own, then put)."""
+    eager = G.generate_batch(small, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS)
+    for size in (None, 2):
+        fast = wrapped(small)
+        static = G.generate_batch(
+            fast, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS, batch_size=size
+        )
+        for a, b in zip(eager, static):
+            assert b.tokens == a.tokens and b.stopped == a.stopped
+        assert set(fast.fallbacks) == {"last_only"}
+
+
+def test_a_step_equals_the_readable_forward_with_gaps_and_a_tree():
+    """One forward of a tree over rows of different lengths: the same logits, hidden states and
+    cache entries as the readable one, whatever bucket it attends over."""
+    torch.manual_seed(0)
+    m = model_lib.Transformer(tiny_config()).eval()
+    B, N = 3, 4
+    tree = torch.ones(N, N, dtype=torch.bool).tril()
+    tree[2, 1] = tree[3, 2] = False  # two branches: 0-1, 0-2-3... a tree, not a chain
+    tree = tree.expand(B, N, N)
+    tokens = torch.randint(0, 64, (B, N))
+    with torch.inference_mode():
+        for bucket in (8, 64):
+            fast = graphs.GraphedForward(m, bucket=bucket)
+            caches = [m.new_cache(40, batch=B), fast.new_cache(40, batch=B)]
+            caches[0].k.normal_()  # prefixes, and garbage in the gaps
+            caches[0].v.normal_()
+            caches[1].k.copy_(caches[0].k)
+            caches[1].v.copy_(caches[0].v)
+            for c in caches:
+                c.lengths = [5, 9, 2]
+            eager = m(tokens, torch.tensor([5, 9, 2])[:, None] + torch.arange(N), tree, caches[0])
+            fast.k[:, :, :, 9:] = 1e4  # past the lengths, garbage of any size: hidden
+            static = fast(
+                tokens, torch.tensor([5, 9, 2])[:, None] + torch.arange(N), tree, caches[1]
+            )
+            torch.testing.assert_close(static, eager)
+            torch.testing.assert_close(
+                caches[1].k[:, :, :, 9 : 9 + N], caches[0].k[:, :, :, 9 : 9 + N]
+            )
+
+
+# --- static shapes -------------------------------------------------------------------------------
+
+
+class OpShapes(TorchFunctionMode):
+    """Every torch call: its name and the shapes of its tensor arguments and results."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = [
+            tuple(x.shape)
+            for x in tree_flatten((args, kwargs, out))[0]
+            if isinstance(x, torch.Tensor)
+        ]
+        self.ops.append((getattr(func, "__name__", str(func)), tuple(shapes)))
+        return out
+
+
+@pytest.mark.parametrize("name", ["plain", "heads+lookup"])
+def test_every_step_of_a_shape_key_runs_the_same_ops_on_the_same_shapes(small, name, monkeypatch):
+    """What a graph captures for (B, N, S) is what every later step of that key runs: recorded op by
+    op inside static_forward, step after step, rows of any lengths."""
+    traces = collections.defaultdict(list)  # key -> one trace per step
+    inner = graphs.static_forward
+
+    def recorded(model, k, v, tokens, *rest):
+        with OpShapes() as ops:
+            out = inner(model, k, v, tokens, *rest)
+        traces[(*tokens.shape, k.shape[3])].append(ops.ops)
+        return out
+
+    monkeypatch.setattr(graphs, "static_forward", recorded)
+    fast = wrapped(small)
+    G.generate_batch(fast, PROMPTS, LIMITS, make_drafter(name, small), eos_ids=EOS, batch_size=3)
+    G.generate(fast, PROMPTS[0], 40, make_drafter(name, small))
+    assert len(traces) >= 3 and sum(map(len, traces.values())) > 20
+    for key, steps in traces.items():
+        assert all(ops == steps[0] for ops in steps), f"{key}: the shapes changed between steps"
+    assert set(fast.shapes) == set(traces)
+
+
+# --- nothing comes back to the host inside the step ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_the_replayed_part_makes_no_host_sync_and_keeps_to_the_device(small, name, monkeypatch):
+    """Inside static_forward (what a graph captures): no host sync counted by test_device's
+    SyncCounter, and no host tensor mixed in (SimulatedDevice: the model, the cache and the step's
+    buffers are on the device). The generation around it is unchanged."""
+    syncs = []
+    inner = graphs.static_forward
+
+    def counted(*args):
+        with SyncCounter() as count:
+            out = inner(*args)
+        syncs.append(count.n)
+        return out
+
+    monkeypatch.setattr(graphs, "static_forward", counted)
+    torch.manual_seed(0)
+    dev_model = placed(model_lib.Transformer(tiny_config(vocab_size=12)).eval())
+    dev_model.load_state_dict(small.state_dict())
+    fast = wrapped(dev_model)
+    heads = placed(random_heads(dev_model, "hydra++"))
+    with SimulatedDevice():  # drafters move their trees to the device when they are built
+        drafter = make_drafter(name, dev_model, heads=heads)
+        out = G.generate(fast, PROMPTS[5], 30, drafter, eos_ids=EOS)
+    assert (
+        out.tokens
+        == G.generate(small, PROMPTS[5], 30, make_drafter(name, small), eos_ids=EOS).tokens
+    )
+    assert syncs and set(syncs) == {0}, f"host syncs inside the step: {syncs}"
+
+
+# --- what runs eagerly is counted and named ------------------------------------------------------
+
+
+def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
+    fast = wrapped(small)
+    with torch.inference_mode():
+        cache = fast.new_cache(64)
+        other = fast.new_cache(64)  # the buffers are taken: a plain KVCache
+        assert isinstance(cache, graphs.StaticCache) and type(other) is model_lib.KVCache
+        fast(torch.tensor([[1, 2, 3]]), torch.arange(3), None, cache, last_only=True)
+        cache.keep(range(3))
+        fast(torch.tensor([[4]]), torch.tensor([3]), None, other)
+        fast(torch.tensor([[4]]), torch.tensor([3]), None, cache, layers=[0])
+        cache.keep([0])
+        fast(torch.tensor([[5]]), torch.tensor([4]), None, cache)
+    assert fast.fallbacks == {"last_only": 1, "cache not from new_cache": 1, "layers": 1}
+    assert fast.replays == 1
+    line = fast.summary()
+    assert "eager: 3" in line and "layers 1" in line and "cuda graphs off" in line
+    del cache
+    assert isinstance(fast.new_cache(64), graphs.StaticCache)  # free again once the cache is gone
+    with pytest.raises(ValueError, match="KV cache full"):
+        with torch.inference_mode():
+            c = fast.new_cache(4)
+            fast(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5), None, c)
+
+
+def test_the_wrapper_reads_as_the_model(small):
+    fast = wrapped(small)
+    assert fast.cfg is small.cfg and fast.lm_head is small.lm_head
+    assert fast.device == small.device and fast.dtype == small.dtype
+    assert fast.new_cache(32, num_layers=1).k.shape[0] == 1  # a drafter's cache: the model's
+
+
+# --- real CUDA graphs, where there is a GPU ------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_captured_graphs_replay_the_readable_models_greedy_output(small, name):
+    gpu = model_lib.Transformer(small.cfg).eval()
+    gpu.load_state_dict(small.state_dict())
+    gpu = gpu.cuda()
+    fast = wrapped(gpu)
+    assert fast.enabled
+    for p, n in zip(PROMPTS, LIMITS):
+        eager = G.generate(gpu, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
+        static = G.generate(fast, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
+        assert static.tokens == eager.tokens
+    assert set(fast.fallbacks) == {"last_only"}, fast.summary()
+    assert all(s.graph is not None for s in fast.shapes.values())
