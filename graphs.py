@@ -228,11 +228,32 @@ class GraphedForward:
         if start + N > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {N} tokens > {cache.max_len} slots")
         S = next(s for s in self.buckets if s >= start + N)
-        shape = self.shapes.get((B, N, S))
-        if shape is None:
+        return self.step(self.shape(B, N, S), tokens, positions, mask, cache.lengths, start)
+
+    def shape(self, B, N, S):
+        if (B, N, S) not in self.shapes:
             device = self.model.device
-            shape = self.shapes[B, N, S] = Shape(B, N, S, device, device.type == "cuda")
-        return self.step(shape, tokens, positions, mask, cache.lengths, start)
+            self.shapes[B, N, S] = Shape(B, N, S, device, device.type == "cuda")
+        return self.shapes[B, N, S]
+
+    @torch.inference_mode()
+    def prepare(self, batch, nodes):
+        """Capture (batch, nodes) at every length bucket now (a benchmark's warm-up, a server's
+        start), not at the first step that reaches it. Only while no cache is in the buffers: the
+        warm-up writes into them. A no-op where nothing is captured (.enabled False)."""
+        if not self.enabled:
+            return
+        cache = self.new_cache(self.slots, batch)
+        assert isinstance(cache, StaticCache), "prepare() while a cache is in the buffers"
+        tokens = torch.zeros(batch, nodes, dtype=torch.long, device=self.model.device)
+        for S in self.buckets:
+            shape = self.shape(batch, nodes, S)
+            if S < nodes or shape.graph is not None or shape.failed is not None:
+                continue
+            start = S - nodes  # the last slots of the bucket: any start <= S - N would do
+            positions = start + torch.arange(nodes, device=tokens.device)  # (N,)
+            shape.load(tokens, positions, None, [start] * batch, start)
+            self.capture(shape)
 
     @torch.inference_mode()
     def step(self, shape, tokens, positions, mask, lengths, start):

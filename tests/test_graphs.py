@@ -23,6 +23,12 @@ from test_device import SimulatedDevice, SyncCounter, placed
 from test_generate import random_heads, small  # noqa: F401 (a fixture)
 
 DRAFTERS = ["plain", "hydra++", "heads+lookup"]
+# drafters that decode one sequence: the loop calls the wrapper the same way
+ALONE = {
+    "jacobi": lambda model: drafters.Jacobi(3, "cpu"),
+    "lookahead": lambda model: drafters.Lookahead(3, 3, 2, "cpu"),
+    "layers": lambda model: drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0]),
+}
 
 
 def make_drafter(name, model, device="cpu", heads=None):
@@ -52,6 +58,18 @@ def test_greedy_output_through_the_static_step_is_the_readable_models(small, nam
         assert static.tokens == eager.tokens and static.steps == eager.steps
     assert not fast.enabled and fast.replays > 0
     assert set(fast.fallbacks) == {"last_only"}  # the prefills, and nothing else
+
+
+@pytest.mark.parametrize("name", ALONE)
+def test_one_sequence_drafters_through_the_static_step_give_the_readable_models_output(small, name):
+    """The drafters that keep what the model computed a step (Jacobi's outputs, the layers'
+    own cache on the inner model): the step's buffers are reused, their output is not."""
+    fast = wrapped(small)
+    for p, n in zip(PROMPTS, LIMITS):
+        eager = G.generate(small, p, n, ALONE[name](small), eos_ids=EOS)
+        static = G.generate(fast, p, n, ALONE[name](small), eos_ids=EOS)
+        assert static.tokens == eager.tokens and static.steps == eager.steps
+    assert set(fast.fallbacks) == {"last_only"}
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -194,6 +212,8 @@ def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
         fast(torch.tensor([[5]]), torch.tensor([4]), None, cache)
     assert fast.fallbacks == {"last_only": 1, "cache not from new_cache": 1, "layers": 1}
     assert fast.replays == 1
+    fast.prepare(1, 4)  # nothing to capture on a CPU
+    assert fast.replays == 1 and fast.shapes.keys() == {(1, 1, 16)}
     line = fast.summary()
     assert "eager: 3" in line and "layers 1" in line and "cuda graphs off" in line
     del cache
@@ -209,6 +229,39 @@ def test_the_wrapper_reads_as_the_model(small):
     assert fast.cfg is small.cfg and fast.lm_head is small.lm_head
     assert fast.device == small.device and fast.dtype == small.dtype
     assert fast.new_cache(32, num_layers=1).k.shape[0] == 1  # a drafter's cache: the model's
+
+
+class FakeGraph:
+    """A captured step as the wrapper sees one: replay() recomputes into the shape's buffers."""
+
+    def __init__(self, fast, shape):
+        self.replay = lambda: fast.run(shape)
+
+
+def test_each_key_is_captured_once_then_replayed_and_a_failed_capture_is_counted(small):
+    """The GPU's control flow, on a CPU: capture stands in (FakeGraph) and may fail."""
+    fast = wrapped(small, capture=True)
+    captured = []
+
+    def capture(shape):
+        captured.append(shape.key)
+        if shape.key[1] == 1:  # the plain step's capture fails
+            shape.failed = "RuntimeError: no"
+        else:
+            fast.run(shape)  # what the warm-up and capture leave in the outputs
+            shape.graph = FakeGraph(fast, shape)
+
+    fast.capture = capture
+    fast.prepare(1, 4)  # every bucket of (1, 4), before any step
+    assert captured == [(1, 4, S) for S in (16, 32, 64, 128, 256, 512)]  # 512: all the slots
+    for p, n in zip(PROMPTS, LIMITS):
+        eager = G.generate(small, p, n, make_drafter("hydra++", small), eos_ids=EOS)
+        static = G.generate(fast, p, n, make_drafter("hydra++", small), eos_ids=EOS)
+        assert static.tokens == eager.tokens
+    assert len(captured) == len(set(captured)), "a key captured twice"
+    G.generate(fast, PROMPTS[0], 5)  # plain: (1, 1, 16), whose capture fails
+    assert fast.fallbacks["not captured: RuntimeError: no"] == 4  # every step it ran eagerly
+    assert "not captured: RuntimeError: no 4" in fast.summary()
 
 
 # --- real CUDA graphs, where there is a GPU ------------------------------------------------------
