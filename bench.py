@@ -1,5 +1,6 @@
 """
-Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted), draft heads
+Benchmark: plain decoding, transformers' generate (greedy, its static cache compiled, prompt
+lookup, assisted), draft heads
 (Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the model's first layers, heads +
 lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this
 machine.
@@ -24,7 +25,9 @@ machine.
                                                              path, here
 
 Every method decodes through generate.generate() (plain, the heads and their sampling variants,
-lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, pld, assisted) or
+lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, hf-compiled: its
+static cache and torch.compile, in --methods all on CUDA only, its compile timed apart; pld,
+assisted) or
 llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
 llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
 defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
@@ -89,6 +92,7 @@ ONLINE = tuple(f"{kind}-online" for kind in heads_lib.KINDS)
 METHODS = (
     "plain",
     "hf",
+    "hf-compiled",
     "pld",
     "assisted",
     "medusa",
@@ -398,6 +402,56 @@ def theirs(hf, counter, eos, **kw):
     return run
 
 
+# transformers' own fast path (its docs: a static cache and torch.compile of the decode step;
+# "reduce-overhead" replays CUDA graphs). tests/test_bench_cli.py swaps in a backend that compiles
+# in seconds on a CPU.
+HF_COMPILE = dict(fullgraph=True, mode="reduce-overhead")
+
+
+class TheirsCompiled:
+    """transformers' generate with its static KV cache (cache_implementation="static") and its own
+    torch.compile of the decode step (a CompileConfig of HF_COMPILE; the prefill stays eager), as
+    its documentation recommends for speed. One cache length for every prompt (max_cache_len: the
+    longest prompt + its new tokens), so that it compiles once: in the first call, bench's
+    warm-up, whose time (.warmup_seconds) is reported apart and left out of tokens/s. transformers
+    compiles only on CUDA-like devices unless told to; on a CPU it is told (minutes to compile)."""
+
+    def __init__(self, hf, eos, max_cache_len):
+        from transformers import CompileConfig
+
+        self.hf = hf
+        self.eos = eos
+        self.max_cache_len = max_cache_len
+        self.config = CompileConfig(**HF_COMPILE)
+        self.config._compile_all_devices = hf.device.type != "cuda"  # its switch for CPUs
+        self.warmup_seconds = None
+
+    def __call__(self, ids, max_new, seed):
+        if len(ids) + max_new > self.max_cache_len:
+            raise ValueError(
+                f"hf-compiled: {len(ids)} + {max_new} tokens > its static cache of "
+                f"{self.max_cache_len} (a longer cache would compile again)"
+            )
+        started = time.perf_counter()
+        x = torch.tensor([ids], device=self.hf.device)  # (1, T)
+        out = self.hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=min(self.eos),
+            cache_implementation="static",
+            max_cache_len=self.max_cache_len,
+            compile_config=self.config,
+        )  # (1, T + new)
+        new = out[0, len(ids) :].tolist()
+        if self.warmup_seconds is None:
+            sync(self.hf.device)
+            self.warmup_seconds = time.perf_counter() - started
+        return new, len(new), None  # greedy, no drafts: one forward a new token
+
+
 def llama_cpp_module():
     """llama-cpp-python's module, or None when it is not installed (it is optional)."""
     try:
@@ -525,8 +579,9 @@ def load_heads(args, name, folder, model, asked):
         return None, None
 
 
-def build_methods(args, model, tokenizer, eos, device, dtype):
-    """The methods asked for, and a note for each one skipped."""
+def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
+    """The methods asked for, and a note for each one skipped. longest: the longest prompt's
+    tokens plus --max-new-tokens (hf-compiled's static cache; None: the model's context)."""
     # all: every method that can run here, but the quantized copies (run only when named)
     if args.methods == "all":
         wanted = [
@@ -534,6 +589,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             for m in METHODS
             if m not in QUANTIZED + ONLINE
             and (m not in LLAMA_CPP or m in llama_cpp_available(args))
+            and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
     else:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -674,6 +730,16 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             learns = Online(model, heads, tree, eos)
             methods[name] = Method(name, learns, greedy=True, depth=tree.max_depth, learns=learns)
             notes.append(f"{name}: {folder}, learning online ({learns.learner.name})")
+        elif name == "hf-compiled":  # its own copy: hf's ForwardCounter hook would recompile
+            run = TheirsCompiled(
+                load_hf(args.model, device, dtype), eos, longest or model.cfg.max_seq_len
+            )
+            methods[name] = Method(name, run, greedy=True)
+            notes.append(
+                f"hf-compiled: transformers' static cache ({run.max_cache_len} slots) and "
+                f"torch.compile ({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
+                "compiled in the warm-up"
+            )
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -1196,7 +1262,8 @@ def main(args):
         )
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
-    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)
+    longest = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens
+    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(
@@ -1253,6 +1320,12 @@ def main(args):
                 file=sys.stderr,
             )
     for name, m in methods.items():
+        if isinstance(m.run, TheirsCompiled):
+            print(
+                f"[bench] {name}: compiled and warmed up in {m.run.warmup_seconds:.1f} s, left "
+                "out of tokens/s",
+                file=sys.stderr,
+            )
         if m.learns:
             res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
             print(f"[bench] {name}: {res[name]['online']}", file=sys.stderr)
