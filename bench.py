@@ -1,9 +1,8 @@
 """
 Benchmark: plain decoding, transformers' generate (greedy, its static cache compiled, prompt
-lookup, assisted), draft heads
-(Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the model's first layers, heads +
-lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this
-machine.
+lookup, assisted), draft heads (Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the
+model's first layers, heads + lookup in one tree, a draft model), side by side on the same prompts,
+in the same run, on this machine.
 
     python bench.py                                          # every available method,
                                                              eval/prompts.jsonl
