@@ -1,12 +1,16 @@
 """bench.py's GPU-minded methods on a CPU: hf-compiled (transformers' static cache and its own
 torch.compile), compiled once in the warm-up and never again, giving plain decoding's greedy
-reply."""
+reply; experiments/gpu_check.py's tiny run."""
+
+import os
 
 import pytest
 import torch
 
 import bench as B
-from test_bench_cli import run_bench, short_run
+from test_bench_cli import ROOT, run_bench, short_run
+
+QUIET = dict(capture_output=True, text=True, cwd=ROOT)
 
 
 @pytest.fixture
@@ -39,3 +43,20 @@ def test_hf_compiled_compiles_once_in_the_warm_up_and_gives_plain_decodings_repl
 def test_hf_compiled_is_left_out_of_all_on_a_cpu(capsys, tmp_path, tiny_model_dir):
     code, out, err = run_bench(capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "all")
     assert code == 0 and "| hf |" in out and "| hf-compiled |" not in out, err
+
+
+def test_the_gpu_check_runs_tiny_on_a_cpu_and_writes_its_report(tmp_path):
+    """experiments/gpu_check.py --tiny: every section, on a CPU, in seconds."""
+    import subprocess
+    import sys
+
+    script = os.path.join(ROOT, "experiments", "gpu_check.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "check.md"
+    argv = [sys.executable, script, "--tiny", "--rows", "1", "--nodes", "1,4", "--out", out]
+    done = subprocess.run(argv, env=env, timeout=120, **QUIET)
+    assert done.returncode == 0, done.stderr
+    report = out.read_text()
+    assert "| 1 | 4 |" in report and "| hydra++ heads | 2 of 2 |" in report
+    assert "| plain, replayed (graphs.py) |" in report and "failed" not in report
+    assert "| hf-compiled (static cache, torch.compile) |" in report
