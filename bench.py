@@ -64,6 +64,7 @@ import checkpoint
 import cli
 import drafters
 import generate
+import graphs
 import heads as heads_lib
 import kernels as kernels_lib
 import online
@@ -186,6 +187,13 @@ def build_parser():
         choices=cli.QUANTIZE,
         help="every method's base model on fp16, int8 or int4 linear layers (generate.py "
         "--quantize)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="our methods' base forward replayed from CUDA graphs (graphs.GraphedForward; auto: "
+        "on where the device is CUDA); on a CPU, on runs its static step uncaptured",
     )
     cli.threads_flag(p)
     # output
@@ -578,9 +586,19 @@ def load_heads(args, name, folder, model, asked):
         return None, None
 
 
-def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
+def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, graphed=None):
     """The methods asked for, and a note for each one skipped. longest: the longest prompt's
-    tokens plus --max-new-tokens (hf-compiled's static cache; None: the model's context)."""
+    tokens plus --max-new-tokens (hf-compiled's static cache; None: the model's context).
+    graphed: a dict to fill with a graphs.GraphedForward per model our methods decode (one for
+    all the methods on that model: one set of buffers and graphs), None: they decode eagerly."""
+
+    def fast(m):  # the model the decode loop calls, replayed where graphed
+        if graphed is None:
+            return m
+        if id(m) not in graphed:
+            graphed[id(m)] = graphs.GraphedForward(m)
+        return graphed[id(m)]
+
     # all: every method that can run here, but the quantized copies (run only when named)
     if args.methods == "all":
         wanted = [
@@ -610,9 +628,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
         if name == "plain":
             methods[name] = Method(
                 name,
-                ours(model, None, "greedy", 0.0, eos),
+                ours(fast(model), None, "greedy", 0.0, eos),
                 greedy=True,
-                batch=ours_batched(model, None, "greedy", 0.0, eos),
+                batch=ours_batched(fast(model), None, "greedy", 0.0, eos),
             )
         elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
@@ -652,17 +670,17 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
             methods[name] = Method(
                 name,
-                ours(model, d, "greedy", 0.0, eos),
+                ours(fast(model), d, "greedy", 0.0, eos),
                 greedy=True,
                 depth=d.max_depth,
-                batch=ours_batched(model, d, "greedy", 0.0, eos),
+                batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
             )
             notes.append(d.name)
         elif name == "layers":
             n, gamma, how = layers_setting(args, model)
             d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, range(n), f"layers:{n}")
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(
                 f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
@@ -679,7 +697,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
                 notes.append(f"skip: skipped ({e})")
                 continue
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=d.gamma
             )
             notes.append(note)
         elif name == "draft-model":
@@ -695,7 +713,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
                 None,
             )
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
         elif (
@@ -714,7 +732,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
                 continue
             d, note = tuning.tuned_drafter(name, args.heads_dir, model)
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
             )
             notes.append(note)
         elif name in ONLINE:  # its own copy of the heads: the frozen method's must not move
@@ -782,11 +800,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None):
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
                 name,
-                ours(base, d, verify, temperature, eos),
+                ours(fast(base), d, verify, temperature, eos),
                 greedy=verify == "greedy",
                 depth=d.max_depth,
                 adapted=base is not model,
-                batch=ours_batched(base, d, verify, temperature, eos),
+                batch=ours_batched(fast(base), d, verify, temperature, eos),
             )
             if not variant:
                 notes.append(
@@ -1226,6 +1244,18 @@ def check_draft_tokenizer(name, tokenizer):
         )
 
 
+def use_cuda_graphs(flag, device):
+    """--cuda-graphs: auto is on where the device is CUDA. On elsewhere runs the static step that
+    the graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
+    cuda = str(device).startswith("cuda")
+    if flag == "on" and not cuda:
+        cli.notice(
+            f"--cuda-graphs on: {device} has no CUDA graphs; our methods run graphs.py's static "
+            "step uncaptured"
+        )
+    return flag == "on" or (flag == "auto" and cuda)
+
+
 def main(args):
     """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
     printed)."""
@@ -1262,7 +1292,8 @@ def main(args):
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
     longest = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens
-    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest)
+    graphed = {} if use_cuda_graphs(args.cuda_graphs, device) else None
+    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest, graphed)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(
@@ -1328,6 +1359,8 @@ def main(args):
         if m.learns:
             res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
             print(f"[bench] {name}: {res[name]['online']}", file=sys.stderr)
+    for g in (graphed or {}).values():  # what was replayed, and every forward that was not
+        print(f"[bench] {g.model.cfg.name}: {g.summary()}", file=sys.stderr)
     if interrupted:
         print(
             f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "

@@ -184,11 +184,21 @@ class GraphedForward:
         self.k = self.v = None  # (L, rows, Hkv, slots, Dh): allocated by the first new_cache
         self.owner = lambda: None  # the StaticCache now in the buffers (a weak reference)
         self.memory = None  # the graphs' shared memory pool
+        # register_forward_hook's: called after every forward, replayed or not (an OrderedDict:
+        # torch's RemovableHandle holds it by a weak reference, which a plain dict refuses)
+        self.hooks = collections.OrderedDict()
 
     def __getattr__(self, name):  # what the loop reads from the model: cfg, device, lm_head, ...
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
+
+    def register_forward_hook(self, hook):
+        """hook(self, (tokens, positions), (logits, hidden)) after every forward, as a module's
+        forward hook (a replay never runs the model's own forward, so its hooks miss them)."""
+        handle = torch.utils.hooks.RemovableHandle(self.hooks)
+        self.hooks[handle.id] = hook
+        return handle
 
     def new_cache(self, max_len=None, batch=1, num_layers=None):
         max_len = max_len or self.model.cfg.max_seq_len
@@ -222,13 +232,17 @@ class GraphedForward:
         why = self.why_eager(tokens, cache, last_only, layers, extra)
         if why:
             self.fallbacks[why] += 1
-            return self.model(tokens, positions, mask, cache, last_only, layers, extra)
-        B, N = tokens.shape
-        start = cache.length
-        if start + N > cache.max_len:
-            raise ValueError(f"KV cache full: {start} + {N} tokens > {cache.max_len} slots")
-        S = next(s for s in self.buckets if s >= start + N)
-        return self.step(self.shape(B, N, S), tokens, positions, mask, cache.lengths, start)
+            out = self.model(tokens, positions, mask, cache, last_only, layers, extra)
+        else:
+            B, N = tokens.shape
+            start = cache.length
+            if start + N > cache.max_len:
+                raise ValueError(f"KV cache full: {start} + {N} tokens > {cache.max_len} slots")
+            S = next(s for s in self.buckets if s >= start + N)
+            out = self.step(self.shape(B, N, S), tokens, positions, mask, cache.lengths, start)
+        for hook in self.hooks.values():
+            hook(self, (tokens, positions), out)
+        return out
 
     def shape(self, B, N, S):
         if (B, N, S) not in self.shapes:

@@ -60,3 +60,26 @@ def test_the_gpu_check_runs_tiny_on_a_cpu_and_writes_its_report(tmp_path):
     assert "| 1 | 4 |" in report and "| hydra++ heads | 2 of 2 |" in report
     assert "| plain, replayed (graphs.py) |" in report and "failed" not in report
     assert "| hf-compiled (static cache, torch.compile) |" in report
+
+
+def test_cuda_graphs_on_a_cpu_runs_the_static_step_and_the_footer_counts_it(
+    capsys, tmp_path, tiny_model_dir
+):
+    """--cuda-graphs on where there is no CUDA: a notice, our methods through graphs.py's static
+    step (one wrapper for the model), the same replies, and a footer line with its counts."""
+    code, out, err = run_bench(
+        capsys,
+        *short_run(tmp_path, tiny_model_dir, limit=2),
+        "--methods",
+        "plain,lookup",
+        "--batch-size",
+        "2",
+        "--cuda-graphs",
+        "on",
+    )
+    assert code == 0 and "| lookup |" in out, err
+    assert "--cuda-graphs on: cpu has no CUDA graphs" in err and "differs" not in err
+    footer = [line for line in err.splitlines() if "static steps (cuda graphs off)" in line]
+    assert len(footer) == 1 and "eager:" in footer[0] and "last_only" in footer[0], err
+    code, out, err = run_bench(capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain")
+    assert code == 0 and "static steps" not in err and "cuda graphs" not in err  # auto: off

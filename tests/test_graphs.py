@@ -229,6 +229,12 @@ def test_the_wrapper_reads_as_the_model(small):
     assert fast.cfg is small.cfg and fast.lm_head is small.lm_head
     assert fast.device == small.device and fast.dtype == small.dtype
     assert fast.new_cache(32, num_layers=1).k.shape[0] == 1  # a drafter's cache: the model's
+    calls = []  # a forward hook sees every forward, replayed or eager (bench counts them so)
+    handle = fast.register_forward_hook(lambda m, args, out: calls.append(out[0].shape))
+    r = G.generate(fast, PROMPTS[2], 6)
+    handle.remove()
+    G.generate(fast, PROMPTS[2], 6)
+    assert len(calls) == r.steps and calls[0] == (1, 1, 12)  # the prefill's last_only logits
 
 
 class FakeGraph:
