@@ -10,9 +10,10 @@ the reference; this is its tested twin (tests/test_graphs.py), used in its place
 
 Why: eager PyTorch launches hundreds of small kernels a step; a 135M model on an H100 waits for
 the launches, not the arithmetic. A replayed graph launches them all at once, but only reads the
-same addresses with the same shapes every time. So, for a shape key (B rows, N tree nodes, S slots
-attended: a length bucket, a power of two), every step:
-  - tokens, positions and the tree mask are copied into that key's device buffers;
+same addresses with the same shapes every time. So, for a shape key (B rows, N tree nodes rounded
+up to a power of two, S slots attended: a length bucket, a power of two), every step:
+  - tokens, positions and the tree mask are copied into that key's device buffers (padding nodes
+    see only themselves, and no node sees them);
   - the rows' lengths and the write slot (max of them) come from the host in one copy, before;
   - each layer writes its N new keys/values at slots start..start+N-1 with index_copy_ (a slot
     given as a tensor, not a host int that changes), then attends over slots [0, S) of every row,
@@ -131,13 +132,19 @@ class Shape:
         self.failed = None  # why its capture failed: it then runs eagerly, counted every step
         self.logits = self.hidden = None  # the outputs, (B, N, V) and (B, N, D)
         self.causal = torch.ones(N, N, dtype=torch.bool, device=device).tril()  # for mask None
+        self.eye = torch.eye(N, dtype=torch.bool, device=device)  # what a padding node sees
 
     def load(self, tokens, positions, mask, lengths, start):
-        """The step's inputs into the buffers: device copies, and one from the host."""
+        """The step's inputs into the buffers: device copies, and one from the host. tokens (B, n)
+        may have fewer nodes than the key's N: the last N - n are padding, that see only
+        themselves and that no node sees (their tokens and positions: whatever was there)."""
         B, N, _ = self.key
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions.expand(B, N))  # (N,) or (B, N)
-        self.tree.copy_(self.causal if mask is None else mask.expand(B, N, N))
+        n = tokens.shape[1]
+        self.tokens[:, :n].copy_(tokens)
+        self.positions[:, :n].copy_(positions.expand(B, n))  # (n,) or (B, n)
+        self.tree[:, :n, :n].copy_(self.causal[:n, :n] if mask is None else mask.expand(B, n, n))
+        self.tree[:, :n, n:].fill_(False)
+        self.tree[:, n:].copy_(self.eye[n:].expand(B, N - n, N))
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy has read the host buffer
         self.host.numpy()[:] = list(lengths) + [start]
@@ -152,6 +159,14 @@ class Shape:
 
 
 # --- the wrapper the loop takes as its model -------------------------------------------------
+
+
+def node_slots(N):
+    """The nodes a step of N is computed as: N rounded up to a power of two, so that drafters
+    whose trees change size a step (lookup, heads+lookup, rows padded to the largest) need a
+    handful of graphs, not one per size. The padding's keys and values land past every row's
+    length: garbage by KVCache's invariant, overwritten before any row reads them."""
+    return 1 << (N - 1).bit_length()
 
 
 def buckets(smallest, slots):
@@ -238,8 +253,12 @@ class GraphedForward:
             start = cache.length
             if start + N > cache.max_len:
                 raise ValueError(f"KV cache full: {start} + {N} tokens > {cache.max_len} slots")
-            S = next(s for s in self.buckets if s >= start + N)
-            out = self.step(self.shape(B, N, S), tokens, positions, mask, cache.lengths, start)
+            P = node_slots(N) if start + node_slots(N) <= self.slots else N
+            S = next(s for s in self.buckets if s >= start + P)
+            logits, hidden = self.step(
+                self.shape(B, P, S), tokens, positions, mask, cache.lengths, start
+            )
+            out = logits[:, :N], hidden[:, :N]  # (B, N, V), (B, N, D): the padding left out
         for hook in self.hooks.values():
             hook(self, (tokens, positions), out)
         return out
@@ -259,6 +278,7 @@ class GraphedForward:
             return
         cache = self.new_cache(self.slots, batch)
         assert isinstance(cache, StaticCache), "prepare() while a cache is in the buffers"
+        nodes = node_slots(nodes)
         tokens = torch.zeros(batch, nodes, dtype=torch.long, device=self.model.device)
         for S in self.buckets:
             shape = self.shape(batch, nodes, S)

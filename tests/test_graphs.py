@@ -87,35 +87,37 @@ def test_every_row_of_a_batch_through_the_static_step_is_the_readable_models(sma
         assert set(fast.fallbacks) == {"last_only"}
 
 
-def test_a_step_equals_the_readable_forward_with_gaps_and_a_tree():
+@pytest.mark.parametrize("N", [3, 4])  # 3: computed as 4 nodes, one of them padding
+@pytest.mark.parametrize("bucket", [8, 64])
+def test_a_step_equals_the_readable_forward_with_gaps_and_a_tree(N, bucket):
     """One forward of a tree over rows of different lengths: the same logits, hidden states and
-    cache entries as the readable one, whatever bucket it attends over."""
+    cache entries as the readable one, whatever bucket it attends over, padded or not."""
     torch.manual_seed(0)
     m = model_lib.Transformer(tiny_config()).eval()
-    B, N = 3, 4
-    tree = torch.ones(N, N, dtype=torch.bool).tril()
-    tree[2, 1] = tree[3, 2] = False  # two branches: 0-1, 0-2-3... a tree, not a chain
-    tree = tree.expand(B, N, N)
+    B = 3
+    tree = torch.ones(4, 4, dtype=torch.bool).tril()
+    tree[2, 1] = tree[3, 2] = False  # branches 0-1-3 and 0-2: a tree, not a chain
+    tree = tree[:N, :N].expand(B, N, N)
     tokens = torch.randint(0, 64, (B, N))
+    positions = torch.tensor([5, 9, 2])[:, None] + torch.arange(N)  # (B, N)
     with torch.inference_mode():
-        for bucket in (8, 64):
-            fast = graphs.GraphedForward(m, bucket=bucket)
-            caches = [m.new_cache(40, batch=B), fast.new_cache(40, batch=B)]
-            caches[0].k.normal_()  # prefixes, and garbage in the gaps
-            caches[0].v.normal_()
-            caches[1].k.copy_(caches[0].k)
-            caches[1].v.copy_(caches[0].v)
-            for c in caches:
-                c.lengths = [5, 9, 2]
-            eager = m(tokens, torch.tensor([5, 9, 2])[:, None] + torch.arange(N), tree, caches[0])
-            fast.k[:, :, :, 9:] = 1e4  # past the lengths, garbage of any size: hidden
-            static = fast(
-                tokens, torch.tensor([5, 9, 2])[:, None] + torch.arange(N), tree, caches[1]
-            )
-            torch.testing.assert_close(static, eager)
-            torch.testing.assert_close(
-                caches[1].k[:, :, :, 9 : 9 + N], caches[0].k[:, :, :, 9 : 9 + N]
-            )
+        fast = graphs.GraphedForward(m, bucket=bucket)
+        caches = [m.new_cache(40, batch=B), fast.new_cache(40, batch=B)]
+        caches[0].k.normal_()  # prefixes, and garbage in the gaps
+        caches[0].v.normal_()
+        caches[1].k.copy_(caches[0].k)
+        caches[1].v.copy_(caches[0].v)
+        for c in caches:
+            c.lengths = [5, 9, 2]
+        eager = m(tokens, positions, tree, caches[0])
+        fast.k[:, :, :, 9:] = 1e4  # past the lengths, garbage of any size: hidden
+        static = fast(tokens, positions, tree, caches[1])
+        assert static[0].shape == (B, N, 64) and static[1].shape == (B, N, 32)
+        torch.testing.assert_close(static, eager)
+        new = slice(9, 9 + N)  # the slots of the new entries, in every row
+        torch.testing.assert_close(caches[1].k[:, :, :, new], caches[0].k[:, :, :, new])
+        torch.testing.assert_close(caches[1].v[:, :, :, new], caches[0].v[:, :, :, new])
+    assert list(fast.shapes) == [(B, 4, 16 if bucket == 8 else 64)]
 
 
 # --- static shapes -------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ def test_every_step_of_a_shape_key_runs_the_same_ops_on_the_same_shapes(small, n
     for key, steps in traces.items():
         assert all(ops == steps[0] for ops in steps), f"{key}: the shapes changed between steps"
     assert set(fast.shapes) == set(traces)
+    assert all(N & (N - 1) == 0 for _, N, _ in fast.shapes), "nodes padded to a power of two"
 
 
 # --- nothing comes back to the host inside the step ----------------------------------------------
