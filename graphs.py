@@ -22,10 +22,11 @@ up to a power of two, S slots attended: a length bucket, a power of two), every 
   - the logits and hidden states land in that key's output buffers (valid until the next step of
     the same key: the loop reads them before then).
 Nothing inside reads a value back to the host (tests/test_graphs.py counts: none). A forward the
-static step cannot serve (a prefill: last_only and T tokens of any length; `layers`; `extra`; a
-cache not made by new_cache) runs the readable model eagerly, and is counted by its reason in
-.fallbacks, never silent. On a CPU nothing is captured (.enabled is False): the same static
-step runs eagerly, which is how the tests check it token for token against the readable model.
+static step cannot serve runs the readable model eagerly, counted by its reason in .fallbacks,
+never silent: a prefill (last_only: T tokens, any T), `layers`, `extra`, or a cache outside the
+buffers (made while another was in them, or not by new_cache). On a CPU nothing is captured
+(.enabled is False): the same static step runs eagerly, which is how the tests check it token for
+token against the readable model.
 
 Garbage in the slots S hides (other rows' gaps, earlier sequences) is multiplied by a zero
 weight, so it must be finite: it is, being keys and values some forward computed, or zeros.
@@ -238,7 +239,7 @@ class GraphedForward:
         if extra is not None:
             return "extra"
         if cache is None or cache is not self.owner():
-            return "cache not from new_cache"
+            return "cache outside the buffers"  # not new_cache's, or made while one was in use
         return None
 
     def __call__(

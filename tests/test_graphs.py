@@ -213,7 +213,7 @@ def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
         fast(torch.tensor([[4]]), torch.tensor([3]), None, cache, layers=[0])
         cache.keep([0])
         fast(torch.tensor([[5]]), torch.tensor([4]), None, cache)
-    assert fast.fallbacks == {"last_only": 1, "cache not from new_cache": 1, "layers": 1}
+    assert fast.fallbacks == {"last_only": 1, "cache outside the buffers": 1, "layers": 1}
     assert fast.replays == 1
     fast.prepare(1, 4)  # nothing to capture on a CPU
     assert fast.replays == 1 and fast.shapes.keys() == {(1, 1, 16)}
