@@ -38,6 +38,7 @@ import drafters  # noqa: E402
 import generate as G  # noqa: E402
 import graphs  # noqa: E402
 import heads as heads_lib  # noqa: E402
+import kernels  # noqa: E402
 import model as M  # noqa: E402
 import tree as tree_lib  # noqa: E402
 
@@ -97,7 +98,9 @@ def build_parser():
 
 
 def build_models(shape, device, dtype, with_hf):
-    """(ours in dtype, ours in fp32, transformers' in dtype or None), one set of random weights."""
+    """(ours in dtype, ours in fp32, transformers' in dtype or None), one set of random weights;
+    ours with the fast kernels for the device (kernels.use: on CUDA, attention that takes a mask
+    on SDPA's memory-efficient kernel), as checkpoint.load returns a model."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -107,9 +110,9 @@ def build_models(shape, device, dtype, with_hf):
     ours = M.Transformer(checkpoint.config_from_hf(shape, "random, SmolLM2-135M's shape"))
     ours.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()})
     ours = ours.eval().requires_grad_(False)
-    fp32 = copy.deepcopy(ours).to(device)
+    fp32 = kernels.use(copy.deepcopy(ours).to(device))  # as checkpoint.load leaves a model
     hf = hf.to(device, dtype) if with_hf else None
-    return ours.to(device, dtype), fp32, hf
+    return kernels.use(ours.to(device, dtype)), fp32, hf
 
 
 def machine_line(device, dtype, args):
