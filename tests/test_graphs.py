@@ -120,6 +120,21 @@ def test_a_step_equals_the_readable_forward_with_gaps_and_a_tree(N, bucket):
     assert list(fast.shapes) == [(B, 4, 16 if bucket == 8 else 64)]
 
 
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_conversation_through_the_static_step_replies_as_the_readable_model(small, name):
+    """Conversation keeps one cache across replies (a StaticCache here) and cuts it back: each
+    reply is the one-shot reply of the readable model."""
+    chat = G.Conversation(wrapped(small), make_drafter(name, small))
+    assert isinstance(chat.cache, graphs.StaticCache)
+    prompt = PROMPTS[1]
+    for limit in (12, 5, 20):
+        r = chat.reply(prompt, limit, eos_ids=EOS)
+        alone = G.generate(small, prompt, limit, make_drafter(name, small), eos_ids=EOS)
+        assert r.tokens == alone.tokens
+        prompt = prompt + r.tokens + [3, 4, 5]  # the next user turn
+    assert set(chat.model.fallbacks) == {"last_only"}
+
+
 # --- static shapes -------------------------------------------------------------------------------
 
 
