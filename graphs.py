@@ -184,20 +184,23 @@ class GraphedForward:
     from a CUDA graph per shape key where `capture` (default: on a CUDA device), run eagerly
     otherwise. Everything else (cfg, device, dtype, lm_head, embed, ...) is the model's.
 
-    slots: the longest cache new_cache hands out (default the model's context + 256, room for a
-    tree); bucket: the smallest length attended. One StaticCache at a time lives in the buffers;
-    a new_cache while it is alive (a prefill's own cache) is a plain KVCache."""
+    slots: the buffers' length, fixed (a longer new_cache is a plain KVCache); None: they grow
+    with what new_cache is asked, to a power of two (at most the model's context + 256), and
+    every graph is captured again when they do. bucket: the smallest length attended. One
+    StaticCache at a time lives in the buffers; a new_cache while it is alive (a prefill's own
+    cache) is a plain KVCache."""
 
     def __init__(self, model, capture=None, slots=None, bucket=256, warmup=2):
         self.model = model
         self.enabled = model.device.type == "cuda" if capture is None else capture
-        self.slots = slots or model.cfg.max_seq_len + 256
-        self.buckets = buckets(min(bucket, self.slots), self.slots)
+        self.fixed = slots
+        self.bucket = bucket
+        self.buckets = []  # the lengths attended: buckets(), once the buffers are allocated
         self.warmup = warmup
         self.fallbacks = collections.Counter()  # reason -> eager forwards
         self.replays = 0  # static steps (replayed, or run eagerly when not enabled)
         self.shapes = {}  # (B, N, S) -> Shape
-        self.k = self.v = None  # (L, rows, Hkv, slots, Dh): allocated by the first new_cache
+        self.k = self.v = None  # (L, rows, Hkv, slots, Dh): allocated by new_cache
         self.owner = lambda: None  # the StaticCache now in the buffers (a weak reference)
         self.memory = None  # the graphs' shared memory pool
         # register_forward_hook's: called after every forward, replayed or not (an OrderedDict:
@@ -216,16 +219,30 @@ class GraphedForward:
         self.hooks[handle.id] = hook
         return handle
 
+    @property
+    def slots(self):
+        return 0 if self.k is None else self.k.shape[3]
+
+    def room(self, max_len):
+        """The buffers' length for a cache of max_len: a power of two (from bucket), so that a few
+        lengths share buffers and graphs, never past max(max_len, the context + 256)."""
+        grown = max(self.bucket, 1 << (max_len - 1).bit_length())
+        return self.fixed or min(grown, max(max_len, self.model.cfg.max_seq_len + 256))
+
     def new_cache(self, max_len=None, batch=1, num_layers=None):
         max_len = max_len or self.model.cfg.max_seq_len
-        if num_layers is not None or self.owner() is not None or max_len > self.slots:
+        too_long = self.fixed is not None and max_len > self.fixed
+        if num_layers is not None or self.owner() is not None or too_long:
             return self.model.new_cache(max_len, batch, num_layers)  # eager forwards only
-        if self.k is None or self.k.shape[1] < batch:  # (re)allocated: every graph read the old
+        rows = 0 if self.k is None else self.k.shape[1]
+        if rows < batch or self.slots < max_len:  # new buffers: every graph read the old ones
             self.shapes.clear()
             cfg = self.model.cfg
-            shape = (cfg.n_layers, batch, cfg.n_kv_heads, self.slots, cfg.head_dim)
+            slots = max(self.slots, self.room(max_len))
+            shape = (cfg.n_layers, max(rows, batch), cfg.n_kv_heads, slots, cfg.head_dim)
             self.k = torch.zeros(shape, device=self.model.device, dtype=self.model.dtype)
             self.v = torch.zeros(shape, device=self.model.device, dtype=self.model.dtype)
+            self.buckets = buckets(min(self.bucket, slots), slots)
         cache = StaticCache(self.k, self.v, batch, max_len)
         self.owner = weakref.ref(cache)
         return cache
@@ -271,13 +288,14 @@ class GraphedForward:
         return self.shapes[B, N, S]
 
     @torch.inference_mode()
-    def prepare(self, batch, nodes):
-        """Capture (batch, nodes) at every length bucket now (a benchmark's warm-up, a server's
-        start), not at the first step that reaches it. Only while no cache is in the buffers: the
-        warm-up writes into them. A no-op where nothing is captured (.enabled False)."""
+    def prepare(self, batch, nodes, max_len):
+        """Capture (batch, nodes) at every length bucket of caches up to max_len now (a
+        benchmark's warm-up, a server's start), not at the first step that reaches it. Only while
+        no cache is in the buffers: the warm-up writes into them. A no-op where nothing is
+        captured (.enabled False)."""
         if not self.enabled:
             return
-        cache = self.new_cache(self.slots, batch)
+        cache = self.new_cache(max_len, batch)
         assert isinstance(cache, StaticCache), "prepare() while a cache is in the buffers"
         nodes = node_slots(nodes)
         tokens = torch.zeros(batch, nodes, dtype=torch.long, device=self.model.device)

@@ -230,7 +230,7 @@ def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
         fast(torch.tensor([[5]]), torch.tensor([4]), None, cache)
     assert fast.fallbacks == {"last_only": 1, "cache outside the buffers": 1, "layers": 1}
     assert fast.replays == 1
-    fast.prepare(1, 4)  # nothing to capture on a CPU
+    fast.prepare(1, 4, 64)  # nothing to capture on a CPU
     assert fast.replays == 1 and fast.shapes.keys() == {(1, 1, 16)}
     line = fast.summary()
     assert "eager: 3" in line and "layers 1" in line and "cuda graphs off" in line
@@ -240,6 +240,17 @@ def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
         with torch.inference_mode():
             c = fast.new_cache(4)
             fast(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5), None, c)
+
+
+def test_the_buffers_grow_to_a_power_of_two_and_their_shapes_start_over(small):
+    fast = wrapped(small)  # bucket 16; the model's context 256
+    assert fast.new_cache(20).k.shape[3] == 20 and fast.slots == 32
+    G.generate(fast, PROMPTS[0], 5)  # a cache of 3 + 5 + 1 slots: in the buffers as they are
+    assert fast.slots == 32 and fast.shapes
+    G.generate(fast, PROMPTS[0], 40)  # 44 slots: new buffers, and the shapes read the old ones
+    assert fast.slots == 64 and all(S <= 64 for _, _, S in fast.shapes)
+    assert fast.new_cache(700, batch=3).k.shape[1:4:2] == (3, 700) and fast.slots == 700
+    assert graphs.GraphedForward(small, slots=64).new_cache(65).__class__ is model_lib.KVCache
 
 
 def test_the_wrapper_reads_as_the_model(small):
@@ -276,8 +287,8 @@ def test_each_key_is_captured_once_then_replayed_and_a_failed_capture_is_counted
             shape.graph = FakeGraph(fast, shape)
 
     fast.capture = capture
-    fast.prepare(1, 4)  # every bucket of (1, 4), before any step
-    assert captured == [(1, 4, S) for S in (16, 32, 64, 128, 256, 512)]  # 512: all the slots
+    fast.prepare(1, 4, 300)  # every bucket of (1, 4) up to 300 tokens, before any step
+    assert captured == [(1, 4, S) for S in (16, 32, 64, 128, 256, 512)]  # 300 -> 512 slots
     for p, n in zip(PROMPTS, LIMITS):
         eager = G.generate(small, p, n, make_drafter("hydra++", small), eos_ids=EOS)
         static = G.generate(fast, p, n, make_drafter("hydra++", small), eos_ids=EOS)
