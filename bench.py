@@ -1294,6 +1294,8 @@ def main(args):
     longest = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens
     graphed = {} if use_cuda_graphs(args.cuda_graphs, device) else None
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest, graphed)
+    for g in (graphed or {}).values():  # buffers for the longest reply, a tree and the most rows
+        g.new_cache(longest + 256, batch=max(args.batch_size))  # now: never regrown mid-measure
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(
