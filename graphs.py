@@ -247,7 +247,7 @@ class GraphedForward:
         self.owner = weakref.ref(cache)
         return cache
 
-    def why_eager(self, tokens, cache, last_only, layers, extra):
+    def why_eager(self, cache, last_only, layers, extra):
         """Why the static step cannot serve this forward (None: it can)."""
         if last_only:
             return "last_only"  # a prefill: T tokens, any T
@@ -262,7 +262,7 @@ class GraphedForward:
     def __call__(
         self, tokens, positions, mask=None, cache=None, last_only=False, layers=None, extra=None
     ):
-        why = self.why_eager(tokens, cache, last_only, layers, extra)
+        why = self.why_eager(cache, last_only, layers, extra)
         if why:
             self.fallbacks[why] += 1
             out = self.model(tokens, positions, mask, cache, last_only, layers, extra)
