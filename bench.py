@@ -1245,15 +1245,14 @@ def check_draft_tokenizer(name, tokenizer):
 
 
 def use_cuda_graphs(flag, device):
-    """--cuda-graphs: auto is on where the device is CUDA. On elsewhere runs the static step that
-    the graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
-    cuda = str(device).startswith("cuda")
-    if flag == "on" and not cuda:
+    """--cuda-graphs (graphs.wanted); on where there is no CUDA runs the static step that the
+    graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
+    if flag == "on" and not str(device).startswith("cuda"):
         cli.notice(
             f"--cuda-graphs on: {device} has no CUDA graphs; our methods run graphs.py's static "
             "step uncaptured"
         )
-    return flag == "on" or (flag == "auto" and cuda)
+    return graphs.wanted(flag, device)
 
 
 def main(args):

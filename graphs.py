@@ -170,6 +170,12 @@ def node_slots(N):
     return 1 << (N - 1).bit_length()
 
 
+def wanted(flag, device):
+    """A --cuda-graphs flag (auto | on | off) on `device`: whether the loop decodes through a
+    GraphedForward. auto: where the device is CUDA (elsewhere nothing is captured)."""
+    return flag == "on" or (flag == "auto" and torch.device(device).type == "cuda")
+
+
 def buckets(smallest, slots):
     """The lengths a step attends over: powers of two from `smallest`, then all `slots`."""
     out = []
