@@ -7,6 +7,8 @@ the reference; this is its tested twin (tests/test_graphs.py), used in its place
     logits, hidden = model(tokens, positions, mask, cache)   # (B, N, V), (B, N, D); a replay
     cache.keep(*paths)                          # KVCache's, unchanged
     model.summary()   # 'cuda graphs: 3 shapes captured, 120 replays; eager: 5 (last_only 5)'
+    model.prepare(B, N, max_len)                # optional: capture every length bucket now
+    graphs.wanted("auto", device)               # a --cuda-graphs flag: on CUDA, True
 
 Why: eager PyTorch launches hundreds of small kernels a step; a 135M model on an H100 waits for
 the launches, not the arithmetic. A replayed graph launches them all at once, but only reads the

@@ -253,6 +253,11 @@ def test_the_buffers_grow_to_a_power_of_two_and_their_shapes_start_over(small):
     assert graphs.GraphedForward(small, slots=64).new_cache(65).__class__ is model_lib.KVCache
 
 
+def test_the_flag_is_on_where_cuda_is_unless_it_says_otherwise():
+    assert graphs.wanted("auto", "cuda:0") and graphs.wanted("on", "cpu")
+    assert not graphs.wanted("auto", "cpu") and not graphs.wanted("off", "cuda")
+
+
 def test_the_wrapper_reads_as_the_model(small):
     fast = wrapped(small)
     assert fast.cfg is small.cfg and fast.lm_head is small.lm_head
