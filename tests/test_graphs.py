@@ -312,6 +312,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_captured_graphs_replay_the_readable_models_greedy_output(small, name):
+    """fp32 on the GPU: one sequence at a time, then batches of 4 rows (gaps, rows that end and
+    are refilled), every shape captured and replayed."""
     gpu = model_lib.Transformer(small.cfg).eval()
     gpu.load_state_dict(small.state_dict())
     gpu = gpu.cuda()
@@ -321,5 +323,10 @@ def test_captured_graphs_replay_the_readable_models_greedy_output(small, name):
         eager = G.generate(gpu, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
         static = G.generate(fast, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
         assert static.tokens == eager.tokens
+    eager = G.generate_batch(gpu, PROMPTS, LIMITS, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
+    static = G.generate_batch(
+        fast, PROMPTS, LIMITS, make_drafter(name, gpu, "cuda"), eos_ids=EOS, batch_size=4
+    )
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert set(fast.fallbacks) == {"last_only"}, fast.summary()
-    assert all(s.graph is not None for s in fast.shapes.values())
+    assert all(s.graph is not None for s in fast.shapes.values()), fast.summary()
