@@ -323,10 +323,12 @@ def test_captured_graphs_replay_the_readable_models_greedy_output(small, name):
         eager = G.generate(gpu, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
         static = G.generate(fast, p, n, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
         assert static.tokens == eager.tokens
-    eager = G.generate_batch(gpu, PROMPTS, LIMITS, make_drafter(name, gpu, "cuda"), eos_ids=EOS)
-    static = G.generate_batch(
-        fast, PROMPTS, LIMITS, make_drafter(name, gpu, "cuda"), eos_ids=EOS, batch_size=4
-    )
+    eager, static = [
+        G.generate_batch(
+            m, PROMPTS, LIMITS, make_drafter(name, gpu, "cuda"), eos_ids=EOS, batch_size=4
+        )
+        for m in (gpu, fast)
+    ]
     assert [r.tokens for r in static] == [r.tokens for r in eager]
     assert set(fast.fallbacks) == {"last_only"}, fast.summary()
     assert all(s.graph is not None for s in fast.shapes.values()), fast.summary()
