@@ -1,8 +1,8 @@
 """
-Benchmark: plain decoding, transformers' generate (greedy, prompt lookup, assisted), draft heads
-(Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the model's first layers, heads +
-lookup in one tree, a draft model), side by side on the same prompts, in the same run, on this
-machine.
+Benchmark: plain decoding, transformers' generate (greedy, its static cache compiled, prompt
+lookup, assisted), draft heads (Medusa, Hydra, Hydra++) and the other drafters (prompt lookup, the
+model's first layers, heads + lookup in one tree, a draft model), side by side on the same prompts,
+in the same run, on this machine.
 
     python bench.py                                          # every available method,
                                                              eval/prompts.jsonl
@@ -24,7 +24,9 @@ machine.
                                                              path, here
 
 Every method decodes through decode.generate() (plain, the heads and their sampling variants,
-lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, pld, assisted) or
+lookup, hydra++-lookup, layers, draft-model), transformers' generate() (hf, hf-compiled: its
+static cache and torch.compile, in --methods all on CUDA only, its compile timed apart; pld,
+assisted) or
 llama.cpp's (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
 llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
 defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
@@ -63,6 +65,7 @@ import cli
 import drafters
 import decode
 import engine
+import graphs
 import heads as heads_lib
 import kernels as kernels_lib
 import online
@@ -90,6 +93,7 @@ ONLINE = tuple(f"{kind}-online" for kind in heads_lib.KINDS)
 METHODS = (
     "plain",
     "hf",
+    "hf-compiled",
     "pld",
     "assisted",
     "medusa",
@@ -184,6 +188,13 @@ def build_parser():
         choices=cli.QUANTIZE,
         help="every method's base model on fp16, int8 or int4 linear layers (generate.py "
         "--quantize)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="our methods' base forward replayed from CUDA graphs (graphs.GraphedForward; auto: "
+        "on where the device is CUDA); on a CPU, on runs its static step uncaptured",
     )
     cli.threads_flag(p)
     # output
@@ -399,6 +410,56 @@ def theirs(hf, counter, eos, **kw):
     return run
 
 
+# transformers' own fast path (its docs: a static cache and torch.compile of the decode step;
+# "reduce-overhead" replays CUDA graphs). tests/test_bench_cli.py swaps in a backend that compiles
+# in seconds on a CPU.
+HF_COMPILE = dict(fullgraph=True, mode="reduce-overhead")
+
+
+class TheirsCompiled:
+    """transformers' generate with its static KV cache (cache_implementation="static") and its own
+    torch.compile of the decode step (a CompileConfig of HF_COMPILE; the prefill stays eager), as
+    its documentation recommends for speed. One cache length for every prompt (max_cache_len: the
+    longest prompt + its new tokens), so that it compiles once: in the first call, bench's
+    warm-up, whose time (.warmup_seconds) is reported apart and left out of tokens/s. transformers
+    compiles only on CUDA-like devices unless told to; on a CPU it is told (minutes to compile)."""
+
+    def __init__(self, hf, eos, max_cache_len):
+        from transformers import CompileConfig
+
+        self.hf = hf
+        self.eos = eos
+        self.max_cache_len = max_cache_len
+        self.config = CompileConfig(**HF_COMPILE)
+        self.config._compile_all_devices = hf.device.type != "cuda"  # its switch for CPUs
+        self.warmup_seconds = None
+
+    def __call__(self, ids, max_new, seed):
+        if len(ids) + max_new > self.max_cache_len:
+            raise ValueError(
+                f"hf-compiled: {len(ids)} + {max_new} tokens > its static cache of "
+                f"{self.max_cache_len} (a longer cache would compile again)"
+            )
+        started = time.perf_counter()
+        x = torch.tensor([ids], device=self.hf.device)  # (1, T)
+        out = self.hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=min(self.eos),
+            cache_implementation="static",
+            max_cache_len=self.max_cache_len,
+            compile_config=self.config,
+        )  # (1, T + new)
+        new = out[0, len(ids) :].tolist()
+        if self.warmup_seconds is None:
+            sync(self.hf.device)
+            self.warmup_seconds = time.perf_counter() - started
+        return new, len(new), None  # greedy, no drafts: one forward a new token
+
+
 def llama_cpp_module():
     """llama-cpp-python's module, or None when it is not installed (it is optional)."""
     try:
@@ -526,8 +587,19 @@ def load_heads(args, name, folder, model, asked):
         return None, None
 
 
-def build_methods(args, model, tokenizer, eos, device, dtype):
-    """The methods asked for, and a note for each one skipped."""
+def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, graphed=None):
+    """The methods asked for, and a note for each one skipped. longest: the longest prompt's
+    tokens plus --max-new-tokens (hf-compiled's static cache; None: the model's context).
+    graphed: a dict to fill with a graphs.GraphedForward per model our methods decode (one for
+    all the methods on that model: one set of buffers and graphs), None: they decode eagerly."""
+
+    def fast(m):  # the model the decode loop calls, replayed where graphed
+        if graphed is None:
+            return m
+        if id(m) not in graphed:
+            graphed[id(m)] = graphs.GraphedForward(m)
+        return graphed[id(m)]
+
     # all: every method that can run here, but the quantized copies (run only when named)
     if args.methods == "all":
         wanted = [
@@ -535,6 +607,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             for m in METHODS
             if m not in QUANTIZED + ONLINE
             and (m not in LLAMA_CPP or m in llama_cpp_available(args))
+            and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
     else:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -556,9 +629,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
         if name == "plain":
             methods[name] = Method(
                 name,
-                ours(model, None, "greedy", 0.0, eos),
+                ours(fast(model), None, "greedy", 0.0, eos),
                 greedy=True,
-                batch=ours_batched(model, None, "greedy", 0.0, eos),
+                batch=ours_batched(fast(model), None, "greedy", 0.0, eos),
             )
         elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
@@ -598,17 +671,17 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
             methods[name] = Method(
                 name,
-                ours(model, d, "greedy", 0.0, eos),
+                ours(fast(model), d, "greedy", 0.0, eos),
                 greedy=True,
                 depth=d.max_depth,
-                batch=ours_batched(model, d, "greedy", 0.0, eos),
+                batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
             )
             notes.append(d.name)
         elif name == "layers":
             n, gamma, how = layers_setting(args, model)
             d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, range(n), f"layers:{n}")
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(
                 f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
@@ -625,7 +698,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 notes.append(f"skip: skipped ({e})")
                 continue
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=d.gamma
             )
             notes.append(note)
         elif name == "draft-model":
@@ -641,7 +714,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 None,
             )
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=gamma
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
         elif (
@@ -660,7 +733,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
                 continue
             d, note = tuning.tuned_drafter(name, args.heads_dir, model)
             methods[name] = Method(
-                name, ours(model, d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
+                name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=d.max_depth
             )
             notes.append(note)
         elif name in ONLINE:  # its own copy of the heads: the frozen method's must not move
@@ -675,6 +748,16 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             learns = Online(model, heads, tree, eos)
             methods[name] = Method(name, learns, greedy=True, depth=tree.max_depth, learns=learns)
             notes.append(f"{name}: {folder}, learning online ({learns.learner.name})")
+        elif name == "hf-compiled":  # its own copy: hf's ForwardCounter hook would recompile
+            run = TheirsCompiled(
+                load_hf(args.model, device, dtype), eos, longest or model.cfg.max_seq_len
+            )
+            methods[name] = Method(name, run, greedy=True)
+            notes.append(
+                f"hf-compiled: transformers' static cache ({run.max_cache_len} slots) and "
+                f"torch.compile ({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
+                "compiled in the warm-up"
+            )
         elif name in ("hf", "pld", "assisted"):
             if name == "assisted" and not args.draft_model:
                 notes.append("assisted: skipped (needs --draft-model)")
@@ -718,11 +801,11 @@ def build_methods(args, model, tokenizer, eos, device, dtype):
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
                 name,
-                ours(base, d, verify, temperature, eos),
+                ours(fast(base), d, verify, temperature, eos),
                 greedy=verify == "greedy",
                 depth=d.max_depth,
                 adapted=base is not model,
-                batch=ours_batched(base, d, verify, temperature, eos),
+                batch=ours_batched(fast(base), d, verify, temperature, eos),
             )
             if not variant:
                 notes.append(
@@ -1169,6 +1252,17 @@ def check_draft_tokenizer(name, tokenizer):
         )
 
 
+def use_cuda_graphs(flag, device):
+    """--cuda-graphs (graphs.wanted); on where there is no CUDA runs the static step that the
+    graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
+    if flag == "on" and not str(device).startswith("cuda"):
+        cli.notice(
+            f"--cuda-graphs on: {device} has no CUDA graphs; our methods run graphs.py's static "
+            "step uncaptured"
+        )
+    return graphs.wanted(flag, device)
+
+
 def main(args):
     """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
     printed)."""
@@ -1204,7 +1298,11 @@ def main(args):
         )
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
-    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype)
+    longest = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens
+    graphed = {} if use_cuda_graphs(args.cuda_graphs, device) else None
+    methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest, graphed)
+    for g in (graphed or {}).values():  # buffers for the longest reply, a tree and the most rows
+        g.new_cache(longest + 256, batch=max(args.batch_size))  # now: never regrown mid-measure
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(
@@ -1261,9 +1359,17 @@ def main(args):
                 file=sys.stderr,
             )
     for name, m in methods.items():
+        if isinstance(m.run, TheirsCompiled):
+            print(
+                f"[bench] {name}: compiled and warmed up in {m.run.warmup_seconds:.1f} s, left "
+                "out of tokens/s",
+                file=sys.stderr,
+            )
         if m.learns:
             res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
             print(f"[bench] {name}: {online_summary(res[name]['online'])}", file=sys.stderr)
+    for g in (graphed or {}).values():  # what was replayed, and every forward that was not
+        print(f"[bench] {g.model.cfg.name}: {g.summary()}", file=sys.stderr)
     if interrupted:
         print(
             f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "
