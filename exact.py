@@ -364,11 +364,12 @@ def in_use(module: nn.Module) -> bool:
 
 
 def use(module: nn.Module, exact: bool = True) -> nn.Module:
-    """Run `module`'s linear layers, RMSNorms and attention (a base model's: all of its products,
-    norms and attention) through the kernels here; exact=False: the readable layers. Any fast
-    twins kernels.use() put in are taken out first (their products pick kernels by shape too).
-    Raises TritonMissing without triton, ValueError off CUDA without the interpreter. Returns the
-    module."""
+    """Run `module`'s linear layers, RMSNorms, MLP activations and attention (a base model's: all
+    of its products, norms and attention) through the kernels here; exact=False: the readable
+    layers. Any fast twins kernels.use() put in are taken out first (their products pick kernels
+    by shape too); call use(model, False) before kernels.use() on a model that runs these.
+    Raises TritonMissing without triton, ValueError off CUDA without the interpreter. Returns
+    the module."""
     if exact:
         check(next(module.parameters()).device)
     kernels.use(module, kernels.Kernels())  # the readable classes, without prepacked copies

@@ -12,6 +12,8 @@ Run: `python -m pytest -q tests/test_exact.py`. Shapes as exact.py's; N tree nod
 import copy
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -252,3 +254,18 @@ def test_default_shapes_rows_are_the_same_on_cuda():
     for node in (0, 17, 63):
         alone = plain_decoding(q[:1], k[:1], v[:1], 700, paths[node], 700)  # (H, Dh)
         assert torch.equal(y[0, :, node], alone), node
+
+
+# --- the cost script -----------------------------------------------------------------------------
+
+
+def test_cost_script_has_help():
+    """experiments/exact_cost.py --help (its --tiny run, on the CPU, takes some 10 s: not here)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "experiments", "exact_cost.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "--tiny" in r.stdout, r.stderr
