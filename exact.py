@@ -56,9 +56,18 @@ class TritonMissing(ImportError):
     pass
 
 
-def jit(fn):
-    """triton.jit where triton is installed; else the plain function, never called."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(**options):
+    """triton.jit(**options) where triton is installed; else the plain function, never called.
+
+    Triton compiles a kernel again for an integer argument equal to 1 or divisible by 16 (the
+    compiler then knows it), and another build may lay its sums out in another order; so every
+    argument that varies with the number of rows (M, T, S and a stride that grows with them) is
+    named in do_not_specialize: one build of a kernel for a model's layer, whatever the step."""
+
+    def decorate(fn):
+        return triton.jit(fn, **options) if triton is not None else fn
+
+    return decorate
 
 
 # whether the kernels below run on the CPU: TRITON_INTERPRET=1 where triton.jit decorated them
@@ -87,7 +96,7 @@ def check(device):
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
 
 
-@jit
+@jit(do_not_specialize=["M"])
 def linear_kernel(
     x, w, b, y, M, N, K, sxm, swn, sym,  # tensors, sizes, row strides
     HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -150,7 +159,7 @@ def linear(x, weight, bias=None):
 # rounded to x's dtype, then times the weight, rounded again.
 
 
-@jit
+@jit()  # rows are programs: no argument varies with them
 def rms_norm_kernel(x, w, y, D, sx, sy, eps, HAS_WEIGHT: tl.constexpr, BD: tl.constexpr):
     row = tl.program_id(0)
     sums = tl.zeros((BD,), dtype=tl.float32)  # (BD,)
@@ -192,7 +201,7 @@ def rms_norm(x, weight, eps):
 BLOCK_H = 256
 
 
-@jit
+@jit()  # as rms_norm_kernel
 def act_mul_kernel(gate, up, y, H, sg, su, sy, GELU: tl.constexpr, BH: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)  # (BH,)
@@ -243,7 +252,7 @@ def visible_keys(mask, B, T, S, device):
     return keys.to(torch.int32).contiguous(), seen.sum(-1, dtype=torch.int32).contiguous()
 
 
-@jit
+@jit(do_not_specialize=["T", "S", "sqb", "skb", "svb"])
 def attend_kernel(
     q, k, v, keys, counts, y,  # tensors
     H, T, GROUP, Dh, S, scale,  # sizes: GROUP query heads a key/value head

@@ -55,6 +55,8 @@ def interpreter_for_this_file_only():
 
 
 exact = load_exact()
+# the interpreter's numpy warns where e^x overflows to inf (the GPU's does not): x / inf = 0
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 needs_triton = pytest.mark.skipif(exact.triton is None, reason="triton is not installed")
 
 
@@ -119,6 +121,22 @@ def test_rms_norm_row_is_the_same_with_neighbours(n, D, dtype):
         assert torch.equal(together[i], exact.rms_norm(x[i : i + 1], norm.weight, norm.eps)[0]), i
     with torch.no_grad():
         torch.testing.assert_close(together, norm(x), **TOLERANCE[dtype])  # ~1 ulp
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NEIGHBOURS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])  # SwiGLU, GeGLU
+def test_activation_row_is_the_same_with_neighbours(n, activation, dtype):
+    mlp = model_lib.MLP(tiny_config(activation=activation))
+    gate = rand(n + 1, 300, seed=n, dtype=dtype) * 3  # (n+1, hidden): two blocks of columns
+    up = rand(n + 1, 300, seed=n + 1, dtype=dtype)
+    gelu = activation != "silu"
+    together = exact.act_mul(gate, up, gelu)  # (n+1, hidden)
+    for i in some_rows(n):
+        alone = exact.act_mul(gate[i : i + 1], up[i : i + 1], gelu)[0]
+        assert torch.equal(together[i], alone), i
+    torch.testing.assert_close(together, mlp.act(gate) * up, **TOLERANCE[dtype])
 
 
 def plain_decoding(q, k, v, prefix, path, start):
