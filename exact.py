@@ -38,6 +38,7 @@ slots, H query heads, Hkv key/value heads, Dh head size, M rows, K inputs, N out
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations read without triton
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -240,16 +241,26 @@ def act_mul(gate, up, gelu=False):
 BLOCK_KEYS = 32
 
 
-def visible_keys(mask, B, T, S, device):
-    """mask (B|1, 1, T, S) bool or None (causal: query t sees slots up to S - T + t) -> keys
-    (B, T, S) int32, each query's visible slots in ascending order first, and counts (B, T) int32,
-    how many there are."""
+@dataclass
+class Visible:
+    """What attend() reads of a forward's mask, worked out once for all of the forward's layers
+    (ExactTransformer): each query's visible slots, in ascending order, then the others."""
+
+    mask: torch.Tensor | None  # the mask it was made from: (B|1, 1, T, S) bool, or None (causal)
+    keys: torch.Tensor  # (B, T, S) int32: query t of row b reads slots keys[b, t, :counts[b, t]]
+    counts: torch.Tensor  # (B, T) int32
+
+
+def visible_keys(mask, B, T, S, device) -> Visible:
+    """mask (B|1, 1, T, S) bool or None (causal: query t sees slots up to S - T + t) -> Visible."""
+    seen = mask
     if mask is None:
         slots = torch.arange(S, device=device)  # (S,)
-        mask = slots <= torch.arange(S - T, S, device=device)[:, None]  # (T, S)
-    seen = mask.reshape(-1, T, S).expand(B, T, S)  # (B, T, S)
+        seen = slots <= torch.arange(S - T, S, device=device)[:, None]  # (T, S)
+    seen = seen.reshape(-1, T, S).expand(B, T, S)  # (B, T, S)
     keys = torch.argsort((~seen).to(torch.int8), dim=-1, stable=True)  # (B, T, S) visible first
-    return keys.to(torch.int32).contiguous(), seen.sum(-1, dtype=torch.int32).contiguous()
+    counts = seen.sum(-1, dtype=torch.int32)  # (B, T)
+    return Visible(mask, keys.to(torch.int32).contiguous(), counts.contiguous())
 
 
 @jit(do_not_specialize=["T", "S", "sqb", "skb", "svb"])
@@ -292,15 +303,17 @@ def attend_kernel(
 
 def attend(q, k, v, mask):
     """model.attend's twin: q (B, H, T, Dh); k, v (B, Hkv, S, Dh) (a cache's view will do); mask
-    (B|1, 1, T, S) bool or None (causal) -> (B, H, T, Dh), each query computed alone."""
+    (B|1, 1, T, S) bool, None (causal) or the Visible of one -> (B, H, T, Dh), each query computed
+    alone."""
     B, H, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     assert H % Hkv == 0, f"{H} query heads cannot share {Hkv} key/value heads"
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1, "Dh must be contiguous"
-    keys, counts = visible_keys(mask, B, T, S, q.device)  # (B, T, S), (B, T)
+    seen = mask if isinstance(mask, Visible) else visible_keys(mask, B, T, S, q.device)
+    assert seen.keys.shape == (B, T, S), f"the mask is for {tuple(seen.keys.shape)}, not {B, T, S}"
     y = torch.empty(B, H, T, Dh, device=q.device, dtype=q.dtype)  # (B, H, T, Dh)
     attend_kernel[(T, B * H)](
-        q, k, v, keys, counts, y,
+        q, k, v, seen.keys, seen.counts, y,
         H, T, H // Hkv, Dh, S, Dh**-0.5,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         BN=BLOCK_KEYS, BD=triton.next_power_of_2(Dh),
@@ -311,7 +324,8 @@ def attend(q, k, v, mask):
 # --- the layers ----------------------------------------------------------------------------------
 # As kernels.use does, use() swaps a layer's class in place (the same parameters, the same
 # state_dict): model.Attention keeps its forward and gets attend() from here (project() runs its
-# linear layers, which are swapped too); the MLP is its linear layers and an activation.
+# linear layers, which are swapped too); the MLP runs its products and act_mul(); the transformer
+# hands its layers the mask's Visible.
 
 
 def autograd(*tensors):
@@ -355,8 +369,18 @@ class ExactAttention(model.Attention):
 
     def attend(self, q, k, v, mask):
         if autograd(q, k, v):
-            return super().attend(q, k, v, mask)
+            return super().attend(q, k, v, mask.mask if isinstance(mask, Visible) else mask)
         return attend(q, k, v, mask)  # (B, H, T, Dh)
+
+
+class ExactTransformer(model.Transformer):
+    """model.Transformer whose layers get the forward's mask as a Visible, sorted once for all
+    of them (not once a layer)."""
+
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+        B, T, _ = x.shape
+        seen = visible_keys(attn_mask, B, T, start + T, x.device)  # start is 0 without a cache
+        return super().run_layers(x, cos, sin, seen, cache, start, layers)  # (B, T, D)
 
 
 TWINS = {
@@ -364,6 +388,7 @@ TWINS = {
     model.RMSNorm: ExactRMSNorm,
     model.Attention: ExactAttention,
     model.MLP: ExactMLP,
+    model.Transformer: ExactTransformer,
 }
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 

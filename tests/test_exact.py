@@ -229,10 +229,24 @@ def test_use_swaps_layers_and_back():
     assert exact.in_use(m)
     assert type(m.layers[0].self_attn) is exact.ExactAttention
     assert type(m.lm_head) is exact.ExactLinear
+    assert type(m) is exact.ExactTransformer
     exact.use(m, False)
     assert not exact.in_use(m)
     assert type(m.layers[0].mlp.down_proj) is torch.nn.Linear
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+@needs_triton
+def test_where_autograd_records_the_readable_layers_run():
+    """A model being trained (parameters that want gradients) runs model.py's layers: the same
+    logits as the readable model's, and a backward."""
+    readable = tiny(torch.float32)
+    m = exact.use(tiny(torch.float32)).requires_grad_(True)
+    tokens = torch.tensor([[1, 2, 3]], device=DEVICE)
+    logits, _ = m(tokens, torch.arange(3, device=DEVICE))
+    assert torch.equal(logits, readable(tokens, torch.arange(3, device=DEVICE))[0])
+    logits.sum().backward()
+    assert m.lm_head.weight.grad is not None
 
 
 # --- the guard -----------------------------------------------------------------------------------
