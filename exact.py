@@ -120,7 +120,7 @@ def linear_kernel(
         )  # (BK, BN)
         if DOT:  # a GPU's tensor cores: every row of a tile computed alike
             acc = tl.dot(xs, ws, acc, input_precision=PRECISION)  # (BM, BN), fp32
-        else:  # the interpreter: the same sums written out (see linear())
+        else:  # the interpreter: the sums written out, in one order for every row (linear())
             acc += tl.sum(xs.to(tl.float32)[:, :, None] * ws.to(tl.float32)[None, :, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -155,9 +155,10 @@ def linear(x, weight, bias=None):
 
 
 # --- the norm ------------------------------------------------------------------------------------
-# One program a row; its squares summed in chunks of BLOCK_D lanes, lane by lane, then across the
-# lanes: an order fixed by D alone. The roundings are model.RMSNorm's: x * rsqrt(mean(x^2) + eps)
-# rounded to x's dtype, then times the weight, rounded again.
+# One program a row; its squares summed in chunks of BD lanes (D rounded up to a power of 2, at
+# most 1024), lane by lane, then across the lanes: an order fixed by D alone. The roundings are
+# model.RMSNorm's: x * rsqrt(mean(x^2) + eps) rounded to x's dtype, then times the weight, rounded
+# again.
 
 
 @jit()  # rows are programs: no argument varies with them
@@ -233,7 +234,7 @@ def act_mul(gate, up, gelu=False):
 
 # --- attention -----------------------------------------------------------------------------------
 # A query's visible keys, listed in order (visible_keys), are what it reads: the kernel walks that
-# list in blocks of BLOCK_N (online softmax: running max, rescaled sums), so a query's blocks are
+# list in blocks of BLOCK_KEYS (online softmax: running max, rescaled sums), so a query's blocks are
 # the same whichever slots its keys sit in, however many queries and batch rows come with it. Keys
 # past the end of its list score -inf and add exact zeros. Scores, softmax and the weighted sum of
 # values in fp32, the output rounded once.

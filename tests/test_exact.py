@@ -268,6 +268,45 @@ def test_on_the_cpu_without_the_interpreter_use_says_so(monkeypatch):
         exact.use(tiny())
 
 
+# Each kernel compiled for an H100 (sm_90) as triton would on one, in a process without the
+# interpreter: the GPU's branch (tensor cores) is built and checked off a GPU too.
+COMPILE = """
+import triton, exact
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(kernel, types, **constexprs):
+    names = kernel.arg_names
+    signature = dict(zip(names, types + ["constexpr"] * len(constexprs)))
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    ptx = build(exact.linear_kernel, [f"*{dtype}"] * 4 + ["i32"] * 6, HAS_BIAS=True, DOT=True,
+                PRECISION=precision, BM=exact.BLOCK_M, BN=exact.BLOCK_N, BK=exact.BLOCK_K)
+    print(dtype, "product on tensor cores:", "mma" in ptx)
+build(exact.rms_norm_kernel, ["*bf16"] * 3 + ["i32"] * 3 + ["fp32"], HAS_WEIGHT=True, BD=1024)
+build(exact.act_mul_kernel, ["*bf16"] * 3 + ["i32"] * 4, GELU=True, BH=exact.BLOCK_H)
+build(exact.attend_kernel, ["*bf16"] * 3 + ["*i32"] * 2 + ["*bf16"] + ["i32"] * 5 + ["fp32"]
+      + ["i32"] * 9, BN=exact.BLOCK_KEYS, BD=64)
+print("built")
+"""
+
+
+@needs_triton
+def test_kernels_build_for_an_h100():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", COMPILE], cwd=root, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    if "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("triton's ptxas is not here")
+    assert r.returncode == 0 and "built" in r.stdout, r.stderr[-2000:]
+    assert "bf16 product on tensor cores: True" in r.stdout, r.stdout
+
+
 # --- on a GPU: the default model's shapes --------------------------------------------------------
 
 
