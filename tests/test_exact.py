@@ -9,6 +9,7 @@ compiled kernels on CUDA. Without triton those skip, and the guard's errors are 
 Run: `python -m pytest -q tests/test_exact.py`. Shapes as exact.py's; N tree nodes, P prefix.
 """
 
+import contextlib
 import copy
 import importlib
 import os
@@ -30,28 +31,35 @@ DEVICE = "cuda" if CUDA else "cpu"
 NEIGHBOURS = [1, 3, 17, 64]
 
 
-BEFORE = os.environ.get("TRITON_INTERPRET")
+@contextlib.contextmanager
+def interpreter():
+    """TRITON_INTERPRET=1 off a GPU while the block runs: triton reads it as triton.jit decorates a
+    kernel (importing exact) and again as it launches one (this file's tests); then as before."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if not CUDA and before is None:
+            del os.environ["TRITON_INTERPRET"]
+        elif not CUDA:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def load_exact():
-    """exact, its kernels decorated for this machine: compiled for CUDA, else interpreted (the
-    variable stays set while this file's tests run: triton reads it again as it launches)."""
-    if CUDA:
-        return importlib.import_module("exact")
-    os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.import_module("exact")
-    if module.triton is not None and not module.INTERPRETED:  # imported earlier without it
-        module = importlib.reload(module)
+    """exact, its kernels decorated for this machine: compiled for CUDA, else interpreted."""
+    with interpreter():
+        module = importlib.import_module("exact")
+        if not CUDA and module.triton is not None and not module.INTERPRETED:  # imported before
+            module = importlib.reload(module)
     return module
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpreter_for_this_file_only():
-    yield
-    if not CUDA and BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    elif not CUDA:
-        os.environ["TRITON_INTERPRET"] = BEFORE
+def interpreted_here():
+    with interpreter():
+        yield
 
 
 exact = load_exact()
@@ -278,7 +286,10 @@ from triton.compiler import ASTSource
 def build(kernel, types, **constexprs):
     names = kernel.arg_names
     signature = dict(zip(names, types + ["constexpr"] * len(constexprs)))
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    except TypeError:  # another triton's ASTSource (3.9's is the one this script speaks)
+        raise SystemExit("another compile API")
     return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
@@ -301,8 +312,8 @@ def test_kernels_build_for_an_h100():
         [sys.executable, "-c", COMPILE], cwd=root, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
-    if "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("triton's ptxas is not here")
+    if "another compile API" in r.stderr or ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip("this triton compiles ahead of time otherwise, or has no ptxas")
     assert r.returncode == 0 and "built" in r.stdout, r.stderr[-2000:]
     assert "bf16 product on tensor cores: True" in r.stdout, r.stdout
 
