@@ -219,6 +219,31 @@ def test_tree_forward_scores_each_node_as_one_token_forwards(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_scores_its_tree_alone_as_in_a_batch(dtype):
+    """Two sequences of different lengths in one cache (the shorter one's gap hidden), one tree
+    each: every node of a row gets the logits that row gets in a batch of its own."""
+    m = exact.use(tiny(dtype, n_layers=1))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2]]
+    tree_mask, paths = random_tree(6, seed=1)  # (N, N)
+    depth = torch.tensor([len(p) - 1 for p in paths], device=DEVICE)  # (N,)
+    nodes = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    batch = m.new_cache(32, batch=2)
+    alone = []
+    for b, prompt in enumerate(prompts):
+        cache = m.new_cache(32)
+        m(torch.tensor([prompt], device=DEVICE), torch.arange(len(prompt), device=DEVICE), None,
+          cache)  # fmt: skip
+        batch.put([b], cache)
+        logits, _ = m(nodes[b : b + 1], len(prompt) + depth, tree_mask, cache)  # (1, N, V)
+        alone.append(logits[0])
+    positions = torch.stack([len(p) + depth for p in prompts])  # (B, N)
+    together, _ = m(nodes, positions, tree_mask, batch)  # (B, N, V)
+    for b in range(2):
+        assert torch.equal(together[b], alone[b]), b
+
+
+@needs_triton
 def test_greedy_speculative_is_plain_decoding_in_bf16():
     m = exact.use(tiny(vocab_size=12, n_layers=1))  # 12 tokens: random models repeat
     prompt = [1, 2, 3, 4, 5, 1, 2, 3]
