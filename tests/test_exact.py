@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import drafters
-import generate as G
+import decode
 import kernels
 import model as model_lib
 from conftest import tiny_config
@@ -247,8 +247,8 @@ def test_a_row_scores_its_tree_alone_as_in_a_batch(dtype):
 def test_greedy_speculative_is_plain_decoding_in_bf16():
     m = exact.use(tiny(vocab_size=12, n_layers=1))  # 12 tokens: random models repeat
     prompt = [1, 2, 3, 4, 5, 1, 2, 3]
-    plain = G.generate(m, prompt, 12)
-    r = G.generate(m, prompt, 12, drafters.Lookup(3, 3, 3, DEVICE))  # trees of up to 10 nodes
+    plain = decode.generate(m, prompt, 12)
+    r = decode.generate(m, prompt, 12, drafters.Lookup(3, 3, 3, DEVICE))  # trees of up to 10 nodes
     assert r.tokens == plain.tokens
     assert r.steps < plain.steps, "no draft was accepted: the tree path went untested"
 
