@@ -65,6 +65,7 @@ import cli
 import drafters
 import decode
 import engine
+import exact
 import graphs
 import heads as heads_lib
 import kernels as kernels_lib
@@ -195,6 +196,12 @@ def build_parser():
         choices=("auto", "on", "off"),
         help="our methods' base forward replayed from CUDA graphs (graphs.GraphedForward; auto: "
         "on where the device is CUDA); on a CPU, on runs its static step uncaptured",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="our methods' base model through exact.py's kernels, each row computed alone so that "
+        "bf16 replies equal plain decoding's on a GPU (needs triton and CUDA)",
     )
     cli.threads_flag(p)
     # output
@@ -1252,6 +1259,16 @@ def check_draft_tokenizer(name, tokenizer):
         )
 
 
+def check_exact(device, quantize):
+    """--exact: triton, a device its kernels run on, and the model's own weights."""
+    if quantize != "none":
+        raise cli.UsageError(f"--exact computes bf16 weights, not --quantize {quantize}; drop one")
+    try:
+        exact.check(device)
+    except (exact.TritonMissing, ValueError) as e:
+        raise cli.UsageError(f"--exact: {e}; or drop --exact") from None
+
+
 def use_cuda_graphs(flag, device):
     """--cuda-graphs (graphs.wanted); on where there is no CUDA runs the static step that the
     graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
@@ -1279,9 +1296,13 @@ def main(args):
             f"at most {len(rows)} at a time"
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
+    if args.exact:
+        check_exact(device, args.quantize)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels_lib.quantize(model, args.quantize)
+    if args.exact:
+        exact.use(model)
     eos = checkpoint.eos_ids(model, tokenizer)
     prompts = [(pid, cat, checkpoint.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:

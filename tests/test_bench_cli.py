@@ -600,3 +600,16 @@ def test_an_online_method_reports_its_updates_in_words(capsys, tmp_path, tiny_mo
     assert "on 1 prompt, 1 repeat (Ctrl-C" in err
     line = [x for x in err.splitlines() if x.startswith("[bench] hydra++-online: ")][-1]
     assert " update" in line and "of the decoding time" in line and "{" not in line, line
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--exact", "--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
+        (["--exact", "--device", "cpu"], "or drop --exact"),  # no triton, or no CUDA
+    ],
+)
+def test_exact_is_refused_where_its_kernels_cannot_run(no_model, capsys, argv, words):
+    """--exact needs triton and a CUDA device (or Triton's interpreter): one line, before the model
+    loads."""
+    check_one_line_error(*run_bench(capsys, *argv)[::2], words)
