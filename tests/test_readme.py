@@ -1,7 +1,7 @@
 """Every command the READMEs show names only flags and choices its script accepts: each
 `python SCRIPT.py ...` (or torchrun's) in README.md, results/README.md and weights/*/README.md,
 in a code block or inline, parsed by that script's own parser (not run), so a README command
-cannot drift from the code. Research scripts (experiments/) parse at import and are not checked.
+cannot drift from the code. Research scripts (experiments/): tests/test_experiments.py runs them.
 
 Test: `python -m pytest -q tests/test_readme.py`.
 """
