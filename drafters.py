@@ -277,7 +277,8 @@ class Plain:
 class Lookup:
     """Match the last n tokens (n = ngram down to `shortest`, 1 unless given) of prompt + reply
     against earlier text and propose the up to gamma tokens that followed: the latest match as a
-    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree."""
+    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. A
+    continuation that reaches the end of the text repeats the text after the match (its period)."""
 
     def __init__(
         self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1
@@ -322,11 +323,15 @@ class Lookup:
     def continuations(self, root: int) -> list:
         """Up to `matches` distinct continuations of text + [root], latest occurrence first."""
         text, found = self.text, []
+        seen = text + [root]  # what the next token follows
         for n in range(min(self.ngram, len(text) + 1), self.shortest - 1, -1):
             key = tuple(text[len(text) - n + 1 :]) + (root,)
             for j in reversed(self.ends.get(key, ())):
-                # the text after the occurrence; it may run into the root itself, which ends it
-                follow = (text[j : j + self.gamma] + [root])[: self.length]
+                # what followed the occurrence, seen[j:]. Where that runs into the end (repetitive
+                # text: "hello, hello, hello,"), the match says the text repeats with the period
+                # p = len(seen) - j, so the continuation goes on as seen[j : j + p] again and again
+                p = len(seen) - j
+                follow = [seen[j + k % p] for k in range(self.length)]
                 if follow not in found:
                     found.append(follow)
                     if len(found) == self.matches:

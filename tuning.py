@@ -171,7 +171,8 @@ def write_json(path, data):
 
 
 def plotting(quiet=False):
-    """matplotlib.pyplot with a file-only backend, or None (it is optional)."""
+    """matplotlib.pyplot with a file-only backend, or None where it is missing (requirements.txt
+    lists it; an environment made by hand may lack it)."""
     try:
         import matplotlib
 

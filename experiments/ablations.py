@@ -76,6 +76,9 @@ def fail(message):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 3 or any("=" not in a for a in sys.argv[2:]):
         fail("usage: python experiments/ablations.py OUT_STEM LABEL=FOLDER [LABEL=FOLDER ...]")
     stem, runs = sys.argv[1], {}

@@ -99,6 +99,9 @@ def bad_input(e):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 5 or not sys.argv[2].isdigit() or any("=" not in a for a in sys.argv[4:]):
         fail(
             "usage: python experiments/data_size.py FEATURES FIRST_FRESH OUT_STEM LABEL=FOLDER "

@@ -186,6 +186,9 @@ def main(out, epochs, cache):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if not 2 <= len(sys.argv) <= 4:
         fail("usage: python experiments/fused_features.py OUT.json [EPOCHS] [CACHE]")
     main(

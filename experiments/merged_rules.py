@@ -1,8 +1,8 @@
-"""Which rules make heads + lookup pay? Tokens/s of drafters.Merged under each combination of its
-two newer rules, on eval/prompts.jsonl, greedy, every variant on every prompt in turn (so a burst of
-machine noise hits all alike), against the better of hydra++ and lookup alone per category.
+"""Which rules make heads + lookup pay? Tokens/s of drafters.HeadsPlusLookup under each combination
+of its two newer rules, on eval/prompts.jsonl, greedy, every variant on every prompt in turn (so a
+burst of machine noise hits all alike), against the better of hydra++ and lookup alone per category.
 
-    python experiments/merged_rules.py [--repeats 1] [--max-new-tokens 64] [--json FILE]
+    python experiments/merged_rules.py [--repeats 1] [--max-new-tokens 64] [--json FILE] [--limit N]
 
 shortest: lookup proposes matches of at least this many tokens; floor: the step keeps the heads'
 tree size, at least `floor` heads nodes (None: both trees whole). Both variants keep the older rules
@@ -27,10 +27,13 @@ import cli  # noqa: E402
 import drafters as D  # noqa: E402
 import decode  # noqa: E402
 
-p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("--repeats", type=int, default=1)
-p.add_argument("--max-new-tokens", type=int, default=64)
-p.add_argument("--json")
+p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+)
+p.add_argument("--repeats", type=int, default=1, help="every variant on every prompt this often")
+p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a reply")
+p.add_argument("--json", help="also write the tokens and seconds to this file")
+p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
 args = p.parse_args()
 
 device = cli.pick_device("auto")
@@ -47,11 +50,11 @@ H = lambda: D.HeadsDrafter(heads, tree)
 L = lambda **kw: D.Lookup(look["gamma"], look["ngram"], look["matches"], dev, **kw)
 variants = {"lookup": lambda: L(), "hydra++": H}
 for shortest, floor in [(1, None), (2, None), (1, 3), (2, 3)]:
-    variants[f"merged shortest {shortest}, floor {floor}"] = lambda s=shortest, f=floor: D.Merged(
-        H(), L(adapt=True, shortest=s), dev, floor=f
+    variants[f"merged shortest {shortest}, floor {floor}"] = lambda s=shortest, f=floor: (
+        D.HeadsPlusLookup(H(), L(adapt=True, shortest=s), dev, floor=f)
     )
 
-prompts = [(r["category"], checkpoint.encode(tok, r["prompt"])) for r in rows]
+prompts = [(r["category"], checkpoint.encode(tok, r["prompt"])) for r in rows[: args.limit or None]]
 decode.generate(model, prompts[0][1], 8, H(), eos_ids=model.cfg.eos_ids)  # warm-up
 done = {name: {} for name in variants}  # name -> category -> [tokens, seconds]
 for _ in range(args.repeats):

@@ -147,6 +147,9 @@ def plot(run, frozen, learning, path):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) == 3 and sys.argv[1] == "prompts":
         write_prompts(sys.argv[2])
     elif len(sys.argv) == 5 and sys.argv[1] == "report":

@@ -138,6 +138,9 @@ def joint_main(stem, pairs):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) > 3 and sys.argv[1] == "--joint":
         joint_main(sys.argv[2], sys.argv[3:])
         sys.exit(0)

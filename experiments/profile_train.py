@@ -106,6 +106,9 @@ def main(folder, kind):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) != 3 or sys.argv[2] not in ("medusa", "hydra", "hydra++"):
         fail("usage: python experiments/profile_train.py FEATURES_FOLDER medusa|hydra|hydra++")
     if not os.path.isdir(sys.argv[1]):

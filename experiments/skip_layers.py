@@ -125,4 +125,10 @@ def main(part, out, *more):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
+    needs = {"path": 3, "random": 3, "decode": 4}  # the part -> how many words the command has
+    if len(sys.argv) < 2 or needs.get(sys.argv[1]) != len(sys.argv):
+        sys.exit("usage: python experiments/skip_layers.py path|random|decode OUT.json [PATH.json]")
     main(*sys.argv[1:])

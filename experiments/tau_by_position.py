@@ -108,6 +108,9 @@ def table(n, rows):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # the docstring says what it does and how to run it
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 4 or any("=" not in a for a in sys.argv[3:]):
         fail(
             "usage: python experiments/tau_by_position.py FEATURES OUT.md LABEL=FOLDER "

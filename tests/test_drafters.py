@@ -304,6 +304,20 @@ def test_lookup_accepts_long_runs_when_the_answer_is_in_the_prompt(matches):
     assert steps == 59 and not any(accepted)  # nothing to copy: every step is a plain one
 
 
+@pytest.mark.parametrize("matches", [1, 3])
+def test_lookup_drafts_the_whole_gamma_on_repetitive_text(matches):
+    # "hello, hello, hello, ": the latest match ends where the text ends, so what followed it is one
+    # period; the continuation repeats that period up to gamma tokens, not stopping after one
+    hello = [5, 6, 7]  # "hello", ",", " "
+    lk = D.Lookup(10, 3, matches, "cpu")
+    lk.start(hello * 3, None, 64)
+    assert lk.continuations(5) == [(hello * 5)[1:11]]  # 6, 7, 5, 6, 7, ...: one, all matches agree
+    lk.start([4, 4, 4], None, 64)
+    assert lk.continuations(4) == [[4] * 10]  # period 1
+    steps, accepted = copy_run(D.Lookup(10, 3, matches, "cpu"), hello * 3, hello * 20, 1000)
+    assert accepted[:5] == [10] * 5 and steps == 6  # the whole gamma and the bonus, every step
+
+
 # --- merging trees ------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 `python SCRIPT.py ...` (or torchrun's) in README.md, results/README.md and weights/*/README.md,
 in a code block or inline, parsed by that script's own parser (not run), so a README command
 cannot drift from the code; generate.py's commands pass its checks that need no model too.
-Research scripts (experiments/) parse at import and are not checked.
+Research scripts (experiments/): tests/test_experiments.py runs them.
 
 Test: `python -m pytest -q tests/test_readme.py`.
 """
