@@ -33,7 +33,7 @@ class Waiting:
     limit: int  # its max_new_tokens
     generator: object
     out: decode.Result
-    started: float = 0.0  # when its prefill began (time in the queue is not its own)
+    started: float = 0.0  # when its prefill began
 
 
 def check_batch(model, prompts, max_new_tokens, generators):
@@ -96,6 +96,7 @@ def generate_batch(
     def refill(free):
         """The next waiting prompts take the free cache rows: prefilled in one forward into a cache
         of their own that then takes those rows (a new cache's first prompts go straight in)."""
+        started = time.perf_counter()  # a prompt's time in the queue is not its own
         picked = [queue.pop() for _ in free]
         whole = len(free) == len(rows) and cache.length == 0
         into = cache if whole else model.new_cache(max(len(w.prompt) for w in picked), len(picked))
@@ -103,7 +104,7 @@ def generate_batch(
         if into is not cache:
             cache.put(free, into)
         for j, (slot, job) in enumerate(zip(free, picked)):
-            job.started = time.perf_counter()
+            job.started = started
             own = drafter if size == 1 else drafter.row()
             own.start(job.prompt, hidden[j], cache.max_len)
             verifier = decode.choose_verifier(verify, temperature, top_p, job.generator)
