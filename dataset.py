@@ -282,7 +282,7 @@ def self_distill(model, tokenizer, folder, args):
         return
     stop = eos_ids(model, tokenizer)
     rng = random.Random(args.seed * 1_000_003 + have)
-    # each reply samples on its own generator (generate_batch's rows), seeded from this one
+    # each reply samples on its own generator (the engine's rows), seeded from this one
     seeder = torch.Generator().manual_seed(args.seed * 1_000_003 + have)
     batch = args.gen_batch or kernels.sizes(model.device, kernels.in_use(model).native).gen_batch
     t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)

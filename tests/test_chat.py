@@ -1,4 +1,4 @@
-"""A conversation that keeps its KV cache between turns (generate.Conversation, generate.py --chat):
+"""A conversation that keeps its KV cache between turns (decode.Conversation, generate.py --chat):
 each greedy reply is token-identical to the one-shot reply to the same conversation from an empty
 cache (fp32), with and without a drafter, whose state follows the cut; a turn's prefill forwards
 only what the cache does not hold; Ctrl-C keeps the conversation; bad input is one line and the
