@@ -11,6 +11,10 @@ import checkpoint
 import model as model_lib
 
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
+# exact.py's Triton kernels run in Triton's interpreter where there is no GPU: triton reads this as
+# it decorates them, so it is set before any test imports exact (bench.py imports it too)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -603,13 +603,19 @@ def test_an_online_method_reports_its_updates_in_words(capsys, tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize(
-    "argv, words",
+    "triton, interpreted, argv, words",
     [
-        (["--exact", "--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
-        (["--exact", "--device", "cpu"], "or drop --exact"),  # no triton, or no CUDA
+        (True, True, ["--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
+        (False, True, [], "--exact: exact kernels need triton (pip install triton)"),
+        (True, False, [], "--exact: exact kernels run on a CUDA device, or on the CPU under"),
     ],
 )
-def test_exact_is_refused_where_its_kernels_cannot_run(no_model, capsys, argv, words):
+def test_exact_is_refused_where_its_kernels_cannot_run(
+    no_model, capsys, monkeypatch, triton, interpreted, argv, words
+):
     """--exact needs triton and a CUDA device (or Triton's interpreter): one line, before the model
     loads."""
-    check_one_line_error(*run_bench(capsys, *argv)[::2], words)
+    monkeypatch.setattr(B.exact, "triton", B.exact.triton if triton else None)
+    monkeypatch.setattr(B.exact, "INTERPRETED", interpreted)
+    code, _, err = run_bench(capsys, "--exact", "--device", "cpu", *argv)
+    check_one_line_error(code, err, words)
