@@ -109,8 +109,8 @@ def add_drafter_flags(p):
         "model (the --draft-model) | "
         "jacobi (the model's own outputs of last step as guesses, Jacobi decoding) | "
         "lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | "
-        "pass or pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's). "
-        "Jacobi, lookahead and pass take the settings bench.py --tune-parallel saved for this "
+        "pass or pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); "
+        "jacobi, lookahead and pass take the settings bench.py --tune-parallel saved for this "
         "machine where no flag sets them",
     )
     p.add_argument(
