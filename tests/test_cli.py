@@ -156,8 +156,9 @@ def test_fp16_weights_are_a_cpu_kernel():
     here)."""
     cli.check_quantize("fp16", "cpu")
     cli.check_quantize("int8", "cuda")
-    assert cli.pick_dtype("auto", "cpu", "fp16") == torch.float32  # fp16 weights: fp32 activations
-    assert cli.pick_dtype("bf16", "cpu", "fp16") == torch.bfloat16  # unless asked otherwise
+    # fp16 weights: fp32 activations
+    assert kernels.pick_dtype("auto", "cpu", "fp16") == torch.float32
+    assert kernels.pick_dtype("bf16", "cpu", "fp16") == torch.bfloat16  # unless asked otherwise
     with pytest.raises(
         cli.UsageError, match="--quantize fp16: a CPU kernel; on cuda:1 use --dtype fp16"
     ):
@@ -1059,7 +1060,7 @@ def write_prompts(path, texts):
     return path
 
 
-@pytest.mark.parametrize("draft", ["heads", "lookup", "jacobi", "lookahead"])  # every drafter batches
+@pytest.mark.parametrize("draft", ["heads", "lookup", "jacobi", "lookahead"])  # every one batches
 def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_model_dir, draft):
     prompts = write_prompts(
         tmp_path / "p.jsonl",
