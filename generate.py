@@ -903,7 +903,7 @@ class Chat:
         self.seconds = 0.0  # spent answering (--online's share of it)
 
     def run(self, interactive):
-        """Read, answer, repeat, until the end of the input; the exit code."""
+        """Read, answer, repeat, until the end of the input."""
         if interactive:
             print(CHAT_HELP, file=sys.stderr)
         while True:
@@ -913,7 +913,7 @@ class Chat:
                 print(file=sys.stderr)
                 continue
             if line is None:
-                return 0
+                return
             try:
                 if line.startswith("/") and not line.startswith("//"):
                     self.command(line)
@@ -1045,12 +1045,10 @@ class Chat:
         if self.learner:  # between turns: the next reply drafts with what this one taught
             self.learner.reply_done()
         if self.stats:
-            print(
-                stats_line(r, self.conversation.drafter.max_depth)[:-1]
-                + f", {self.conversation.forwarded} of {len(ids)} prompt tokens forwarded, first "
-                f"token after {first[0] - t0:.2f} s]",
-                file=sys.stderr,
-            )
+            forwarded = f"{self.conversation.forwarded} of {len(ids)} prompt tokens forwarded"
+            waited = f"first token after {first[0] - t0:.2f} s"
+            line = stats_line(r, self.conversation.drafter.max_depth, more=[forwarded, waited])
+            print(line, file=sys.stderr)
         return r
 
 
