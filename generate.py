@@ -489,7 +489,9 @@ def check_args(args, parser):
     if args.out:
         check_out(args.out, args.prompts, args.overwrite)
     check_online(args, kind)
-    kernels.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
+    device = cli.pick_device(args.device)
+    kernels.pick_dtype(args.dtype, device, args.quantize)
+    cli.check_quantize(args.quantize, device)
     if args.tree != "auto":
         catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
     catalog.find_heads(args.heads)
@@ -689,8 +691,8 @@ def check_batch_memory(model, encoded, batch_size, drafter, device):
 
 # what is printed
 
+# the base model's colour, then drafter.legend[1:]'s
 COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]
-# base, then drafter.legend[1:]
 
 
 def colour(source):
@@ -1150,7 +1152,6 @@ def main(args):
     draft = check_args(args, build_parser())
     device = cli.pick_device(args.device)
     dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
-    cli.check_quantize(args.quantize, device)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = read_prompts(args)
     batch_size = batch_rows(args.batch_size, prompts)
