@@ -503,6 +503,18 @@ def check_args(args, parser):
 # the model, the drafter and the learner, built from the checked flags
 
 
+@dataclass
+class Decoder:
+    """What main builds for a mode to run."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    drafter: object  # drafters.py's, wrapped by online.OnlineHeads with --online
+    learner: object  # --online's online.Learner, or None
+    decoding: dict  # decode.generate's verify, temperature, top_p and eos_ids
+    generator: torch.Generator  # seeded --seed (a batch seeds one for each prompt)
+
+
 def load_model(name, *, device, dtype, quantize, chat):
     """The model and its tokenizer, its linear layers quantized as --quantize asks."""
     model, tokenizer = checkpoint.load(name, device, dtype)
@@ -889,18 +901,16 @@ class Chat:
     (an unknown command, a file that cannot be read, a message that cannot fit) is one line on
     stderr, and the conversation stays as it was."""
 
-    def __init__(
-        self, conversation, tokenizer, *, system, max_new_tokens, decoding, show, stats, learner
-    ):
-        self.conversation = conversation
-        self.tokenizer = tokenizer
+    def __init__(self, dec, *, system, max_new_tokens, show, stats):
+        self.conversation = decode.Conversation(dec.model, dec.drafter)
+        self.tokenizer = dec.tokenizer
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
-        self.decoding = decoding  # Conversation.reply's: verify, temperature, ..., eos_ids
+        self.decoding = dec.decoding | {"generator": dec.generator}  # Conversation.reply's
         self.show = show
         self.stats = stats
-        self.learner = learner  # --online: the heads learn between turns
+        self.learner = dec.learner  # --online: the heads learn between turns
         self.cut = []  # the replies cut short (the length limit, Ctrl-C): /save marks them
         self.seconds = 0.0  # spent answering (--online's share of it)
 
@@ -1057,18 +1067,6 @@ class Chat:
 # the modes: one prompt after another streamed, a batch, a chat
 
 
-@dataclass
-class Decoder:
-    """What main builds for a mode to run."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    drafter: object  # drafters.py's, wrapped by online.OnlineHeads with --online
-    learner: object  # --online's online.Learner, or None
-    decoding: dict  # decode.generate's verify, temperature, top_p and eos_ids
-    generator: torch.Generator  # seeded --seed (a batch seeds one for each prompt)
-
-
 def one_by_one(dec, encoded, replies, *, stream, show):
     """Each prompt's reply streamed as it is made (without `stream`: only its statistics), one
     generator through every prompt. Returns the seconds it took."""
@@ -1112,16 +1110,7 @@ def batch(dec, encoded, replies, *, batch_size, seed):
 def chat(dec, *, system, max_new_tokens, show, stats):
     """--chat: a conversation at the terminal (or stdin, a line a message), until its end. Returns
     the seconds spent answering."""
-    terminal = Chat(
-        decode.Conversation(dec.model, dec.drafter),
-        dec.tokenizer,
-        system=system,
-        max_new_tokens=max_new_tokens,
-        decoding=dec.decoding | {"generator": dec.generator},
-        show=show,
-        stats=stats,
-        learner=dec.learner,
-    )
+    terminal = Chat(dec, system=system, max_new_tokens=max_new_tokens, show=show, stats=stats)
     terminal.run(interactive=sys.stdin.isatty())
     return terminal.seconds
 
