@@ -386,33 +386,34 @@ def check_sampling_flags(args):
     cli.check_seed(args.seed)
 
 
-def check_drafter_flags(kind, spec, heads, tree, draft_model):
+def check_drafter_flags(draft):
     """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
-    if heads == "none" and tree != "auto":
+    with_heads = draft.kind in ("heads", "heads+lookup")
+    if draft.heads == "none" and draft.tree != "auto":
         raise cli.UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    if kind not in ("heads", "heads+lookup") and tree != "auto":
+    if not with_heads and draft.tree != "auto":
         raise cli.UsageError(
-            f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use --draft "
-            "heads or heads+lookup"
+            f"--tree shapes the heads' tree, --draft {draft.spec} has none; drop --tree or use "
+            "--draft heads or heads+lookup"
         )
-    if kind not in ("heads", "heads+lookup") and heads not in ("auto", "none"):
+    if not with_heads and draft.heads not in ("auto", "none"):
         raise cli.UsageError(
-            f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
-            "heads or heads+lookup"
+            f"--heads {draft.heads}: --draft {draft.spec} drafts without heads; drop --heads or "
+            "use --draft heads or heads+lookup"
         )
-    if kind == "heads+lookup" and heads == "none":
+    if draft.kind == "heads+lookup" and draft.heads == "none":
         raise cli.UsageError(
             "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
         )
-    if kind == "model" and not draft_model:
+    if draft.kind == "model" and not draft.draft_model:
         raise cli.UsageError(
             "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
             "same tokenizer as --model"
         )
-    if kind != "model" and draft_model:
+    if draft.kind != "model" and draft.draft_model:
         raise cli.UsageError(
-            f"--draft-model is used by --draft model, not --draft {spec}; add --draft model or "
-            "drop --draft-model"
+            f"--draft-model is used by --draft model, not --draft {draft.spec}; add --draft model "
+            "or drop --draft-model"
         )
 
 
@@ -484,8 +485,17 @@ def check_args(args, parser):
     check_sampling_flags(args)
     kind, arg = catalog.parse_draft(args.draft)
     given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
-    settings = catalog.draft_settings(kind, args.draft, given)
-    check_drafter_flags(kind, args.draft, args.heads, args.tree, args.draft_model)
+    draft = Draft(
+        spec=args.draft,
+        kind=kind,
+        arg=arg,
+        settings=catalog.draft_settings(kind, args.draft, given),
+        given=given,
+        heads=args.heads,
+        tree=args.tree,
+        draft_model=args.draft_model,
+    )
+    check_drafter_flags(draft)
     if args.out:
         check_out(args.out, args.prompts, args.overwrite)
     check_online(args, kind)
@@ -497,7 +507,7 @@ def check_args(args, parser):
     catalog.find_heads(args.heads)
     for message in flags_without_effect(args, parser):
         cli.notice(message)
-    return Draft(args.draft, kind, arg, settings, given, args.heads, args.tree, args.draft_model)
+    return draft
 
 
 # the model, the drafter and the learner, built from the checked flags
@@ -682,10 +692,10 @@ def encode_prompts(prompts, tokenizer, *, system, raw, max_new_tokens, context, 
     return encoded
 
 
-def check_batch_memory(model, encoded, batch_size, drafter, device):
+def check_batch_memory(model, drafter, encoded, batch_size):
     """--batch-size rows of KV cache, each as long as the longest prompt and reply: refused before
     it is allocated where it would not fit in the memory free now (with room for the rest)."""
-    free = cli.free_memory(device)
+    free = cli.free_memory(model.device)
     if batch_size == 1 or free is None:
         return
     longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
@@ -1170,7 +1180,7 @@ def main(args):
         context=model.cfg.max_seq_len,
         one=args.prompts is None,
     )
-    check_batch_memory(model, encoded, batch_size, drafter, device)
+    check_batch_memory(model, drafter, encoded, batch_size)
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
     banner = banner_line(dec, draft, device=device, quantize=args.quantize, threads=threads)
     print(banner, file=sys.stderr)
