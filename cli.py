@@ -10,7 +10,8 @@ Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
     plural(n, word)                                  "1 message", "2 messages"
-    pick_device, pick_dtype, check_seed              the machine and randomness
+    pick_device, DTYPES, check_seed                  the machine and randomness (kernels.pick_dtype
+                                                     turns --dtype into one of DTYPES)
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, writable_folder, empty_folder     paths, checked before the work
     check_text, check_counts, read_prompts           text, numbers and prompt files
@@ -99,7 +100,7 @@ def plural(n, word):
 
 # --- the machine and randomness ------------------------------------------------------------------
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype
 
 
 def pick_device(name):
@@ -130,24 +131,6 @@ def check_quantize(quantize, device):
         raise UsageError(
             f"--quantize fp16: a CPU kernel; on {device} use --dtype fp16 instead (or --device cpu)"
         )
-
-
-def pick_dtype(name, device, quantize="none"):
-    if name == "auto":  # bf16 where it is native (results/README.md), else fp32 on a CPU
-        if (
-            torch.device(device).type == "cpu"
-        ):  # fp16 weights: fp32 activations, no casts (results/kernels-cpu.md)
-            native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and quantize != "fp16"
-            return torch.bfloat16 if native else torch.float32
-        # a GPU before Ampere (compute capability < 8) emulates bf16 slowly; fp16 is native there
-        return (
-            torch.bfloat16
-            if torch.cuda.is_bf16_supported(including_emulation=False)
-            else torch.float16
-        )
-    if name not in DTYPES:
-        raise UsageError(f"--dtype {name}: unknown dtype; use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def busy_cores(seconds=0.1):

@@ -15,6 +15,7 @@ for --batch-size rows; this file is the command line: its flags, their checks, w
 the chat terminal (--chat) and main().
 """
 
+import contextlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,34 +40,37 @@ import verify as verify_lib
 
 # --- command line --------------------------------------------------------------------------------
 # The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
-# what is printed, and main(), which turns the flags into plain values for the functions above.
+# what is printed, the chat terminal, and main(), which turns the flags into plain values once.
 # stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
-BATCHING = ("heads", "lookup", "heads+lookup")  # the --draft kinds that decode --batch-size rows
 
 
-def build_parser():
-    p = cli.Parser(description=__doc__.split("\n\n")[0].strip())
-    # what to say
+def defaults(key):
+    """'lookup 3, lookahead 3': a drafter setting's defaults, for its flag's help."""
+    return ", ".join(f"{k} {v[key]}" for k, v in catalog.DRAFT_DEFAULTS.items() if key in v)
+
+
+def add_prompt_flags(p):
+    """What to say, and where the replies go."""
     p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
     p.add_argument(
         "--prompts",
         help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt; a line '
-        '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last, user\'s, '
-        "message is answered",
+        '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last '
+        "message, the user's, is answered",
     )
     p.add_argument(
         "--out",
-        help="with --prompts: write one JSON object per prompt here, each as its reply ends (with "
+        help="with --prompts: write one JSON object per prompt here as its reply ends (with "
         "--batch-size, in the order they end; each names its prompt's id); a new file, unless "
         "--overwrite",
     )
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an --out file that exists (else it is refused: its replies would be lost "
-        "as soon as decoding starts)",
+        help="replace an --out file that exists (else it is refused: its replies would be lost as "
+        "soon as decoding starts)",
     )
     p.add_argument(
         "--chat",
@@ -79,40 +84,42 @@ def build_parser():
         type=int,
         default=1,
         help="with --prompts: decode this many prompts side by side, one forward of the base "
-        "model for all (--draft heads, lookup or heads+lookup); each reply is printed whole as "
-        "it ends, marked with its id, and sampled from its own generator, seeded --seed + its "
-        "line's index",
+        "model for all, whatever the --draft; each reply is printed whole as it ends, marked "
+        "with its id, and sampled from its own generator, seeded --seed + its line's index",
     )
-    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--system", help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    # the model and the drafter
+
+
+def add_drafter_flags(p):
+    """The model, and who drafts for it."""
     p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
     p.add_argument(
         "--draft",
         default="heads",
-        help="who proposes the tokens the model verifies: heads (the --heads below; none = plain "
-        "decoding) | "
+        help="who proposes the tokens the model verifies: "
+        "heads (the --heads below; none = plain decoding) | "
         "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the "
-        "reply) | heads+lookup (both, in one tree) | "
-        "layers:N (the model's own first N layers, self-speculative) | skip or skip:LAYERS (the "
-        "model with some layers skipped, self-speculative: LAYERS are the skipped ones, numbered "
-        "from 0, e.g. skip:2,5,9-12; plain skip takes the set bench.py --tune-skip saved for this "
-        "machine) | model (the --draft-model) "
-        "| jacobi (the model's own outputs "
-        "of last step as guesses, Jacobi decoding) | lookahead (n-grams from a window of Jacobi "
-        "iterations, lookahead decoding) | pass or "
-        "pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); jacobi, "
-        "lookahead and pass take the settings "
-        "bench.py --tune-parallel saved for this machine where no flag sets them",
+        "reply) | "
+        "heads+lookup (both, in one tree) | "
+        "layers:N (the model's own first N layers, self-speculative) | "
+        "skip or skip:LAYERS (the model with some layers skipped, self-speculative: LAYERS are "
+        "the skipped ones, numbered from 0, e.g. skip:2,5,9-12; plain skip takes the set "
+        "bench.py --tune-skip saved for this machine) | "
+        "model (the --draft-model) | "
+        "jacobi (the model's own outputs of last step as guesses, Jacobi decoding) | "
+        "lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | "
+        "pass or pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); "
+        "jacobi, lookahead and pass take the settings bench.py --tune-parallel saved for this "
+        "machine where no flag sets them",
     )
     p.add_argument(
         "--heads",
         default="auto",
         help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
-        "the default model) | "
-        "a heads folder (train.py's or joint.py's --out; joint.py's medusa-2 and hydra++-2 heads "
-        "adapt the model's last layers, "
-        "merged in at load); auto = hydra++ if shipped for this model, else none",
+        "the default model) | a heads folder (train.py's or joint.py's --out; joint.py's "
+        "medusa-2 and hydra++-2 heads adapt the model's last layers, merged in at load); "
+        "auto = hydra++ if shipped for this model, else none",
     )
     p.add_argument(
         "--tree",
@@ -124,52 +131,49 @@ def build_parser():
     )
     p.add_argument(
         "--draft-model",
-        default=None,
         help="with --draft model: a Llama-family folder or hub id with the same tokenizer as "
         "--model",
     )
+
+
+def add_draft_size_flags(p):
+    """How much the drafters propose a step; each drafter's defaults unless given."""
     p.add_argument(
         "--gamma",
         type=int,
-        default=None,
         help="tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
-        "pass (its K [LA] tokens); unless given: "
-        + ", ".join(f"{k} {v['gamma']}" for k, v in catalog.DRAFT_DEFAULTS.items() if "gamma" in v),
+        f"pass (its K [LA] tokens); unless given: {defaults('gamma')}",
     )
     p.add_argument(
         "--ngram",
         type=int,
-        default=None,
         help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
-        "length N, "
-        "first token included, = the window's levels + 1; unless given: "
-        + ", ".join(f"{k} {v['ngram']}" for k, v in catalog.DRAFT_DEFAULTS.items() if "ngram" in v),
+        "length N, first token included, = the window's levels + 1; unless given: "
+        f"{defaults('ngram')}",
     )
     p.add_argument(
         "--matches",
         type=int,
-        default=None,
         help="lookup: propose this many distinct continuations, a tree when > 1; unless given: "
         f"{catalog.DRAFT_DEFAULTS['lookup']['matches']}",
     )
     p.add_argument(
         "--window",
         type=int,
-        default=None,
         help="lookahead: W, the Jacobi trajectories computed a step; unless given: "
         f"{catalog.DRAFT_DEFAULTS['lookahead']['window']}",
     )
     p.add_argument(
         "--guesses",
         type=int,
-        default=None,
         help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] "
-        "token's "
-        "G likeliest tokens, verified side by side; unless given: lookahead "
-        f"{catalog.DRAFT_DEFAULTS['lookahead']['guesses']}, pass "
-        f"{catalog.DRAFT_DEFAULTS['pass']['guesses']}",
+        "token's G likeliest tokens, verified side by side; unless given: "
+        f"{defaults('guesses')}",
     )
-    # online speculative decoding (online.py)
+
+
+def add_online_flags(p):
+    """Online speculative decoding (online.py): the heads learn between replies."""
     p.add_argument(
         "--online",
         action="store_true",
@@ -188,28 +192,27 @@ def build_parser():
         )
     p.add_argument(
         "--online-save",
-        default=None,
         metavar="FOLDER",
         help="--online: write the adapted heads here at the end, or at Ctrl-C what they learned "
-        "so far (load them with --heads FOLDER); a new or empty folder, never inside the shipped "
-        "heads'",
+        "so far (load them with --heads FOLDER); a new or empty folder, never inside the "
+        "shipped heads'",
     )
-    # decoding
+
+
+def add_decoding_flags(p):
+    """How each token is chosen and verified."""
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        default=None,
         help="generate at most this many tokens; prompt + these must fit the model's context "
-        f"(default: {MAX_NEW_TOKENS}, "
-        "or what the context leaves after the prompt, with a notice)",
+        f"(default: {MAX_NEW_TOKENS}, or what the context leaves after the prompt, with a notice)",
     )
     p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
         help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is "
-        "greedy too "
-        "(the probabilities are one-hot there, and overflow far below it)",
+        "greedy too (the probabilities are one-hot there, and overflow far below it)",
     )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument(
@@ -217,9 +220,9 @@ def build_parser():
         default="auto",
         choices=verify_lib.VERIFIERS,
         help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: "
-        "the tree rule, or Leviathan's "
-        "rule for the sampled drafts of layers:N and model); auto = greedy at T=0, else sample. "
-        "At --temperature 0, sample and typical reduce to greedy and give exactly its output",
+        "the tree rule, or Leviathan's rule for the sampled drafts of layers:N and model); "
+        "auto = greedy at T=0, else sample. At --temperature 0, sample and typical reduce to "
+        "greedy and give exactly its output",
     )
     p.add_argument(
         "--seed",
@@ -227,17 +230,20 @@ def build_parser():
         default=0,
         help="random seed for sampling: same seed, same flags, same machine -> same output",
     )
-    # machine
+
+
+def add_machine_flags(p):
+    """Where it runs, and in what numbers."""
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     cli.threads_flag(p)
     p.add_argument(
         "--quantize",
         default="none",
         choices=cli.QUANTIZE,
-        help="the base model's linear layers on fp16 weights multiplied in fp32 "
-        "(a CPU's fbgemm kernel, faster for one row), or on weight-only int8 (one scale per "
-        "output channel) or int4 (a scale and a zero "
-        "per 32 inputs: fewer bytes to read a step); heads and KV cache as they are",
+        help="the base model's linear layers on fp16 weights multiplied in fp32 (a CPU's fbgemm "
+        "kernel, faster for one row), or on weight-only int8 (one scale per output channel) or "
+        "int4 (a scale and a zero per 32 inputs: fewer bytes to read a step); heads and KV "
+        "cache as they are",
     )
     p.add_argument(
         "--dtype",
@@ -246,32 +252,66 @@ def build_parser():
         "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32, and fp32 under "
         "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
-    # output
+
+
+def add_output_flags(p):
+    """What is printed."""
     p.add_argument(
         "--show",
         action="store_true",
         help="colour each token by who proposed it (draft head k, lookup, the draft model or "
-        "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a "
-        "terminal",
+        "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal",
     )
     p.add_argument(
         "--quiet",
         action="store_true",
         help="do not stream text (statistics only); with --chat: no statistics line",
     )
+
+
+def build_parser():
+    p = cli.Parser(description=__doc__.split("\n\n")[0].strip())
+    add_prompt_flags(p)  # what to say
+    add_drafter_flags(p)  # the model and the drafter
+    add_draft_size_flags(p)  # how much it drafts
+    add_online_flags(p)  # online speculative decoding
+    add_decoding_flags(p)  # decoding
+    add_machine_flags(p)  # the machine
+    add_output_flags(p)  # output
     return p
+
+
+# the checks before a model loads
+
+SIZES = ("gamma", "ngram", "matches", "window", "guesses")  # the drafters' size flags
+
+
+@dataclass
+class Draft:
+    """--draft and its settings, as the checks found them."""
+
+    spec: str  # as given, for messages: "layers:2"
+    kind: str  # heads, lookup, heads+lookup, layers, skip, model, jacobi, lookahead or pass
+    arg: object  # N of layers:N, skip's layers (None: the tuned set), pass's folder; else None
+    settings: dict  # the drafter's gamma, ngram, ...: the flags given over DRAFT_DEFAULTS
+    given: dict  # the flags given among them (a tuned setting never overrides one)
+    heads: str  # --heads: none, auto, a kind or a folder
+    tree: str  # --tree: auto or a spec
+    draft_model: str  # --draft-model, or None
 
 
 def flags_without_effect(args, parser):
     """One remark for each flag set away from its default that the chosen mode ignores."""
-    changed = lambda name: getattr(args, name) != parser.get_default(name)
+
+    def changed(name):
+        return getattr(args, name) != parser.get_default(name)
+
     ignored = []
     if verify_lib.is_greedy(args.temperature):
-        ignored += [
-            f"--{n.replace('_', '-')} has no effect at --temperature 0 (greedy decoding)"
-            for n in ("top_p", "seed")
-            if changed(n)
-        ]
+        for name in ("top_p", "seed"):
+            if changed(name):
+                flag = "--" + name.replace("_", "-")
+                ignored.append(f"{flag} has no effect at --temperature 0 (greedy decoding)")
         if args.verify in ("sample", "typical"):
             ignored.append(
                 f"--verify {args.verify} at --temperature 0 is greedy verification (same output)"
@@ -293,9 +333,8 @@ def flags_without_effect(args, parser):
     return ignored
 
 
-def check_args(args, parser):
-    """The checks that need no model; remarks for flags without effect. Returns --draft's kind,
-    its argument (N of layers:N, pass's folder) and its drafter's settings."""
+def check_prompt_flags(args):
+    """Something to answer, in one way; text that can be encoded; a length that can be made."""
     if args.chat:
         check_chat_flags(args)
     elif args.prompt is None and args.prompts is None:
@@ -309,6 +348,26 @@ def check_args(args, parser):
             cli.check_text(getattr(args, flag), f"--{flag}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise cli.UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.batch_size < 1:
+        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+
+
+def check_chat_flags(args):
+    """--chat reads its messages from the terminal and writes its replies there."""
+    for flag in ("prompt", "prompts", "out"):
+        if getattr(args, flag) is not None:
+            raise cli.UsageError(
+                "--chat reads the messages from the terminal (or stdin, a line each) and streams "
+                f"the replies; drop --{flag}, or drop --chat"
+            )
+    if args.raw:
+        raise cli.UsageError("--chat lays the conversation out with the chat template; drop --raw")
+    if args.batch_size != 1:
+        raise cli.UsageError("--chat answers one conversation; drop --batch-size")
+
+
+def check_sampling_flags(args):
+    """A temperature, a nucleus and a seed that sampling can use, and a rule that fits them."""
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise cli.UsageError(
             f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)"
@@ -325,48 +384,53 @@ def check_args(args, parser):
             "--verify greedy decodes at temperature 0; drop --temperature or use --verify sample"
         )
     cli.check_seed(args.seed)
-    if args.heads == "none" and args.tree != "auto":
+
+
+def check_drafter_flags(draft):
+    """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
+    with_heads = draft.kind in ("heads", "heads+lookup")
+    if draft.heads == "none" and draft.tree != "auto":
         raise cli.UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    kind, arg = catalog.parse_draft(args.draft)
-    given = {
-        k: getattr(args, k)
-        for k in ("gamma", "ngram", "matches", "window", "guesses")
-        if getattr(args, k) is not None
-    }
-    settings = catalog.draft_settings(kind, args.draft, given)
-    check_drafter_flags(kind, args.draft, args.heads, args.tree, args.draft_model)
-    if args.batch_size < 1:
-        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.batch_size > 1 and kind not in BATCHING:
+    if not with_heads and draft.tree != "auto":
         raise cli.UsageError(
-            f"--draft {args.draft} decodes one prompt at a time; drop --batch-size or use --draft "
-            "heads, lookup or heads+lookup"
+            f"--tree shapes the heads' tree, --draft {draft.spec} has none; drop --tree or use "
+            "--draft heads or heads+lookup"
         )
-    if args.out:
-        cli.writable_file("--out", args.out, "replies.jsonl")
-        if (
-            args.prompts
-            and os.path.isfile(args.out)
-            and os.path.isfile(args.prompts)
-            and os.path.samefile(args.out, args.prompts)
-        ):
+    if not with_heads and draft.heads not in ("auto", "none"):
+        raise cli.UsageError(
+            f"--heads {draft.heads}: --draft {draft.spec} drafts without heads; drop --heads or "
+            "use --draft heads or heads+lookup"
+        )
+    if draft.kind == "heads+lookup" and draft.heads == "none":
+        raise cli.UsageError(
+            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
+        )
+    if draft.kind == "model" and not draft.draft_model:
+        raise cli.UsageError(
+            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
+            "same tokenizer as --model"
+        )
+    if draft.kind != "model" and draft.draft_model:
+        raise cli.UsageError(
+            f"--draft-model is used by --draft model, not --draft {draft.spec}; add --draft model "
+            "or drop --draft-model"
+        )
+
+
+def check_out(out, prompts, overwrite):
+    """--out: a file that can be written, not the prompts, and new unless --overwrite."""
+    cli.writable_file("--out", out, "replies.jsonl")
+    if prompts and os.path.isfile(out) and os.path.isfile(prompts):
+        if os.path.samefile(out, prompts):
             raise cli.UsageError(
-                f"--out {args.out} is the --prompts file: the replies would overwrite the "
-                "prompts; give another --out"
+                f"--out {out} is the --prompts file: the replies would overwrite the prompts; "
+                "give another --out"
             )
-        if os.path.exists(args.out) and not args.overwrite:
-            raise cli.UsageError(
-                f"--out {args.out}: the file exists, and decoding would empty it; give a new "
-                "name, remove it, or add --overwrite"
-            )
-    check_online(args, kind)
-    cli.pick_dtype(args.dtype, cli.pick_device(args.device), args.quantize)
-    if args.tree != "auto":
-        catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
-    catalog.find_heads(args.heads)
-    for message in flags_without_effect(args, parser):
-        cli.notice(message)
-    return kind, arg, settings
+    if os.path.exists(out) and not overwrite:
+        raise cli.UsageError(
+            f"--out {out}: the file exists, and decoding would empty it; give a new name, remove "
+            "it, or add --overwrite"
+        )
 
 
 def check_online(args, kind):
@@ -389,153 +453,183 @@ def check_online(args, kind):
             f"--online with --quantize {args.quantize}: the heads learn the {args.quantize} "
             "model's distribution, the one that verifies here"
         )
-    folder = args.online_save
-    if folder:
-        inside = os.path.abspath(folder) + os.sep
-        if inside.startswith(os.path.abspath(catalog.SHIPPED) + os.sep):
-            raise cli.UsageError(
-                f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a "
-                "new folder"
-            )
-        held = checkpoint.run_files(folder)
-        if held:
-            raise cli.UsageError(
-                f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py "
-                "run), which saving would overwrite; give a new folder"
-            )
-        if os.path.isdir(folder) and os.listdir(folder):  # the heads and trees go in loose
-            raise cli.UsageError(
-                f"--online-save {folder}: the folder is not empty; give a new or empty one"
-            )
-        cli.writable_folder("--online-save", folder)
+    if args.online_save:
+        check_online_save(args.online_save)
 
 
-def check_chat_flags(args):
-    """--chat reads its messages from the terminal and writes its replies there."""
-    for flag in ("prompt", "prompts", "out"):
-        if getattr(args, flag) is not None:
-            raise cli.UsageError(
-                f"--chat reads the messages from the terminal (or stdin, a line each) and streams "
-                f"the replies; drop --{flag}, or drop --chat"
-            )
-    if args.raw:
-        raise cli.UsageError("--chat lays the conversation out with the chat template; drop --raw")
-    if args.batch_size != 1:
-        raise cli.UsageError("--chat answers one conversation; drop --batch-size")
-
-
-def check_drafter_flags(kind, spec, heads, tree, draft_model):
-    """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
-    if kind not in ("heads", "heads+lookup") and tree != "auto":
+def check_online_save(folder):
+    """--online-save: a new or empty folder, outside the shipped heads."""
+    inside = os.path.abspath(folder) + os.sep
+    if inside.startswith(os.path.abspath(catalog.SHIPPED) + os.sep):
         raise cli.UsageError(
-            f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use --draft "
-            "heads or heads+lookup"
+            f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a new "
+            "folder"
         )
-    if kind not in ("heads", "heads+lookup") and heads not in ("auto", "none"):
+    held = checkpoint.run_files(folder)
+    if held:
         raise cli.UsageError(
-            f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
-            "heads or heads+lookup"
+            f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
+            "saving would overwrite; give a new folder"
         )
-    if kind == "heads+lookup" and heads == "none":
+    if os.path.isdir(folder) and os.listdir(folder):  # the heads and trees go in loose
         raise cli.UsageError(
-            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
+            f"--online-save {folder}: the folder is not empty; give a new or empty one"
         )
-    if kind == "model" and not draft_model:
-        raise cli.UsageError(
-            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
-            "same tokenizer as --model"
-        )
-    if kind != "model" and draft_model:
-        raise cli.UsageError(
-            f"--draft-model is used by --draft model, not --draft {spec}; add --draft model or "
-            "drop --draft-model"
-        )
+    cli.writable_folder("--online-save", folder)
 
 
-def load_drafter(
-    kind,
-    arg,
-    spec,
-    settings,
-    given,
-    heads_name,
-    tree_spec,
-    draft_model_name,
-    quantize,
-    model,
-    tokenizer,
-    temperature,
-    top_p,
-    generator,
-):
-    """The drafter --draft names, once the model is loaded: heads, their tree, a draft model,
-    checked against the model. Drafts are sampled at `temperature` where the rule needs it."""
-    heads, heads_folder = (
-        catalog.load_heads(heads_name, model) if kind in ("heads", "heads+lookup") else (None, None)
+def check_args(args, parser):
+    """The checks that need no model, then a remark for each flag without effect. Returns the
+    --draft to load."""
+    check_prompt_flags(args)
+    check_sampling_flags(args)
+    kind, arg = catalog.parse_draft(args.draft)
+    given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
+    draft = Draft(
+        spec=args.draft,
+        kind=kind,
+        arg=arg,
+        settings=catalog.draft_settings(kind, args.draft, given),
+        given=given,
+        heads=args.heads,
+        tree=args.tree,
+        draft_model=args.draft_model,
     )
-    tree = catalog.load_tree(tree_spec, heads, heads_folder, quantize)
+    check_drafter_flags(draft)
+    if args.out:
+        check_out(args.out, args.prompts, args.overwrite)
+    check_online(args, kind)
+    device = cli.pick_device(args.device)
+    kernels.pick_dtype(args.dtype, device, args.quantize)
+    cli.check_quantize(args.quantize, device)
+    if args.tree != "auto":
+        catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
+    catalog.find_heads(args.heads)
+    for message in flags_without_effect(args, parser):
+        cli.notice(message)
+    return draft
+
+
+# the model, the drafter and the learner, built from the checked flags
+
+
+@dataclass
+class Decoder:
+    """What main builds for a mode to run."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    drafter: object  # drafters.py's, wrapped by online.OnlineHeads with --online
+    learner: object  # --online's online.Learner, or None
+    decoding: dict  # decode.generate's verify, temperature, top_p and eos_ids
+    generator: torch.Generator  # seeded --seed (a batch seeds one for each prompt)
+
+
+def load_model(name, *, device, dtype, quantize, chat):
+    """The model and its tokenizer, its linear layers quantized as --quantize asks."""
+    model, tokenizer = checkpoint.load(name, device, dtype)
+    if chat and not tokenizer.chat_template:
+        raise cli.UsageError(
+            f"--chat: {name} has no chat template (tokenizer_config.json's chat_template) to lay "
+            "a conversation out; use a chat model, or --prompt with --raw"
+        )
+    if quantize != "none":
+        kernels.quantize(model, quantize)
+    if quantize == "fp16" and not kernels.fp16_rows_alone():
+        cli.notice(
+            "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
+            "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
+            "weights; --quantize none keeps them identical"
+        )
+    return model, tokenizer
+
+
+def tuned_skip(model, settings, given):
+    """--draft skip without LAYERS: the layers and gamma bench.py --tune-skip chose for this
+    machine (the flags given still win), else a default set, with a notice."""
+    tuned = catalog.tuned_skip(catalog.SHIPPED, model)
+    if tuned is None:
+        layers = catalog.default_skip(model.cfg.n_layers)
+        cli.notice(
+            f"--draft skip: no skip set tuned for this model and machine in {catalog.SHIPPED}; "
+            f"skipping layers {catalog.skip_spec(layers)} (bench.py --tune-skip searches one)"
+        )
+        return layers, settings
+    file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
+    speedup = catalog.expected_speedup(file)
+    if speedup is not None and speedup < 1:
+        cli.notice(
+            f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding on this "
+            "machine; --heads none (plain decoding) is faster here"
+        )
+    return tuned[0], settings | {"gamma": tuned[1]} | given
+
+
+def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
+    """The drafter --draft names, once the model is loaded: heads and their tree (tuned for
+    --quantize), a draft model, checked against the model. Its drafts are sampled, from
+    `generator`, where the verification rule needs them (Leviathan's), else greedy."""
+    kind = draft.kind
+    arg = draft.arg
+    settings = draft.settings
+    if kind in ("heads", "heads+lookup"):
+        heads, heads_folder = catalog.load_heads(draft.heads, model)
+    else:
+        heads, heads_folder = None, None
+    tree = catalog.load_tree(draft.tree, heads, heads_folder, quantize)
     if kind == "heads+lookup" and heads is None:
         raise cli.UsageError(
             f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
-            "train.py and "
-            "pass --heads FOLDER, or use --draft lookup"
+            "train.py and pass --heads FOLDER, or use --draft lookup"
         )
     if kind == "layers" and arg >= model.cfg.n_layers:
         raise cli.UsageError(
-            f"--draft {spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
+            f"--draft {draft.spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
             f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
         )
     draft_model = None
     if kind == "model":
         draft_model = catalog.load_draft_model(
-            draft_model_name, model, tokenizer, model.device, model.dtype
+            draft.draft_model, model, tokenizer, model.device, model.dtype
         )
-    if kind == "skip" and arg is None:  # what bench.py --tune-skip chose for this machine
-        tuned = catalog.tuned_skip(catalog.SHIPPED, model)
-        if tuned is None:
-            arg = catalog.default_skip(model.cfg.n_layers)
-            cli.notice(
-                f"--draft skip: no skip set tuned for this model and machine in {catalog.SHIPPED}; "
-                f"skipping layers {catalog.skip_spec(arg)} (bench.py --tune-skip searches one)"
-            )
-        else:
-            arg = tuned[0]
-            settings = settings | {"gamma": tuned[1]} | given
-            file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
-            speedup = catalog.expected_speedup(file)
-            if speedup is not None and speedup < 1:
-                cli.notice(
-                    f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding "
-                    "on this machine; --heads none (plain decoding) is faster here"
-                )
+    if kind == "skip" and arg is None:
+        arg, settings = tuned_skip(model, settings, draft.given)
     if kind == "skip":
-        catalog.check_skip(f"--draft {spec}", arg, model.cfg.n_layers)
-    if (
-        kind in catalog.PARALLEL
-    ):  # what bench.py --tune-parallel chose for this machine, under the flags given
-        settings = settings | catalog.tuned_parallel(catalog.SHIPPED, model, kind) | given
+        catalog.check_skip(f"--draft {draft.spec}", arg, model.cfg.n_layers)
+    if kind in catalog.PARALLEL:  # what bench.py --tune-parallel chose, under the flags given
+        settings = settings | catalog.tuned_parallel(catalog.SHIPPED, model, kind) | draft.given
         catalog.check_sizes(kind, settings, "--")
+    sampled = decoding["temperature"] > 0 and decoding["verify"] in ("auto", "sample")
     drafter = catalog.make_drafter(
-        kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator
+        kind=kind,
+        arg=arg,
+        settings=settings,
+        model=model,
+        heads=heads,
+        tree=tree,
+        draft_model=draft_model,
+        temperature=decoding["temperature"] if sampled else 0.0,  # Leviathan's rule, else greedy
+        top_p=decoding["top_p"],
+        generator=generator,
     )
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise cli.UsageError(
-            f"--draft {spec}: trees of up to {drafter.max_nodes} nodes, over "
-            f"MAX_NODES={tree_lib.MAX_NODES}; "
-            "use a smaller --tree or --gamma"
+            f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
+            f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
         )
     return drafter
 
 
-def learn_online(drafter, model, lr, buffer, every, steps):
-    """--online: the drafter, wrapped to record what every step commits, and its heads' learner."""
+def learn_online(drafter, model, settings):
+    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
+    (settings: online.Learner's lr, buffer, every and steps)."""
     inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
     if not isinstance(inner, drafters_lib.HeadsDrafter):
         raise cli.UsageError(
             f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
             "pass --heads FOLDER"
         )
-    learner = online.Learner(inner.heads, model, lr, buffer, every, steps)
+    learner = online.Learner(inner.heads, model, **settings)
     return online.OnlineHeads(drafter, learner), learner
 
 
@@ -547,17 +641,25 @@ def save_online(learner, folder, heads_folder):
             shutil.copyfile(os.path.join(heads_folder, name), os.path.join(folder, name))
 
 
-def online_line(learner, seconds):
-    """What --online did: its updates, their time against the decoding's, the loss's course."""
-    share = learner.seconds / max(seconds, 1e-9)
-    line = f"[online: {learner.updates} update{'s' * (learner.updates != 1)} in "
-    line += f"{learner.seconds:.2f} s, {share:.1%} of the decoding time"
-    if learner.losses:
-        line += f", loss {learner.losses[0]:.3f} -> {learner.losses[-1]:.3f}"
-    return line + "]"
+def read_prompts(args):
+    """[(id, prompt, category)]: --prompts' lines, or --prompt alone; none with --chat."""
+    if args.chat:  # the messages come from the terminal
+        return []
+    return cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
 
 
-def encode_prompts(prompts, tokenizer, system, raw, max_new_tokens, context, one=True):
+def batch_rows(batch_size, prompts):
+    """--batch-size, at most the number of prompts (said in a notice)."""
+    if batch_size <= max(len(prompts), 1):
+        return batch_size
+    cli.notice(
+        f"--batch-size {batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
+        f"{cli.plural(len(prompts), 'prompt')}; decoding {len(prompts)} at a time"
+    )
+    return len(prompts)
+
+
+def encode_prompts(prompts, tokenizer, *, system, raw, max_new_tokens, context, one=True):
     """[(id, token ids, most new tokens)] of the prompts: `max_new_tokens` where given (it must fit
     the model's context after the prompt), else MAX_NEW_TOKENS or what the context leaves. `one`:
     the --prompt, not a --prompts file (for the messages)."""
@@ -584,36 +686,65 @@ def encode_prompts(prompts, tokenizer, system, raw, max_new_tokens, context, one
         if max_new_tokens is None and MAX_NEW_TOKENS > room:
             cli.notice(
                 f"{which} ({len(ids)} tokens) leaves room for {room} new tokens in the model's "
-                f"context of {context}: "
-                f"generating at most {room}"
+                f"context of {context}: generating at most {room}"
             )
         encoded.append((pid, ids, max_new_tokens or min(MAX_NEW_TOKENS, room)))
     return encoded
 
 
+def check_batch_memory(model, drafter, encoded, batch_size):
+    """--batch-size rows of KV cache, each as long as the longest prompt and reply: refused before
+    it is allocated where it would not fit in the memory free now (with room for the rest)."""
+    free = cli.free_memory(model.device)
+    if batch_size == 1 or free is None:
+        return
+    longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
+    cfg = model.cfg
+    slots = 2 * cfg.n_layers * cfg.n_kv_heads * longest * cfg.head_dim  # keys and values
+    row = slots * torch.finfo(model.dtype).bits // 8  # one row's cache, in bytes
+    if batch_size * row > free * 0.8:
+        fits = max(1, int(free * 0.8 // row))
+        raise cli.UsageError(
+            f"--batch-size {batch_size}: the KV cache would take {batch_size * row / 2**30:.1f} GB "
+            f"and {free / 2**30:.1f} GB are free; use --batch-size {fits} or fewer, or a smaller "
+            "--max-new-tokens"
+        )
+
+
 # what is printed
 
-COLOURS = [
-    "\033[0m",
-    "\033[32m",
-    "\033[33m",
-    "\033[36m",
-    "\033[35m",
-    "\033[34m",
-    "\033[31m",
-]  # base, then drafter.legend[1:]
+# the base model's colour, then drafter.legend[1:]'s
+COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]
+
+
+def colour(source):
+    return COLOURS[min(source, len(COLOURS) - 1)]
+
+
+def banner_line(dec, draft, *, device, quantize, threads):
+    """Which model runs where, in what numbers, drafted by whom; threads: None off the CPU."""
+    dtype = str(dec.model.dtype).removeprefix("torch.")
+    weights = "" if quantize == "none" else f", {quantize} weights"
+    on = f", {cli.plural(threads, 'thread')}" if threads else ""
+    if device == "cpu" and kernels.native_library() is None:  # what runs instead, and why
+        on += f"; kernels.c off: {kernels.native_reason()}"
+    name = dec.model.cfg.name
+    heads = heads_source(draft.kind, draft.heads)
+    return f"[{name} on {device}, {dtype}{weights}, {dec.drafter.name}{heads}{on}]"
+
+
+def heads_source(kind, name):
+    """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
+    folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
+    shipped = os.path.abspath(catalog.SHIPPED) + os.sep
+    if folder is None or os.path.abspath(folder).startswith(shipped):
+        return ""
+    return f", heads from {folder}"
 
 
 def legend_line(drafter):
-    return (
-        "[--show: plain = the base model's own token, "
-        + ", ".join(
-            f"{COLOURS[min(s, len(COLOURS) - 1)]}{who}{COLOURS[0]}"
-            for s, who in enumerate(drafter.legend)
-            if s
-        )
-        + " = proposed by it]"
-    )
+    who = [f"{colour(s)}{name}{COLOURS[0]}" for s, name in enumerate(drafter.legend) if s]
+    return f"[--show: plain = the base model's own token, {', '.join(who)} = proposed by it]"
 
 
 class Printer:
@@ -632,47 +763,95 @@ class Printer:
             text = self.tok.decode(self.ids, skip_special_tokens=True)
             if text.endswith("\ufffd"):
                 continue
-            piece, self.printed = text[len(self.printed) :], text
-            if piece:
-                sys.stdout.write(
-                    COLOURS[min(s, len(COLOURS) - 1)] + piece + COLOURS[0]
-                    if self.show and s
-                    else piece
-                )
+            piece = text[len(self.printed) :]
+            self.printed = text
+            if piece and self.show and s:
+                sys.stdout.write(colour(s) + piece + COLOURS[0])
+            elif piece:
+                sys.stdout.write(piece)
         sys.stdout.flush()
 
 
-def stats_line(r, max_depth):
-    """generate.py's statistics of a Result."""
+def stats_line(r, max_depth, label="", more=()):
+    """The statistics of a Result in one line: `label` before them, the clauses `more` after."""
     n = len(r.tokens)
-    line = (
-        f"[{n} new token{'s' * (n != 1)}, {r.steps} step{'s' * (r.steps != 1)}, tau "
-        f"{n / max(r.steps, 1):.2f}, {n / max(r.seconds, 1e-9):.1f} tokens/s"
-    )
+    clauses = [
+        cli.plural(n, "new token"),
+        cli.plural(r.steps, "step"),
+        f"tau {n / max(r.steps, 1):.2f}",
+        f"{n / max(r.seconds, 1e-9):.1f} tokens/s",
+    ]
     if max_depth:
-        line += ", accepted by depth " + " ".join(
-            f"{a:.2f}" for a in decode.acceptance_by_depth(r.accepted, max_depth)
-        )
+        rates = decode.acceptance_by_depth(r.accepted, max_depth)
+        clauses.append("accepted by depth " + " ".join(f"{a:.2f}" for a in rates))
+    return f"[{label}{', '.join(clauses + list(more))}]"
+
+
+def online_line(learner, seconds):
+    """What --online did: its updates, their time against the decoding's, the loss's course."""
+    share = learner.seconds / max(seconds, 1e-9)
+    line = f"[online: {cli.plural(learner.updates, 'update')} in {learner.seconds:.2f} s, "
+    line += f"{share:.1%} of the decoding time"
+    if learner.losses:
+        line += f", loss {learner.losses[0]:.3f} -> {learner.losses[-1]:.3f}"
     return line + "]"
 
 
-def check_batch_memory(model, encoded, batch_size, drafter, device):
-    """--batch-size rows of KV cache, each as long as the longest prompt and reply: refused before
-    it is allocated where it would not fit in the memory free now (with room for the rest)."""
-    free = cli.free_memory(device)
-    if batch_size == 1 or free is None:
-        return
-    longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
-    cfg = model.cfg
-    slots = 2 * cfg.n_layers * cfg.n_kv_heads * longest * cfg.head_dim  # keys and values
-    row = slots * torch.finfo(model.dtype).bits // 8  # one row's cache, in bytes
-    if batch_size * row > free * 0.8:
-        fits = max(1, int(free * 0.8 // row))
-        raise cli.UsageError(
-            f"--batch-size {batch_size}: the KV cache would take {batch_size * row / 2**30:.1f} GB "
-            f"and {free / 2**30:.1f} GB are free; use --batch-size {fits} or fewer, or a smaller "
-            "--max-new-tokens"
-        )
+class Replies:
+    """What each finished reply leaves, streamed or batched alike: its text printed whole (with
+    --batch-size), its statistics line, its --out line and --online's turn to learn; then the
+    totals over all replies."""
+
+    def __init__(self, ids, dec, *, whole, out):
+        self.ids = ids  # the prompts' ids, in their order
+        self.tokenizer = dec.tokenizer
+        self.max_depth = dec.drafter.max_depth
+        self.learner = dec.learner
+        self.whole = whole  # print each reply whole as it ends, marked with its id
+        self.out = out  # the open --out file, or None
+        self.total = decode.Result()
+
+    def done(self, i, r):
+        """Prompt i's reply, r, is final."""
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        if self.whole:
+            print(f"[{self.ids[i]}] {text}")
+        print(stats_line(r, self.max_depth), file=sys.stderr)
+        self.total.tokens += r.tokens
+        self.total.accepted += r.accepted
+        self.total.steps += r.steps
+        if self.out:
+            record = {
+                "id": self.ids[i],
+                "text": text,
+                "token_ids": r.tokens,
+                "new_tokens": len(r.tokens),
+                "steps": r.steps,
+                "seconds": round(r.seconds, 4),
+                "stopped": r.stopped,
+            }
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+        if self.learner:  # between replies: the next ones draft with what this one taught
+            self.learner.reply_done()
+
+    def report(self, seconds):
+        """After `seconds` of decoding: the totals (of more than one prompt), what --online did."""
+        self.total.seconds = seconds
+        if len(self.ids) > 1:
+            print(stats_line(self.total, self.max_depth, "all prompts: "), file=sys.stderr)
+        if self.learner:
+            print(online_line(self.learner, seconds), file=sys.stderr)
+
+
+def open_output(path):
+    """--out, opened for writing (a nullcontext of None: no file)."""
+    if not path:
+        return contextlib.nullcontext()
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
 
 
 # --chat: a conversation at the terminal
@@ -732,23 +911,21 @@ class Chat:
     (an unknown command, a file that cannot be read, a message that cannot fit) is one line on
     stderr, and the conversation stays as it was."""
 
-    def __init__(
-        self, conversation, tokenizer, system, max_new_tokens, decoding, show, stats, learner=None
-    ):
-        self.conversation = conversation
-        self.tokenizer = tokenizer
+    def __init__(self, dec, *, system, max_new_tokens, show, stats):
+        self.conversation = decode.Conversation(dec.model, dec.drafter)
+        self.tokenizer = dec.tokenizer
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
         self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
-        self.decoding = decoding  # Conversation.reply's: verify, temperature, ..., eos_ids
+        self.decoding = dec.decoding | {"generator": dec.generator}  # Conversation.reply's
         self.show = show
         self.stats = stats
-        self.learner = learner  # --online: the heads learn between turns
+        self.learner = dec.learner  # --online: the heads learn between turns
         self.cut = []  # the replies cut short (the length limit, Ctrl-C): /save marks them
         self.seconds = 0.0  # spent answering (--online's share of it)
 
     def run(self, interactive):
-        """Read, answer, repeat, until the end of the input; the exit code."""
+        """Read, answer, repeat, until the end of the input."""
         if interactive:
             print(CHAT_HELP, file=sys.stderr)
         while True:
@@ -758,7 +935,7 @@ class Chat:
                 print(file=sys.stderr)
                 continue
             if line is None:
-                return 0
+                return
             try:
                 if line.startswith("/") and not line.startswith("//"):
                     self.command(line)
@@ -890,241 +1067,160 @@ class Chat:
         if self.learner:  # between turns: the next reply drafts with what this one taught
             self.learner.reply_done()
         if self.stats:
-            print(
-                stats_line(r, self.conversation.drafter.max_depth)[:-1]
-                + f", {self.conversation.forwarded} of {len(ids)} prompt tokens forwarded, first "
-                f"token after {first[0] - t0:.2f} s]",
-                file=sys.stderr,
-            )
+            forwarded = f"{self.conversation.forwarded} of {len(ids)} prompt tokens forwarded"
+            waited = f"first token after {first[0] - t0:.2f} s"
+            line = stats_line(r, self.conversation.drafter.max_depth, more=[forwarded, waited])
+            print(line, file=sys.stderr)
         return r
 
 
-def heads_source(kind, name):
-    """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
-    folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
-    shipped = os.path.abspath(catalog.SHIPPED) + os.sep
-    if folder is None or os.path.abspath(folder).startswith(shipped):
-        return ""
-    return f", heads from {folder}"
+# the modes: one prompt after another streamed, a batch, a chat
 
 
-def open_output(path):
-    """--out, opened for writing (None: no file)."""
-    try:
-        return open(path, "w", encoding="utf-8") if path else None
-    except OSError as e:
-        raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
-
-
-def main(args):
-    made = cli.new_folders(args.online_save)  # removed again if the run stops before saving
-    try:
-        return run_main(args)
-    finally:
-        cli.remove_empty(made)
-
-
-def run_main(args):
-    kind, arg, settings = check_args(args, build_parser())
-    given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
-    device = cli.pick_device(args.device)
-    dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
-    cli.check_quantize(args.quantize, device)
-    threads = cli.use_threads(args.threads) if device == "cpu" else None
-    if args.chat:  # the messages come from the terminal
-        prompts = []
-    else:
-        prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
-    batch_size = min(args.batch_size, len(prompts)) if prompts else 1
-    if batch_size < args.batch_size:
-        cli.notice(
-            f"--batch-size {args.batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
-            f"{len(prompts)} prompt{'s' * (len(prompts) > 1)}; decoding {batch_size} at a time"
+def one_by_one(dec, encoded, replies, *, stream, show):
+    """Each prompt's reply streamed as it is made (without `stream`: only its statistics), one
+    generator through every prompt. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    for i, (_, ids, max_new_tokens) in enumerate(encoded):
+        printer = Printer(dec.tokenizer, show) if stream else None
+        r = decode.generate(
+            dec.model,
+            ids,
+            max_new_tokens,
+            dec.drafter,
+            generator=dec.generator,
+            on_tokens=printer,
+            **dec.decoding,
         )
-    # colour codes only on a terminal, never into a file or a pipe
-    show = args.show and sys.stdout.isatty()
-    temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
-    # drafts for Leviathan's rule, else greedy ones
-    sampled = temperature > 0 and args.verify in ("auto", "sample")
-    torch.manual_seed(args.seed)
-    model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.chat and not tokenizer.chat_template:
-        raise cli.UsageError(
-            f"--chat: {args.model} has no chat template (tokenizer_config.json's chat_template) "
-            "to lay a conversation out; use a chat model, or --prompt with --raw"
-        )
-    if args.quantize != "none":
-        kernels.quantize(model, args.quantize)
-    if args.quantize == "fp16" and not kernels.fp16_rows_alone():
-        cli.notice(
-            "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
-            "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
-            "weights; --quantize none keeps them identical"
-        )
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    drafter = load_drafter(
-        kind,
-        arg,
-        args.draft,
-        settings,
-        given,
-        args.heads,
-        args.tree,
-        args.draft_model,
-        args.quantize,
-        model,
-        tokenizer,
-        temperature if sampled else 0.0,
-        args.top_p,
-        generator,
+        if printer:
+            print()
+        replies.done(i, r)
+    return time.perf_counter() - t0
+
+
+def batch(dec, encoded, replies, *, batch_size, seed):
+    """batch_size prompts side by side, each reply printed whole as it ends; prompt i samples from
+    its own generator, seeded seed + i. Returns the seconds it took."""
+    device = dec.model.device
+    generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(len(encoded))]
+    t0 = time.perf_counter()
+    engine.generate_batch(
+        dec.model,
+        [ids for _, ids, _ in encoded],
+        [max_new_tokens for _, _, max_new_tokens in encoded],
+        dec.drafter,
+        generators=generators,
+        on_done=replies.done,
+        batch_size=batch_size,
+        **dec.decoding,
     )
-    learner = None
-    if args.online:
-        drafter, learner = learn_online(
-            drafter,
-            model,
-            args.online_lr,
-            args.online_buffer,
-            args.online_every,
-            args.online_steps,
-        )
-    encoded = encode_prompts(
-        prompts,
-        tokenizer,
-        args.system,
-        args.raw,
-        args.max_new_tokens,
-        model.cfg.max_seq_len,
-        one=args.prompts is None,
-    )
-    check_batch_memory(model, encoded, batch_size, drafter, device)
-    eos = checkpoint.eos_ids(model, tokenizer)
-    writer = open_output(args.out)
-    weights = "" if args.quantize == "none" else f", {args.quantize} weights"
-    on = f", {threads} thread{'s' * (threads != 1)}" if threads else ""
-    if device == "cpu" and kernels.native_library() is None:  # what runs instead, and why
-        on += f"; kernels.c off: {kernels.native_reason()}"
-    print(
-        f"[{model.cfg.name} on {device}, {str(dtype).removeprefix('torch.')}{weights}, "
-        f"{drafter.name}{heads_source(kind, args.heads)}{on}]",
-        file=sys.stderr,
-    )
-    if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
-        print(legend_line(drafter), file=sys.stderr)
-    total = decode.Result()
+    return time.perf_counter() - t0
 
-    def finish(pid, r):  # statistics, the totals and the --out line of one reply
-        if batch_size > 1 and not args.quiet:  # printed whole, marked with its id
-            print(f"[{pid}] " + tokenizer.decode(r.tokens, skip_special_tokens=True))
-        print(stats_line(r, drafter.max_depth), file=sys.stderr)
-        total.tokens, total.accepted = total.tokens + r.tokens, total.accepted + r.accepted
-        total.steps = total.steps + r.steps
-        if writer:
-            writer.write(
-                json.dumps(
-                    {
-                        "id": pid,
-                        "text": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                        "token_ids": r.tokens,
-                        "new_tokens": len(r.tokens),
-                        "steps": r.steps,
-                        "seconds": round(r.seconds, 4),
-                        "stopped": r.stopped,
-                    }
-                )
-                + "\n"
-            )
-            writer.flush()
-        if learner:  # between replies: the next ones draft with what this one taught
-            learner.reply_done()
 
-    code = None
+def chat(dec, *, system, max_new_tokens, show, stats):
+    """--chat: a conversation at the terminal (or stdin, a line a message), until its end. Returns
+    the seconds spent answering."""
+    terminal = Chat(dec, system=system, max_new_tokens=max_new_tokens, show=show, stats=stats)
+    terminal.run(interactive=sys.stdin.isatty())
+    return terminal.seconds
+
+
+@contextlib.contextmanager
+def online_saved(learner, folder, heads):
+    """--online-save: the adapted heads are written at the end, or at Ctrl-C with what they
+    learned so far (heads: the --heads they started from, whose trees go with them)."""
     try:
-        if args.chat:
-            decoding = dict(
-                verify=args.verify, temperature=temperature, top_p=args.top_p, generator=generator
-            )
-            chat = Chat(
-                decode.Conversation(model, drafter),
-                tokenizer,
-                args.system,
-                args.max_new_tokens,
-                decoding | {"eos_ids": eos},
-                show,
-                stats=not args.quiet,
-                learner=learner,
-            )
-            code = chat.run(interactive=sys.stdin.isatty())
-            total.seconds = chat.seconds
-        elif batch_size == 1:  # streamed, one generator through every prompt
-            t0 = time.perf_counter()
-            for pid, ids, max_new_tokens in encoded:
-                printer = None if args.quiet else Printer(tokenizer, show)
-                r = decode.generate(
-                    model,
-                    ids,
-                    max_new_tokens,
-                    drafter,
-                    args.verify,
-                    temperature,
-                    args.top_p,
-                    generator,
-                    eos,
-                    printer,
-                )
-                if printer:
-                    print()
-                finish(pid, r)
-            total.seconds = time.perf_counter() - t0
-        else:  # each reply printed whole as it ends; prompt i samples from its own generator
-            generators = [  # seeded seed + i
-                torch.Generator(device=device).manual_seed(args.seed + i)
-                for i in range(len(encoded))
-            ]
-            t0 = time.perf_counter()
-            engine.generate_batch(
-                model,
-                [ids for _, ids, _ in encoded],
-                [n for _, _, n in encoded],
-                drafter,
-                args.verify,
-                temperature,
-                args.top_p,
-                generators,
-                eos,
-                batch_size=batch_size,
-                on_done=lambda i, r: finish(encoded[i][0], r),
-            )
-            total.seconds = time.perf_counter() - t0
-    except KeyboardInterrupt:  # what the heads learned so far is kept, not thrown away
-        if learner and args.online_save:
-            save_online(learner, args.online_save, catalog.find_heads(args.heads))
+        yield
+    except KeyboardInterrupt:
+        if learner and folder:
+            save_online(learner, folder, catalog.find_heads(heads))
             updates = cli.plural(learner.updates, "update")
             print(
-                f"[online: stopped by Ctrl-C; the heads after {updates} are in {args.online_save}]",
+                f"[online: stopped by Ctrl-C; the heads after {updates} are in {folder}]",
                 file=sys.stderr,
             )
         raise
+    if learner and folder:
+        save_online(learner, folder, catalog.find_heads(heads))
+        print(f"[online: the adapted heads are in {folder}]", file=sys.stderr)
+
+
+def main(args):
+    """llama2.c's run.c: the flags checked and turned into plain values, the model, drafter and
+    learner built, then one mode run: one prompt after another streamed, a batch, or a chat."""
+    draft = check_args(args, build_parser())
+    device = cli.pick_device(args.device)
+    dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
+    threads = cli.use_threads(args.threads) if device == "cpu" else None
+    prompts = read_prompts(args)
+    batch_size = batch_rows(args.batch_size, prompts)
+    show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never a file
+    temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
+    torch.manual_seed(args.seed)
+
+    model, tokenizer = load_model(
+        args.model, device=device, dtype=dtype, quantize=args.quantize, chat=args.chat
+    )
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    eos = checkpoint.eos_ids(model, tokenizer)
+    decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
+    drafter = load_drafter(
+        draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
+    )
+    learner = None
+    if args.online:
+        settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
+        drafter, learner = learn_online(drafter, model, settings)
+    encoded = encode_prompts(
+        prompts,
+        tokenizer,
+        system=args.system,
+        raw=args.raw,
+        max_new_tokens=args.max_new_tokens,
+        context=model.cfg.max_seq_len,
+        one=args.prompts is None,
+    )
+    check_batch_memory(model, drafter, encoded, batch_size)
+    dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
+    banner = banner_line(dec, draft, device=device, quantize=args.quantize, threads=threads)
+    print(banner, file=sys.stderr)
+    if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
+        print(legend_line(drafter), file=sys.stderr)
+
+    with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
+        whole = batch_size > 1 and not args.quiet
+        replies = Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
+        if args.chat:
+            seconds = chat(
+                dec,
+                system=args.system,
+                max_new_tokens=args.max_new_tokens,
+                show=show,
+                stats=not args.quiet,
+            )
+        elif batch_size == 1:
+            seconds = one_by_one(dec, encoded, replies, stream=not args.quiet, show=show)
+        else:
+            seconds = batch(dec, encoded, replies, batch_size=batch_size, seed=args.seed)
+        if learner and not args.chat:  # the decoding time, without the updates between replies
+            seconds -= learner.seconds
+        replies.report(seconds)
+
+
+def tidy_main(args):
+    """main, leaving no empty --online-save folder behind a run that stops before saving."""
+    made = cli.new_folders(args.online_save)
+    try:
+        return main(args)
     finally:
-        if writer:
-            writer.close()
-    if learner and not args.chat:  # the decoding time, without the updates between replies
-        total.seconds -= learner.seconds
-    if len(encoded) > 1:
-        print("[all prompts: " + stats_line(total, drafter.max_depth)[1:], file=sys.stderr)
-    if learner:
-        print(online_line(learner, total.seconds), file=sys.stderr)
-    if args.online_save:
-        save_online(learner, args.online_save, catalog.find_heads(args.heads))
-        print(f"[online: the adapted heads are in {args.online_save}]", file=sys.stderr)
-    return code
+        cli.remove_empty(made)
 
 
 def cli_main(argv=None) -> int:
     """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit
     130."""
     return cli.run(
-        main,
+        tidy_main,
         build_parser(),
         argv,
         "[interrupted by Ctrl-C; the text above is what was generated so far]",

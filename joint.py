@@ -367,7 +367,7 @@ def run(args):
         ],
         time.time(),
     )
-    bf16 = cli.pick_dtype(args.train_dtype, device.type) == torch.bfloat16
+    bf16 = kernels.pick_dtype(args.train_dtype, device.type, native=False) == torch.bfloat16
     base_lrs = [g["lr"] for g in opt.param_groups]
     with train.StopFlag() as stop:
         for step, convs_b in enumerate(batches, start=1):

@@ -153,14 +153,23 @@ def onednn_bf16():
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pick_dtype(name, device, quantize="none"):
-    """--dtype for decoding: cli.pick_dtype's, but auto on a CPU is bf16 wherever a bf16 step is
-    fast (kernels.c runs, or oneDNN multiplies bf16 natively) and fp32 elsewhere, and under
-    --quantize fp16 (fp16 weights take fp32 rows)."""
-    if name == "auto" and torch.device(device).type == "cpu":
-        fast = native_library() is not None or onednn_bf16()
+def pick_dtype(name, device, quantize="none", native=True):
+    """--dtype: fp32, bf16, fp16, or auto: bf16 on CUDA, fp16 on a GPU before Ampere (compute
+    capability < 8, which emulates bf16 slowly); on a CPU bf16 wherever a bf16 step is fast, else
+    fp32, and fp32 under --quantize fp16 (fp16 weights take fp32 rows, results/kernels-cpu.md). A
+    bf16 step is fast where oneDNN multiplies bf16 natively (results/README.md), and, for work
+    that runs kernels.c (`native`: decoding), wherever kernels.c runs. Training passes
+    native=False: its products are PyTorch's, emulated in bf16 on a CPU without native bf16."""
+    if name != "auto" and name not in cli.DTYPES:
+        raise cli.UsageError(f"--dtype {name}: unknown dtype; use auto, {', '.join(cli.DTYPES)}")
+    if name != "auto":
+        return cli.DTYPES[name]
+    if torch.device(device).type == "cpu":
+        fast = (native and native_library() is not None) or onednn_bf16()
         return torch.bfloat16 if fast and quantize != "fp16" else torch.float32
-    return cli.pick_dtype(name, device, quantize)
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float16
 
 
 # --- sizes of work, per device -------------------------------------------------------------------

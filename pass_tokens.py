@@ -105,7 +105,9 @@ def run(args):
     device = torch.device(cli.pick_device(args.device))
     if device.type == "cpu":
         cli.use_threads(args.threads)
-    model, _ = checkpoint.load(args.model, device, cli.pick_dtype(args.dtype, device.type))
+    model, _ = checkpoint.load(
+        args.model, device, kernels.pick_dtype(args.dtype, device.type, native=False)
+    )
     # the readable path: it has a backward
     kernels.use(model.requires_grad_(False), kernels.Kernels())
     convs = dataset.read_conversations(args.data)
@@ -250,7 +252,7 @@ def check_args(args):
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise cli.UsageError(f"--lr {args.lr}: must be a number > 0")
     cli.check_seed(args.seed)
-    cli.pick_dtype(args.dtype, cli.pick_device(args.device))
+    kernels.pick_dtype(args.dtype, cli.pick_device(args.device), native=False)
     dataset.check_conversations_file(args.data)
     cli.empty_folder("--out", args.out)
 

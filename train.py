@@ -53,7 +53,6 @@ from cli import (
     UsageError,
     notice,
     pick_device,
-    pick_dtype,
     run,
     writable_file,
     writable_folder,
@@ -567,7 +566,7 @@ def train(model, data, out, args):
         [p for p in heads.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0
     )
     n_conv = len(data["offsets"]) - 1
-    bf16 = pick_dtype(args.train_dtype, device.type) == torch.bfloat16
+    bf16 = kernels.pick_dtype(args.train_dtype, device.type, native=False) == torch.bfloat16
     # what shapes the run beyond the flags: the number of processes (it sets the batches of a step
     # and the schedule's length) and what --train-dtype auto chose on this machine; the base model
     # by its weights (and its LM head, in the config), whatever --model's spelling
@@ -744,7 +743,7 @@ def data_model(model, dtype):
     """The base model for generating data: `model` (fp32, what training reads) or a copy in bf16."""
     import copy
 
-    dtype = pick_dtype(dtype, model.device.type)
+    dtype = kernels.pick_dtype(dtype, model.device.type, native=False)
     if dtype == model.dtype:
         return model
     # oneDNN's prepacked weights cannot be deep-copied: copy without them,
@@ -774,7 +773,7 @@ def check_args(args):
         if not low <= value <= high:  # NaN fails too
             raise UsageError(f"{flag} {value}: out of range; use {low} to {high}")
     pick_device(args.device)
-    pick_dtype(args.dtype, "cpu")
+    kernels.pick_dtype(args.dtype, "cpu", native=False)
     if args.data == "self":
         dataset.read_seeds(args.seeds)
     for flag in ("work", "out"):

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
-import cli  # noqa: E402
 import dataset  # noqa: E402
+import kernels  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,9 @@ def main():
     print("| dtype | batch | prompts | new tokens | seconds | new tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in args.dtypes.split(","):
-        model, tok = checkpoint.load(checkpoint.DEFAULT, "cpu", cli.pick_dtype(name, "cpu"))
+        model, tok = checkpoint.load(
+            checkpoint.DEFAULT, "cpu", kernels.pick_dtype(name, "cpu", native=False)
+        )
         prompts = [checkpoint.encode(tok, t) for t in texts]
         for batch in map(int, args.batches.split(",")):
             start = time.perf_counter()

@@ -24,9 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint  # noqa: E402
-import cli  # noqa: E402
 import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
+import kernels  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
@@ -62,7 +62,7 @@ def main(folder, kind):
     )
     _, train_convs = train.split(len(data["offsets"]) - 1, 0)
     batches = train.make_batches(data["offsets"].diff(), train_convs, 4096, 0, 0)
-    bf16 = cli.pick_dtype("auto", "cpu") == torch.bfloat16
+    bf16 = kernels.pick_dtype("auto", "cpu", native=False) == torch.bfloat16
     forward = losses.TrainForward(heads)
     step = lambda batch: losses.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)
     timed_tokens, timed_seconds = 0, 0.0

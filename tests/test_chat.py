@@ -151,8 +151,9 @@ def test_chat_replies_equal_one_shot_replies_to_the_conversation(tiny_chat, head
     if heads:
         tree = tree_lib.build(tree_lib.cartesian([2, 2]))
         drafter = drafters.HeadsDrafter(random_heads(model, heads, k=2), tree)
-    decoding = dict(verify="auto", temperature=0.0, top_p=1.0, generator=None, eos_ids={2})
-    chat = G.Chat(decode.Conversation(model, drafter), tok, None, 12, decoding, False, True)
+    decoding = dict(verify="auto", temperature=0.0, top_p=1.0, eos_ids={2})
+    dec = G.Decoder(model, tok, drafter, None, decoding, generator=None)
+    chat = G.Chat(dec, system=None, max_new_tokens=12, show=False, stats=True)
     forwarded = []
     for text in ["Hello there.", "Tell me more.", "And a third thing?"]:
         before = chat.messages

@@ -156,8 +156,9 @@ def test_fp16_weights_are_a_cpu_kernel():
     here)."""
     cli.check_quantize("fp16", "cpu")
     cli.check_quantize("int8", "cuda")
-    assert cli.pick_dtype("auto", "cpu", "fp16") == torch.float32  # fp16 weights: fp32 activations
-    assert cli.pick_dtype("bf16", "cpu", "fp16") == torch.bfloat16  # unless asked otherwise
+    # fp16 weights: fp32 activations
+    assert kernels.pick_dtype("auto", "cpu", "fp16") == torch.float32
+    assert kernels.pick_dtype("bf16", "cpu", "fp16") == torch.bfloat16  # unless asked otherwise
     with pytest.raises(
         cli.UsageError, match="--quantize fp16: a CPU kernel; on cuda:1 use --dtype fp16"
     ):
@@ -271,9 +272,10 @@ def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
     tok = loaded[1]
     prompts = [(0, "hello there", "all")]
     n = len(checkpoint.encode(tok, "hello there"))
-    assert G.encode_prompts(prompts, tok, None, False, None, n + 1000)[0][2] == G.MAX_NEW_TOKENS
+    flags = dict(system=None, raw=False, max_new_tokens=None)
+    assert G.encode_prompts(prompts, tok, context=n + 1000, **flags)[0][2] == G.MAX_NEW_TOKENS
     assert "notice" not in capsys.readouterr().err
-    assert G.encode_prompts(prompts, tok, None, False, None, n + 5)[0][2] == 5
+    assert G.encode_prompts(prompts, tok, context=n + 5, **flags)[0][2] == 5
     assert "leaves room for 5 new tokens in the model's context of" in capsys.readouterr().err
 
 
@@ -1058,7 +1060,7 @@ def write_prompts(path, texts):
     return path
 
 
-@pytest.mark.parametrize("draft", ["heads", "lookup"])
+@pytest.mark.parametrize("draft", ["heads", "lookup", "jacobi", "lookahead"])  # every one batches
 def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_model_dir, draft):
     prompts = write_prompts(
         tmp_path / "p.jsonl",
@@ -1089,8 +1091,6 @@ def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_
     [
         (["--batch-size", "0"], ["--batch-size 0", "at least 1"]),
         (["--batch-size", "-3"], ["--batch-size -3", "at least 1"]),
-        (["--batch-size", "2", "--draft", "jacobi"], ["--draft jacobi", "one prompt at a time"]),
-        (["--batch-size", "2", "--draft", "layers:1"], ["drop --batch-size"]),
     ],
 )
 def test_a_batch_size_that_cannot_be_gets_one_line(capsys, tmp_path, tiny_model_dir, argv, words):

@@ -11,7 +11,6 @@ import torch
 
 import catalog
 import checkpoint
-import cli
 import drafters
 import decode
 import heads as heads_lib
@@ -151,9 +150,10 @@ def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
     )
-    assert cli.pick_dtype("auto", "cuda") == torch.float16  # e.g. a T4 or V100: bf16 only emulated
+    # e.g. a T4 or V100: bf16 only emulated
+    assert kernels.pick_dtype("auto", "cuda") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert cli.pick_dtype("auto", "cuda:0") == torch.bfloat16
+    assert kernels.pick_dtype("auto", "cuda:0") == torch.bfloat16
 
 
 def test_plain_decoding_has_tau_one(small):
