@@ -1259,27 +1259,6 @@ def check_draft_tokenizer(name, tokenizer):
         )
 
 
-def check_exact(device, quantize):
-    """--exact: triton, a device its kernels run on, and the model's own weights."""
-    if quantize != "none":
-        raise cli.UsageError(f"--exact computes bf16 weights, not --quantize {quantize}; drop one")
-    try:
-        exact.check(device)
-    except (exact.TritonMissing, ValueError) as e:
-        raise cli.UsageError(f"--exact: {e}; or drop --exact") from None
-
-
-def use_cuda_graphs(flag, device):
-    """--cuda-graphs (graphs.wanted); on where there is no CUDA runs the static step that the
-    graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
-    if flag == "on" and not str(device).startswith("cuda"):
-        cli.notice(
-            f"--cuda-graphs on: {device} has no CUDA graphs; our methods run graphs.py's static "
-            "step uncaptured"
-        )
-    return graphs.wanted(flag, device)
-
-
 def main(args):
     """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
     printed)."""
@@ -1297,7 +1276,7 @@ def main(args):
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
     if args.exact:
-        check_exact(device, args.quantize)
+        catalog.check_exact(device, args.quantize)
     model, tokenizer = checkpoint.load(args.model, device, dtype)
     if args.quantize != "none":
         kernels_lib.quantize(model, args.quantize)
@@ -1320,7 +1299,7 @@ def main(args):
     if args.draft_model and wants_assisted(args):
         check_draft_tokenizer(args.draft_model, tokenizer)
     longest = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens
-    graphed = {} if use_cuda_graphs(args.cuda_graphs, device) else None
+    graphed = {} if catalog.cuda_graphs(args.cuda_graphs, device) else None
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest, graphed)
     for g in (graphed or {}).values():  # buffers for the longest reply, a tree and the most rows
         g.new_cache(longest + 256, batch=max(args.batch_size))  # now: never regrown mid-measure

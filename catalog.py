@@ -11,6 +11,7 @@ export.py; it imports the teaching files, never the scripts.
     parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
+    check_exact, cuda_graphs                     --exact and --cuda-graphs: the GPU's step
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 """
@@ -23,6 +24,8 @@ import torch
 
 import checkpoint
 import drafters as drafters_lib
+import exact
+import graphs
 import heads as heads_lib
 import kernels
 import tree as tree_lib
@@ -527,3 +530,28 @@ def make_drafter(
     if kind == "pass":
         return pass_drafter(arg, settings["gamma"], settings["guesses"], model)
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
+
+
+# --- the GPU's step -------------------------------------------------------------------------------
+
+
+def check_exact(device, quantize):
+    """--exact: triton, a device its kernels run on (CUDA, or a CPU under Triton's interpreter),
+    and the model's own weights."""
+    if quantize != "none":
+        raise UsageError(f"--exact computes bf16 weights, not --quantize {quantize}; drop one")
+    try:
+        exact.check(device)
+    except (exact.TritonMissing, ValueError) as e:
+        raise UsageError(f"--exact: {e}; or drop --exact") from None
+
+
+def cuda_graphs(flag, device):
+    """--cuda-graphs auto | on | off (graphs.wanted); on where there is no CUDA runs the static
+    step that the graphs would replay, uncaptured (a check of it, not a speed-up), with a notice."""
+    if flag == "on" and torch.device(device).type != "cuda":
+        notice(
+            f"--cuda-graphs on: {device} has no CUDA graphs; the static step runs uncaptured "
+            "(graphs.py)"
+        )
+    return graphs.wanted(flag, device)

@@ -33,6 +33,8 @@ import cli
 import decode
 import drafters as drafters_lib
 import engine
+import exact
+import graphs
 import kernels
 import online
 import tree as tree_lib
@@ -235,6 +237,19 @@ def add_decoding_flags(p):
 def add_machine_flags(p):
     """Where it runs, and in what numbers."""
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the base model's step replayed from CUDA graphs (graphs.py; auto: on CUDA); every "
+        "forward that runs eagerly instead is counted, and named after the reply",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="the base model through exact.py's kernels, which compute every row alone: bf16 "
+        "speculative replies equal plain decoding's on a GPU too (needs triton and CUDA)",
+    )
     cli.threads_flag(p)
     p.add_argument(
         "--quantize",
@@ -1158,9 +1173,13 @@ def main(args):
     temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
     torch.manual_seed(args.seed)
 
+    if args.exact:
+        catalog.check_exact(device, args.quantize)
     model, tokenizer = load_model(
         args.model, device=device, dtype=dtype, quantize=args.quantize, chat=args.chat
     )
+    if args.exact:
+        exact.use(model)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = checkpoint.eos_ids(model, tokenizer)
     decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
@@ -1181,6 +1200,8 @@ def main(args):
         one=args.prompts is None,
     )
     check_batch_memory(model, drafter, encoded, batch_size)
+    if catalog.cuda_graphs(args.cuda_graphs, device):  # the drafters keep the readable model
+        model = graphs.GraphedForward(model)
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
     banner = banner_line(dec, draft, device=device, quantize=args.quantize, threads=threads)
     print(banner, file=sys.stderr)
@@ -1205,6 +1226,8 @@ def main(args):
         if learner and not args.chat:  # the decoding time, without the updates between replies
             seconds -= learner.seconds
         replies.report(seconds)
+    if isinstance(model, graphs.GraphedForward):  # what was replayed, and what ran eagerly
+        print(f"[{model.summary()}]", file=sys.stderr)
 
 
 def tidy_main(args):

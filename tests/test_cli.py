@@ -22,6 +22,7 @@ import cli
 import drafters
 import decode
 import engine
+import exact
 import generate as G
 import heads as heads_lib
 import kernels
@@ -1237,3 +1238,33 @@ def test_ctrl_c_in_a_batch_keeps_the_replies_that_ended(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2 and len(stdout.splitlines()) == 2
     assert {r["id"] for r in lines} <= {f"p{i}" for i in range(5)}
+
+
+@pytest.mark.parametrize("draft", [["--heads", "none"], ["--draft", "lookup"]])
+def test_cuda_graphs_on_a_cpu_runs_the_static_step_with_the_same_reply(
+    capsys, tiny_model_dir, draft
+):
+    """--cuda-graphs on where there is no CUDA: graphs.py's static step runs uncaptured (said in a
+    notice), the reply is the readable forward's, and what ran eagerly (the prefill) is named."""
+    argv = ["--model", tiny_model_dir, "--prompt", "hi there", "--max-new-tokens", 12, *draft]
+    code, readable, err = run_cli(capsys, *argv, "--cuda-graphs", "off")
+    assert code == 0, err
+    assert "static steps" not in err
+    code, static, err = run_cli(capsys, *argv, "--cuda-graphs", "on")
+    assert code == 0, err
+    assert static == readable
+    assert "has no CUDA graphs" in err and "static steps (cuda graphs off): " in err
+    assert "eager: 1 (last_only 1)" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
+        (["--device", "cpu"], "--exact: exact kernels need triton"),
+    ],
+)
+def test_exact_is_refused_before_the_model_loads(no_model, capsys, monkeypatch, argv, words):
+    monkeypatch.setattr(exact, "triton", None)  # as where triton is not installed
+    code, _, err = run_cli(capsys, "--prompt", "hi", "--exact", *argv)
+    check_one_line_error(code, err, words)
