@@ -14,6 +14,7 @@ import re
 import shlex
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READMES = [
@@ -111,3 +112,25 @@ def test_the_readme_says_what_a_full_chat_context_does():
     text = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
     chat = text[text.index("**A conversation.**") :].split("```")[0]
     assert "the oldest messages are dropped" in chat
+
+
+def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
+    """The first command's sample output: its banner, rebuilt by generate.banner_line from the same
+    model, drafter, device, dtype and threads, is the line the README shows."""
+    import types
+
+    import generate
+    import kernels
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    shown = re.search(r"^\[SmolLM2-135M-Instruct .* on cpu, .*\]$", text, re.M).group(0)
+    monkeypatch.setattr(kernels, "native_library", lambda: object())  # kernels.c runs
+    model = types.SimpleNamespace(
+        dtype=torch.bfloat16,
+        cfg=types.SimpleNamespace(name="SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.Q4_1.gguf)"),
+    )
+    drafter = types.SimpleNamespace(name="heads: hydra++, tree: 6 nodes")
+    dec = types.SimpleNamespace(model=model, drafter=drafter)
+    draft = types.SimpleNamespace(kind="heads", heads="auto")
+    line = generate.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
+    assert line == shown
