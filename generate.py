@@ -540,8 +540,11 @@ class Decoder:
     generator: torch.Generator  # seeded --seed (a batch seeds one for each prompt)
 
 
-def load_model(name, *, device, dtype, quantize, chat):
-    """The model and its tokenizer, its linear layers quantized as --quantize asks."""
+def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
+    """The model and its tokenizer, its linear layers quantized as --quantize asks or through
+    exact.py's kernels (--exact)."""
+    if exact_kernels:
+        catalog.check_exact(device, quantize)
     model, tokenizer = checkpoint.load(name, device, dtype)
     if chat and not tokenizer.chat_template:
         raise cli.UsageError(
@@ -556,6 +559,8 @@ def load_model(name, *, device, dtype, quantize, chat):
             "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
             "weights; --quantize none keeps them identical"
         )
+    if exact_kernels:
+        exact.use(model)
     return model, tokenizer
 
 
@@ -748,6 +753,15 @@ def banner_line(dec, draft, *, device, quantize, threads):
     return f"[{name} on {device}, {dtype}{weights}, {dec.drafter.name}{heads}{on}]"
 
 
+def announce(dec, draft, *, device, quantize, threads, show):
+    """The banner, and with --show on a terminal the legend of its colours, on stderr."""
+    print(
+        banner_line(dec, draft, device=device, quantize=quantize, threads=threads), file=sys.stderr
+    )
+    if show and dec.drafter.max_depth and sys.stderr.isatty():
+        print(legend_line(dec.drafter), file=sys.stderr)
+
+
 def heads_source(kind, name):
     """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
     folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
@@ -822,6 +836,7 @@ class Replies:
         self.tokenizer = dec.tokenizer
         self.max_depth = dec.drafter.max_depth
         self.learner = dec.learner
+        self.model = dec.model
         self.whole = whole  # print each reply whole as it ends, marked with its id
         self.out = out  # the open --out file, or None
         self.total = decode.Result()
@@ -851,12 +866,15 @@ class Replies:
             self.learner.reply_done()
 
     def report(self, seconds):
-        """After `seconds` of decoding: the totals (of more than one prompt), what --online did."""
+        """After `seconds` of decoding: the totals (of more than one prompt), what --online did,
+        what --cuda-graphs replayed."""
         self.total.seconds = seconds
         if len(self.ids) > 1:
             print(stats_line(self.total, self.max_depth, "all prompts: "), file=sys.stderr)
         if self.learner:
             print(online_line(self.learner, seconds), file=sys.stderr)
+        if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
+            print(f"[{self.model.summary()}]", file=sys.stderr)
 
 
 def open_output(path):
@@ -1094,7 +1112,7 @@ class Chat:
 
 def one_by_one(dec, encoded, replies, *, stream, show):
     """Each prompt's reply streamed as it is made (without `stream`: only its statistics), one
-    generator through every prompt. Returns the seconds it took."""
+    generator through every prompt. Returns the seconds it decoded."""
     t0 = time.perf_counter()
     for i, (_, ids, max_new_tokens) in enumerate(encoded):
         printer = Printer(dec.tokenizer, show) if stream else None
@@ -1110,12 +1128,12 @@ def one_by_one(dec, encoded, replies, *, stream, show):
         if printer:
             print()
         replies.done(i, r)
-    return time.perf_counter() - t0
+    return decoding_seconds(dec, t0)
 
 
 def batch(dec, encoded, replies, *, batch_size, seed):
     """batch_size prompts side by side, each reply printed whole as it ends; prompt i samples from
-    its own generator, seeded seed + i. Returns the seconds it took."""
+    its own generator, seeded seed + i. Returns the seconds it decoded."""
     device = dec.model.device
     generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(len(encoded))]
     t0 = time.perf_counter()
@@ -1129,7 +1147,12 @@ def batch(dec, encoded, replies, *, batch_size, seed):
         batch_size=batch_size,
         **dec.decoding,
     )
-    return time.perf_counter() - t0
+    return decoding_seconds(dec, t0)
+
+
+def decoding_seconds(dec, t0):
+    """The seconds since t0, without the updates --online made between replies."""
+    return time.perf_counter() - t0 - (dec.learner.seconds if dec.learner else 0)
 
 
 def chat(dec, *, system, max_new_tokens, show, stats):
@@ -1173,23 +1196,22 @@ def main(args):
     temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
     torch.manual_seed(args.seed)
 
-    if args.exact:
-        catalog.check_exact(device, args.quantize)
     model, tokenizer = load_model(
-        args.model, device=device, dtype=dtype, quantize=args.quantize, chat=args.chat
+        args.model,
+        device=device,
+        dtype=dtype,
+        quantize=args.quantize,
+        chat=args.chat,
+        exact_kernels=args.exact,
     )
-    if args.exact:
-        exact.use(model)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = checkpoint.eos_ids(model, tokenizer)
     decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
     drafter = load_drafter(
         draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
     )
-    learner = None
-    if args.online:
-        settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
-        drafter, learner = learn_online(drafter, model, settings)
+    settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
+    drafter, learner = learn_online(drafter, model, settings) if args.online else (drafter, None)
     encoded = encode_prompts(
         prompts,
         tokenizer,
@@ -1200,13 +1222,10 @@ def main(args):
         one=args.prompts is None,
     )
     check_batch_memory(model, drafter, encoded, batch_size)
-    if catalog.cuda_graphs(args.cuda_graphs, device):  # the drafters keep the readable model
-        model = graphs.GraphedForward(model)
+    # the loop's forward; the drafters keep the readable model
+    model = graphs.GraphedForward(model) if catalog.cuda_graphs(args.cuda_graphs, device) else model
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
-    banner = banner_line(dec, draft, device=device, quantize=args.quantize, threads=threads)
-    print(banner, file=sys.stderr)
-    if show and drafter.max_depth and sys.stderr.isatty():  # the legend is colours too
-        print(legend_line(drafter), file=sys.stderr)
+    announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
 
     with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
         whole = batch_size > 1 and not args.quiet
@@ -1223,11 +1242,7 @@ def main(args):
             seconds = one_by_one(dec, encoded, replies, stream=not args.quiet, show=show)
         else:
             seconds = batch(dec, encoded, replies, batch_size=batch_size, seed=args.seed)
-        if learner and not args.chat:  # the decoding time, without the updates between replies
-            seconds -= learner.seconds
         replies.report(seconds)
-    if isinstance(model, graphs.GraphedForward):  # what was replayed, and what ran eagerly
-        print(f"[{model.summary()}]", file=sys.stderr)
 
 
 def tidy_main(args):
