@@ -166,8 +166,11 @@ def cartesian(topk: list[int]) -> list[Path]:
     ]
 
 
-# --- tree files -----------------------------------------------------------------------------------
-# JSON is parsed as data and validated by build(); nothing a user passes is ever evaluated.
+# --- command line -------------------------------------------------------------------------------
+# The --tree flag's values (generate.py's through catalog.parse_tree too) and its tree files (JSON
+# parsed as data and validated by build(), never evaluated), the picture `python tree.py` prints,
+# and argparse alone (the tree needs nothing of the project): a mistake is one line and exit code 2,
+# as cli.py's convention has it for every other script.
 
 
 def save(paths, file) -> None:
@@ -190,12 +193,6 @@ def load(file) -> list[Path]:
         return build(data["paths"]).paths
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from None
-
-
-# --- command line -------------------------------------------------------------------------------
-# The --tree flag's values (generate.py's through catalog.parse_tree too), the picture `python
-# tree.py` prints, and argparse alone (the tree needs nothing of the project): a mistake is one line
-# and exit code 2, as cli.py's convention has it for every other script.
 
 
 def parse(spec: str) -> list[Path]:
