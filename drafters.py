@@ -1,8 +1,7 @@
 """Drafters: whoever fills the tree, decode.py's one step verifies it alike.
 
-A drafter proposes candidate tokens after the last emitted one (the root) as a tree; a chain is a
-tree with one path. Verification does not care who drafted: the base model scores every node in
-one forward and verify.py keeps an acceptable path. The drafters, one interface:
+A drafter proposes candidate tokens after the last emitted one (the root) as a tree (a chain is a
+tree with one path); verification does not care who drafted. The drafters, one interface:
 
     HeadsDrafter(heads, tree)          Medusa / Hydra heads fill a fixed tree, depth by depth
     Plain()                            drafts nothing: plain decoding, a root-only tree every step
@@ -21,8 +20,7 @@ one forward and verify.py keeps an acceptable path. The drafters, one interface:
         state held for them stays, hidden covers prompt[kept:] only
     d.draft(rows, roots) -> [Draft]          the tree of each row (d's row()s, or [d] alone),
         rooted at its last token: one call a step for every row (the heads run once for all)
-    d.accept(step: Accepted)                 what the step kept of this row's draft and what the
-        base model computed there
+    d.accept(step: Accepted)                 what the step kept, what the base model computed there
     d.name, d.legend, d.max_nodes, d.max_depth   for printing, --show and sizing the KV cache
 
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
@@ -115,11 +113,8 @@ class Shapes:
         if key not in self.built:
             t = tree_lib.build(list(paths))
             mask, depth = self.window.after(t) if self.window else (t.mask, t.depth)  # (N, N), (N,)
-            self.built[key] = (
-                t.to(self.device),
-                mask.to(self.device) if len(mask) > 1 else None,
-                depth.to(self.device),
-            )
+            mask = mask.to(self.device) if len(mask) > 1 else None  # the root alone: causal
+            self.built[key] = (t.to(self.device), mask, depth.to(self.device))
         return self.built[key]
 
     def draft(self, root: int, nodes: dict, computed=()) -> Draft:
@@ -151,9 +146,13 @@ def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
     return nodes
 
 
-def chain_nodes(tokens: list, source: int) -> dict:
-    """A chain of tokens under the root, as {path: (token, source)}."""
-    return {(0,) * d: (t, source) for d, t in enumerate(tokens, start=1)}
+def chains(tokens: list, source: int) -> dict:
+    """Chains of tokens (lists of ids) under the root, merged into one tree by graft (a shared
+    prefix once, the first chain's nodes first), as {path: (token, source)}."""
+    nodes = {}
+    for chain in tokens:
+        graft(nodes, {(0,) * d: (t, source) for d, t in enumerate(chain, start=1)})
+    return nodes
 
 
 def draft_nodes(d: Draft) -> dict:
@@ -219,8 +218,7 @@ class HeadsDrafter:
         self.max_nodes = tree.num_nodes
         self.max_depth = tree.max_depth
 
-    def row(self):
-        """start() makes the state (h, Hydra++'s prefix cache): a shallow copy shares none."""
+    def row(self):  # start() makes the state (h, Hydra++'s prefix cache): a copy shares none
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):
@@ -232,7 +230,6 @@ class HeadsDrafter:
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
     def draft(self, rows, roots):
-        """Every head called once for all the rows."""
         if not rows:
             return []
         h = torch.cat([r.h for r in rows])  # (B, D)
@@ -342,20 +339,16 @@ class Lookup:
         return [row.propose(root) for row, root in zip(rows, roots)]
 
     def propose(self, root):
-        nodes = {}
         self.proposed = self.continuations(root)
-        for follow in self.proposed:
-            graft(nodes, chain_nodes(follow, 1))
-        return self.shapes.draft(root, nodes)
+        return self.shapes.draft(root, chains(self.proposed, 1))
 
     def accept(self, step):
         tokens = step.kept
-        # adapt: after a step that kept a whole proposed continuation, propose 2 tokens more (up to
-        # gamma); after one that did not, 1 fewer (at least 1): transformers' "heuristic" schedule
-        # for assisted generation. Where the reply does not copy (free writing), the chain shrinks
-        # to a token and costs the step almost nothing; where it copies, it grows back within steps.
-        # copying: the last step kept a whole continuation proposed at the full gamma, so the reply
-        # is copying a stretch of the text (HeadsPlusLookup then verifies its chain alone).
+        # adapt (transformers' "heuristic" schedule for assisted generation): after a step that kept
+        # a whole proposed continuation, propose 2 tokens more (up to gamma), else 1 fewer (at least
+        # 1). Where the reply does not copy, the chain shrinks to a token and costs the step almost
+        # nothing; where it copies, it grows back within steps. copying: the last step kept a whole
+        # continuation proposed at the full gamma (HeadsPlusLookup then verifies its chain alone).
         # A step with no match proposed nothing: the length stays, and the streak ends there.
         if self.adapt and self.proposed:
             kept = tokens[1:]
@@ -380,13 +373,12 @@ class ModelDrafter:
     temperature 0, else sampled from its own p = logits_to_probs(logits, temperature, top_p), which
     the Draft carries for verify.leviathan.
 
-    KV cache: like the base model's, slots [0, length) hold the sequence the base model accepted, in
-    order. `pending` are accepted tokens the drafter has not fed yet: the whole prompt at the start,
-    later the last draft x_G when it was accepted (it was drafted but never fed). draft(root), root
-    being the base model's bonus token, feeds pending + [root] in one forward and x_1..x_{G-1} one
-    by one; each forward appends its tokens (length += T: what keep(range(T)) does, without its
-    index check, a device sync on a GPU) so that the next one attends to them. accept() cuts length
-    back to the accepted prefix: rejected drafts' entries lie beyond it, garbage as in a KVCache."""
+    KV cache: as the base model's, slots [0, length) hold the accepted sequence, in order. `pending`
+    are accepted tokens not fed yet: the whole prompt at the start, later the last draft x_G when it
+    was accepted (drafted, never fed). draft() feeds pending + [root] (root: the bonus) in one
+    forward and x_1..x_{G-1} one by one, each forward appending its tokens for the next to attend to
+    (length += T: keep(range(T)) without its index check, a GPU sync). accept() cuts length back to
+    the accepted prefix: rejected drafts' entries beyond it are garbage, as in a KVCache."""
 
     def __init__(
         self,
@@ -471,13 +463,11 @@ class ModelDrafter:
 
 class HeadsPlusLookup:
     """The heads' tree with lookup's grafted on; while lookup copies (Lookup.copying), its chain
-    alone. Both see every step's accept(); the heads' draft() is skipped while lookup copies, which
-    is sound because a HeadsDrafter keeps no state between draft() and accept().
-
-    floor: None grafts both trees whole. A number keeps the step about the heads' tree's size:
-    lookup's L nodes take the place of the heads' last L (in tree order, the deepest, least likely
-    ones), the heads keeping at least `floor`. The heads' tree was tuned for the machine (bench.py
-    --tune-tree), and every node a step verifies costs time."""
+    alone: the heads' draft() is skipped, sound as a HeadsDrafter keeps no state between draft()
+    and accept() (both see every accept()). floor: None grafts both trees whole; a number keeps the
+    step about the size of the heads' tree (tuned for the machine: bench.py --tune-tree), lookup's
+    L nodes replacing the heads' last L (in tree order the deepest, least likely), the heads keeping
+    at least `floor`."""
 
     def __init__(self, heads, lookup, device, floor=None):
         self.heads = heads
@@ -561,7 +551,7 @@ class Jacobi:
     def guess(self, root):
         pad = self.guesses[-1] if self.guesses else root
         guesses = (self.guesses + [pad] * self.gamma)[: self.gamma]
-        return self.shapes.draft(root, chain_nodes(guesses, 1))
+        return self.shapes.draft(root, chains([guesses], 1))
 
     def accept(self, step):
         # nodes 0..k were kept (the root and k guesses) and the bonus is the output at node k; the
@@ -571,7 +561,7 @@ class Jacobi:
 
 # --- lookahead decoding --------------------------------------------------------------------------
 # Fu et al. 2024: Jacobi's guesses are poor as a chain, but the trajectories its iterations trace
-# hold good n-grams. One forward carries, after the root, two branches that never see each other.
+# hold good n-grams. One forward carries two branches after the root that never see each other.
 # The window (computed only): W columns of N-1 levels of Jacobi iterations, here W = 3, N = 4:
 #     offset      0    1    2    3    4    5
 #     chain      root  c1   c2                   the oldest level, a causal chain after the root
@@ -580,11 +570,10 @@ class Jacobi:
 #     outputs                    o0   o1   o2    sequence its Jacobi trajectory continues
 # Each step adds the W n-grams (c_r, a_r, b_r, o_r), c_0 = the root, to a pool keyed by their first
 # token and moves every level down one (chain = level 1 without a0, level 1 = level 2, level 2 =
-# outputs). The verification branch: up to G pool n-grams that start with the root, each a causal
-# chain after it, shared prefixes merged (graft): a tree like any other, verified by verify.py.
-# The window shifts one position a step whatever was accepted, as the authors' code does. It starts
-# as prompt tokens and yields n-grams once every level holds model outputs (after N-2 steps); the
-# authors fill its levels one by one instead, with a changing shape.
+# outputs). The verification branch: up to G pool n-grams that start with the root, merged by
+# chains() into a tree like any other. The window shifts one position a step whatever was accepted,
+# as the authors' code does; it starts as prompt tokens and yields n-grams once every level holds
+# model outputs, after N-2 steps (the authors fill its levels one by one, with a changing shape).
 
 
 class Lookahead:
@@ -608,8 +597,7 @@ class Lookahead:
             sees[i, seen] = True
         depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)  # (M,)
         self.shapes = Shapes(device, Window(sees, depth))
-        # the top of each column, in [root, window]
-        self.top = [index[ngram - 2, r] for r in range(window)]
+        self.top = [index[ngram - 2, r] for r in range(window)]  # column tops, in [root, window]
         self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
         self.legend = ["base model", "lookahead"]
         self.max_depth = ngram - 1
@@ -630,10 +618,7 @@ class Lookahead:
         return [row.guess(root) for row, root in zip(rows, roots)]
 
     def guess(self, root):
-        nodes = {}
-        # the latest first: the verifiers try it first
-        for gram in reversed(self.pool.get(root, [])):
-            graft(nodes, chain_nodes(list(gram), 1))
+        nodes = chains(reversed(self.pool.get(root, [])), 1)  # the latest first: tried first
         d = self.shapes.draft(root, nodes, computed=[t for level in self.levels for t in level])
         self.n = d.candidates
         return d
@@ -659,19 +644,17 @@ class Lookahead:
 
 
 # --- PaSS: learned lookahead tokens -------------------------------------------------------------
-# Monea et al. 2023: K embeddings [LA]_1..[LA]_K, trained while the model stays frozen
-# (pass_tokens.py), are new tokens; appended after the sequence, the model's outputs at them guess
-# the K tokens after its next one. Here the first [LA]'s G likeliest tokens are siblings and the
-# first of them leads a chain of the other [LA]s' choices. Which node will be the last accepted is
-# known only after the step, so a group of K [LA]s (computed only) follows every node of the tree:
-# the group after the last accepted node drafts the next tree. K = 2, G = 2, depths:
+# Monea et al. 2023: K embeddings [LA]_1..[LA]_K (pass_tokens.py trains them, the model frozen) are
+# new tokens; after the sequence, the model's outputs at them guess the K tokens after its next one.
+# The first [LA]'s G likeliest tokens are siblings, the first leading a chain of the other [LA]s'
+# choices. The last accepted node is known only after the step, so a group of K [LA]s (computed
+# only) follows every node: the one after the last accepted drafts the next tree. K = G = 2:
 #     node   root  d1  d1' d2  |  a1 a2  |  b1 b2  |  b1' b2'  |  c1 c2   (groups after root, d1,
 #     depth    0    1   1   2  |  1  2   |  2  3   |  2   3    |  3  4    d1', d2)
 
 
 class PaSS:
-    """K [LA] tokens drafting G first tokens and a chain of K-1 after the likeliest (the first step,
-    without [LA] outputs yet, guesses the root)."""
+    """The tree drawn above; the first step, without [LA] outputs yet, guesses the root."""
 
     def __init__(self, model, embeddings, gamma: int, guesses: int = 1):
         assert 1 <= gamma <= len(embeddings) and guesses >= 1, (
@@ -682,7 +665,6 @@ class PaSS:
         self.K = K
         self.G = G
         self.dev = model.device
-        # the tree: G first guesses side by side, then a chain under the first
         t = tree_lib.build([(r,) for r in range(G)] + [(0,) * d for d in range(2, K + 1)])
         n = t.num_nodes
         self.tree = t.to(self.dev)
@@ -701,9 +683,8 @@ class PaSS:
             depth += range(depth[g] + 1, depth[g] + K + 1)
         self.mask = mask.to(self.dev)
         self.depth = torch.tensor(depth, device=self.dev)
-        self.name = f"pass: {K} [LA] token{'s' * (K != 1)}" + (
-            f", {G} first guesses" if G > 1 else ""
-        )
+        firsts = f", {G} first guesses" if G > 1 else ""
+        self.name = f"pass: {K} [LA] token{'s' * (K != 1)}{firsts}"
         self.legend = ["base model", "[LA] tokens"]
         self.max_nodes = n * (K + 1)
         self.max_depth = K

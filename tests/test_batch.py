@@ -247,7 +247,7 @@ class Repeat:
         pass
 
     def draft(self, rows, roots):
-        chain = lambda root: drafters.chain_nodes([root] * self.max_depth, 1)
+        chain = lambda root: drafters.chains([[root] * self.max_depth], 1)
         return [self.shapes.draft(root, chain(root)) for root in roots]
 
     def accept(self, step):

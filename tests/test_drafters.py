@@ -323,9 +323,9 @@ def test_lookup_drafts_the_whole_gamma_on_repetitive_text(matches):
 
 def test_graft_shares_prefixes_and_ranks_new_children_last():
     nodes = {(0,): (5, 1), (1,): (6, 1), (0, 0): (7, 2)}
-    D.graft(nodes, D.chain_nodes([5, 7, 8], 1), offset=2)  # shares (0,) and (0, 0)
-    D.graft(nodes, D.chain_nodes([6, 9], 1), offset=2)  # shares (1,)
-    D.graft(nodes, D.chain_nodes([4], 1), offset=2)  # a third child of the root
+    D.graft(nodes, D.chains([[5, 7, 8]], 1), offset=2)  # shares (0,) and (0, 0)
+    D.graft(nodes, D.chains([[6, 9]], 1), offset=2)  # shares (1,)
+    D.graft(nodes, D.chains([[4]], 1), offset=2)  # a third child of the root
     assert nodes == {
         (0,): (5, 1),
         (1,): (6, 1),
@@ -341,7 +341,7 @@ def test_graft_shares_prefixes_and_ranks_new_children_last():
 
 def test_graft_never_overwrites_a_node_when_a_tree_file_skips_ranks():
     nodes = {(0,): (5, 1), (2,): (6, 1)}  # a tree file may give ranks 0 and 2 only
-    D.graft(nodes, D.chain_nodes([4], 1), offset=2)
+    D.graft(nodes, D.chains([[4]], 1), offset=2)
     assert nodes == {(0,): (5, 1), (2,): (6, 1), (3,): (4, 3)}
 
 
