@@ -7,9 +7,8 @@ its next one, so that one forward pass of the base model can verify several gues
     Hydra++         Hydra heads reading h from a PrefixMLP: one extra decoder layer over the base
                     hidden states of the whole accepted sequence, with its own KV cache
 
-Every head ends with an LM head: the base model's, frozen and shared (~D^2 parameters a head), or a
-trainable per-head copy of it (Medusa-1), optionally restricted to a kept subset of the vocabulary.
-W and the last MLP layer start at zero, so an untrained Medusa or Hydra head is the base LM head.
+Every head ends with an LM head (LMHead below). W and the last MLP layer start at zero, so an
+untrained Medusa or Hydra head is the base LM head.
 
     heads = build(HeadsConfig("hydra", num_heads=4), base)   # base: a model.Transformer
     cache = heads.new_cache(max_len)                        # Hydra++ only, else None
@@ -56,7 +55,7 @@ class HeadsConfig:
 
 
 # --- the vocabulary projection ------------------------------------------------------------------
-# The base LM head's rows (all V, or the V' kept ones), shared by every head or copied per head.
+# The base LM head's rows (all V, or V' kept), frozen and shared by all heads, or copied (Medusa-1).
 
 
 class LMHead(nn.Module):
@@ -125,8 +124,7 @@ class MedusaHeads(nn.Module):
         )
         if at is not None:
             h = h[at]  # (N, D)
-        # (B, T, K, D) | (N, K, D)
-        return torch.stack([blocks(h) for blocks in self.blocks], dim=-2)
+        return torch.stack([head(h) for head in self.blocks], dim=-2)  # (B, T, K, D) | (N, K, D)
 
     def project(self, z, d=None):
         return self.lm_head(z, d)  # (..., V')
@@ -141,8 +139,7 @@ class MedusaHeads(nn.Module):
 
 
 def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
-    """num_layers hidden layers of width D with SiLU, then a Linear to D that starts at zero:
-    with the residual z = h + MLP(...), an untrained Hydra head is the base LM head."""
+    """num_layers hidden layers of width D with SiLU, then a Linear to D that starts at zero."""
     layers = []
     for i in range(num_layers):
         layers += [nn.Linear(d_in if i == 0 else dim, dim), nn.SiLU()]
@@ -157,8 +154,7 @@ class PrefixMLP(nn.Module):
     and down_proj start at zero, so at first the layer passes x through: the output is RMSNorm(x).
     Its KV cache holds exactly the accepted sequence: the caller feeds only hidden states of
     accepted positions, and every call commits all of them (keep(range(T))), so slots [0, length)
-    are positions 0..length-1 and nothing beyond `length` is ever read.
-    """
+    are positions 0..length-1 and nothing beyond `length` is ever read."""
 
     def __init__(self, base_cfg: Config):
         super().__init__()
@@ -224,10 +220,8 @@ class HydraHeads(nn.Module):
         return h + self.mlps[d - 1](torch.cat([h, tokens], dim=-1))  # (R*P, D)
 
     def forward(self, h, tokens, at=None):
-        """Teacher forcing: head k at t reads concat[h_t, E(tokens[t+1]), ..., E(tokens[t+k])];
-        tokens past the end are token 0 (the caller masks those positions out of the loss).
-        Every head at every position (B, T, K, D), or at the positions at = (b, t) only (N, K, D):
-        training needs the heads only where they predict an assistant token."""
+        """As MedusaHeads.forward, teacher-forced: head k at t reads concat[h_t, E(tokens[t+1]),
+        ..., E(tokens[t+k])], token 0 past the end (the caller masks those out of the loss)."""
         B, T, D = h.shape
         assert tokens.shape == (B, T), (
             f"h (B, T, D) vs tokens (B, T): {tuple(h.shape)}, {tuple(tokens.shape)}"
