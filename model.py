@@ -8,8 +8,7 @@ forward pass that takes an explicit tree attention mask.
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
-tied or untied LM head. checkpoint.py reads weights, folding other families' constants into them;
-kernels.py has faster CPU forms of some layers, each tested equal to the one here. Test:
+tied or untied LM head; checkpoint.py folds other families' constants into the weights. Test:
 `python -m pytest -q tests/test_model.py tests/test_families.py` (parity with transformers).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
@@ -86,10 +85,9 @@ def apply_rope(x, cos, sin):
 
 
 class Rope(nn.Module):
-    """positions -> cos, sin of their rotation angles, from frequencies that stay fp32 whatever
-    dtype the model is cast to. Cast to bf16 they would be off by up to 0.33% (8 mantissa bits):
-    1.4 rad at position 1,000, 5.6 rad at 4,000, and long-context logits would drift. So a
-    .to(device, dtype) moves the frequencies and recomputes them; it never rounds them."""
+    """positions -> cos, sin of their rotation angles, from frequencies kept in fp32 whatever dtype
+    the model is cast to (.to() recomputes them): in bf16 (8 mantissa bits) they would be off by up
+    to 0.33%, 1.4 rad at position 1,000, and long-context logits would drift."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -207,14 +205,9 @@ def attend(q, k, v, mask):
     """Grouped-query attention. q (B, H, T, Dh); k, v (B, Hkv, S, Dh); mask (B|1, 1, T, S) bool or
     None: causal, with S = T or T = 1 (SDPA's is_causal, which its flash kernels run; a mask rules
     them out) -> (B, H, T, Dh). Query head h reads key/value head h // (H / Hkv)."""
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=mask is None and q.shape[2] > 1,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    causal = mask is None and q.shape[2] > 1
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -225,7 +218,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        # Qwen3 normalises each head's q and k; the identity elsewhere
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
@@ -357,11 +349,9 @@ class Transformer(nn.Module):
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. cache: a KVCache (its invariant says where new entries go, what each row sees).
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
-        read; with last_only, logits only at the last position (B, 1, V) (a long prompt's prefill
-        needs no more), hidden states still everywhere. layers: run only these layers (indices, in
-        order: range(N) for the first N, or any subset), then the final norm and LM head
-        (self-speculative drafting); the cache then holds one entry per layer run, in that order.
-        extra: the embeddings of ids past the vocabulary (embed())."""
+        read; last_only: logits at the last position only (B, 1, V), for a long prompt's prefill.
+        layers: run only these (indices in order: self-speculative drafting; see run_layers). extra:
+        embeddings of ids past the vocabulary (embed())."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
