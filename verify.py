@@ -45,11 +45,8 @@ def is_greedy(temperature: float) -> bool:
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Softmax over the last dim at `temperature`, restricted to the top-p nucleus; float32.
-
-    temperature 0 (or below GREEDY_BELOW) means greedy: a one-hot at the argmax. top-p keeps the
-    smallest set of most likely tokens whose mass reaches top_p (always at least the top token)
-    and renormalises.
-    """
+    temperature 0 (below GREEDY_BELOW) is greedy: a one-hot at the argmax. top-p keeps the smallest
+    set of likeliest tokens whose mass reaches top_p (at least the top one), renormalised."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if is_greedy(temperature):
@@ -129,8 +126,7 @@ def typical(
 
     p = softmax(logits / temperature) without top-p; top_p only shapes the bonus. Temperature must
     be >= GREEDY_BELOW: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule
-    becomes greedy, so below it use greedy() instead (logits / 0 is not defined).
-    """
+    becomes greedy, so below it use greedy() instead (logits / 0 is not defined)."""
     if is_greedy(temperature):
         raise ValueError(
             f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
@@ -175,8 +171,7 @@ def speculative(
     next child; when no child is accepted the bonus is drawn from q'. Why it is lossless: the first
     child c is emitted with probability q'(c), and any other token t only after c is rejected
     (probability 1 - q'(c)), then from the renormalised residual q'(t) / (1 - q'(c)); the product is
-    q'(t) again, so by induction over the children every token is emitted with probability q(t).
-    """
+    q'(t) again, so by induction over the children every token is emitted with probability q(t)."""
     _check_shapes(logits, tokens, tree)
     probs = logits_to_probs(logits, temperature, top_p)  # (N, V) one batched call
     n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
@@ -251,8 +246,7 @@ def leviathan(
     and after a rejection, which happens with probability 1 - sum_y min(p(y), q(y)) =
     sum_y max(0, q(y) - p(y)) = Z, from the residual with probability max(0, q(x) - p(x)) / Z;
     the sum is min(p, q)(x) + max(0, q - p)(x) = q(x). Each next position is the same argument
-    given the accepted prefix, so the emitted tokens follow the base model's own distribution.
-    """
+    given the accepted prefix, so the emitted tokens follow the base model's own distribution."""
     G = len(tokens) - 1
     assert logits.dim() == 2 and logits.shape[0] == G + 1, (
         f"logits must be (G+1={G + 1}, V), not {tuple(logits.shape)}"
