@@ -15,9 +15,8 @@ base model at once, each attending only to the cached prefix, itself and its anc
      [3] r0  [4] r1   [5] r0  [6] r1                                5   1.1..1.
                                                                     6   1.1...1
 
-Node i+1 is paths[i] after sorting by (depth, path), so parents come before children and the
-mask is lower-triangular. A node sits at position prefix_len + depth. Pure data, no model:
-build() runs once per generation, with plain Python loops on small lists.
+Sorted by (depth, path), parents come before children and the mask is lower-triangular. Pure
+data, no model: build() runs once per generation, with plain Python loops on small lists.
 
     build(paths) -> Tree           chain(n), cartesian(topk) -> paths    tree.to(device) -> Tree
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
@@ -37,8 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 MAX_NODES = 1024  # root included; the (N, N) mask and one forward over N tokens must stay small
-# a rank is a top-k index, below any vocabulary size (catalog.load_tree checks the heads')
-MAX_RANK = 2**31
+MAX_RANK = 2**31  # a rank is a top-k index, below any vocabulary (catalog.load_tree checks)
 
 Path = tuple[int, ...]
 
