@@ -41,15 +41,12 @@ class HeadsError(ValueError):
 @dataclass
 class HeadsConfig:
     kind: str  # "medusa" | "hydra" | "hydra++"
-    # K; head k (1-based) predicts x_{t+1+k}, k tokens after the base model's next one x_{t+1}
-    num_heads: int
+    num_heads: int  # K; head k (1-based) predicts x_{t+1+k}, k after the base model's next token
     num_layers: int = 1  # residual blocks per Medusa head / hidden layers of each Hydra MLP
     dim: int = 0  # D of the base model (build() fills it in)
     vocab_size: int = 0  # V of the base model (build() fills it in)
-    # False: the base LM head, frozen, shared; True: a trainable copy per head (Medusa-1)
-    own_lm_head: bool = False
-    # 0: the full vocabulary; else heads predict over this many token ids (buffer kept_ids)
-    kept_tokens: int = 0
+    own_lm_head: bool = False  # True: a trainable LM head per head (Medusa-1); False: the base's
+    kept_tokens: int = 0  # 0: the full vocabulary; else heads predict over this many ids (kept_ids)
     base_name: str = ""  # identity of the base model (model.cfg.name)
     base_fingerprint: str = ""  # model.lm_head_fingerprint(base): heads refuse another base model
 
@@ -134,8 +131,7 @@ class MedusaHeads(nn.Module):
 
 
 # --- Hydra and Hydra++ --------------------------------------------------------------------------
-# Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})]: the state and the k tokens
-# on the path to the node it drafts after. E is the base input embedding, frozen.
+# Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})], E the base input embedding.
 
 
 def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
