@@ -16,8 +16,7 @@ tree with one path); verification does not care who drafted. The drafters, one i
         weights and settings, its own state (start() makes it); a drafter alone is one sequence's
     d.start(prompt, hidden, max_len, kept=0)  a new sequence: the prompt ids, the base model's
         hidden states over them (1, T, D), room for max_len positions; kept > 0: the last sequence
-        goes on (decode.Conversation's next turn): its first kept tokens are prompt[:kept], the
-        state held for them stays, hidden covers prompt[kept:] only
+        goes on (Conversation's next turn), its state for prompt[:kept] kept, hidden the rest's
     d.draft(rows, roots) -> [Draft]          the tree of each row (d's row()s, or [d] alone),
         rooted at its last token: one call a step for every row (the heads run once for all)
     d.accept(step: Accepted)                 what the step kept, what the base model computed there
@@ -45,14 +44,11 @@ import verify as verify_lib
 
 @dataclass
 class Draft:
-    # (N,) on the model's device: node 0 is the root, the drafts, then any computed-only nodes
-    tokens: torch.Tensor
+    tokens: torch.Tensor  # (N,) on the device: node 0 the root, the drafts, any computed-only nodes
     tree: tree_lib.Tree  # the candidates, nodes [0, tree.num_nodes), its tensors on the device
-    # (N, N) on the device: tree.mask, then the computed-only rows; None for the root alone
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None  # (N, N) on the device: tree.mask, computed-only rows; None: a root
     depth: torch.Tensor  # (N,) on the device: node i sits at position prefix + depth[i]
-    # (n,) who drafted each candidate: an index into the drafter's legend, 0 = the root
-    source: list
+    source: list  # (n,) who drafted each candidate: an index into the legend, 0 = the root
     probs: torch.Tensor | None = None  # (N-1, V) sampled drafts: the p each was drawn from
     extra: torch.Tensor | None = None  # (K, D) embeddings of token ids past the vocabulary (PaSS)
 
