@@ -10,9 +10,8 @@
     generate(model, prompt, max_new_tokens, drafter)   prefill, then step until EOS or the limit
     Conversation                          generate() with a KV cache that outlives the reply
 
-Plain decoding is the same loop with a drafter that proposes nothing: the tree is only its root.
-Many prompts at once, each taking the row of one that ends, is engine.py: the same prefill and
-step. The fast paths (kernels.py on CPUs) replace the model's forward, never these rungs.
+Plain decoding is the same loop with a drafter that proposes nothing. Many prompts at once is
+engine.py, on the same prefill and step; the fast paths (kernels.py) replace the forward, not these.
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
 speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter, and
@@ -129,11 +128,10 @@ def prefill(model, cache, prompts):
 
 
 def pad_drafts(drafts):
-    """The rows' drafts as one batch of N nodes, N = the largest draft's: tokens (B, N), mask
-    (B, N, N) or None (every draft is its root alone: causal), depth (B, N), and the embeddings of
-    ids past the vocabulary that a draft brings (PaSS's [LA] tokens) or None. A row with fewer
-    nodes is padded with token 0 at depth 0 that sees only itself: the verifiers read a row's
-    first d.candidates nodes alone, so a padding node is computed and never kept."""
+    """The rows' drafts padded to the largest one's N nodes: tokens (B, N), mask (B, N, N) or None
+    (every draft its root alone: causal), depth (B, N), and the embeddings (K, D) of ids past the
+    vocabulary a draft brings (PaSS) or None. A padding node is token 0 at depth 0 that sees only
+    itself: computed, never kept (the verifiers read a row's first d.candidates nodes alone)."""
     N = max(len(d.tokens) for d in drafts)
     tokens = torch.stack([F.pad(d.tokens, (0, N - len(d.tokens))) for d in drafts])  # (B, N)
     depth = torch.stack([F.pad(d.depth, (0, N - len(d.depth))) for d in drafts])  # (B, N)
