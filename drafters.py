@@ -143,8 +143,7 @@ def graft(nodes: dict, branch: dict, offset: int = 0) -> dict:
 
 
 def chains(tokens: list, source: int) -> dict:
-    """Chains of tokens (lists of ids) under the root, merged into one tree by graft (a shared
-    prefix once, the first chain's nodes first), as {path: (token, source)}."""
+    """Chains of token ids under the root, grafted into one tree as {path: (token, source)}."""
     nodes = {}
     for chain in tokens:
         graft(nodes, {(0,) * d: (t, source) for d, t in enumerate(chain, start=1)})
@@ -207,8 +206,7 @@ class HeadsDrafter:
         self.plan = draft_plan(self.tree)
         self.depth = self.tree.depth
         self.mask = self.tree.mask if tree.num_nodes > 1 else None
-        # node i is head depth[i]'s guess; the root (0) the base model's
-        self.source = tree.depth.tolist()
+        self.source = tree.depth.tolist()  # node i: head depth[i]'s guess, 0 the base model's
         self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
         self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
         self.max_nodes = tree.num_nodes
@@ -270,8 +268,7 @@ class Plain:
 class Lookup:
     """Match the last n tokens (n = ngram down to `shortest`, 1 unless given) of prompt + reply
     against earlier text and propose the up to gamma tokens that followed: the latest match as a
-    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree. A
-    continuation that reaches the end of the text repeats the text after the match (its period)."""
+    chain, or the `matches` latest distinct continuations (longer n first) merged into a tree."""
 
     def __init__(
         self, gamma: int, ngram: int, matches: int, device, adapt: bool = False, shortest: int = 1
@@ -357,11 +354,10 @@ class Lookup:
 
 
 # --- a draft model, or the base model with layers skipped -----------------------------------------
-# Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one
-# at a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al.,
-# Draft & Verify; LayerSkip) is the same with the base model itself, some of its layers skipped, as
-# the small model (model.Transformer.forward's layers=, on the base's own weights). layers:N keeps
-# the first N; skip keeps a set that bench.py --tune-skip searched for (tuning.tune_skip).
+# Leviathan et al. / Chen et al.: a small model with the base's tokenizer drafts gamma tokens one at
+# a time; the base verifies the chain in one forward. Self-speculative decoding (Zhang et al., Draft
+# & Verify; LayerSkip) is the same with the base model itself, some of its layers skipped, as the
+# small model (model.Transformer.forward's layers=, on the base's own weights).
 
 
 class ModelDrafter:
@@ -458,12 +454,10 @@ class ModelDrafter:
 
 
 class HeadsPlusLookup:
-    """The heads' tree with lookup's grafted on; while lookup copies (Lookup.copying), its chain
-    alone: the heads' draft() is skipped, sound as a HeadsDrafter keeps no state between draft()
-    and accept() (both see every accept()). floor: None grafts both trees whole; a number keeps the
-    step about the size of the heads' tree (tuned for the machine: bench.py --tune-tree), lookup's
-    L nodes replacing the heads' last L (in tree order the deepest, least likely), the heads keeping
-    at least `floor`."""
+    """While lookup copies (Lookup.copying), its chain alone: the heads' draft() is skipped, sound
+    as a HeadsDrafter keeps no state between draft() and accept(). floor: None grafts both trees
+    whole; a number keeps the step near the heads' tree's size (tuned for the machine), lookup's L
+    nodes replacing the heads' last L (the deepest, least likely) down to `floor`."""
 
     def __init__(self, heads, lookup, device, floor=None):
         self.heads = heads
@@ -515,11 +509,10 @@ class HeadsPlusLookup:
 
 
 # --- Jacobi decoding -----------------------------------------------------------------------------
-# Santilli et al. 2023: append m guesses to the sequence ([PAD] at first) and run them through the
-# model as a causal chain; the output at each guess is the greedy next token given the guesses
-# before it. The guesses that equal the output before them are accepted (verify.greedy on the
-# chain: at least the bonus token is new), and the outputs after the accepted ones are the next
-# step's guesses. A fixed point of this iteration is greedy decoding itself: lossless.
+# Santilli et al. 2023: append m guesses ([PAD] at first) to the sequence as a causal chain; the
+# model's output at each is the greedy next token given the guesses before it. The guesses equal to
+# the output before them are accepted (verify.greedy: at least the bonus token is new), the outputs
+# after them are the next step's guesses. Its fixed point is greedy decoding: lossless.
 
 
 class Jacobi:
@@ -707,7 +700,6 @@ class PaSS:
         return Draft(tokens, self.tree, self.mask, self.depth, source, extra=self.extra)
 
     def accept(self, step):
-        # the [LA] group after the last accepted node drafts the next tree
         first = self.tree.num_nodes + step.nodes[-1] * self.K
         group = step.logits[first : first + self.K]  # (K, V)
         self.first = group[0].topk(self.G).indices.tolist()
