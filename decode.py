@@ -36,8 +36,7 @@ import verify as verify_lib
 @dataclass
 class Result:
     tokens: list = field(default_factory=list)  # generated ids (EOS included if reached)
-    # per token: who proposed it, an index into drafter.legend (0 = the base model)
-    sources: list = field(default_factory=list)
+    sources: list = field(default_factory=list)  # per token: who drafted it, a legend index
     accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
     steps: int = 0  # base forward passes, the prefill included
     seconds: float = 0.0
@@ -217,10 +216,9 @@ def generate(
     cache=None,
 ) -> Result:
     """Up to max_new_tokens after `prompt` (a list of ids), verifying what `drafter` proposes
-    (drafters.py; None: plain decoding). on_tokens(new_ids, sources) is called as tokens are
-    produced (a source indexes drafter.legend). cache: a one-row KVCache to go on from
-    (Conversation): its slots [0, cache.length) hold prompt[:cache.length], not forwarded again,
-    and the drafter goes on from its state for them; None: a new cache."""
+    (drafters.py; None: plain decoding); on_tokens(new_ids, sources) is called as tokens come.
+    cache: a one-row KVCache to go on from (Conversation), whose slots [0, cache.length) hold
+    prompt[:cache.length], as the drafter's state does; None: a new one."""
     started, out = time.perf_counter(), Result()
     drafter = drafter if drafter is not None else drafters_lib.Plain(model.device)
     check_prompt(model, prompt, max_new_tokens, generator)
