@@ -120,8 +120,7 @@ class KVCache:
     [lengths[b], length) from it); the lengths move only when keep() commits what was accepted.
     Everything at or beyond a row's length is garbage (rejected nodes, computed-only nodes:
     drafters.Draft.candidates, the gap): harmless, because no forward lets a row read a slot >= its
-    length before overwriting it. With B = 1 there is no gap: length is the row's length.
-    """
+    length before overwriting it. With B = 1 there is no gap: length is the row's length."""
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
