@@ -82,7 +82,8 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
 
 
 def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of tree.retrieve (L, D): its accepted prefix's length (root included), last node."""
+    """ok (N-1,) per drafted node -> per row of tree.retrieve (L, D): accepted length, last node."""
+    ok = torch.cat([ok.new_ones(1), ok])  # (N,) the root always kept
     ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
     length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
     last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
@@ -99,8 +100,7 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torc
     _check_shapes(logits, tokens, tree)
     n = tree.num_nodes
     best = logits.argmax(-1)  # (N,)
-    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)  # (N,) root always kept
-    ok[1:] = tokens[1:] == best[tree.parent[1:]]  # (N-1,)
+    ok = tokens[1:] == best[tree.parent[1:]]  # (N-1,)
     length, last = _accepted_prefixes(ok, tree.retrieve)  # (L,), (L,)
     leaf = (length * n - last).argmax()  # () longest first, then lowest end index
     accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
@@ -139,8 +139,7 @@ def typical(
     threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)  # (N,)
     token_logp = torch.zeros(n, device=tokens.device)  # (N,) log p at the parent
     token_logp[1:] = logp[parent, tokens[1:]]
-    ok = torch.ones(n, dtype=torch.bool, device=tokens.device)  # (N,) root always kept
-    ok[1:] = token_logp[1:].exp() > threshold[parent]
+    ok = token_logp[1:].exp() > threshold[parent]  # (N-1,)
     length, last = _accepted_prefixes(ok, rows)  # (L,), (L,)
     kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]  # (L, D)
     total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)  # (L,)
