@@ -131,7 +131,7 @@ class MedusaHeads(nn.Module):
 
 
 # --- Hydra and Hydra++ --------------------------------------------------------------------------
-# Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})], E the base input embedding.
+# Head k reads concat[h, E(root), E(draft_1), ..., E(draft_{k-1})], E the base's embedding, frozen.
 
 
 def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
@@ -188,8 +188,7 @@ class HydraHeads(nn.Module):
             hydra_mlp((k + 1) * cfg.dim, cfg.dim, cfg.num_layers)
             for k in range(1, cfg.num_heads + 1)
         )
-        # (V, D) frozen
-        self.register_buffer("embed", base.embed_tokens.weight.detach(), persistent=False)
+        self.register_buffer("embed", base.embed_tokens.weight.detach(), persistent=False)  # (V, D)
         self.lm_head = LMHead(base, cfg.num_heads, cfg.own_lm_head, kept_ids)
         self.register_buffer("kept_ids", kept_ids)  # (V',) or None; saved
 
@@ -208,8 +207,7 @@ class HydraHeads(nn.Module):
         root..parent, row r's parents at [r*P, (r+1)*P)."""
         P = path.shape[0] // len(h)
         assert path.shape == (len(h) * P, d), (
-            f"head {d} needs paths (R*P, {d}) from the root for R = {len(h)}, got "
-            f"{tuple(path.shape)}"
+            f"head {d} needs paths (R*P, {d}) for R = {len(h)}, got {tuple(path.shape)}"
         )
         h = h.repeat_interleave(P, 0)  # (R*P, D)
         tokens = F.embedding(path, self.embed).flatten(1)  # (R*P, d*D)
