@@ -330,9 +330,8 @@ class Transformer(nn.Module):
             return self.embed_tokens(tokens)
         V = self.embed_tokens.num_embeddings
         added = extra[(tokens - V).clamp(0, len(extra) - 1)].to(self.dtype)  # (..., D)
-        return torch.where(
-            (tokens >= V)[..., None], added, self.embed_tokens(tokens.clamp(max=V - 1))
-        )
+        known = self.embed_tokens(tokens.clamp(max=V - 1))  # (..., D)
+        return torch.where((tokens >= V)[..., None], added, known)
 
     def forward(
         self,
