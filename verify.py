@@ -189,8 +189,7 @@ def speculative(
                 break
             rejected.append(t)
             mass -= held
-            # unreachable: a token holding all the mass has q' = 1 > u and is accepted
-            if mass <= 0:
+            if mass <= 0:  # unreachable: a token holding all the mass has q' = 1 > u, accepted
                 rejected = []
                 break
         if accepted is None:
@@ -260,8 +259,7 @@ def leviathan(
     ok = u * px < qx  # (G,) u < q/p; px > 0, x was sampled from p
     n = int(ok.long().cumprod(0).sum())  # drafts accepted
     residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)  # (V,)
-    # q == p up to rounding: a rejection is then a rounding artefact, draw from q
-    if residual.sum() <= 0:
+    if residual.sum() <= 0:  # q == p up to rounding: the rejection a rounding artefact, draw from q
         residual = q[n]
     bonus = sample(residual / residual.sum(), generator)
     return torch.arange(n + 1, device=tokens.device), int(bonus)
