@@ -174,7 +174,6 @@ def draft_plan(tree):
     plan = []
     for d, nodes in enumerate(tree.by_depth, start=1):
         parents, row = torch.unique(tree.parent[nodes], return_inverse=True)
-        # ancestors, in depth order
         paths = tree.mask[parents].nonzero()[:, 1].view(len(parents), d)
         plan.append(DepthPlan(nodes, tree.rank[nodes], row, paths, int(tree.rank[nodes].max()) + 1))
     return plan
@@ -576,9 +575,8 @@ class Lookahead:
         self.W = window
         self.N = ngram
         self.G = guesses
-        self.cells = [(0, r) for r in range(1, window)] + [
-            (l, r) for l in range(1, ngram - 1) for r in range(window)
-        ]
+        chain = [(0, r) for r in range(1, window)]  # the oldest level, after the root
+        self.cells = chain + [(l, r) for l in range(1, ngram - 1) for r in range(window)]
         index = {cell: i for i, cell in enumerate([(0, 0)] + self.cells)}  # (0, 0) is the root
         sees = torch.zeros(len(self.cells), len(index), dtype=torch.bool)  # (M, 1+M)
         for i, (level, r) in enumerate(self.cells):
