@@ -289,9 +289,8 @@ def attention_mask(T, start, mask, key_mask, device):
         f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
     )
     mask = mask.view(-1, 1, T, T)
-    full = torch.cat(
-        [torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device), mask], dim=-1
-    )
+    prefix = torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device)  # all seen
+    full = torch.cat([prefix, mask], dim=-1)
     if key_mask is not None:  # hide the gaps, but let every token see itself (no NaN rows)
         full = full & key_mask[:, None, None, :]
         full[..., start:] |= torch.eye(T, dtype=torch.bool, device=device)
@@ -334,14 +333,7 @@ class Transformer(nn.Module):
         return torch.where((tokens >= V)[..., None], added, known)
 
     def forward(
-        self,
-        tokens,
-        positions,
-        mask=None,
-        cache=None,
-        last_only=False,
-        layers=None,
-        extra=None,
+        self, tokens, positions, mask=None, cache=None, last_only=False, layers=None, extra=None
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
