@@ -70,8 +70,7 @@ def choose_verifier(verify, temperature, top_p, generator):
         raise ValueError(
             f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
         )
-    # what "greedy" (checked above) and auto at temperature 0 mean
-    if verify_lib.is_greedy(temperature):
+    if verify_lib.is_greedy(temperature):  # "greedy" (checked above), any verify at temperature 0
         return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
     if verify == "typical":
         return lambda l, t, d: verify_lib.typical(
