@@ -10,8 +10,8 @@
     generate(model, prompt, max_new_tokens, drafter)   prefill, then step until EOS or the limit
     Conversation                          generate() with a KV cache that outlives the reply
 
-Many prompts at once is engine.py, on the same prefill and step; the fast paths (kernels.py)
-replace the model's forward, never these rungs. Plain decoding is a drafter that proposes nothing.
+Plain decoding is the same loop with a drafter that proposes nothing. Many prompts at once is
+engine.py, on the same prefill and step; the fast paths (kernels.py) replace the forward, not these.
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
 speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter, and
