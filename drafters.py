@@ -46,7 +46,7 @@ import verify as verify_lib
 class Draft:
     tokens: torch.Tensor  # (N,) on the device: node 0 the root, the drafts, any computed-only nodes
     tree: tree_lib.Tree  # the candidates, nodes [0, tree.num_nodes), its tensors on the device
-    mask: torch.Tensor | None  # (N, N) on the device: tree.mask, computed-only rows; None: a root
+    mask: torch.Tensor | None  # (N, N) on the device: tree.mask, computed-only rows; None: N = 1
     depth: torch.Tensor  # (N,) on the device: node i sits at position prefix + depth[i]
     source: list  # (n,) who drafted each candidate: an index into the legend, 0 = the root
     probs: torch.Tensor | None = None  # (N-1, V) sampled drafts: the p each was drawn from
