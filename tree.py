@@ -15,8 +15,8 @@ base model at once, each attending only to the cached prefix, itself and its anc
      [3] r0  [4] r1   [5] r0  [6] r1                                5   1.1..1.
                                                                     6   1.1...1
 
-Sorted by (depth, path), parents come before children and the mask is lower-triangular. Pure
-data, no model: build() runs once per generation, with plain Python loops on small lists.
+Nodes are sorted by (depth, path): parents come before children, the mask is lower-triangular.
+Pure data, no model: build() runs once per generation, with plain Python loops on small lists.
 
     build(paths) -> Tree           chain(n), cartesian(topk) -> paths    tree.to(device) -> Tree
     save(paths, file), load(file)  parse(spec) -> paths (the --tree flag)      ascii(tree) -> str
