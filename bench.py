@@ -567,8 +567,7 @@ def skip_drafter(args, model):
     model and machine, else catalog.default_skip at generate.py's gamma; and a note that says
     which."""
     L = model.cfg.n_layers
-    tuned = catalog.tuned_skip(args.heads_dir, model)
-    skipped, gamma = tuned or (catalog.default_skip(L), catalog.DRAFT_DEFAULTS["skip"]["gamma"])
+    skipped, gamma, tuned = catalog.skip_set(args.heads_dir, model)
     kept = [i for i in range(L) if i not in skipped]
     spec = catalog.skip_spec(skipped)
     d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")

@@ -19,8 +19,6 @@ import contextlib
 import json
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,13 +29,11 @@ import catalog
 import checkpoint
 import cli
 import decode
-import drafters as drafters_lib
 import engine
 import exact
 import graphs
 import kernels
 import online
-import tree as tree_lib
 import verify as verify_lib
 
 # --- command line --------------------------------------------------------------------------------
@@ -301,20 +297,6 @@ def build_parser():
 SIZES = ("gamma", "ngram", "matches", "window", "guesses")  # the drafters' size flags
 
 
-@dataclass
-class Draft:
-    """--draft and its settings, as the checks found them."""
-
-    spec: str  # as given, for messages: "layers:2"
-    kind: str  # heads, lookup, heads+lookup, layers, skip, model, jacobi, lookahead or pass
-    arg: object  # N of layers:N, skip's layers (None: the tuned set), pass's folder; else None
-    settings: dict  # the drafter's gamma, ngram, ...: the flags given over DRAFT_DEFAULTS
-    given: dict  # the flags given among them (a tuned setting never overrides one)
-    heads: str  # --heads: none, auto, a kind or a folder
-    tree: str  # --tree: auto or a spec
-    draft_model: str  # --draft-model, or None
-
-
 def flags_without_effect(args, parser):
     """One remark for each flag set away from its default that the chosen mode ignores."""
 
@@ -401,37 +383,6 @@ def check_sampling_flags(args):
     cli.check_seed(args.seed)
 
 
-def check_drafter_flags(draft):
-    """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
-    with_heads = draft.kind in ("heads", "heads+lookup")
-    if draft.heads == "none" and draft.tree != "auto":
-        raise cli.UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    if not with_heads and draft.tree != "auto":
-        raise cli.UsageError(
-            f"--tree shapes the heads' tree, --draft {draft.spec} has none; drop --tree or use "
-            "--draft heads or heads+lookup"
-        )
-    if not with_heads and draft.heads not in ("auto", "none"):
-        raise cli.UsageError(
-            f"--heads {draft.heads}: --draft {draft.spec} drafts without heads; drop --heads or "
-            "use --draft heads or heads+lookup"
-        )
-    if draft.kind == "heads+lookup" and draft.heads == "none":
-        raise cli.UsageError(
-            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
-        )
-    if draft.kind == "model" and not draft.draft_model:
-        raise cli.UsageError(
-            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
-            "same tokenizer as --model"
-        )
-    if draft.kind != "model" and draft.draft_model:
-        raise cli.UsageError(
-            f"--draft-model is used by --draft model, not --draft {draft.spec}; add --draft model "
-            "or drop --draft-model"
-        )
-
-
 def check_out(out, prompts, overwrite):
     """--out: a file that can be written, not the prompts, and new unless --overwrite."""
     cli.writable_file("--out", out, "replies.jsonl")
@@ -498,22 +449,11 @@ def check_args(args, parser):
     --draft to load."""
     check_prompt_flags(args)
     check_sampling_flags(args)
-    kind, arg = catalog.parse_draft(args.draft)
     given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
-    draft = Draft(
-        spec=args.draft,
-        kind=kind,
-        arg=arg,
-        settings=catalog.draft_settings(kind, args.draft, given),
-        given=given,
-        heads=args.heads,
-        tree=args.tree,
-        draft_model=args.draft_model,
-    )
-    check_drafter_flags(draft)
+    draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
     if args.out:
         check_out(args.out, args.prompts, args.overwrite)
-    check_online(args, kind)
+    check_online(args, draft.kind)
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
@@ -562,103 +502,6 @@ def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
     if exact_kernels:
         exact.use(model)
     return model, tokenizer
-
-
-def tuned_skip(model, settings, given):
-    """--draft skip without LAYERS: the layers and gamma bench.py --tune-skip chose for this
-    machine (the flags given still win), else a default set, with a notice."""
-    tuned = catalog.tuned_skip(catalog.SHIPPED, model)
-    if tuned is None:
-        layers = catalog.default_skip(model.cfg.n_layers)
-        cli.notice(
-            f"--draft skip: no skip set tuned for this model and machine in {catalog.SHIPPED}; "
-            f"skipping layers {catalog.skip_spec(layers)} (bench.py --tune-skip searches one)"
-        )
-        return layers, settings
-    file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
-    speedup = catalog.expected_speedup(file)
-    if speedup is not None and speedup < 1:
-        cli.notice(
-            f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding on this "
-            "machine; --heads none (plain decoding) is faster here"
-        )
-    return tuned[0], settings | {"gamma": tuned[1]} | given
-
-
-def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
-    """The drafter --draft names, once the model is loaded: heads and their tree (tuned for
-    --quantize), a draft model, checked against the model. Its drafts are sampled, from
-    `generator`, where the verification rule needs them (Leviathan's), else greedy."""
-    kind = draft.kind
-    arg = draft.arg
-    settings = draft.settings
-    if kind in ("heads", "heads+lookup"):
-        heads, heads_folder = catalog.load_heads(draft.heads, model)
-    else:
-        heads, heads_folder = None, None
-    tree = catalog.load_tree(draft.tree, heads, heads_folder, quantize)
-    if kind == "heads+lookup" and heads is None:
-        raise cli.UsageError(
-            f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
-            "train.py and pass --heads FOLDER, or use --draft lookup"
-        )
-    if kind == "layers" and arg >= model.cfg.n_layers:
-        raise cli.UsageError(
-            f"--draft {draft.spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
-            f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
-        )
-    draft_model = None
-    if kind == "model":
-        draft_model = catalog.load_draft_model(
-            draft.draft_model, model, tokenizer, model.device, model.dtype
-        )
-    if kind == "skip" and arg is None:
-        arg, settings = tuned_skip(model, settings, draft.given)
-    if kind == "skip":
-        catalog.check_skip(f"--draft {draft.spec}", arg, model.cfg.n_layers)
-    if kind in catalog.PARALLEL:  # what bench.py --tune-parallel chose, under the flags given
-        settings = settings | catalog.tuned_parallel(catalog.SHIPPED, model, kind) | draft.given
-        catalog.check_sizes(kind, settings, "--")
-    sampled = decoding["temperature"] > 0 and decoding["verify"] in ("auto", "sample")
-    drafter = catalog.make_drafter(
-        kind=kind,
-        arg=arg,
-        settings=settings,
-        model=model,
-        heads=heads,
-        tree=tree,
-        draft_model=draft_model,
-        temperature=decoding["temperature"] if sampled else 0.0,  # Leviathan's rule, else greedy
-        top_p=decoding["top_p"],
-        generator=generator,
-    )
-    if drafter.max_nodes > tree_lib.MAX_NODES:
-        raise cli.UsageError(
-            f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
-            f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
-        )
-    return drafter
-
-
-def learn_online(drafter, model, settings):
-    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
-    (settings: online.Learner's lr, buffer, every and steps)."""
-    inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
-    if not isinstance(inner, drafters_lib.HeadsDrafter):
-        raise cli.UsageError(
-            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
-            "pass --heads FOLDER"
-        )
-    learner = online.Learner(inner.heads, model, **settings)
-    return online.OnlineHeads(drafter, learner), learner
-
-
-def save_online(learner, folder, heads_folder):
-    """--online-save: the adapted heads, and the trees saved beside the heads they started from."""
-    checkpoint.save_heads(learner.master, folder)
-    for name in os.listdir(heads_folder):
-        if re.fullmatch(r"tree(-.+)?\.json", name):
-            shutil.copyfile(os.path.join(heads_folder, name), os.path.join(folder, name))
 
 
 def read_prompts(args):
@@ -1171,7 +1014,7 @@ def online_saved(learner, folder, heads):
         yield
     except KeyboardInterrupt:
         if learner and folder:
-            save_online(learner, folder, catalog.find_heads(heads))
+            catalog.save_online(learner, folder, heads)
             updates = cli.plural(learner.updates, "update")
             print(
                 f"[online: stopped by Ctrl-C; the heads after {updates} are in {folder}]",
@@ -1179,7 +1022,7 @@ def online_saved(learner, folder, heads):
             )
         raise
     if learner and folder:
-        save_online(learner, folder, catalog.find_heads(heads))
+        catalog.save_online(learner, folder, heads)
         print(f"[online: the adapted heads are in {folder}]", file=sys.stderr)
 
 
@@ -1207,11 +1050,13 @@ def main(args):
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = checkpoint.eos_ids(model, tokenizer)
     decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
-    drafter = load_drafter(
+    drafter = catalog.load_drafter(
         draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
     )
     settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
-    drafter, learner = learn_online(drafter, model, settings) if args.online else (drafter, None)
+    drafter, learner = (
+        catalog.learn_online(drafter, model, settings) if args.online else (drafter, None)
+    )
     encoded = encode_prompts(
         prompts,
         tokenizer,
