@@ -60,30 +60,27 @@ def add_prompt_flags(p):
     )
     p.add_argument(
         "--out",
-        help="with --prompts: write one JSON object per prompt here as its reply ends (with "
-        "--batch-size, in the order they end; each names its prompt's id); a new file, unless "
-        "--overwrite",
+        help="with --prompts: one JSON line per reply, naming its prompt's id, written as it ends "
+        "(with --batch-size, in the order they end); a new file, unless --overwrite",
     )
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an --out file that exists (else it is refused: its replies would be lost as "
-        "soon as decoding starts)",
+        help="replace an existing --out file (else refused: decoding would empty it)",
     )
     p.add_argument(
         "--chat",
         action="store_true",
-        help="talk: type a message, the reply streams, type the next; the KV cache is kept from "
-        "turn to turn, so each turn forwards only what is new (/help lists the commands, Ctrl-D "
-        "ends)",
+        help="talk: type a message, the reply streams; the KV cache is kept between turns, so each "
+        "forwards only what is new (/help lists the commands, Ctrl-D ends)",
     )
     p.add_argument(
         "--batch-size",
         type=int,
         default=1,
-        help="with --prompts: decode this many prompts side by side, one forward of the base "
-        "model for all, whatever the --draft; each reply is printed whole as it ends, marked "
-        "with its id, and sampled from its own generator, seeded --seed + its line's index",
+        help="with --prompts: decode this many side by side, one forward for all, any --draft; "
+        "each reply printed whole as it ends, marked with its id, sampled seeded --seed + its "
+        "line's index",
     )
     p.add_argument("--system", help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -95,42 +92,36 @@ def add_drafter_flags(p):
     p.add_argument(
         "--draft",
         default="heads",
-        help="who proposes the tokens the model verifies: "
-        "heads (the --heads below; none = plain decoding) | "
-        "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the "
-        "reply) | "
-        "heads+lookup (both, in one tree) | "
-        "layers:N (the model's own first N layers, self-speculative) | "
-        "skip or skip:LAYERS (the model with some layers skipped, self-speculative: LAYERS are "
-        "the skipped ones, numbered from 0, e.g. skip:2,5,9-12; plain skip takes the set "
-        "bench.py --tune-skip saved for this machine) | "
-        "model (the --draft-model) | "
-        "jacobi (the model's own outputs of last step as guesses, Jacobi decoding) | "
-        "lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | "
-        "pass or pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); "
-        "jacobi, lookahead and pass take the settings bench.py --tune-parallel saved for this "
-        "machine where no flag sets them",
+        help="who proposes the tokens the model verifies: heads (--heads; none = plain decoding) "
+        "| lookup (prompt lookup: what followed the last n tokens earlier in prompt or reply) | "
+        "heads+lookup (both, one tree) | layers:N (the model's first N layers) | skip[:LAYERS] "
+        "(the model without LAYERS, numbered from 0, e.g. skip:2,5,9-12; plain skip: what "
+        "bench.py --tune-skip saved here) | model (--draft-model) | jacobi (Jacobi decoding: last "
+        "step's own outputs as guesses) | lookahead (lookahead decoding: n-grams from a window of "
+        "Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped or "
+        "pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
+        "jacobi, lookahead and pass take bench.py --tune-parallel's settings for this machine "
+        "unless flags set them",
     )
     p.add_argument(
         "--heads",
         default="auto",
         help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
-        "the default model) | a heads folder (train.py's or joint.py's --out; joint.py's "
-        "medusa-2 and hydra++-2 heads adapt the model's last layers, merged in at load); "
-        "auto = hydra++ if shipped for this model, else none",
+        "the default model) | a heads folder (train.py's or joint.py's; joint.py's medusa-2 and "
+        "hydra++-2 adapt the model's last layers, merged in at load); auto = hydra++ if shipped "
+        "for this model, else none",
     )
     p.add_argument(
         "--tree",
         default="auto",
-        help='with heads: chain:N | cartesian:4,3,2 | a tree JSON file {"paths": [[0], [0, 1], '
-        "...]}, at most as deep as there are heads; auto = the tree saved with the heads "
-        "(tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device, CPU path and "
-        "dtype, else tree.json), else a chain as deep as the heads",
+        help='with heads: chain:N | cartesian:4,3,2 | a JSON file {"paths": [[0], [0, 1], ...]}, '
+        "at most as deep as the heads; auto = the tree beside the heads (bench.py --tune-tree's "
+        "tree-DEVICE-DTYPE.json for this device, CPU path and dtype, else tree.json), else a "
+        "chain as deep as the heads",
     )
     p.add_argument(
         "--draft-model",
-        help="with --draft model: a Llama-family folder or hub id with the same tokenizer as "
-        "--model",
+        help="with --draft model: a Llama-family folder or hub id, --model's tokenizer",
     )
 
 
@@ -175,9 +166,9 @@ def add_online_flags(p):
     p.add_argument(
         "--online",
         action="store_true",
-        help="with heads: between replies, train them on what verification said about the "
-        "replies so far (the base model's distribution at every committed token), so that they "
-        "draft the next replies better; the base model and so the output are unchanged",
+        help="with heads: between replies, train them on the base model's distribution at every "
+        "token committed so far, to draft the next replies better; the base model and its "
+        "output are unchanged",
     )
     for name, kind, what in (
         ("lr", float, "AdamW's rate"),
@@ -191,9 +182,8 @@ def add_online_flags(p):
     p.add_argument(
         "--online-save",
         metavar="FOLDER",
-        help="--online: write the adapted heads here at the end, or at Ctrl-C what they learned "
-        "so far (load them with --heads FOLDER); a new or empty folder, never inside the "
-        "shipped heads'",
+        help="--online: write the adapted heads here at the end or at Ctrl-C (load them with "
+        "--heads FOLDER); a new or empty folder, not in the shipped heads'",
     )
 
 
@@ -202,15 +192,15 @@ def add_decoding_flags(p):
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        help="generate at most this many tokens; prompt + these must fit the model's context "
-        f"(default: {MAX_NEW_TOKENS}, or what the context leaves after the prompt, with a notice)",
+        help="generate at most this many tokens, within the model's context with the prompt "
+        f"(default: {MAX_NEW_TOKENS}, or what the context leaves, with a notice)",
     )
     p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
         help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is "
-        "greedy too (the probabilities are one-hot there, and overflow far below it)",
+        "greedy too (the probabilities are one-hot there, and overflow far below)",
     )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument(
@@ -218,15 +208,14 @@ def add_decoding_flags(p):
         default="auto",
         choices=verify_lib.VERIFIERS,
         help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: "
-        "the tree rule, or Leviathan's rule for the sampled drafts of layers:N and model); "
-        "auto = greedy at T=0, else sample. At --temperature 0, sample and typical reduce to "
-        "greedy and give exactly its output",
+        "the tree rule, or Leviathan's for layers:N's and model's sampled drafts); auto = greedy "
+        "at T=0, else sample. At T=0 all three give greedy's exact output",
     )
     p.add_argument(
         "--seed",
         type=int,
         default=0,
-        help="random seed for sampling: same seed, same flags, same machine -> same output",
+        help="sampling's seed: same seed, flags and machine -> same output",
     )
 
 
@@ -237,30 +226,29 @@ def add_machine_flags(p):
         "--cuda-graphs",
         default="auto",
         choices=("auto", "on", "off"),
-        help="the base model's step replayed from CUDA graphs (graphs.py; auto: on CUDA); every "
-        "forward that runs eagerly instead is counted, and named after the reply",
+        help="replay the base model's step from CUDA graphs (graphs.py; auto: on CUDA); forwards "
+        "run eagerly instead are counted after the reply",
     )
     p.add_argument(
         "--exact",
         action="store_true",
-        help="the base model through exact.py's kernels, which compute every row alone: bf16 "
-        "speculative replies equal plain decoding's on a GPU too (needs triton and CUDA)",
+        help="the base model on exact.py's kernels, each row computed alone: bf16 speculative "
+        "replies equal plain decoding's on a GPU too (needs triton and CUDA)",
     )
     cli.threads_flag(p)
     p.add_argument(
         "--quantize",
         default="none",
         choices=cli.QUANTIZE,
-        help="the base model's linear layers on fp16 weights multiplied in fp32 (a CPU's fbgemm "
-        "kernel, faster for one row), or on weight-only int8 (one scale per output channel) or "
-        "int4 (a scale and a zero per 32 inputs: fewer bytes to read a step); heads and KV "
-        "cache as they are",
+        help="the base model's linear layers on fp16 weights multiplied in fp32 (CPU, fbgemm: "
+        "faster for one row), weight-only int8 (a scale per output channel) or int4 (a scale and "
+        "zero per 32 inputs: fewer bytes a step); heads and KV cache unchanged",
     )
     p.add_argument(
         "--dtype",
         default="auto",
         help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
-        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32, and fp32 under "
+        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32; fp32 under "
         "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
 
@@ -270,8 +258,7 @@ def add_output_flags(p):
     p.add_argument(
         "--show",
         action="store_true",
-        help="colour each token by who proposed it (draft head k, lookup, the draft model or "
-        "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal",
+        help="colour each token by who proposed it (a drafter, or the base model); on a terminal",
     )
     p.add_argument(
         "--quiet",
