@@ -266,9 +266,9 @@ def empty_folder(flag, path):
 
 
 def check_counts(args, *names):
-    """Each of these whole-number flags is at least 1."""
+    """Each of these whole-number flags, where given (not None), is at least 1."""
     for name in names:
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(
                 f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1"
             )

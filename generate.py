@@ -330,10 +330,7 @@ def check_prompt_flags(args):
     for flag in ("prompt", "system"):
         if getattr(args, flag) is not None:
             cli.check_text(getattr(args, flag), f"--{flag}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise cli.UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.batch_size < 1:
-        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    cli.check_counts(args, "max_new_tokens", "batch_size")
 
 
 def check_chat_flags(args):
