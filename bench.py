@@ -65,7 +65,6 @@ import cli
 import drafters
 import decode
 import engine
-import exact
 import graphs
 import heads as heads_lib
 import kernels as kernels_lib
@@ -1274,13 +1273,7 @@ def main(args):
             f"at most {len(rows)} at a time"
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
-    if args.exact:
-        catalog.check_exact(device, args.quantize)
-    model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize != "none":
-        kernels_lib.quantize(model, args.quantize)
-    if args.exact:
-        exact.use(model)
+    model, tokenizer = catalog.load_model(args.model, device, dtype, args.quantize, args.exact)
     eos = checkpoint.eos_ids(model, tokenizer)
     prompts = [(pid, cat, checkpoint.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:

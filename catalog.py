@@ -14,7 +14,7 @@ export.py; it imports the teaching files, never the scripts.
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
     load_drafter, learn_online, save_online      generate.py's drafter, --online's learner
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
-    check_exact, cuda_graphs                     --exact and --cuda-graphs: the GPU's step
+    check_exact, load_model, cuda_graphs         --quantize, --exact and --cuda-graphs: the step
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 """
@@ -713,6 +713,19 @@ def check_exact(device, quantize):
         exact.check(device)
     except (exact.TritonMissing, ValueError) as e:
         raise UsageError(f"--exact: {e}; or drop --exact") from None
+
+
+def load_model(name, device, dtype, quantize, exact_kernels):
+    """The model --model names and its tokenizer, its linear layers as --quantize asks or on
+    exact.py's kernels (--exact, checked before the load)."""
+    if exact_kernels:
+        check_exact(device, quantize)
+    model, tokenizer = checkpoint.load(name, device, dtype)
+    if quantize != "none":
+        kernels.quantize(model, quantize)
+    if exact_kernels:
+        exact.use(model)
+    return model, tokenizer
 
 
 def cuda_graphs(flag, device):

@@ -30,7 +30,6 @@ import checkpoint
 import cli
 import decode
 import engine
-import exact
 import graphs
 import kernels
 import online
@@ -465,26 +464,19 @@ class Decoder:
 
 
 def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
-    """The model and its tokenizer, its linear layers quantized as --quantize asks or through
-    exact.py's kernels (--exact)."""
-    if exact_kernels:
-        catalog.check_exact(device, quantize)
-    model, tokenizer = checkpoint.load(name, device, dtype)
+    """catalog.load_model's model and tokenizer, refused for --chat without a chat template."""
+    model, tokenizer = catalog.load_model(name, device, dtype, quantize, exact_kernels)
     if chat and not tokenizer.chat_template:
         raise cli.UsageError(
             f"--chat: {name} has no chat template (tokenizer_config.json's chat_template) to lay "
             "a conversation out; use a chat model, or --prompt with --raw"
         )
-    if quantize != "none":
-        kernels.quantize(model, quantize)
     if quantize == "fp16" and not kernels.fp16_rows_alone():
         cli.notice(
             "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
             "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
             "weights; --quantize none keeps them identical"
         )
-    if exact_kernels:
-        exact.use(model)
     return model, tokenizer
 
 
