@@ -95,12 +95,12 @@ def add_drafter_flags(p):
         "| lookup (prompt lookup: what followed the last n tokens earlier in prompt or reply) | "
         "heads+lookup (both, one tree) | layers:N (the model's first N layers) | skip[:LAYERS] "
         "(the model without LAYERS, numbered from 0, e.g. skip:2,5,9-12; plain skip: what "
-        "bench.py --tune-skip saved here) | model (--draft-model) | jacobi (Jacobi decoding: last "
-        "step's own outputs as guesses) | lookahead (lookahead decoding: n-grams from a window of "
-        "Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped or "
-        "pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
-        "jacobi, lookahead and pass take bench.py --tune-parallel's settings for this machine "
-        "unless flags set them",
+        "bench.py --tune-skip saved for this machine) | model (--draft-model) | jacobi (Jacobi "
+        "decoding: last step's own outputs as guesses) | lookahead (lookahead decoding: n-grams "
+        "from a window of Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped "
+        "or pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
+        "unless flags set them, jacobi, lookahead and pass take what bench.py --tune-parallel "
+        "saved for this machine",
     )
     p.add_argument(
         "--heads",
@@ -126,38 +126,26 @@ def add_drafter_flags(p):
 
 def add_draft_size_flags(p):
     """How much the drafters propose a step; each drafter's defaults unless given."""
-    p.add_argument(
-        "--gamma",
-        type=int,
-        help="tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
-        f"pass (its K [LA] tokens); unless given: {defaults('gamma')}",
-    )
-    p.add_argument(
-        "--ngram",
-        type=int,
-        help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
-        "length N, first token included, = the window's levels + 1; unless given: "
-        f"{defaults('ngram')}",
-    )
-    p.add_argument(
-        "--matches",
-        type=int,
-        help="lookup: propose this many distinct continuations, a tree when > 1; unless given: "
-        f"{catalog.DRAFT_DEFAULTS['lookup']['matches']}",
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        help="lookahead: W, the Jacobi trajectories computed a step; unless given: "
-        f"{catalog.DRAFT_DEFAULTS['lookahead']['window']}",
-    )
-    p.add_argument(
-        "--guesses",
-        type=int,
-        help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] "
-        "token's G likeliest tokens, verified side by side; unless given: "
-        f"{defaults('guesses')}",
-    )
+    for name, what in (
+        (
+            "gamma",
+            "tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) "
+            "and pass (its K [LA] tokens)",
+        ),
+        (
+            "ngram",
+            "lookup: match the last n tokens, n from this down to 1; lookahead: the "
+            "n-grams' length N, first token included, = the window's levels + 1",
+        ),
+        ("matches", "lookup: propose this many distinct continuations, a tree when > 1"),
+        ("window", "lookahead: W, the Jacobi trajectories computed a step"),
+        (
+            "guesses",
+            "lookahead: G, the most n-grams from its pool verified a step; pass: the "
+            "first [LA] token's G likeliest tokens, verified side by side",
+        ),
+    ):
+        p.add_argument(f"--{name}", type=int, help=f"{what}; unless given: {defaults(name)}")
 
 
 def add_online_flags(p):
