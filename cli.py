@@ -262,7 +262,7 @@ def empty_folder(flag, path):
     """writable_folder, with nothing in it yet: a run never writes over another's files."""
     writable_folder(flag, path)
     if os.listdir(path):
-        raise UsageError(f"{flag} {path}: the folder is not empty; give a new one")
+        raise UsageError(f"{flag} {path}: the folder is not empty; give a new or empty one")
 
 
 def check_counts(args, *names):

@@ -408,11 +408,7 @@ def check_online_save(folder):
             f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
             "saving would overwrite; give a new folder"
         )
-    if os.path.isdir(folder) and os.listdir(folder):  # the heads and trees go in loose
-        raise cli.UsageError(
-            f"--online-save {folder}: the folder is not empty; give a new or empty one"
-        )
-    cli.writable_folder("--online-save", folder)
+    cli.empty_folder("--online-save", folder)  # the heads and trees go in loose
 
 
 def check_args(args, parser):
