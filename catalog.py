@@ -3,7 +3,7 @@ shipped heads and their kinds, --heads, --tree, --draft and the drafters they bu
 before a model loads where they can be. Used by generate.py, bench.py, tuning.py, joint.py and
 export.py; it imports the teaching files, never the scripts.
 
-    SHIPPED, JOINT_KINDS                         the heads trained for the default model
+    SHIPPED, JOINT_KINDS, shipped                the heads trained for the default model
     find_heads, heads_folder, load_heads         --heads: a kind's name, a folder, none or auto
     parse_tree, load_tree                        --tree: a spec, or the tuned tree beside the heads
     tuned_tree_file, tuned_parallel              the files bench.py --tune-* saved for a machine
@@ -48,6 +48,11 @@ JOINT_KINDS = (
 
 
 # --- heads: --heads -------------------------------------------------------------------------------
+
+
+def shipped(folder):
+    """Whether `folder` is SHIPPED or inside it: the heads that come with the repository."""
+    return (os.path.abspath(folder) + os.sep).startswith(os.path.abspath(SHIPPED) + os.sep)
 
 
 def find_heads(name, flag="--heads"):

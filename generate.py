@@ -396,8 +396,7 @@ def check_online(args, kind):
 
 def check_online_save(folder):
     """--online-save: a new or empty folder, outside the shipped heads."""
-    inside = os.path.abspath(folder) + os.sep
-    if inside.startswith(os.path.abspath(catalog.SHIPPED) + os.sep):
+    if catalog.shipped(folder):
         raise cli.UsageError(
             f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a new "
             "folder"
@@ -568,8 +567,7 @@ def announce(dec, draft, *, device, quantize, threads, show):
 def heads_source(kind, name):
     """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
     folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
-    shipped = os.path.abspath(catalog.SHIPPED) + os.sep
-    if folder is None or os.path.abspath(folder).startswith(shipped):
+    if folder is None or catalog.shipped(folder):
         return ""
     return f", heads from {folder}"
 
