@@ -685,7 +685,10 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
 
 def learn_online(drafter, model, settings):
     """--online: the drafter, wrapped to record what every step commits, and its heads' learner
-    (settings: online.Learner's lr, buffer, every and steps)."""
+    (settings: online.Learner's lr, buffer, every and steps; None without --online: the drafter
+    as it is, and no learner)."""
+    if settings is None:
+        return drafter, None
     inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
     if not isinstance(inner, drafters_lib.HeadsDrafter):
         raise UsageError(

@@ -1011,10 +1011,8 @@ def main(args):
     drafter = catalog.load_drafter(
         draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
     )
-    settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
-    drafter, learner = (
-        catalog.learn_online(drafter, model, settings) if args.online else (drafter, None)
-    )
+    learning = {k: getattr(args, f"online_{k}") for k in online.DEFAULTS} if args.online else None
+    drafter, learner = catalog.learn_online(drafter, model, learning)
     encoded = encode_prompts(
         prompts,
         tokenizer,
