@@ -431,7 +431,7 @@ def check_args(args, parser):
     return draft
 
 
-# the model, the drafter and the learner, built from the checked flags
+# the model and the prompts, from the checked flags (the drafter: catalog.load_drafter)
 
 
 @dataclass
