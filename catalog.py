@@ -12,7 +12,8 @@ export.py; it imports the teaching files, never the scripts.
     parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
     skip_set                                     the tuned skip set, else a default one
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
-    load_drafter, learn_online, save_online      generate.py's drafter, --online's learner
+    load_drafter, learn_online, save_online      generate.py's drafter, --online's learner and
+    check_online_save                            the folder it saves to
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
     check_exact, load_model, cuda_graphs         --quantize, --exact and --cuda-graphs: the step
 
@@ -35,7 +36,7 @@ import heads as heads_lib
 import kernels
 import online
 import tree as tree_lib
-from cli import UsageError, notice, plural
+from cli import UsageError, empty_folder, notice, plural
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
@@ -697,6 +698,22 @@ def learn_online(drafter, model, settings):
         )
     learner = online.Learner(inner.heads, model, **settings)
     return online.OnlineHeads(drafter, learner), learner
+
+
+def check_online_save(folder):
+    """--online-save, before the model loads: a new or empty folder outside the shipped heads,
+    where save_online writes nothing over a run's files."""
+    if shipped(folder):
+        raise UsageError(
+            f"--online-save {folder}: inside the shipped heads' {SHIPPED}; give a new folder"
+        )
+    held = checkpoint.run_files(folder)
+    if held:
+        raise UsageError(
+            f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
+            "saving would overwrite; give a new folder"
+        )
+    empty_folder("--online-save", folder)  # the heads and trees go in loose
 
 
 def save_online(learner, folder, heads):

@@ -391,23 +391,7 @@ def check_online(args, kind):
             "model's distribution, the one that verifies here"
         )
     if args.online_save:
-        check_online_save(args.online_save)
-
-
-def check_online_save(folder):
-    """--online-save: a new or empty folder, outside the shipped heads."""
-    if catalog.shipped(folder):
-        raise cli.UsageError(
-            f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a new "
-            "folder"
-        )
-    held = checkpoint.run_files(folder)
-    if held:
-        raise cli.UsageError(
-            f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
-            "saving would overwrite; give a new folder"
-        )
-    cli.empty_folder("--online-save", folder)  # the heads and trees go in loose
+        catalog.check_online_save(args.online_save)
 
 
 def check_args(args, parser):
