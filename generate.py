@@ -78,8 +78,8 @@ def add_prompt_flags(p):
         type=int,
         default=1,
         help="with --prompts: decode this many side by side, one forward for all, any --draft; "
-        "each reply printed whole as it ends, marked with its id, sampled seeded --seed + its "
-        "line's index",
+        "each reply is printed whole as it ends, marked with its id, and sampled from its own "
+        "generator, seeded --seed + its line's index",
     )
     p.add_argument("--system", help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -120,7 +120,7 @@ def add_drafter_flags(p):
     )
     p.add_argument(
         "--draft-model",
-        help="with --draft model: a Llama-family folder or hub id, --model's tokenizer",
+        help="with --draft model: a Llama-family folder or hub id sharing --model's tokenizer",
     )
 
 
