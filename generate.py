@@ -124,27 +124,22 @@ def add_drafter_flags(p):
     )
 
 
+# the drafters' size flags, each a whole number; unless given, the drafter's own (DRAFT_DEFAULTS)
+SIZES = {
+    "gamma": "tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
+    "pass (its K [LA] tokens)",
+    "ngram": "lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
+    "length N, first token included, = the window's levels + 1",
+    "matches": "lookup: propose this many distinct continuations, a tree when > 1",
+    "window": "lookahead: W, the Jacobi trajectories computed a step",
+    "guesses": "lookahead: G, the most n-grams from its pool verified a step; pass: the first "
+    "[LA] token's G likeliest tokens, verified side by side",
+}
+
+
 def add_draft_size_flags(p):
     """How much the drafters propose a step; each drafter's defaults unless given."""
-    for name, what in (
-        (
-            "gamma",
-            "tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) "
-            "and pass (its K [LA] tokens)",
-        ),
-        (
-            "ngram",
-            "lookup: match the last n tokens, n from this down to 1; lookahead: the "
-            "n-grams' length N, first token included, = the window's levels + 1",
-        ),
-        ("matches", "lookup: propose this many distinct continuations, a tree when > 1"),
-        ("window", "lookahead: W, the Jacobi trajectories computed a step"),
-        (
-            "guesses",
-            "lookahead: G, the most n-grams from its pool verified a step; pass: the "
-            "first [LA] token's G likeliest tokens, verified side by side",
-        ),
-    ):
+    for name, what in SIZES.items():
         p.add_argument(f"--{name}", type=int, help=f"{what}; unless given: {defaults(name)}")
 
 
@@ -267,8 +262,6 @@ def build_parser():
 
 
 # the checks before a model loads
-
-SIZES = ("gamma", "ngram", "matches", "window", "guesses")  # the drafters' size flags
 
 
 def flags_without_effect(args, parser):
