@@ -727,7 +727,7 @@ class Chat:
         self.tokenizer = dec.tokenizer
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
-        self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
+        self.want = max_new_tokens or MAX_NEW_TOKENS  # a reply's most, where the context has room
         self.decoding = dec.decoding | {"generator": dec.generator}  # Conversation.reply's
         self.show = show
         self.stats = stats
@@ -816,11 +816,10 @@ class Chat:
         context, the oldest turn and its answer are dropped (said in one line); a last message that
         cannot fit alone is refused."""
         context = self.conversation.model.cfg.max_seq_len
-        want = self.max_new_tokens or MAX_NEW_TOKENS
         first = 1 if messages[0]["role"] == "system" else 0  # a system message always stays
         ids = self.layout(messages)
         dropped = 0
-        while len(ids) + want > context and len(messages) > first + 1:
+        while len(ids) + self.want > context and len(messages) > first + 1:
             turns = messages[first:]
             answered = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), 1)
             messages = messages[:first] + turns[answered:]
@@ -834,9 +833,9 @@ class Chat:
             )
         if dropped:
             cli.notice(f"the context is full: dropping the oldest {cli.plural(dropped, 'message')}")
-        if room < want:
+        if room < self.want:
             cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
-        return messages, ids, min(want, room)
+        return messages, ids, min(self.want, room)
 
     def answer(self, messages):
         """Stream the reply to messages (the last one the user's); it joins the conversation.
@@ -870,7 +869,7 @@ class Chat:
         self.messages = messages + [{"role": "assistant", "content": text}]
         if r.stopped == "length":
             self.cut.append(self.messages[-1])
-            if limit == (self.max_new_tokens or MAX_NEW_TOKENS):
+            if limit == self.want:
                 why = f"--max-new-tokens {limit}"
             else:
                 why = f"{cli.plural(limit, 'new token')}, all the context leaves"
