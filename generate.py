@@ -209,7 +209,7 @@ def add_machine_flags(p):
         default="auto",
         choices=("auto", "on", "off"),
         help="replay the base model's step from CUDA graphs (graphs.py; auto: on CUDA); forwards "
-        "run eagerly instead are counted after the reply",
+        "run eagerly instead are counted and named after the reply",
     )
     p.add_argument(
         "--exact",
@@ -240,7 +240,8 @@ def add_output_flags(p):
     p.add_argument(
         "--show",
         action="store_true",
-        help="colour each token by who proposed it (a drafter, or the base model); on a terminal",
+        help="colour each token by who proposed it (a drafter, or the base model); only on a "
+        "terminal",
     )
     p.add_argument(
         "--quiet",
