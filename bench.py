@@ -65,7 +65,6 @@ import cli
 import drafters
 import decode
 import engine
-import exact
 import graphs
 import heads as heads_lib
 import kernels as kernels_lib
@@ -567,8 +566,7 @@ def skip_drafter(args, model):
     model and machine, else catalog.default_skip at generate.py's gamma; and a note that says
     which."""
     L = model.cfg.n_layers
-    tuned = catalog.tuned_skip(args.heads_dir, model)
-    skipped, gamma = tuned or (catalog.default_skip(L), catalog.DRAFT_DEFAULTS["skip"]["gamma"])
+    skipped, gamma, tuned = catalog.skip_set(args.heads_dir, model)
     kept = [i for i in range(L) if i not in skipped]
     spec = catalog.skip_spec(skipped)
     d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")
@@ -1275,13 +1273,7 @@ def main(args):
             f"at most {len(rows)} at a time"
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
-    if args.exact:
-        catalog.check_exact(device, args.quantize)
-    model, tokenizer = checkpoint.load(args.model, device, dtype)
-    if args.quantize != "none":
-        kernels_lib.quantize(model, args.quantize)
-    if args.exact:
-        exact.use(model)
+    model, tokenizer = catalog.load_model(args.model, device, dtype, args.quantize, args.exact)
     eos = checkpoint.eos_ids(model, tokenizer)
     prompts = [(pid, cat, checkpoint.encode(tokenizer, text)) for pid, cat, text in rows]
     if args.kernels:

@@ -3,15 +3,19 @@ shipped heads and their kinds, --heads, --tree, --draft and the drafters they bu
 before a model loads where they can be. Used by generate.py, bench.py, tuning.py, joint.py and
 export.py; it imports the teaching files, never the scripts.
 
-    SHIPPED, JOINT_KINDS                         the heads trained for the default model
+    SHIPPED, JOINT_KINDS, shipped                the heads trained for the default model
     find_heads, heads_folder, load_heads         --heads: a kind's name, a folder, none or auto
     parse_tree, load_tree                        --tree: a spec, or the tuned tree beside the heads
     tuned_tree_file, tuned_parallel              the files bench.py --tune-* saved for a machine
     DRAFT_DEFAULTS, parse_draft, draft_settings  --draft and the settings of its drafter
+    DraftFlags, draft_flags                      --draft with --heads, --tree, --draft-model
     parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
+    skip_set                                     the tuned skip set, else a default one
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
+    load_drafter, learn_online, save_online      generate.py's drafter, --online's learner and
+    check_online_save                            the folder it saves to
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
-    check_exact, cuda_graphs                     --exact and --cuda-graphs: the GPU's step
+    check_exact, load_model, cuda_graphs         --quantize, --exact and --cuda-graphs: the step
 
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 """
@@ -19,6 +23,8 @@ Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 import json
 import os
 import re
+import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -28,8 +34,9 @@ import exact
 import graphs
 import heads as heads_lib
 import kernels
+import online
 import tree as tree_lib
-from cli import UsageError, notice, plural
+from cli import UsageError, empty_folder, notice, plural
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
@@ -42,6 +49,11 @@ JOINT_KINDS = (
 
 
 # --- heads: --heads -------------------------------------------------------------------------------
+
+
+def shipped(folder):
+    """Whether `folder` is SHIPPED or inside it: the heads that come with the repository."""
+    return (os.path.abspath(folder) + os.sep).startswith(os.path.abspath(SHIPPED) + os.sep)
 
 
 def find_heads(name, flag="--heads"):
@@ -380,6 +392,15 @@ def tuned_skip(folder, model):
     return tuple(sorted(set(skipped))), gamma
 
 
+def skip_set(folder, model):
+    """(skipped layers, gamma, tuned): what bench.py --tune-skip saved in `folder` for this model
+    and machine, else default_skip at DRAFT_DEFAULTS' gamma (tuned False)."""
+    tuned = tuned_skip(folder, model)
+    if tuned is None:
+        return default_skip(model.cfg.n_layers), DRAFT_DEFAULTS["skip"]["gamma"], False
+    return *tuned, True
+
+
 def check_sizes(kind, settings, where):
     """The drafter's settings (as given by `where`) fit one forward of at most MAX_NODES nodes."""
     if (
@@ -442,6 +463,57 @@ def draft_settings(kind, spec, given):
     settings = takes | given
     check_sizes(kind, settings, "--")
     return settings
+
+
+@dataclass
+class DraftFlags:
+    """generate.py's --draft and the flags that go with it, as the checks found them."""
+
+    spec: str  # as given, for messages: "layers:2"
+    kind: str  # heads, lookup, heads+lookup, layers, skip, model, jacobi, lookahead or pass
+    arg: object  # N of layers:N, skip's layers (None: the tuned set), pass's folder; else None
+    settings: dict  # the drafter's gamma, ngram, ...: the flags given over DRAFT_DEFAULTS
+    given: dict  # the flags given among them (a tuned setting never overrides one)
+    heads: str  # --heads: none, auto, a kind or a folder
+    tree: str  # --tree: auto or a spec
+    draft_model: str  # --draft-model, or None
+
+
+def draft_flags(spec, given, heads, tree, draft_model):
+    """--draft `spec` with the size flags `given`, --heads, --tree and --draft-model, checked
+    before a model loads: each goes with the drafters that use it, and only those."""
+    kind, arg = parse_draft(spec)
+    draft = DraftFlags(
+        spec, kind, arg, draft_settings(kind, spec, given), given, heads, tree, draft_model
+    )
+    with_heads = kind in ("heads", "heads+lookup")
+    if heads == "none" and tree != "auto":
+        raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
+    if not with_heads and tree != "auto":
+        raise UsageError(
+            f"--tree shapes the heads' tree, --draft {spec} has none; drop --tree or use "
+            "--draft heads or heads+lookup"
+        )
+    if not with_heads and heads not in ("auto", "none"):
+        raise UsageError(
+            f"--heads {heads}: --draft {spec} drafts without heads; drop --heads or use --draft "
+            "heads or heads+lookup"
+        )
+    if kind == "heads+lookup" and heads == "none":
+        raise UsageError(
+            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
+        )
+    if kind == "model" and not draft_model:
+        raise UsageError(
+            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
+            "same tokenizer as --model"
+        )
+    if kind != "model" and draft_model:
+        raise UsageError(
+            f"--draft-model is used by --draft model, not --draft {spec}; add --draft model or "
+            "drop --draft-model"
+        )
+    return draft
 
 
 def load_draft_model(name, model, tokenizer, device, dtype):
@@ -515,7 +587,7 @@ def make_drafter(
         return drafters_lib.ModelDrafter(
             model, settings["gamma"], temperature, top_p, generator, range(arg), f"layers:{arg}"
         )
-    if kind == "skip":  # arg: the skipped layers (generate.py resolves plain `skip` to a set)
+    if kind == "skip":  # arg: the skipped layers (skip_layers resolves plain `skip` to a set)
         kept = [i for i in range(model.cfg.n_layers) if i not in arg]
         name = f"skip:{skip_spec(arg)}"
         return drafters_lib.ModelDrafter(
@@ -532,6 +604,128 @@ def make_drafter(
     return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
 
 
+# --- generate.py's drafter, once the model has loaded ---------------------------------------------
+# What --draft, --heads, --tree and --online build from the checked DraftFlags: a tuned skip set or
+# parallel settings read for this machine, the drafter, and --online's learner around it.
+
+
+def skip_layers(model, settings, given):
+    """--draft skip without LAYERS: the layers and gamma bench.py --tune-skip chose for this
+    machine (the flags given still win), else a default set, with a notice."""
+    skipped, gamma, tuned = skip_set(SHIPPED, model)
+    if not tuned:
+        notice(
+            f"--draft skip: no skip set tuned for this model and machine in {SHIPPED}; skipping "
+            f"layers {skip_spec(skipped)} (bench.py --tune-skip searches one)"
+        )
+        return skipped, settings
+    file = tuned_tree_file(SHIPPED, model.device, model.dtype, "skip")
+    speedup = expected_speedup(file)
+    if speedup is not None and speedup < 1:
+        notice(
+            f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding on this "
+            "machine; --heads none (plain decoding) is faster here"
+        )
+    return skipped, settings | {"gamma": gamma} | given
+
+
+def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
+    """The drafter DraftFlags `draft` names, once the model is loaded: heads and their tree (tuned
+    for --quantize), a draft model, checked against the model. Its drafts are sampled, from
+    `generator`, where the verification rule needs them (Leviathan's), else greedy."""
+    kind = draft.kind
+    arg = draft.arg
+    settings = draft.settings
+    if kind in ("heads", "heads+lookup"):
+        heads, folder = load_heads(draft.heads, model)
+    else:
+        heads, folder = None, None
+    tree = load_tree(draft.tree, heads, folder, quantize)
+    if kind == "heads+lookup" and heads is None:
+        raise UsageError(
+            f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
+            "train.py and pass --heads FOLDER, or use --draft lookup"
+        )
+    if kind == "layers" and arg >= model.cfg.n_layers:
+        raise UsageError(
+            f"--draft {draft.spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
+            f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
+        )
+    draft_model = None
+    if kind == "model":
+        draft_model = load_draft_model(
+            draft.draft_model, model, tokenizer, model.device, model.dtype
+        )
+    if kind == "skip" and arg is None:
+        arg, settings = skip_layers(model, settings, draft.given)
+    if kind == "skip":
+        check_skip(f"--draft {draft.spec}", arg, model.cfg.n_layers)
+    if kind in PARALLEL:  # what bench.py --tune-parallel chose, under the flags given
+        settings = settings | tuned_parallel(SHIPPED, model, kind) | draft.given
+        check_sizes(kind, settings, "--")
+    sampled = decoding["temperature"] > 0 and decoding["verify"] in ("auto", "sample")
+    drafter = make_drafter(
+        kind=kind,
+        arg=arg,
+        settings=settings,
+        model=model,
+        heads=heads,
+        tree=tree,
+        draft_model=draft_model,
+        temperature=decoding["temperature"] if sampled else 0.0,  # Leviathan's rule, else greedy
+        top_p=decoding["top_p"],
+        generator=generator,
+    )
+    if drafter.max_nodes > tree_lib.MAX_NODES:
+        raise UsageError(
+            f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
+            f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
+        )
+    return drafter
+
+
+def learn_online(drafter, model, settings):
+    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
+    (settings: online.Learner's lr, buffer, every and steps; None without --online: the drafter
+    as it is, and no learner)."""
+    if settings is None:
+        return drafter, None
+    inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
+    if not isinstance(inner, drafters_lib.HeadsDrafter):
+        raise UsageError(
+            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
+            "pass --heads FOLDER"
+        )
+    learner = online.Learner(inner.heads, model, **settings)
+    return online.OnlineHeads(drafter, learner), learner
+
+
+def check_online_save(folder):
+    """--online-save, before the model loads: a new or empty folder outside the shipped heads,
+    where save_online writes nothing over a run's files."""
+    if shipped(folder):
+        raise UsageError(
+            f"--online-save {folder}: inside the shipped heads' {SHIPPED}; give a new folder"
+        )
+    held = checkpoint.run_files(folder)
+    if held:
+        raise UsageError(
+            f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
+            "saving would overwrite; give a new folder"
+        )
+    empty_folder("--online-save", folder)  # the heads and trees go in loose
+
+
+def save_online(learner, folder, heads):
+    """--online-save: the adapted heads, and the trees saved beside the --heads they started
+    from."""
+    checkpoint.save_heads(learner.master, folder)
+    start = find_heads(heads)
+    for name in os.listdir(start):
+        if re.fullmatch(r"tree(-.+)?\.json", name):
+            shutil.copyfile(os.path.join(start, name), os.path.join(folder, name))
+
+
 # --- the GPU's step -------------------------------------------------------------------------------
 
 
@@ -544,6 +738,19 @@ def check_exact(device, quantize):
         exact.check(device)
     except (exact.TritonMissing, ValueError) as e:
         raise UsageError(f"--exact: {e}; or drop --exact") from None
+
+
+def load_model(name, device, dtype, quantize, exact_kernels):
+    """The model --model names and its tokenizer, its linear layers as --quantize asks or on
+    exact.py's kernels (--exact, checked before the load)."""
+    if exact_kernels:
+        check_exact(device, quantize)
+    model, tokenizer = checkpoint.load(name, device, dtype)
+    if quantize != "none":
+        kernels.quantize(model, quantize)
+    if exact_kernels:
+        exact.use(model)
+    return model, tokenizer
 
 
 def cuda_graphs(flag, device):

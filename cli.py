@@ -262,13 +262,13 @@ def empty_folder(flag, path):
     """writable_folder, with nothing in it yet: a run never writes over another's files."""
     writable_folder(flag, path)
     if os.listdir(path):
-        raise UsageError(f"{flag} {path}: the folder is not empty; give a new one")
+        raise UsageError(f"{flag} {path}: the folder is not empty; give a new or empty one")
 
 
 def check_counts(args, *names):
-    """Each of these whole-number flags is at least 1."""
+    """Each of these whole-number flags, where given (not None), is at least 1."""
     for name in names:
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(
                 f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1"
             )

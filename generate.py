@@ -19,8 +19,6 @@ import contextlib
 import json
 import math
 import os
-import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,13 +29,10 @@ import catalog
 import checkpoint
 import cli
 import decode
-import drafters as drafters_lib
 import engine
-import exact
 import graphs
 import kernels
 import online
-import tree as tree_lib
 import verify as verify_lib
 
 # --- command line --------------------------------------------------------------------------------
@@ -64,30 +59,27 @@ def add_prompt_flags(p):
     )
     p.add_argument(
         "--out",
-        help="with --prompts: write one JSON object per prompt here as its reply ends (with "
-        "--batch-size, in the order they end; each names its prompt's id); a new file, unless "
-        "--overwrite",
+        help="with --prompts: one JSON line per reply, naming its prompt's id, written as it ends "
+        "(with --batch-size, in the order they end); a new file, unless --overwrite",
     )
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an --out file that exists (else it is refused: its replies would be lost as "
-        "soon as decoding starts)",
+        help="replace an existing --out file (else refused: decoding would empty it)",
     )
     p.add_argument(
         "--chat",
         action="store_true",
-        help="talk: type a message, the reply streams, type the next; the KV cache is kept from "
-        "turn to turn, so each turn forwards only what is new (/help lists the commands, Ctrl-D "
-        "ends)",
+        help="talk: type a message, the reply streams; the KV cache is kept between turns, so each "
+        "forwards only what is new (/help lists the commands, Ctrl-D ends)",
     )
     p.add_argument(
         "--batch-size",
         type=int,
         default=1,
-        help="with --prompts: decode this many prompts side by side, one forward of the base "
-        "model for all, whatever the --draft; each reply is printed whole as it ends, marked "
-        "with its id, and sampled from its own generator, seeded --seed + its line's index",
+        help="with --prompts: decode this many side by side, one forward for all, any --draft; "
+        "each reply is printed whole as it ends, marked with its id, and sampled from its own "
+        "generator, seeded --seed + its line's index",
     )
     p.add_argument("--system", help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -99,79 +91,56 @@ def add_drafter_flags(p):
     p.add_argument(
         "--draft",
         default="heads",
-        help="who proposes the tokens the model verifies: "
-        "heads (the --heads below; none = plain decoding) | "
-        "lookup (prompt lookup: what followed the last n tokens earlier in the prompt or the "
-        "reply) | "
-        "heads+lookup (both, in one tree) | "
-        "layers:N (the model's own first N layers, self-speculative) | "
-        "skip or skip:LAYERS (the model with some layers skipped, self-speculative: LAYERS are "
-        "the skipped ones, numbered from 0, e.g. skip:2,5,9-12; plain skip takes the set "
-        "bench.py --tune-skip saved for this machine) | "
-        "model (the --draft-model) | "
-        "jacobi (the model's own outputs of last step as guesses, Jacobi decoding) | "
-        "lookahead (n-grams from a window of Jacobi iterations, lookahead decoding) | "
-        "pass or pass:FOLDER (learned [LA] tokens, PaSS: the shipped ones or pass_tokens.py's); "
-        "jacobi, lookahead and pass take the settings bench.py --tune-parallel saved for this "
-        "machine where no flag sets them",
+        help="who proposes the tokens the model verifies: heads (--heads; none = plain decoding) "
+        "| lookup (prompt lookup: what followed the last n tokens earlier in prompt or reply) | "
+        "heads+lookup (both, one tree) | layers:N (the model's first N layers) | skip[:LAYERS] "
+        "(the model without LAYERS, numbered from 0, e.g. skip:2,5,9-12; plain skip: what "
+        "bench.py --tune-skip saved for this machine) | model (--draft-model) | jacobi (Jacobi "
+        "decoding: last step's own outputs as guesses) | lookahead (lookahead decoding: n-grams "
+        "from a window of Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped "
+        "or pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
+        "unless flags set them, jacobi, lookahead and pass take what bench.py --tune-parallel "
+        "saved for this machine",
     )
     p.add_argument(
         "--heads",
         default="auto",
         help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
-        "the default model) | a heads folder (train.py's or joint.py's --out; joint.py's "
-        "medusa-2 and hydra++-2 heads adapt the model's last layers, merged in at load); "
-        "auto = hydra++ if shipped for this model, else none",
+        "the default model) | a heads folder (train.py's or joint.py's; joint.py's medusa-2 and "
+        "hydra++-2 adapt the model's last layers, merged in at load); auto = hydra++ if shipped "
+        "for this model, else none",
     )
     p.add_argument(
         "--tree",
         default="auto",
-        help='with heads: chain:N | cartesian:4,3,2 | a tree JSON file {"paths": [[0], [0, 1], '
-        "...]}, at most as deep as there are heads; auto = the tree saved with the heads "
-        "(tree-DEVICE-DTYPE.json that bench.py --tune-tree wrote for this device, CPU path and "
-        "dtype, else tree.json), else a chain as deep as the heads",
+        help='with heads: chain:N | cartesian:4,3,2 | a JSON file {"paths": [[0], [0, 1], ...]}, '
+        "at most as deep as the heads; auto = the tree beside the heads (bench.py --tune-tree's "
+        "tree-DEVICE-DTYPE.json for this device, CPU path and dtype, else tree.json), else a "
+        "chain as deep as the heads",
     )
     p.add_argument(
         "--draft-model",
-        help="with --draft model: a Llama-family folder or hub id with the same tokenizer as "
-        "--model",
+        help="with --draft model: a Llama-family folder or hub id sharing --model's tokenizer",
     )
+
+
+# the drafters' size flags, each a whole number; unless given, the drafter's own (DRAFT_DEFAULTS)
+SIZES = {
+    "gamma": "tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
+    "pass (its K [LA] tokens)",
+    "ngram": "lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
+    "length N, first token included, = the window's levels + 1",
+    "matches": "lookup: propose this many distinct continuations, a tree when > 1",
+    "window": "lookahead: W, the Jacobi trajectories computed a step",
+    "guesses": "lookahead: G, the most n-grams from its pool verified a step; pass: the first "
+    "[LA] token's G likeliest tokens, verified side by side",
+}
 
 
 def add_draft_size_flags(p):
     """How much the drafters propose a step; each drafter's defaults unless given."""
-    p.add_argument(
-        "--gamma",
-        type=int,
-        help="tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
-        f"pass (its K [LA] tokens); unless given: {defaults('gamma')}",
-    )
-    p.add_argument(
-        "--ngram",
-        type=int,
-        help="lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
-        "length N, first token included, = the window's levels + 1; unless given: "
-        f"{defaults('ngram')}",
-    )
-    p.add_argument(
-        "--matches",
-        type=int,
-        help="lookup: propose this many distinct continuations, a tree when > 1; unless given: "
-        f"{catalog.DRAFT_DEFAULTS['lookup']['matches']}",
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        help="lookahead: W, the Jacobi trajectories computed a step; unless given: "
-        f"{catalog.DRAFT_DEFAULTS['lookahead']['window']}",
-    )
-    p.add_argument(
-        "--guesses",
-        type=int,
-        help="lookahead: G, the most n-grams from its pool verified a step; pass: the first [LA] "
-        "token's G likeliest tokens, verified side by side; unless given: "
-        f"{defaults('guesses')}",
-    )
+    for name, what in SIZES.items():
+        p.add_argument(f"--{name}", type=int, help=f"{what}; unless given: {defaults(name)}")
 
 
 def add_online_flags(p):
@@ -179,9 +148,9 @@ def add_online_flags(p):
     p.add_argument(
         "--online",
         action="store_true",
-        help="with heads: between replies, train them on what verification said about the "
-        "replies so far (the base model's distribution at every committed token), so that they "
-        "draft the next replies better; the base model and so the output are unchanged",
+        help="with heads: between replies, train them on the base model's distribution at every "
+        "token committed so far, to draft the next replies better; the base model and its "
+        "output are unchanged",
     )
     for name, kind, what in (
         ("lr", float, "AdamW's rate"),
@@ -195,9 +164,8 @@ def add_online_flags(p):
     p.add_argument(
         "--online-save",
         metavar="FOLDER",
-        help="--online: write the adapted heads here at the end, or at Ctrl-C what they learned "
-        "so far (load them with --heads FOLDER); a new or empty folder, never inside the "
-        "shipped heads'",
+        help="--online: write the adapted heads here at the end or at Ctrl-C (load them with "
+        "--heads FOLDER); a new or empty folder, not in the shipped heads'",
     )
 
 
@@ -206,15 +174,15 @@ def add_decoding_flags(p):
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        help="generate at most this many tokens; prompt + these must fit the model's context "
-        f"(default: {MAX_NEW_TOKENS}, or what the context leaves after the prompt, with a notice)",
+        help="generate at most this many tokens, within the model's context with the prompt "
+        f"(default: {MAX_NEW_TOKENS}, or what the context leaves, with a notice)",
     )
     p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
         help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is "
-        "greedy too (the probabilities are one-hot there, and overflow far below it)",
+        "greedy too (the probabilities are one-hot there, and overflow far below)",
     )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument(
@@ -222,15 +190,14 @@ def add_decoding_flags(p):
         default="auto",
         choices=verify_lib.VERIFIERS,
         help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: "
-        "the tree rule, or Leviathan's rule for the sampled drafts of layers:N and model); "
-        "auto = greedy at T=0, else sample. At --temperature 0, sample and typical reduce to "
-        "greedy and give exactly its output",
+        "the tree rule, or Leviathan's for layers:N's and model's sampled drafts); auto = greedy "
+        "at T=0, else sample. At T=0 all three give greedy's exact output",
     )
     p.add_argument(
         "--seed",
         type=int,
         default=0,
-        help="random seed for sampling: same seed, same flags, same machine -> same output",
+        help="sampling's seed: same seed, flags and machine -> same output",
     )
 
 
@@ -241,30 +208,29 @@ def add_machine_flags(p):
         "--cuda-graphs",
         default="auto",
         choices=("auto", "on", "off"),
-        help="the base model's step replayed from CUDA graphs (graphs.py; auto: on CUDA); every "
-        "forward that runs eagerly instead is counted, and named after the reply",
+        help="replay the base model's step from CUDA graphs (graphs.py; auto: on CUDA); forwards "
+        "run eagerly instead are counted and named after the reply",
     )
     p.add_argument(
         "--exact",
         action="store_true",
-        help="the base model through exact.py's kernels, which compute every row alone: bf16 "
-        "speculative replies equal plain decoding's on a GPU too (needs triton and CUDA)",
+        help="the base model on exact.py's kernels, each row computed alone: bf16 speculative "
+        "replies equal plain decoding's on a GPU too (needs triton and CUDA)",
     )
     cli.threads_flag(p)
     p.add_argument(
         "--quantize",
         default="none",
         choices=cli.QUANTIZE,
-        help="the base model's linear layers on fp16 weights multiplied in fp32 (a CPU's fbgemm "
-        "kernel, faster for one row), or on weight-only int8 (one scale per output channel) or "
-        "int4 (a scale and a zero per 32 inputs: fewer bytes to read a step); heads and KV "
-        "cache as they are",
+        help="the base model's linear layers on fp16 weights multiplied in fp32 (CPU, fbgemm: "
+        "faster for one row), weight-only int8 (a scale per output channel) or int4 (a scale and "
+        "zero per 32 inputs: fewer bytes a step); heads and KV cache unchanged",
     )
     p.add_argument(
         "--dtype",
         default="auto",
         help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
-        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32, and fp32 under "
+        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32; fp32 under "
         "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
 
@@ -274,8 +240,8 @@ def add_output_flags(p):
     p.add_argument(
         "--show",
         action="store_true",
-        help="colour each token by who proposed it (draft head k, lookup, the draft model or "
-        "layers, jacobi, lookahead, [LA] tokens, or the base model itself); only on a terminal",
+        help="colour each token by who proposed it (a drafter, or the base model); only on a "
+        "terminal",
     )
     p.add_argument(
         "--quiet",
@@ -297,22 +263,6 @@ def build_parser():
 
 
 # the checks before a model loads
-
-SIZES = ("gamma", "ngram", "matches", "window", "guesses")  # the drafters' size flags
-
-
-@dataclass
-class Draft:
-    """--draft and its settings, as the checks found them."""
-
-    spec: str  # as given, for messages: "layers:2"
-    kind: str  # heads, lookup, heads+lookup, layers, skip, model, jacobi, lookahead or pass
-    arg: object  # N of layers:N, skip's layers (None: the tuned set), pass's folder; else None
-    settings: dict  # the drafter's gamma, ngram, ...: the flags given over DRAFT_DEFAULTS
-    given: dict  # the flags given among them (a tuned setting never overrides one)
-    heads: str  # --heads: none, auto, a kind or a folder
-    tree: str  # --tree: auto or a spec
-    draft_model: str  # --draft-model, or None
 
 
 def flags_without_effect(args, parser):
@@ -361,10 +311,7 @@ def check_prompt_flags(args):
     for flag in ("prompt", "system"):
         if getattr(args, flag) is not None:
             cli.check_text(getattr(args, flag), f"--{flag}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise cli.UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.batch_size < 1:
-        raise cli.UsageError(f"--batch-size {args.batch_size}: must be at least 1")
+    cli.check_counts(args, "max_new_tokens", "batch_size")
 
 
 def check_chat_flags(args):
@@ -399,37 +346,6 @@ def check_sampling_flags(args):
             "--verify greedy decodes at temperature 0; drop --temperature or use --verify sample"
         )
     cli.check_seed(args.seed)
-
-
-def check_drafter_flags(draft):
-    """--heads, --tree and --draft-model go with the drafters that use them, and only those."""
-    with_heads = draft.kind in ("heads", "heads+lookup")
-    if draft.heads == "none" and draft.tree != "auto":
-        raise cli.UsageError("--tree needs draft heads; drop --tree or pass --heads")
-    if not with_heads and draft.tree != "auto":
-        raise cli.UsageError(
-            f"--tree shapes the heads' tree, --draft {draft.spec} has none; drop --tree or use "
-            "--draft heads or heads+lookup"
-        )
-    if not with_heads and draft.heads not in ("auto", "none"):
-        raise cli.UsageError(
-            f"--heads {draft.heads}: --draft {draft.spec} drafts without heads; drop --heads or "
-            "use --draft heads or heads+lookup"
-        )
-    if draft.kind == "heads+lookup" and draft.heads == "none":
-        raise cli.UsageError(
-            "--draft heads+lookup needs heads, not --heads none; name them or use --draft lookup"
-        )
-    if draft.kind == "model" and not draft.draft_model:
-        raise cli.UsageError(
-            "--draft model needs --draft-model NAME: a Llama-family folder or hub id with the "
-            "same tokenizer as --model"
-        )
-    if draft.kind != "model" and draft.draft_model:
-        raise cli.UsageError(
-            f"--draft-model is used by --draft model, not --draft {draft.spec}; add --draft model "
-            "or drop --draft-model"
-        )
 
 
 def check_out(out, prompts, overwrite):
@@ -469,28 +385,7 @@ def check_online(args, kind):
             "model's distribution, the one that verifies here"
         )
     if args.online_save:
-        check_online_save(args.online_save)
-
-
-def check_online_save(folder):
-    """--online-save: a new or empty folder, outside the shipped heads."""
-    inside = os.path.abspath(folder) + os.sep
-    if inside.startswith(os.path.abspath(catalog.SHIPPED) + os.sep):
-        raise cli.UsageError(
-            f"--online-save {folder}: inside the shipped heads' {catalog.SHIPPED}; give a new "
-            "folder"
-        )
-    held = checkpoint.run_files(folder)
-    if held:
-        raise cli.UsageError(
-            f"--online-save {folder}: it holds {', '.join(held)} (heads or a train.py run), which "
-            "saving would overwrite; give a new folder"
-        )
-    if os.path.isdir(folder) and os.listdir(folder):  # the heads and trees go in loose
-        raise cli.UsageError(
-            f"--online-save {folder}: the folder is not empty; give a new or empty one"
-        )
-    cli.writable_folder("--online-save", folder)
+        catalog.check_online_save(args.online_save)
 
 
 def check_args(args, parser):
@@ -498,22 +393,11 @@ def check_args(args, parser):
     --draft to load."""
     check_prompt_flags(args)
     check_sampling_flags(args)
-    kind, arg = catalog.parse_draft(args.draft)
     given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
-    draft = Draft(
-        spec=args.draft,
-        kind=kind,
-        arg=arg,
-        settings=catalog.draft_settings(kind, args.draft, given),
-        given=given,
-        heads=args.heads,
-        tree=args.tree,
-        draft_model=args.draft_model,
-    )
-    check_drafter_flags(draft)
+    draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
     if args.out:
         check_out(args.out, args.prompts, args.overwrite)
-    check_online(args, kind)
+    check_online(args, draft.kind)
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
@@ -525,7 +409,7 @@ def check_args(args, parser):
     return draft
 
 
-# the model, the drafter and the learner, built from the checked flags
+# the model and the prompts, from the checked flags (the drafter: catalog.load_drafter)
 
 
 @dataclass
@@ -541,124 +425,20 @@ class Decoder:
 
 
 def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
-    """The model and its tokenizer, its linear layers quantized as --quantize asks or through
-    exact.py's kernels (--exact)."""
-    if exact_kernels:
-        catalog.check_exact(device, quantize)
-    model, tokenizer = checkpoint.load(name, device, dtype)
+    """catalog.load_model's model and tokenizer, refused for --chat without a chat template."""
+    model, tokenizer = catalog.load_model(name, device, dtype, quantize, exact_kernels)
     if chat and not tokenizer.chat_template:
         raise cli.UsageError(
             f"--chat: {name} has no chat template (tokenizer_config.json's chat_template) to lay "
             "a conversation out; use a chat model, or --prompt with --raw"
         )
-    if quantize != "none":
-        kernels.quantize(model, quantize)
     if quantize == "fp16" and not kernels.fp16_rows_alone():
         cli.notice(
             "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
             "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
             "weights; --quantize none keeps them identical"
         )
-    if exact_kernels:
-        exact.use(model)
     return model, tokenizer
-
-
-def tuned_skip(model, settings, given):
-    """--draft skip without LAYERS: the layers and gamma bench.py --tune-skip chose for this
-    machine (the flags given still win), else a default set, with a notice."""
-    tuned = catalog.tuned_skip(catalog.SHIPPED, model)
-    if tuned is None:
-        layers = catalog.default_skip(model.cfg.n_layers)
-        cli.notice(
-            f"--draft skip: no skip set tuned for this model and machine in {catalog.SHIPPED}; "
-            f"skipping layers {catalog.skip_spec(layers)} (bench.py --tune-skip searches one)"
-        )
-        return layers, settings
-    file = catalog.tuned_tree_file(catalog.SHIPPED, model.device, model.dtype, "skip")
-    speedup = catalog.expected_speedup(file)
-    if speedup is not None and speedup < 1:
-        cli.notice(
-            f"{file}: bench.py --tune-skip expected skip at {speedup:.2f}x plain decoding on this "
-            "machine; --heads none (plain decoding) is faster here"
-        )
-    return tuned[0], settings | {"gamma": tuned[1]} | given
-
-
-def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
-    """The drafter --draft names, once the model is loaded: heads and their tree (tuned for
-    --quantize), a draft model, checked against the model. Its drafts are sampled, from
-    `generator`, where the verification rule needs them (Leviathan's), else greedy."""
-    kind = draft.kind
-    arg = draft.arg
-    settings = draft.settings
-    if kind in ("heads", "heads+lookup"):
-        heads, heads_folder = catalog.load_heads(draft.heads, model)
-    else:
-        heads, heads_folder = None, None
-    tree = catalog.load_tree(draft.tree, heads, heads_folder, quantize)
-    if kind == "heads+lookup" and heads is None:
-        raise cli.UsageError(
-            f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
-            "train.py and pass --heads FOLDER, or use --draft lookup"
-        )
-    if kind == "layers" and arg >= model.cfg.n_layers:
-        raise cli.UsageError(
-            f"--draft {draft.spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
-            f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
-        )
-    draft_model = None
-    if kind == "model":
-        draft_model = catalog.load_draft_model(
-            draft.draft_model, model, tokenizer, model.device, model.dtype
-        )
-    if kind == "skip" and arg is None:
-        arg, settings = tuned_skip(model, settings, draft.given)
-    if kind == "skip":
-        catalog.check_skip(f"--draft {draft.spec}", arg, model.cfg.n_layers)
-    if kind in catalog.PARALLEL:  # what bench.py --tune-parallel chose, under the flags given
-        settings = settings | catalog.tuned_parallel(catalog.SHIPPED, model, kind) | draft.given
-        catalog.check_sizes(kind, settings, "--")
-    sampled = decoding["temperature"] > 0 and decoding["verify"] in ("auto", "sample")
-    drafter = catalog.make_drafter(
-        kind=kind,
-        arg=arg,
-        settings=settings,
-        model=model,
-        heads=heads,
-        tree=tree,
-        draft_model=draft_model,
-        temperature=decoding["temperature"] if sampled else 0.0,  # Leviathan's rule, else greedy
-        top_p=decoding["top_p"],
-        generator=generator,
-    )
-    if drafter.max_nodes > tree_lib.MAX_NODES:
-        raise cli.UsageError(
-            f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
-            f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
-        )
-    return drafter
-
-
-def learn_online(drafter, model, settings):
-    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
-    (settings: online.Learner's lr, buffer, every and steps)."""
-    inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
-    if not isinstance(inner, drafters_lib.HeadsDrafter):
-        raise cli.UsageError(
-            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
-            "pass --heads FOLDER"
-        )
-    learner = online.Learner(inner.heads, model, **settings)
-    return online.OnlineHeads(drafter, learner), learner
-
-
-def save_online(learner, folder, heads_folder):
-    """--online-save: the adapted heads, and the trees saved beside the heads they started from."""
-    checkpoint.save_heads(learner.master, folder)
-    for name in os.listdir(heads_folder):
-        if re.fullmatch(r"tree(-.+)?\.json", name):
-            shutil.copyfile(os.path.join(heads_folder, name), os.path.join(folder, name))
 
 
 def read_prompts(args):
@@ -765,8 +545,7 @@ def announce(dec, draft, *, device, quantize, threads, show):
 def heads_source(kind, name):
     """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
     folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
-    shipped = os.path.abspath(catalog.SHIPPED) + os.sep
-    if folder is None or os.path.abspath(folder).startswith(shipped):
+    if folder is None or catalog.shipped(folder):
         return ""
     return f", heads from {folder}"
 
@@ -949,7 +728,7 @@ class Chat:
         self.tokenizer = dec.tokenizer
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
-        self.max_new_tokens = max_new_tokens  # None: MAX_NEW_TOKENS, or what the context leaves
+        self.want = max_new_tokens or MAX_NEW_TOKENS  # a reply's most, where the context has room
         self.decoding = dec.decoding | {"generator": dec.generator}  # Conversation.reply's
         self.show = show
         self.stats = stats
@@ -1038,11 +817,10 @@ class Chat:
         context, the oldest turn and its answer are dropped (said in one line); a last message that
         cannot fit alone is refused."""
         context = self.conversation.model.cfg.max_seq_len
-        want = self.max_new_tokens or MAX_NEW_TOKENS
         first = 1 if messages[0]["role"] == "system" else 0  # a system message always stays
         ids = self.layout(messages)
         dropped = 0
-        while len(ids) + want > context and len(messages) > first + 1:
+        while len(ids) + self.want > context and len(messages) > first + 1:
             turns = messages[first:]
             answered = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), 1)
             messages = messages[:first] + turns[answered:]
@@ -1056,9 +834,9 @@ class Chat:
             )
         if dropped:
             cli.notice(f"the context is full: dropping the oldest {cli.plural(dropped, 'message')}")
-        if room < want:
+        if room < self.want:
             cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
-        return messages, ids, min(want, room)
+        return messages, ids, min(self.want, room)
 
     def answer(self, messages):
         """Stream the reply to messages (the last one the user's); it joins the conversation.
@@ -1092,7 +870,7 @@ class Chat:
         self.messages = messages + [{"role": "assistant", "content": text}]
         if r.stopped == "length":
             self.cut.append(self.messages[-1])
-            if limit == (self.max_new_tokens or MAX_NEW_TOKENS):
+            if limit == self.want:
                 why = f"--max-new-tokens {limit}"
             else:
                 why = f"{cli.plural(limit, 'new token')}, all the context leaves"
@@ -1171,7 +949,7 @@ def online_saved(learner, folder, heads):
         yield
     except KeyboardInterrupt:
         if learner and folder:
-            save_online(learner, folder, catalog.find_heads(heads))
+            catalog.save_online(learner, folder, heads)
             updates = cli.plural(learner.updates, "update")
             print(
                 f"[online: stopped by Ctrl-C; the heads after {updates} are in {folder}]",
@@ -1179,7 +957,7 @@ def online_saved(learner, folder, heads):
             )
         raise
     if learner and folder:
-        save_online(learner, folder, catalog.find_heads(heads))
+        catalog.save_online(learner, folder, heads)
         print(f"[online: the adapted heads are in {folder}]", file=sys.stderr)
 
 
@@ -1207,11 +985,11 @@ def main(args):
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = checkpoint.eos_ids(model, tokenizer)
     decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
-    drafter = load_drafter(
+    drafter = catalog.load_drafter(
         draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
     )
-    settings = {name: getattr(args, f"online_{name}") for name in online.DEFAULTS}
-    drafter, learner = learn_online(drafter, model, settings) if args.online else (drafter, None)
+    learning = {k: getattr(args, f"online_{k}") for k in online.DEFAULTS} if args.online else None
+    drafter, learner = catalog.learn_online(drafter, model, learning)
     encoded = encode_prompts(
         prompts,
         tokenizer,
