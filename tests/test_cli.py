@@ -553,6 +553,14 @@ PARALLEL_FLAGS = [
     ("jacobi --draft-model some/model", "add --draft model or drop --draft-model"),
 ]
 DRAFT_FLAGS += [(["--draft", *argv.split()], words) for argv, words in PARALLEL_FLAGS]
+# sampled drafts come from one generator: a batch's rows would share its draws
+DRAFT_FLAGS += [
+    (
+        ["--draft", *draft.split(), "--temperature", "0.7", "--batch-size", "2"],
+        f"--draft {draft.split()[0]} at --temperature 0.7 samples its drafts from one generator",
+    )
+    for draft in ("layers:1", "skip", "model --draft-model some/model")
+]
 
 
 @pytest.mark.parametrize("argv, words", DRAFT_FLAGS, ids=[" ".join(a)[:40] for a, _ in DRAFT_FLAGS])
