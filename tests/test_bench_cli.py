@@ -21,6 +21,7 @@ import torch
 import catalog
 import checkpoint
 import cli
+import exact
 import kernels
 import bench as B
 import tuning
@@ -615,7 +616,7 @@ def test_exact_is_refused_where_its_kernels_cannot_run(
 ):
     """--exact needs triton and a CUDA device (or Triton's interpreter): one line, before the model
     loads."""
-    monkeypatch.setattr(B.exact, "triton", B.exact.triton if triton else None)
-    monkeypatch.setattr(B.exact, "INTERPRETED", interpreted)
+    monkeypatch.setattr(exact, "triton", exact.triton if triton else None)
+    monkeypatch.setattr(exact, "INTERPRETED", interpreted)
     code, _, err = run_bench(capsys, "--exact", "--device", "cpu", *argv)
     check_one_line_error(code, err, words)
