@@ -111,7 +111,8 @@ def prefill(model, cache, prompts):
     already (cache.length tokens: a conversation's earlier turns), right-padded into one forward
     (causal: no prompt sees the padding after it), and keep their entries. -> each prompt's last
     logits (B, V), and its hidden states over the part forwarded, [(1, T_b, D)]."""
-    dev, cached = model.device, cache.length
+    dev = model.device
+    cached = cache.length  # a conversation's earlier turns
     lengths = [len(p) for p in prompts]
     L = max(lengths)
     padded = torch.tensor([p[cached:] + [0] * (L - len(p)) for p in prompts], device=dev)
@@ -218,7 +219,8 @@ def generate(
     (drafters.py; None: plain decoding); on_tokens(new_ids, sources) is called as tokens come.
     cache: a one-row KVCache to go on from (Conversation), whose slots [0, cache.length) hold
     prompt[:cache.length], as the drafter's state does; None: a new one."""
-    started, out = time.perf_counter(), Result()
+    started = time.perf_counter()
+    out = Result()
     drafter = drafter if drafter is not None else drafters_lib.Plain(model.device)
     check_prompt(model, prompt, max_new_tokens, generator)
     if cache is None:  # room for the reply, and a last step's tree past it
@@ -228,7 +230,8 @@ def generate(
     drafter.start(prompt, hidden[0], cache.max_len, kept)
     root = first_token(logits[0], temperature, top_p, generator)
     row = Row(drafter, choose_verifier(verify, temperature, top_p, generator), root)
-    out.steps, done = 1, out.add([root], [0], max_new_tokens, eos_ids)
+    out.steps = 1  # the prefill
+    done = out.add([root], [0], max_new_tokens, eos_ids)
     if on_tokens:
         on_tokens([root], [0])
     while not done:
