@@ -152,13 +152,15 @@ def step(model, cache, drafter, rows):
     `drafter`, the one every row's drafter was made from, drafts for all of them in one call."""
     live = [row for row in rows if row]
     drafted = iter(drafter.draft([row.drafter for row in live], [row.root for row in live]))
-    if len(live) < len(rows):
-        idle = drafters_lib.Plain(model.device).draft([], [0])[0]
+    if len(live) < len(rows):  # a free row's draft: token 0 alone, at depth 0
+        zero = torch.zeros(1, dtype=torch.long, device=model.device)
+        idle = drafters_lib.Draft(zero, None, None, zero, [0])
     drafts = [next(drafted) if row else idle for row in rows]
     tokens, mask, depth, extra = pad_drafts(drafts)  # (B, N), (B, N, N) | None, (B, N), (K, D)
-    # one row's length is a number; a batch's come from the host (on a GPU: one copy a step)
-    lengths = cache.length if len(rows) == 1 else torch.tensor(cache.lengths, device=depth.device)
-    positions = (lengths[:, None] if len(rows) > 1 else lengths) + depth  # (B, N)
+    if len(rows) == 1:  # one row's length is a number
+        positions = cache.length + depth  # (1, N)
+    else:  # a batch's come from the host (on a GPU: one copy a step)
+        positions = torch.tensor(cache.lengths, device=depth.device)[:, None] + depth  # (B, N)
     logits, hidden = model(tokens, positions, mask, cache, extra=extra)  # (B, N, V), (B, N, D)
     steps = []
     for b, (row, d) in enumerate(zip(rows, drafts)):
