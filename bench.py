@@ -721,7 +721,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             methods[name] = Method(
                 name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
-            notes.append(f"draft-model: {args.draft_model}, {gamma} tokens a step")
+            notes.append(f"draft-model: {args.draft_model}, {cli.plural(gamma, 'token')} a step")
         elif (
             name in catalog.PARALLEL
         ):  # jacobi, lookahead, pass: as --tune-parallel chose for this machine

@@ -94,8 +94,8 @@ def notice(message):
 
 
 def plural(n, word):
-    """The count and the word, plural unless the count is one: 1 message, 2 messages."""
-    return f"{n} {word}{'s' * (n != 1)}"
+    """The count and the word, plural unless the count is one: 1 message, 2 messages, 2 guesses."""
+    return f"{n} {word}{('es' if word.endswith('s') else 's') * (n != 1)}"
 
 
 # --- the machine and randomness ------------------------------------------------------------------

@@ -391,7 +391,7 @@ class ModelDrafter:
         self.shapes = Shapes(model.device)
         self.paths = tree_lib.chain(gamma)
         sampled = "" if verify_lib.is_greedy(temperature) else ", sampled"
-        self.name = f"{name}, {gamma} tokens a step{sampled}"
+        self.name = f"{name}, {gamma} token{'s' * (gamma != 1)} a step{sampled}"
         self.legend = ["base model", name]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
@@ -522,7 +522,7 @@ class Jacobi:
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
         self.gamma = gamma
         self.shapes = Shapes(device)
-        self.name = f"jacobi: {gamma} guesses a step"
+        self.name = f"jacobi: {gamma} guess{'es' * (gamma != 1)} a step"
         self.legend = ["base model", "jacobi"]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma

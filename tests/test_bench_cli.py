@@ -339,7 +339,7 @@ def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_pa
     )
     code, out, err = run_bench(capsys, *common, "--methods", "jacobi,lookahead", "--repeats", 1)
     assert code == 0 and err.count("(tuned for this machine)") == 2, err
-    assert f"[bench] jacobi: {saved['jacobi']['gamma']} guesses a step" in err
+    assert f"[bench] jacobi: {cli.plural(saved['jacobi']['gamma'], 'guess')} a step" in err
     for name in ("jacobi", "lookahead"):
         assert any(
             line.startswith(f"| {name} |") and line.endswith("| yes |") for line in out.splitlines()

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import catalog
+from cli import plural
 import checkpoint
 import drafters as D
 import decode
@@ -272,7 +273,7 @@ def test_bench_tunes_pass_where_it_finds_tokens_for_the_model_and_then_uses_them
     code, out, err = run_bench(capsys, *common, "--methods", "pass", "--repeats", 1)
     assert (
         code == 0
-        and f"[bench] pass: {saved['pass']['gamma']} [LA] tokens" in err
+        and f"[bench] pass: {plural(saved['pass']['gamma'], '[LA] token')}" in err
         and "(tuned for this machine)" in err
     ), err
     assert any(
