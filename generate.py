@@ -11,12 +11,12 @@ propose tokens, one forward verifies them.
     python generate.py --chat                          # talk; the KV cache is kept between turns
 
 The loop it runs is decode.py's (prefill -> step -> generate, read it first), and engine.py's
-for --batch-size rows; this file is the command line: its flags, their checks, what is printed,
-the chat terminal (--chat) and main().
+for --batch-size rows; this file is the command line: its flags, their checks, the modes (one
+prompt after another, a batch, a chat) and main(). What is printed, and the chat terminal, are
+terminal.py's.
 """
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -33,12 +33,12 @@ import engine
 import graphs
 import kernels
 import online
+import terminal
 import verify as verify_lib
 
 # --- command line --------------------------------------------------------------------------------
 # The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
-# what is printed, the chat terminal, and main(), which turns the flags into plain values once.
-# stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
+# the modes, and main(), which turns the flags into plain values once.
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
 
@@ -518,151 +518,6 @@ def check_batch_memory(model, drafter, encoded, batch_size):
         )
 
 
-# what is printed
-
-# the base model's colour, then drafter.legend[1:]'s
-COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]
-
-
-def colour(source):
-    return COLOURS[min(source, len(COLOURS) - 1)]
-
-
-def banner_line(dec, draft, *, device, quantize, threads):
-    """Which model runs where, in what numbers, drafted by whom; threads: None off the CPU."""
-    dtype = str(dec.model.dtype).removeprefix("torch.")
-    weights = "" if quantize == "none" else f", {quantize} weights"
-    on = f", {cli.plural(threads, 'thread')}" if threads else ""
-    if device == "cpu" and kernels.native_library() is None:  # what runs instead, and why
-        on += f"; kernels.c off: {kernels.native_reason()}"
-    name = dec.model.cfg.name
-    heads = heads_source(draft.kind, draft.heads)
-    return f"[{name} on {device}, {dtype}{weights}, {dec.drafter.name}{heads}{on}]"
-
-
-def announce(dec, draft, *, device, quantize, threads, show):
-    """The banner, and with --show on a terminal the legend of its colours, on stderr."""
-    print(
-        banner_line(dec, draft, device=device, quantize=quantize, threads=threads), file=sys.stderr
-    )
-    if show and dec.drafter.max_depth and sys.stderr.isatty():
-        print(legend_line(dec.drafter), file=sys.stderr)
-
-
-def heads_source(kind, name):
-    """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
-    folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
-    if folder is None or catalog.shipped(folder):
-        return ""
-    return f", heads from {folder}"
-
-
-def legend_line(drafter):
-    who = [f"{colour(s)}{name}{COLOURS[0]}" for s, name in enumerate(drafter.legend) if s]
-    return f"[--show: plain = the base model's own token, {', '.join(who)} = proposed by it]"
-
-
-class Printer:
-    """Streams decoded text to stdout; holds back an incomplete UTF-8 character. show: colour
-    codes."""
-
-    def __init__(self, tokenizer, show):
-        self.tok = tokenizer
-        self.show = show
-        self.ids = []
-        self.printed = ""
-
-    def __call__(self, new, sources):
-        for t, s in zip(new, sources):
-            self.ids.append(t)
-            text = self.tok.decode(self.ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue
-            piece = text[len(self.printed) :]
-            self.printed = text
-            if piece and self.show and s:
-                sys.stdout.write(colour(s) + piece + COLOURS[0])
-            elif piece:
-                sys.stdout.write(piece)
-        sys.stdout.flush()
-
-
-def stats_line(r, max_depth, label="", more=()):
-    """The statistics of a Result in one line: `label` before them, the clauses `more` after."""
-    n = len(r.tokens)
-    clauses = [
-        cli.plural(n, "new token"),
-        cli.plural(r.steps, "step"),
-        f"tau {n / max(r.steps, 1):.2f}",
-        f"{n / max(r.seconds, 1e-9):.1f} tokens/s",
-    ]
-    if max_depth:
-        rates = decode.acceptance_by_depth(r.accepted, max_depth)
-        clauses.append("accepted by depth " + " ".join(f"{a:.2f}" for a in rates))
-    return f"[{label}{', '.join(clauses + list(more))}]"
-
-
-def online_line(learner, seconds):
-    """What --online did: its updates, their time against the decoding's, the loss's course."""
-    share = learner.seconds / max(seconds, 1e-9)
-    line = f"[online: {cli.plural(learner.updates, 'update')} in {learner.seconds:.2f} s, "
-    line += f"{share:.1%} of the decoding time"
-    if learner.losses:
-        line += f", loss {learner.losses[0]:.3f} -> {learner.losses[-1]:.3f}"
-    return line + "]"
-
-
-class Replies:
-    """What each finished reply leaves, streamed or batched alike: its text printed whole (with
-    --batch-size), its statistics line, its --out line and --online's turn to learn; then the
-    totals over all replies."""
-
-    def __init__(self, ids, dec, *, whole, out):
-        self.ids = ids  # the prompts' ids, in their order
-        self.tokenizer = dec.tokenizer
-        self.max_depth = dec.drafter.max_depth
-        self.learner = dec.learner
-        self.model = dec.model
-        self.whole = whole  # print each reply whole as it ends, marked with its id
-        self.out = out  # the open --out file, or None
-        self.total = decode.Result()
-
-    def done(self, i, r):
-        """Prompt i's reply, r, is final."""
-        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        if self.whole:
-            print(f"[{self.ids[i]}] {text}")
-        print(stats_line(r, self.max_depth), file=sys.stderr)
-        self.total.tokens += r.tokens
-        self.total.accepted += r.accepted
-        self.total.steps += r.steps
-        if self.out:
-            record = {
-                "id": self.ids[i],
-                "text": text,
-                "token_ids": r.tokens,
-                "new_tokens": len(r.tokens),
-                "steps": r.steps,
-                "seconds": round(r.seconds, 4),
-                "stopped": r.stopped,
-            }
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
-        if self.learner:  # between replies: the next ones draft with what this one taught
-            self.learner.reply_done()
-
-    def report(self, seconds):
-        """After `seconds` of decoding: the totals (of more than one prompt), what --online did,
-        what --cuda-graphs replayed."""
-        self.total.seconds = seconds
-        if len(self.ids) > 1:
-            print(stats_line(self.total, self.max_depth, "all prompts: "), file=sys.stderr)
-        if self.learner:
-            print(online_line(self.learner, seconds), file=sys.stderr)
-        if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
-            print(f"[{self.model.summary()}]", file=sys.stderr)
-
-
 def open_output(path):
     """--out, opened for writing (a nullcontext of None: no file)."""
     if not path:
@@ -673,225 +528,6 @@ def open_output(path):
         raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
 
 
-# --chat: a conversation at the terminal
-
-CHAT_HELP = (
-    "[type a message and press Enter; /reset starts a new conversation, /save FILE appends it to "
-    'FILE as a {"messages": [...]} line (train.py reads those; its "cut" lists the replies cut '
-    "short by --max-new-tokens or Ctrl-C), /load FILE goes on with the last "
-    "conversation in FILE, /help shows this; a message that starts with / is typed //...; "
-    "Ctrl-C stops a reply (the conversation stays), Ctrl-D ends]"
-)
-
-
-def read_message(interactive):
-    """The next line typed, without its newline; None at the end (Ctrl-D, or stdin's end)."""
-    try:
-        return input("> " if interactive else "")
-    except EOFError:
-        return None
-
-
-def last_conversation(path):
-    """The messages of the last {"messages": [...]} line of a file (/save appends them), and the
-    indices its "cut" gives of the replies cut short."""
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise cli.UsageError(f"/load {path}: cannot read it ({reason}); the chat goes on") from None
-    if not lines:
-        raise cli.UsageError(f"/load {path}: the file is empty; the chat goes on")
-    try:
-        record = json.loads(lines[-1])
-    except (json.JSONDecodeError, RecursionError):
-        record = None
-    if not isinstance(record, dict) or "messages" not in record:
-        raise cli.UsageError(
-            f'/load {path}: its last line is not a {{"messages": [...]}} object; the chat goes on'
-        )
-    messages = cli.check_messages(record["messages"], f"/load {path}", ends_with_user=False)
-    cut = record.get("cut", [])
-    if not isinstance(cut, list) or not all(
-        type(i) is int and 0 <= i < len(messages) and messages[i]["role"] == "assistant"
-        for i in cut
-    ):
-        raise cli.UsageError(
-            f'/load {path}: its "cut" is not a list of the indices of assistant messages; fix or '
-            "drop it"
-        )
-    return messages, cut
-
-
-class Chat:
-    """generate.py --chat: the messages so far, laid out by the chat template every turn and
-    answered by a Conversation, which forwards only what its cache does not hold yet. A mistake
-    (an unknown command, a file that cannot be read, a message that cannot fit) is one line on
-    stderr, and the conversation stays as it was."""
-
-    def __init__(self, dec, *, system, max_new_tokens, show, stats):
-        self.conversation = decode.Conversation(dec.model, dec.drafter)
-        self.tokenizer = dec.tokenizer
-        self.system = [{"role": "system", "content": system}] if system else []
-        self.messages = list(self.system)
-        self.want = max_new_tokens or MAX_NEW_TOKENS  # a reply's most, where the context has room
-        self.decoding = dec.decoding | {"generator": dec.generator}  # Conversation.reply's
-        self.show = show
-        self.stats = stats
-        self.learner = dec.learner  # --online: the heads learn between turns
-        self.cut = []  # the replies cut short (the length limit, Ctrl-C): /save marks them
-        self.seconds = 0.0  # spent answering (--online's share of it)
-
-    def run(self, interactive):
-        """Read, answer, repeat, until the end of the input."""
-        if interactive:
-            print(CHAT_HELP, file=sys.stderr)
-        while True:
-            try:
-                line = read_message(interactive)
-            except KeyboardInterrupt:  # at the prompt: a fresh one
-                print(file=sys.stderr)
-                continue
-            if line is None:
-                return
-            try:
-                if line.startswith("/") and not line.startswith("//"):
-                    self.command(line)
-                else:
-                    self.say(line.removeprefix("/"))
-            except cli.UsageError as e:
-                print(cli.error_line(e), file=sys.stderr)
-
-    def command(self, line):
-        name, _, path = line.partition(" ")
-        path = os.path.expanduser(path.strip())
-        if name == "/help":
-            print(CHAT_HELP, file=sys.stderr)
-        elif name == "/reset":
-            self.messages = list(self.system)  # the cache keeps what the next turn shares with it
-            self.cut = []
-            print("[a new conversation]", file=sys.stderr)
-        elif name in ("/save", "/load") and not path:
-            raise cli.UsageError(f"{name} needs a file name, as in {name} chat.jsonl")
-        elif name == "/save":
-            self.save(path)
-        elif name == "/load":
-            messages, cut = last_conversation(path)
-            self.layout(messages)  # the template takes it (else: refused, the chat goes on)
-            self.messages = messages
-            self.cut = [messages[i] for i in cut]
-            print(f"[{cli.plural(len(messages), 'message')} loaded from {path}]", file=sys.stderr)
-            if messages[-1]["role"] == "user":  # a question waiting: answer it
-                self.answer(messages)
-        else:
-            raise cli.UsageError(f"unknown command {name}; /help lists them")
-
-    def save(self, path):
-        """Append the conversation as a {"messages": [...]} line; the replies cut short are marked
-        by their indices in its "cut" (train.py reads the messages: a cut reply is still the
-        model's own text; /load keeps the marks)."""
-        if len(self.messages) == len(self.system):
-            raise cli.UsageError("/save: nothing to save yet; type a message first")
-        record = {"messages": self.messages}
-        cut = [i for i, m in enumerate(self.messages) if any(m is c for c in self.cut)]
-        if cut:
-            record["cut"] = cut
-        try:
-            with open(path, "a", encoding="utf-8") as f:  # appended: nothing already there is lost
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        except OSError as e:
-            raise cli.UsageError(
-                f"/save {path}: cannot write it ({e.strerror}); give a file in a writable folder"
-            ) from None
-        marks = f'; "cut": {cut} marks the replies cut short' if cut else ""
-        print(
-            f"[{cli.plural(len(self.messages), 'message')} appended to {path}{marks}]",
-            file=sys.stderr,
-        )
-
-    def layout(self, messages):
-        """The conversation's ids, up to where the assistant's reply begins."""
-        return checkpoint.encode(self.tokenizer, messages)
-
-    def say(self, text):
-        if not text.strip():
-            raise cli.UsageError("the message is empty; type some text (/help lists the commands)")
-        self.answer(self.messages + [{"role": "user", "content": cli.check_text(text, "message")}])
-
-    def fit(self, messages):
-        """(messages, their ids, the reply's most new tokens): while the reply would not fit the
-        context, the oldest turn and its answer are dropped (said in one line); a last message that
-        cannot fit alone is refused."""
-        context = self.conversation.model.cfg.max_seq_len
-        first = 1 if messages[0]["role"] == "system" else 0  # a system message always stays
-        ids = self.layout(messages)
-        dropped = 0
-        while len(ids) + self.want > context and len(messages) > first + 1:
-            turns = messages[first:]
-            answered = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), 1)
-            messages = messages[:first] + turns[answered:]
-            dropped += answered
-            ids = self.layout(messages)
-        room = context - len(ids)
-        if room < 1:
-            raise cli.UsageError(
-                f"the message takes {len(ids)} tokens laid out, the model's context holds "
-                f"{context}; shorten it"
-            )
-        if dropped:
-            cli.notice(f"the context is full: dropping the oldest {cli.plural(dropped, 'message')}")
-        if room < self.want:
-            cli.notice(f"the context leaves room for {room} new tokens: the reply stops there")
-        return messages, ids, min(self.want, room)
-
-    def answer(self, messages):
-        """Stream the reply to messages (the last one the user's); it joins the conversation.
-        Returns its Result (None if Ctrl-C stopped it)."""
-        messages, ids, limit = self.fit(messages)
-        printer = Printer(self.tokenizer, self.show)
-        t0 = time.perf_counter()
-        first = []  # when the first token came: the time the user waits
-
-        def on_tokens(new, sources):
-            if not first:
-                first.append(time.perf_counter())
-            printer(new, sources)
-
-        try:
-            r = self.conversation.reply(ids, limit, on_tokens=on_tokens, **self.decoding)
-        except KeyboardInterrupt:  # what was streamed stays, as the user saw it
-            print()
-            text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
-            if text:
-                self.messages = messages + [{"role": "assistant", "content": text}]
-                self.cut.append(self.messages[-1])
-            kept = (
-                "; the reply so far stays in the conversation, /save marks it cut" if text else ""
-            )
-            print(f"[stopped{kept}]", file=sys.stderr)
-            return None
-        print()
-        self.seconds += r.seconds
-        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        self.messages = messages + [{"role": "assistant", "content": text}]
-        if r.stopped == "length":
-            self.cut.append(self.messages[-1])
-            if limit == self.want:
-                why = f"--max-new-tokens {limit}"
-            else:
-                why = f"{cli.plural(limit, 'new token')}, all the context leaves"
-            print(f"[cut at {why}; /save marks it cut]", file=sys.stderr)
-        if self.learner:  # between turns: the next reply drafts with what this one taught
-            self.learner.reply_done()
-        if self.stats:
-            forwarded = f"{self.conversation.forwarded} of {len(ids)} prompt tokens forwarded"
-            waited = f"first token after {first[0] - t0:.2f} s"
-            line = stats_line(r, self.conversation.drafter.max_depth, more=[forwarded, waited])
-            print(line, file=sys.stderr)
-        return r
-
-
 # the modes: one prompt after another streamed, a batch, a chat
 
 
@@ -900,7 +536,7 @@ def one_by_one(dec, encoded, replies, *, stream, show):
     generator through every prompt. Returns the seconds it decoded."""
     t0 = time.perf_counter()
     for i, (_, ids, max_new_tokens) in enumerate(encoded):
-        printer = Printer(dec.tokenizer, show) if stream else None
+        printer = terminal.Printer(dec.tokenizer, show) if stream else None
         r = decode.generate(
             dec.model,
             ids,
@@ -943,9 +579,10 @@ def decoding_seconds(dec, t0):
 def chat(dec, *, system, max_new_tokens, show, stats):
     """--chat: a conversation at the terminal (or stdin, a line a message), until its end. Returns
     the seconds spent answering."""
-    terminal = Chat(dec, system=system, max_new_tokens=max_new_tokens, show=show, stats=stats)
-    terminal.run(interactive=sys.stdin.isatty())
-    return terminal.seconds
+    want = max_new_tokens or MAX_NEW_TOKENS  # a reply's most, where the context has room
+    talk = terminal.Chat(dec, system=system, max_new_tokens=want, show=show, stats=stats)
+    talk.run(interactive=sys.stdin.isatty())
+    return talk.seconds
 
 
 @contextlib.contextmanager
@@ -1010,11 +647,11 @@ def main(args):
     # the loop's forward; the drafters keep the readable model
     model = graphs.GraphedForward(model) if catalog.cuda_graphs(args.cuda_graphs, device) else model
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
-    announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
+    terminal.announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
 
     with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
         whole = batch_size > 1 and not args.quiet
-        replies = Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
+        replies = terminal.Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
         if args.chat:
             seconds = chat(
                 dec,

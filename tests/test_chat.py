@@ -22,6 +22,7 @@ import dataset
 import drafters
 import decode
 import generate as G
+import terminal
 import test_batch
 import tree as tree_lib
 from conftest import save_tiny_model
@@ -153,7 +154,7 @@ def test_chat_replies_equal_one_shot_replies_to_the_conversation(tiny_chat, head
         drafter = drafters.HeadsDrafter(random_heads(model, heads, k=2), tree)
     decoding = dict(verify="auto", temperature=0.0, top_p=1.0, eos_ids={2})
     dec = G.Decoder(model, tok, drafter, None, decoding, generator=None)
-    chat = G.Chat(dec, system=None, max_new_tokens=12, show=False, stats=True)
+    chat = terminal.Chat(dec, system=None, max_new_tokens=12, show=False, stats=True)
     forwarded = []
     for text in ["Hello there.", "Tell me more.", "And a third thing?"]:
         before = chat.messages

@@ -24,6 +24,7 @@ import decode
 import engine
 import exact
 import generate as G
+import terminal
 import heads as heads_lib
 import kernels
 import model as model_lib
@@ -282,9 +283,9 @@ def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
 
 def test_stats_line_counts_in_words():
     r = decode.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
-    assert G.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
+    assert terminal.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
     r = decode.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
-    assert G.stats_line(r, 0).startswith("[2 new tokens, 2 steps,")
+    assert terminal.stats_line(r, 0).startswith("[2 new tokens, 2 steps,")
 
 
 def test_help_shows_each_default_once():
@@ -769,8 +770,8 @@ def test_show_marks_the_lookup_tokens(loaded, capsys, monkeypatch):
         20,
     )
     assert code == 0, err
-    assert f"{G.COLOURS[1]}lookup{G.COLOURS[0]} = proposed by it" in err
-    assert G.COLOURS[1] in out  # some of the reply was copied by lookup
+    assert f"{terminal.COLOURS[1]}lookup{terminal.COLOURS[0]} = proposed by it" in err
+    assert terminal.COLOURS[1] in out  # some of the reply was copied by lookup
 
 
 # --- the real entry point, in a subprocess -------------------------------------------------------

@@ -115,11 +115,11 @@ def test_the_readme_says_what_a_full_chat_context_does():
 
 
 def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
-    """The first command's sample output: its banner, rebuilt by generate.banner_line from the same
+    """The first command's sample output: its banner, rebuilt by terminal.banner_line from the same
     model, drafter, device, dtype and threads, is the line the README shows."""
     import types
 
-    import generate
+    import terminal
     import kernels
 
     text = open(os.path.join(ROOT, "README.md")).read()
@@ -132,5 +132,5 @@ def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
     drafter = types.SimpleNamespace(name="heads: hydra++, tree: 6 nodes")
     dec = types.SimpleNamespace(model=model, drafter=drafter)
     draft = types.SimpleNamespace(kind="heads", heads="auto")
-    line = generate.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
+    line = terminal.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
     assert line == shown
