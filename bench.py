@@ -527,12 +527,10 @@ def layers_setting(args, model):
     device and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU;
     else half the layers."""
     on = lambda device, dtype: catalog.tuned_tree_file(args.heads_dir, device, dtype, "layers")
-    cpu = [
-        on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)
-    ]  # the same dtype first
-    for file in dict.fromkeys(
-        [on(model.device, model.dtype)] + cpu
-    ):  # each file once (on a CPU the first is cpu's too)
+    # the CPU's files, the same dtype first
+    cpu = [on("cpu", dtype) for dtype in (model.dtype, torch.bfloat16, torch.float32)]
+    # each file once (on a CPU the first is cpu's too)
+    for file in dict.fromkeys([on(model.device, model.dtype)] + cpu):
         try:
             with open(file) as f:
                 tuned = json.load(f)
@@ -722,9 +720,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(f"draft-model: {args.draft_model}, {cli.plural(gamma, 'token')} a step")
-        elif (
-            name in catalog.PARALLEL
-        ):  # jacobi, lookahead, pass: as --tune-parallel chose for this machine
+        elif name in catalog.PARALLEL:
+            # jacobi, lookahead, pass: as --tune-parallel chose for this machine
             if name == "pass" and not tuning.trained_tokens(args.heads_dir, model):
                 if name in asked:
                     raise cli.UsageError(

@@ -433,9 +433,8 @@ def check_sizes(kind, settings, where):
                 f"{where}ngram {n}: lookahead's n-grams are a first token and at least one more; "
                 f"use {where}ngram 2 or more"
             )
-        if (
-            1 + g * (n - 1) + (w - 1) + (n - 2) * w > tree_lib.MAX_NODES
-        ):  # drafters.Lookahead.max_nodes
+        # drafters.Lookahead.max_nodes
+        if 1 + g * (n - 1) + (w - 1) + (n - 2) * w > tree_lib.MAX_NODES:
             raise UsageError(
                 f"{where}window {w}, {where}ngram {n}, {where}guesses {g}: a step would compute "
                 f"{(w - 1) + (n - 2) * w} "

@@ -159,9 +159,8 @@ def config_from_hf(hf: dict, name: str) -> Config:
             f"activation (hidden_act) {act!r} is not supported (supported: silu, gelu_pytorch_tanh)"
         )
     context = _positive(hf, "max_position_embeddings", 2048)
-    if (
-        hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False
-    ):  # Mistral, Phi-3; Qwen if on
+    # Mistral, Phi-3; Qwen if on
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window") is not False:
         # exact: no token reaches past its window
         context = min(context, _positive(hf, "sliding_window"))
     granite_multipliers(hf)  # checked before any weight is read
@@ -231,10 +230,8 @@ def fold_family(arch, hf, cfg: Config, state: dict, dtype) -> dict:
             state[a + "q_proj.weight"] = times(
                 a + "q_proj.weight", g["attention_multiplier"] * cfg.head_dim**0.5
             )
-            for key in (
-                a + "o_proj.weight",
-                m + "down_proj.weight",
-            ):  # x + residual_multiplier * f(x)
+            # x + residual_multiplier * f(x)
+            for key in (a + "o_proj.weight", m + "down_proj.weight"):
                 state[key] = times(key, g["residual_multiplier"])
         embed, divide_logits = g["embedding_multiplier"], g["logits_scaling"]
     if (

@@ -757,9 +757,8 @@ def continue_from(model, folder, path, key, per_shard=128):
         flush=True,
     )
     seed = folder + ".seed"
-    for at in range(
-        len(have), len(convs), per_shard
-    ):  # a shard at a time: a stop loses at most the one in flight
+    # a shard at a time: a stop loses at most the one in flight
+    for at in range(len(have), len(convs), per_shard):
         features_of(
             model,
             convs[at : at + per_shard],
@@ -789,9 +788,8 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
     batch, size, n = [], 0, 0
     bar, t0 = tqdm(convs, desc="features", disable=None), time.time()
     for i, (ids, loss) in enumerate(bar):
-        if (
-            bar.disable and i and i % max(1, len(convs) // 10) == 0
-        ):  # no bar (a log file): a line every tenth
+        # no bar (a log file): a line every tenth
+        if bar.disable and i and i % max(1, len(convs) // 10) == 0:
             print(
                 f"[features] {i}/{len(convs)} conversations, {time.time() - t0:.0f} s",
                 file=sys.stderr,
@@ -1043,9 +1041,8 @@ def check_self_data(folder, key):
                 f"needs {key['teacher_k']} and {key['dim']}: {fix}"
             )
         good.append(name)
-    for i, name in enumerate(
-        good
-    ):  # no gaps; a target name is never a later shard's (numbers only go down)
+    # no gaps; a target name is never a later shard's (numbers only go down)
+    for i, name in enumerate(good):
         if name != f"shard-{i:05d}.safetensors":
             os.replace(
                 os.path.join(folder, name), os.path.join(folder, f"shard-{i:05d}.safetensors")

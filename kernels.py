@@ -592,9 +592,8 @@ def attend(q, k, v, mask):
     # one decode step: SDPA's fp32 kernel beats its bf16 one; where bf16 is emulated, so does all
     if (B == 1 and T == 1) or not onednn_bf16():
         return model.attend(q.float(), k.float(), v.float(), mask).to(q.dtype)
-    if (
-        B == 1 or B * H * T * S > 2**25
-    ):  # a tree or a prefill (SDPA is as fast), or scores over 128 MB
+    # a tree or a prefill (SDPA is as fast), or scores over 128 MB
+    if B == 1 or B * H * T * S > 2**25:
         return model.attend(q, k, v, mask)
     # batches (train.py's data stage): the G = H / Hkv query heads of a key/value head become G*T
     # rows of one matrix product in bf16; softmax in fp32 (as SDPA does inside, minus the blocking).

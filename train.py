@@ -467,9 +467,8 @@ def load_checkpoint(folder, heads, opt, identity):
     ]
     if state.get("weights", identity["weights"]) != identity["weights"]:  # older ones lack it
         differ.append(f"base model weights {identity['weights']} (checkpoint: {state['weights']})")
-    if (
-        data != identity["data"][: len(data)]
-    ):  # older checkpoints record the size only, not the digest
+    # older checkpoints record the size only, not the digest
+    if data != identity["data"][: len(data)]:
         differ.append(
             f"data: {identity['data'][0]} conversations, {identity['data'][1]} tokens, digest "
             f"{identity['data'][2]} (checkpoint: {', '.join(map(str, data))})"
@@ -579,18 +578,16 @@ def train(model, data, out, args):
     step = saved_step = 0
     # assistant tokens trained on (head 1's targets, all ranks) and the held-out evaluations so far
     progress = {"tokens": 0, "curve": []}
-    if args.resume and os.path.exists(
-        os.path.join(out, STATE)
-    ):  # every rank reads it: --out must be shared
+    # every rank reads it: --out must be shared
+    if args.resume and os.path.exists(os.path.join(out, STATE)):
         step, progress = load_checkpoint(out, heads, opt, identity)
         saved_step = step
         log(f"[train] resumed from step {step} in {out}")
     elif args.resume:
         log(f"[train] no checkpoint in {out}; starting from step 0")
     forward = TrainForward(heads, args.loss_impl)
-    if (
-        world > 1
-    ):  # its backward averages gradients over ranks; the frozen shared buffers are never sent
+    # its backward averages gradients over ranks; the frozen shared buffers are never sent
+    if world > 1:
         # (torch 2.13 calls broadcast_buffers deprecated; its replacement would still copy them
         # once)
         forward = nn.parallel.DistributedDataParallel(forward, broadcast_buffers=False)
@@ -972,9 +969,8 @@ def train_main(args, made):
     check_args(args)
     digest = dataset.file_digest(args.data) if args.data != "self" else None
     rank, world, device = init_distributed(args.device)
-    if (
-        torch.device(device).type == "cpu" and world == 1
-    ):  # torchrun sets each rank's threads itself
+    # torchrun sets each rank's threads itself
+    if torch.device(device).type == "cpu" and world == 1:
         cli.use_threads(args.threads)
     # Rank 0 converts the model and builds the data while the others wait; whatever happens to it
     # (done early, an error, Ctrl-C), it tells them, so that no rank waits for ever.

@@ -311,12 +311,8 @@ def kernel_table(model, device):
         (torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), layer.mlp)
         for layer in model.layers
     ]
-    for rows_ in (
-        1,
-        5,
-        16,
-        64,
-    ):  # a step's rows, a tree's, a large tree's: the fused gate and up products
+    # a step's rows, a tree's, a large tree's: the fused gate and up products
+    for rows_ in (1, 5, 16, 64):
         x = rand(rows_, c.dim)
         rows.append(
             (
@@ -386,9 +382,8 @@ def kernel_table(model, device):
                 steps["fast"][0],
             )
         )
-    if (
-        fast.native
-    ):  # kernels.c alone: oneDNN's products and PyTorch's layers (left) against kernels.c's
+    # kernels.c alone: oneDNN's products and PyTorch's layers (left) against kernels.c's
+    if fast.native:
         rows.append(
             (
                 "whole decode step, fast path without kernels.c (left), with it",
@@ -500,9 +495,8 @@ def tune_tree(args, model, prompts, device):
                 "draft_s": [],
             }
         )
-    for _ in range(
-        args.tune_repeats
-    ):  # interleaved: a burst of machine noise hits every size alike
+    # interleaved: a burst of machine noise hits every size alike
+    for _ in range(args.tune_repeats):
         for r in rows:
             r["step_s"].append(timed(r["step"], device))
             r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
@@ -627,9 +621,8 @@ def tune_layers(args, model, prompts, device, eos):
     plain_s = []
     for fn in [plain, *verify.values(), *(r["draft"] for r in rows)]:
         fn()  # warm-up
-    for _ in range(
-        args.tune_repeats
-    ):  # interleaved: a burst of machine noise hits every size alike
+    # interleaved: a burst of machine noise hits every size alike
+    for _ in range(args.tune_repeats):
         plain_s.append(timed(plain, device))
         for g, fn in verify.items():
             verify_s[g].append(timed(fn, device))
@@ -1023,9 +1016,8 @@ def tune_parallel(args, model, prompts, eos, machine):
     cache = prefilled(model, prefix, tree_lib.MAX_NODES)
     times = {}
 
-    def step_ms(
-        n,
-    ):  # median ms of one forward of n nodes (causal among them) after the cached prefix
+    def step_ms(n):
+        """Median ms of one forward of n nodes (causal among them) after the cached prefix."""
         if n not in times:
             ids = torch.full((1, n), prefix[-1], device=dev)  # (1, n)
             at = len(prefix) + torch.arange(n, device=dev)  # (n,)

@@ -933,11 +933,8 @@ def test_model_weights_that_do_not_fit_config_json(capsys, tmp_path, tiny_model_
 
 def test_tiny_temperatures_decode_greedily(capsys, tmp_path, tiny_model_dir):
     ids = {}
-    for t in (
-        "0",
-        "1e-30",
-        "1e-45",
-    ):  # 1e-45: logits / T is inf, softmax NaN, without the threshold
+    # 1e-45: logits / T is inf, softmax NaN, without the threshold
+    for t in ("0", "1e-30", "1e-45"):
         out = tmp_path / f"{t}.jsonl"
         code, _, err = run_cli(
             capsys,

@@ -80,9 +80,8 @@ class SimulatedDevice(TorchFunctionMode):
                 or (name.endswith("_") and not name.startswith("__"))
                 or name.startswith("__i")
             ):
-                if self_ is not None and not on_device(
-                    self_
-                ):  # writes or reads host memory with device data
+                # writes or reads host memory with device data
+                if self_ is not None and not on_device(self_):
                     raise RuntimeError(
                         f"{name}: host tensor {tuple(self_.shape)} with a device tensor"
                     )
@@ -99,9 +98,8 @@ class SimulatedDevice(TorchFunctionMode):
                 isinstance(a, (str, torch.device)) for a in args[1:]
             )
             where = moved or bool(dev)
-            if (
-                moved and out is args[0]
-            ):  # .to() of what is already there returns it: a device copy is another tensor
+            # .to() of what is already there returns it: a device copy is another tensor
+            if moved and out is args[0]:
                 out = out.view_as(out)
         elif name in ("cpu", "numpy"):
             where = False

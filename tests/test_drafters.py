@@ -156,9 +156,8 @@ def copy_plain(default_model):
 def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
     model, _ = default_model
     prompt, eos, plain = copy_plain
-    if (
-        name == "pass"
-    ):  # the shipped [LA] tokens, passed with each forward: the model stays as loaded
+    # the shipped [LA] tokens, passed with each forward: the model stays as loaded
+    if name == "pass":
         d = catalog.pass_drafter(os.path.join(catalog.SHIPPED, "pass"), 2, 2, model)
         r = decode.generate(model, prompt, 24, d, eos_ids=eos)
         assert r.tokens == plain.tokens and r.stopped == "eos" and sum(r.accepted) > 0
@@ -171,9 +170,8 @@ def test_greedy_equals_plain_default_model(default_model, copy_plain, name):
         )
     elif name == "layers:27":  # of 30: some drafts are right (with fewer layers almost none are)
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None, range(27), "layers:27")
-    elif (
-        name == "model"
-    ):  # the model as its own draft model: the only one at hand with its tokenizer
+    elif name == "model":
+        # the model as its own draft model: the only one at hand with its tokenizer
         d = D.ModelDrafter(model, 4, 0.0, 1.0, None)
     else:
         d = drafter(name, model, gamma=4) if name != "lookup" else D.Lookup(10, 3, 1, "cpu")

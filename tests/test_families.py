@@ -72,17 +72,15 @@ def family_dir(tmp_path_factory):
             torch.manual_seed(0)
             config = getattr(transformers, name)(vocab_size=len(tokenizer), **SMALL | extra)
             hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-            with (
-                torch.no_grad()
-            ):  # norms at 1 (Gemma's at 0) and biases at 0 would hide a wrong fold
+            # norms at 1 (Gemma's at 0) and biases at 0 would hide a wrong fold
+            with torch.no_grad():
                 for p in hf.parameters():
                     p.add_(0.1 * torch.randn_like(p))
             folder = tmp_path_factory.mktemp(family)
             hf.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            if (
-                family == "gemma"
-            ):  # as Gemma's own config.json files have it: tied by the family's default
+            # as Gemma's own config.json files have it: tied by the family's default
+            if family == "gemma":
                 config = json.loads((folder / "config.json").read_text())
                 (folder / "config.json").write_text(
                     json.dumps({k: v for k, v in config.items() if k != "tie_word_embeddings"})

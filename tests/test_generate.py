@@ -138,9 +138,8 @@ def test_computed_only_nodes_are_never_kept(small, monkeypatch):
 
 
 def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
-    with pytest.raises(
-        ValueError, match="needs temperature 0"
-    ):  # greedy steps after a sampled first token
+    # greedy steps after a sampled first token
+    with pytest.raises(ValueError, match="needs temperature 0"):
         decode.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
     with pytest.raises(ValueError, match="use one of"):
         decode.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)

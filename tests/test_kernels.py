@@ -104,9 +104,8 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
         for quant in ("int8", "int4"):  # quantized weights off the CPU: widened, no CPU kernel
             kernels.quantize(m, quant)
             forward_as_on_a_gpu(m)
-        with pytest.raises(
-            ValueError, match="a CPU kernel"
-        ):  # fbgemm's fp16 product: refused off the CPU
+        # fbgemm's fp16 product: refused off the CPU
+        with pytest.raises(ValueError, match="a CPU kernel"):
             kernels.quantize(m, "fp16")
         kernels.use(m, Kernels())
     assert capsys.readouterr().err == ""
@@ -244,9 +243,8 @@ def test_kernels_c_attention_is_model_attend_and_each_query_alone(T, S, tree, na
     got = kernels.attend_native(q, k, v, mask)  # (1, H, T, Dh)
     want = model_lib.attend(q.float(), k.float(), v.float(), mask)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
-    for t in range(
-        T
-    ):  # query t alone, as a plain step sees it: the keys it sees side by side, no mask
+    # query t alone, as a plain step sees it: the keys it sees side by side, no mask
+    for t in range(T):
         seen = torch.arange(S) <= S - T + t if mask is None else mask[0, 0, t]  # (S,) bool
         alone = kernels.attend_native(q[:, :, t : t + 1], k[:, :, seen], v[:, :, seen], None)
         assert torch.equal(alone, got[:, :, t : t + 1])

@@ -204,10 +204,8 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     # teacher: top-2 = {0: 0.6, 2: 0.3}, residual 0.1 spread over tokens 1 and 3 in some unrecorded
     # way
     ids, p = torch.tensor([[0, 2]]), torch.tensor([[0.6, 0.3]])
-    for q in (
-        [0.6, 0.05, 0.3, 0.05],
-        [0.6, 0.1, 0.3, 0.0001],
-    ):  # any split of the residual is optimal
+    # any split of the residual is optimal
+    for q in ([0.6, 0.05, 0.3, 0.05], [0.6, 0.1, 0.3, 0.0001]):
         logits = torch.tensor([q]).log().requires_grad_()
         losses.teacher_loss(logits, ids, p).sum().backward()
         assert logits.grad.abs().max() < 1e-4, logits.grad
@@ -638,11 +636,8 @@ def test_exported_conversations_rebuild_the_same_features(features, tmp_path):
     again = D.load_data(str(tmp_path / "again"))
     for k in ("ids", "loss", "offsets", "teacher_top1"):
         assert torch.equal(again[k], data[k]), k
-    for k in (
-        "hidden",
-        "top_ids",
-        "top_p",
-    ):  # memory-mapped columns, read conversation by conversation
+    # memory-mapped columns, read conversation by conversation
+    for k in ("hidden", "top_ids", "top_p"):
         for a, e in zip(data["offsets"][:-1].tolist(), data["offsets"][1:].tolist()):
             assert torch.equal(again[k][a:e], data[k][a:e]), k
 

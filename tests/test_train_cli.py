@@ -439,9 +439,8 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
         len(D.read_shard(os.path.join(folder, f), meta_only=True)) for f in D.shards_in(folder)
     ] == [1, 3]
     assert os.path.exists(paths[1] + ".broken")
-    with pytest.raises(
-        T.UsageError, match="made with other settings"
-    ):  # key.json now records the settings
+    # key.json now records the settings
+    with pytest.raises(T.UsageError, match="made with other settings"):
         D.check_self_data(folder, {"teacher_k": 16, "dim": 32})
 
 
