@@ -17,7 +17,7 @@ import decode
 import graphs
 import kernels
 
-# what is printed
+# --- what is printed ------------------------------------------------------------------------------
 
 # the base model's colour, then drafter.legend[1:]'s
 COLOURS = ["\033[0m", "\033[32m", "\033[33m", "\033[36m", "\033[35m", "\033[34m", "\033[31m"]
@@ -162,7 +162,7 @@ class Replies:
             print(f"[{self.model.summary()}]", file=sys.stderr)
 
 
-# --chat: a conversation at the terminal
+# --- --chat: a conversation at the terminal -------------------------------------------------------
 
 CHAT_HELP = (
     "[type a message and press Enter; /reset starts a new conversation, /save FILE appends it to "
