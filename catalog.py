@@ -645,10 +645,16 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
             f"--draft heads+lookup: no heads are shipped for {model.cfg.name}; train them with "
             "train.py and pass --heads FOLDER, or use --draft lookup"
         )
-    if kind == "layers" and arg >= model.cfg.n_layers:
+    L = model.cfg.n_layers
+    if kind == "layers" and L == 1:
         raise UsageError(
-            f"--draft {draft.spec}: the model has {model.cfg.n_layers} layers, so N must be 1 to "
-            f"{model.cfg.n_layers - 1} (all of them would be the model itself)"
+            f"--draft {draft.spec}: the model has one layer, so no fewer can draft for it; use "
+            "another --draft"
+        )
+    if kind == "layers" and arg >= L:
+        raise UsageError(
+            f"--draft {draft.spec}: the model has {L} layers, so N must be 1 to {L - 1} (all of "
+            "them would be the model itself)"
         )
     draft_model = None
     if kind == "model":

@@ -68,7 +68,7 @@ class Recorder:
         self.plain = drafters.Plain(model.device)
         self.records = []  # shared by every row()
 
-    def row(self):  # start() makes the state
+    def row(self, generator=None):  # start() makes the state
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):

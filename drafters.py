@@ -12,8 +12,8 @@ tree with one path); verification does not care who drafted. The drafters, one i
     Lookahead(window, ngram, guesses)  n-grams from a window of Jacobi trajectories, same forward
     PaSS(model, embeddings, gamma)     learned [LA] tokens: the model drafts for itself
 
-    d.row()                                  a drafter for one more sequence of a batch: the same
-        weights and settings, its own state (start() makes it); a drafter alone is one sequence's
+    d.row(generator)                         a drafter for one more sequence of a batch: the same
+        weights and settings, its own state (start() makes it) and generator (sampled drafts)
     d.start(prompt, hidden, max_len, kept=0)  a new sequence: the prompt ids, the base model's
         hidden states over them (1, T, D), room for max_len positions; kept > 0: the last sequence
         goes on (Conversation's next turn), its state for prompt[:kept] kept, hidden the rest's
@@ -211,7 +211,7 @@ class HeadsDrafter:
         self.max_nodes = tree.num_nodes
         self.max_depth = tree.max_depth
 
-    def row(self):  # start() makes the state (h, Hydra++'s prefix cache): a copy shares none
+    def row(self, generator=None):  # start() makes the state (h, Hydra++'s prefix cache)
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):
@@ -244,7 +244,7 @@ class Plain:
     def __init__(self, device):
         self.shapes = Shapes(device)
 
-    def row(self):
+    def row(self, generator=None):
         return self
 
     def start(self, prompt, hidden, max_len, kept=0):
@@ -291,7 +291,7 @@ class Lookup:
         self.max_nodes = 1 + gamma * matches
         self.max_depth = gamma
 
-    def row(self):  # start() makes the state (the text, its index): a shallow copy shares none
+    def row(self, generator=None):  # start() makes the state (the text, its index)
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):  # kept: the index is rebuilt, a few ms
@@ -396,8 +396,10 @@ class ModelDrafter:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
-    def row(self):  # start() makes the state (its cache, what it has not fed)
-        return copy.copy(self)
+    def row(self, generator=None):  # start() makes the state (its cache, what it has not fed)
+        other = copy.copy(self)
+        other.generator = generator  # the row's own draws, as a sequence alone has (None: torch's)
+        return other
 
     def start(self, prompt, hidden, max_len, kept=0):
         if not kept:
@@ -469,9 +471,9 @@ class HeadsPlusLookup:
         self.max_nodes = heads.max_nodes + lookup.max_nodes - 1
         self.max_depth = max(heads.max_depth, lookup.max_depth)
 
-    def row(self):
+    def row(self, generator=None):
         pair = copy.copy(self)
-        pair.heads, pair.lookup = self.heads.row(), self.lookup.row()
+        pair.heads, pair.lookup = self.heads.row(generator), self.lookup.row(generator)
         return pair
 
     def start(self, prompt, hidden, max_len, kept=0):
@@ -527,7 +529,7 @@ class Jacobi:
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
 
-    def row(self):  # start() makes the state (the guesses)
+    def row(self, generator=None):  # start() makes the state (the guesses)
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
@@ -590,7 +592,7 @@ class Lookahead:
         self.max_depth = ngram - 1
         self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
 
-    def row(self):  # start() makes the state (the window, the pool)
+    def row(self, generator=None):  # start() makes the state (the window, the pool)
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
@@ -676,7 +678,7 @@ class PaSS:
         self.max_nodes = n * (K + 1)
         self.max_depth = K
 
-    def row(self):  # start() makes the state (the last step's guesses)
+    def row(self, generator=None):  # start() makes the state (the last step's guesses)
         return copy.copy(self)
 
     def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
@@ -688,13 +690,9 @@ class PaSS:
     def guess(self, root):
         self.drafted = self.first or [root] * self.G  # (G,)
         rest = self.rest or [root] * (self.K - 1)  # (K-1,)
-        tokens = (
-            [root]
-            + [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths]
-            + self.la
-        )
-        tokens = torch.tensor(tokens, device=self.dev)  # (N,)
-        source = [0] + [1] * len(self.tree.paths)
+        drafts = [self.drafted[p[0]] if len(p) == 1 else rest[len(p) - 2] for p in self.tree.paths]
+        tokens = torch.tensor([root] + drafts + self.la, device=self.dev)  # (N,)
+        source = [0] + [1] * len(drafts)
         return Draft(tokens, self.tree, self.mask, self.depth, source, extra=self.extra)
 
     def accept(self, step):

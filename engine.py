@@ -5,10 +5,11 @@ prompts taking the rows of those that end (continuous batching). Beside the less
 
 Up to batch_size prompts decode side by side, one cache row each (the cache keeps a length per
 row); the others wait. Every step each row drafts its own tree (its own drafter.row()), one forward
-scores all of them, each row verifies on its own generator (so its draws do not depend on its
-batch mates) and keeps its own path. A row that ends frees its cache row: waiting prompts take free
-rows a few at a time (a prefill reads every weight once: grouped, it reads them once for several),
-and once nothing waits ended rows leave the cache a quarter at a time (each compaction copies it).
+scores all of them, each row verifies (and samples its drafts) on its own generator, so its draws
+do not depend on its batch mates, and keeps its own path. A row that ends frees its cache row:
+waiting prompts take free rows a few at a time (a prefill reads every weight once: grouped, it
+reads them once for several), and once nothing waits ended rows leave the cache a quarter at a
+time (each compaction copies it).
 
 Contract (tests/test_batch.py): row i of a batch is generate(prompt i) alone, token for token
 (greedy, fp32 and bf16 through kernels.c; sampled, with its own generator). Shapes: B rows, V
@@ -105,7 +106,7 @@ def generate_batch(
             cache.put(free, into)
         for j, (slot, job) in enumerate(zip(free, picked)):
             job.started = started
-            own = drafter if size == 1 else drafter.row()
+            own = drafter if size == 1 else drafter.row(job.generator)
             own.start(job.prompt, hidden[j], cache.max_len)
             verifier = decode.choose_verifier(verify, temperature, top_p, job.generator)
             root = decode.first_token(logits[j], temperature, top_p, job.generator)

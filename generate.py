@@ -395,13 +395,6 @@ def check_args(args, parser):
     check_sampling_flags(args)
     given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
     draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
-    sampled = not verify_lib.is_greedy(args.temperature) and args.verify in ("auto", "sample")
-    if sampled and args.batch_size > 1 and draft.kind in ("layers", "skip", "model"):
-        raise cli.UsageError(
-            f"--draft {args.draft} at --temperature {args.temperature} samples its drafts from one "
-            "generator that --batch-size's rows would share; drop --batch-size, or use --verify "
-            "typical or --temperature 0"
-        )
     if args.out:
         check_out(args.out, args.prompts, args.overwrite)
     check_online(args, draft.kind)

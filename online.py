@@ -192,9 +192,9 @@ class OnlineHeads:
         self.max_nodes = inner.max_nodes
         self.max_depth = inner.max_depth
 
-    def row(self):  # a row of a batch: its own inner state and record, the same learner
+    def row(self, generator=None):  # a row of a batch: its own inner state and record, one learner
         other = copy.copy(self)
-        other.inner = self.inner.row()
+        other.inner = self.inner.row(generator)
         return other
 
     def start(self, prompt, hidden, max_len, kept=0):

@@ -941,9 +941,9 @@ class Counted:
             drafter.max_depth,
         )
 
-    def row(self):  # another sequence's: its own drafter's state, the same record of sizes
+    def row(self, generator=None):  # another sequence's: its drafter's state, one record of sizes
         other = copy.copy(self)
-        other.drafter = self.drafter.row()
+        other.drafter = self.drafter.row(generator)
         return other
 
     def start(self, prompt, hidden, max_len, kept=0):

@@ -107,6 +107,26 @@ def test_a_sampled_row_depends_on_its_own_seed_only(small, name, verify):
     assert [r.tokens for r in batch] == alone
 
 
+@pytest.mark.parametrize("verify", ["sample", "typical"])
+@pytest.mark.parametrize("size", [6, 4])
+def test_sampled_drafts_of_a_row_come_from_its_own_generator(small, verify, size):
+    """A drafter that samples its drafts (layers:N, skip, a draft model at a temperature) draws for
+    row i from row i's generator, as it draws from the one generator of a sequence alone."""
+
+    def sampled_layers(generator):
+        return drafters.ModelDrafter(small, 3, 0.9, 0.95, generator, layers=[0])
+
+    alone = []
+    for s, (p, n) in enumerate(zip(PROMPTS, LIMITS)):
+        g = torch.Generator().manual_seed(s)
+        alone.append(decode.generate(small, p, n, sampled_layers(g), verify, 0.9, 0.95, g).tokens)
+    seeded = [torch.Generator().manual_seed(s) for s in range(len(PROMPTS))]
+    batch = engine.generate_batch(
+        small, PROMPTS, LIMITS, sampled_layers(None), verify, 0.9, 0.95, seeded, batch_size=size
+    )
+    assert [r.tokens for r in batch] == alone
+
+
 def test_the_cache_holds_each_rows_sequence_after_ragged_steps(small):
     """Row b's slots [0, lengths[b]) equal a fresh forward over its prompt and reply, whatever its
     batch mates accepted (the gap between rows' lengths is never kept)."""
@@ -240,7 +260,7 @@ class Repeat:
         self.shapes = drafters.Shapes("cpu")
         self.name, self.max_nodes, self.max_depth = f"repeat {gamma}", 1 + gamma, gamma
 
-    def row(self):
+    def row(self, generator=None):
         return self
 
     def start(self, prompt, hidden, max_len, kept=0):

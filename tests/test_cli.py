@@ -554,14 +554,6 @@ PARALLEL_FLAGS = [
     ("jacobi --draft-model some/model", "add --draft model or drop --draft-model"),
 ]
 DRAFT_FLAGS += [(["--draft", *argv.split()], words) for argv, words in PARALLEL_FLAGS]
-# sampled drafts come from one generator: a batch's rows would share its draws
-DRAFT_FLAGS += [
-    (
-        ["--draft", *draft.split(), "--temperature", "0.7", "--batch-size", "2"],
-        f"--draft {draft.split()[0]} at --temperature 0.7 samples its drafts from one generator",
-    )
-    for draft in ("layers:1", "skip", "model --draft-model some/model")
-]
 
 
 @pytest.mark.parametrize("argv, words", DRAFT_FLAGS, ids=[" ".join(a)[:40] for a, _ in DRAFT_FLAGS])
@@ -574,6 +566,13 @@ def test_layers_beyond_the_model(loaded, capsys):
     check_one_line_error(
         *run_cli(capsys, "--prompt", "hi", "--draft", f"layers:{n}")[::2],
         f"the model has {n} layers, so N must be 1 to {n - 1}",
+    )
+
+
+def test_layers_of_a_one_layer_model(capsys, tiny_model_dir):
+    check_one_line_error(
+        *run_cli(capsys, "--model", tiny_model_dir, "--prompt", "hi", "--draft", "layers:1")[::2],
+        "the model has one layer, so no fewer can draft for it",
     )
 
 
@@ -1091,6 +1090,28 @@ def test_a_batch_writes_what_one_prompt_at_a_time_writes(capsys, tmp_path, tiny_
     assert sorted(line.split("]")[0] for line in stdout.splitlines()) == [
         f"[p{i}" for i in range(5)
     ]
+
+
+def test_a_sampled_batch_row_is_its_prompt_alone_at_its_seed(capsys, tmp_path, tiny_model_dir):
+    """--batch-size at a temperature, drafts sampled too (a draft model): prompt i's reply is the
+    one it gets alone at --seed + i; its drafts come from its own generator, as its verification."""
+    texts = ["hi", "a longer prompt, with words", "b"]
+    argv = ["--model", tiny_model_dir, "--draft", "model", "--draft-model", tiny_model_dir]
+    argv += ["--temperature", "30"]  # the tiny model is sharply peaked: flattened, draws vary
+    argv += ["--max-new-tokens", 12, "--dtype", "fp32"]
+    out = tmp_path / "batch.jsonl"
+    prompts = write_prompts(tmp_path / "p.jsonl", texts)
+    code, _, err = run_cli(
+        capsys, *argv, "--prompts", prompts, "--batch-size", 3, "--seed", 5, "--out", out
+    )
+    assert code == 0, err
+    batch = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    for i, text in enumerate(texts):
+        alone = tmp_path / f"{i}.jsonl"
+        one = write_prompts(alone.with_suffix(".in"), [text])
+        code, _, err = run_cli(capsys, *argv, "--prompts", one, "--seed", 5 + i, "--out", alone)
+        assert code == 0, err
+        assert json.loads(alone.read_text())["token_ids"] == batch[f"p{i}"], i
 
 
 @pytest.mark.parametrize(
