@@ -287,8 +287,12 @@ class Chat:
         if cut:
             record["cut"] = cut
         try:
-            with open(path, "a", encoding="utf-8") as f:  # appended: nothing already there is lost
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            with open(path, "a+b") as f:  # appended: nothing already there is lost
+                if f.seek(0, os.SEEK_END) > 0:  # a last line without its newline stays whole
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+                f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
         except OSError as e:
             raise cli.UsageError(
                 f"/save {path}: cannot write it ({e.strerror}); give a file in a writable folder"

@@ -264,6 +264,23 @@ def test_save_before_any_turn_writes_nothing(
     assert not (tmp_path / "c.jsonl").exists()
 
 
+def test_save_appends_after_a_last_line_without_its_newline(
+    tiny_chat, tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    """A file whose last line lacks its newline (written by hand, another tool) keeps that line
+    whole: the saved conversation starts a line of its own, and /load reads it back."""
+    earlier = (
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}'
+    )
+    (tmp_path / "c.jsonl").write_text(earlier)
+    save = f"/save {tmp_path / 'c.jsonl'}"
+    lines = ["Hello there", save, f"/load {tmp_path / 'c.jsonl'}"]
+    code, err, errors = chat_session(monkeypatch, capsys, tiny_chat, tiny_model_dir, lines)
+    assert code == 0 and not errors, err
+    first, second = (tmp_path / "c.jsonl").read_text().splitlines()
+    assert first == earlier and json.loads(second)["messages"][0]["content"] == "Hello there"
+
+
 def test_save_and_load_take_the_home_folder(
     tiny_chat, tiny_model_dir, monkeypatch, capsys, tmp_path
 ):
