@@ -35,6 +35,7 @@ import torch
 
 import tree as tree_lib
 import verify as verify_lib
+from cli import plural
 
 # --- the draft: a tree and its tokens -----------------------------------------------------------
 # Trees here change from step to step (a lookup finds a match or not, of some length), but only
@@ -206,7 +207,7 @@ class HeadsDrafter:
         self.depth = self.tree.depth
         self.mask = self.tree.mask if tree.num_nodes > 1 else None
         self.source = tree.depth.tolist()  # node i: head depth[i]'s guess, 0 the base model's
-        self.name = f"heads: {heads.cfg.kind}, tree: {tree.num_nodes} nodes"
+        self.name = f"heads: {heads.cfg.kind}, tree: {plural(tree.num_nodes, 'node')}"
         self.legend = ["base model"] + [f"head {d}" for d in range(1, tree.max_depth + 1)]
         self.max_nodes = tree.num_nodes
         self.max_depth = tree.max_depth
@@ -283,7 +284,7 @@ class Lookup:
         self.shortest = shortest
         self.shapes = Shapes(device)
         self.name = (
-            f"lookup: n-grams {ngram}..{shortest}, up to {gamma} tokens"
+            f"lookup: n-grams {ngram}..{shortest}, up to {plural(gamma, 'token')}"
             + (f", {matches} matches" if matches > 1 else "")
             + (", length adapted" if adapt else "")
         )
@@ -391,7 +392,7 @@ class ModelDrafter:
         self.shapes = Shapes(model.device)
         self.paths = tree_lib.chain(gamma)
         sampled = "" if verify_lib.is_greedy(temperature) else ", sampled"
-        self.name = f"{name}, {gamma} token{'s' * (gamma != 1)} a step{sampled}"
+        self.name = f"{name}, {plural(gamma, 'token')} a step{sampled}"
         self.legend = ["base model", name]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
@@ -524,7 +525,7 @@ class Jacobi:
         assert gamma >= 1, f"gamma must be >= 1, got {gamma}"
         self.gamma = gamma
         self.shapes = Shapes(device)
-        self.name = f"jacobi: {gamma} guess{'es' * (gamma != 1)} a step"
+        self.name = f"jacobi: {plural(gamma, 'guess')} a step"
         self.legend = ["base model", "jacobi"]
         self.max_nodes = 1 + gamma
         self.max_depth = gamma
@@ -587,7 +588,7 @@ class Lookahead:
         depth = torch.tensor([level + r for level, r in self.cells], dtype=torch.long)  # (M,)
         self.shapes = Shapes(device, Window(sees, depth))
         self.top = [index[ngram - 2, r] for r in range(window)]  # column tops, in [root, window]
-        self.name = f"lookahead: window {window}, {ngram}-grams, up to {guesses} guesses"
+        self.name = f"lookahead: window {window}, {ngram}-grams, up to {plural(guesses, 'guess')}"
         self.legend = ["base model", "lookahead"]
         self.max_depth = ngram - 1
         self.max_nodes = 1 + guesses * (ngram - 1) + len(self.cells)
@@ -673,7 +674,7 @@ class PaSS:
         self.mask = mask.to(self.dev)
         self.depth = torch.tensor(depth, device=self.dev)
         firsts = f", {G} first guesses" if G > 1 else ""
-        self.name = f"pass: {K} [LA] token{'s' * (K != 1)}{firsts}"
+        self.name = f"pass: {plural(K, '[LA] token')}{firsts}"
         self.legend = ["base model", "[LA] tokens"]
         self.max_nodes = n * (K + 1)
         self.max_depth = K

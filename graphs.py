@@ -368,7 +368,9 @@ class GraphedForward:
         why = ", ".join(f"{r} {n}" for r, n in self.fallbacks.most_common())
         if self.enabled:
             captured = sum(s.graph is not None for s in self.shapes.values())
-            head = f"cuda graphs: {captured} shapes captured, {self.replays} replays"
+            head = f"cuda graphs: {captured} shape{'s' * (captured != 1)} captured, "
+            head += f"{self.replays} replay{'s' * (self.replays != 1)}"
         else:
-            head = f"static steps (cuda graphs off): {len(self.shapes)} shapes, {self.replays} run"
+            shapes = f"{len(self.shapes)} shape{'s' * (len(self.shapes) != 1)}"
+            head = f"static steps (cuda graphs off): {shapes}, {self.replays} run"
         return f"{head}; eager: {eager}" + (f" ({why})" if why else "")

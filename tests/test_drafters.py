@@ -612,3 +612,21 @@ def test_lookahead_pool_keeps_the_latest_ngrams_and_starts_collecting_once_the_w
         1,
         5,
     ]  # the latest first: (1, 1) ranks before (2, 5)
+
+
+def test_a_drafter_of_one_names_it_in_the_singular(small):
+    """The banner names each drafter's size; one is "1 token", never "1 tokens"."""
+    names = [
+        D.HeadsDrafter(random_heads(small, "medusa"), tree_lib.build([])).name,
+        D.Lookup(1, 2, 1, "cpu").name,
+        D.ModelDrafter(small, 1, 0.0, 1.0, None).name,
+        D.Jacobi(1, "cpu").name,
+        D.Lookahead(1, 2, 1, "cpu").name,
+    ]
+    assert names == [
+        "heads: medusa, tree: 1 node",
+        "lookup: n-grams 2..1, up to 1 token",
+        "draft model, 1 token a step",
+        "jacobi: 1 guess a step",
+        "lookahead: window 1, 2-grams, up to 1 guess",
+    ]

@@ -240,7 +240,7 @@ def test_script_draws_a_tree_and_refuses_bad_arguments(capsys):
         T.main(["--help"])
     assert e.value.code == 0 and "--tree" in capsys.readouterr().out
     assert T.main(["--tree", "chain:2"]) == 0
-    assert capsys.readouterr().out.startswith("tree: 3 nodes, depth 2, 1 leaves")
+    assert capsys.readouterr().out.startswith("tree: 3 nodes, depth 2, 1 leaf")
     assert T.main(["--tree", "chain:x"]) == 2
     err = capsys.readouterr().err
     assert (
