@@ -438,11 +438,18 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
 
     folder = resolve(name_or_path)
     path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise LoadError(
+            f"model '{folder}': no config.json there, so not a transformers model folder; give one "
+            "(config.json and *.safetensors), a hub id (owner/name) or 'default'"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
     except (OSError, ValueError, RecursionError) as e:
-        raise LoadError(f"{folder} has no readable config.json ({e})") from None
+        raise LoadError(
+            f"{path} is not readable JSON ({e}); fix it or give another model"
+        ) from None
     if not isinstance(hf, dict):
         raise LoadError(
             f"{path}: not a JSON object {{...}} but a JSON {type(hf).__name__}; fix it or pass "

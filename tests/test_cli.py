@@ -1295,3 +1295,11 @@ def test_exact_is_refused_before_the_model_loads(no_model, capsys, monkeypatch, 
     monkeypatch.setattr(exact, "triton", None)  # as where triton is not installed
     code, _, err = run_cli(capsys, "--prompt", "hi", "--exact", *argv)
     check_one_line_error(code, err, words)
+
+
+def test_a_folder_without_a_model_says_what_a_model_folder_holds(capsys, tmp_path):
+    check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2],
+        f"model '{tmp_path}': no config.json there",
+        "(config.json and *.safetensors), a hub id (owner/name) or 'default'",
+    )
