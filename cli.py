@@ -308,6 +308,10 @@ def check_messages(messages, where, ends_with_user=True):
         check_text(m["content"], f"{where}, message {i}")
     if ends_with_user and messages[-1]["role"] != "user":
         raise UsageError(f"{where}: the last message is the one answered: it must be the user's")
+    if ends_with_user and not messages[-1]["content"].strip():
+        raise UsageError(
+            f"{where}: the last message, the one answered, is empty; give it some text"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

@@ -442,10 +442,18 @@ def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
 
 
 def read_prompts(args):
-    """[(id, prompt, category)]: --prompts' lines, or --prompt alone; none with --chat."""
+    """[(id, prompt, category)]: --prompts' lines, or --prompt alone; none with --chat. A
+    conversation needs the chat template: refused with --raw before the model loads."""
     if args.chat:  # the messages come from the terminal
         return []
-    return cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
+    talks = [pid for pid, prompt, _ in prompts if isinstance(prompt, list)]
+    if args.raw and talks:
+        raise cli.UsageError(
+            f"--raw: --prompts {args.prompts} holds conversations (id {talks[0]}: a "
+            '{"messages": [...]} line), which only the chat template lays out; drop --raw'
+        )
+    return prompts
 
 
 def batch_rows(batch_size, prompts):

@@ -1303,3 +1303,21 @@ def test_a_folder_without_a_model_says_what_a_model_folder_holds(capsys, tmp_pat
         f"model '{tmp_path}': no config.json there",
         "(config.json and *.safetensors), a hub id (owner/name) or 'default'",
     )
+
+
+def test_a_conversation_in_prompts_is_checked_before_the_model_loads(no_model, capsys, tmp_path):
+    """Its answered message empty, or --raw (no template to lay it out): refused in one line."""
+    file = tmp_path / "prompts.jsonl"
+    empty = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    }
+    empty["messages"].append({"role": "user", "content": " "})
+    file.write_text(json.dumps(empty) + "\n")
+    check_one_line_error(
+        *run_cli(capsys, "--prompts", file)[::2],
+        "line 1: the last message, the one answered, is empty",
+    )
+    file.write_text(json.dumps({"messages": empty["messages"][:1], "id": "c"}) + "\n")
+    check_one_line_error(
+        *run_cli(capsys, "--prompts", file, "--raw")[::2], "--raw", "(id c", "drop --raw"
+    )
