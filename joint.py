@@ -287,7 +287,13 @@ def run(args):
             f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most "
             f"{base.cfg.n_layers - 1}"
         )
-    heads = checkpoint.load_heads(catalog.find_heads(args.init, "--init"), base)
+    vocab = base.cfg.vocab_size
+    if args.teacher_k > vocab:  # as train.py checks it
+        raise cli.UsageError(
+            f"--teacher-k {args.teacher_k}: the model's vocabulary has {vocab} tokens; use at "
+            f"most {vocab}"
+        )
+    heads = checkpoint.load_heads(init_folder(args.init), base)
     kernels.use(heads, kernels.Kernels())  # the readable path: these weights will change
     if heads.kept_ids is None:
         raise cli.UsageError(
@@ -462,7 +468,10 @@ def build_parser():
     p.add_argument("--epochs", type=int, default=1, help="passes over the conversations")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument(
-        "--teacher-k", type=int, default=16, help="the original model's top-k kept as the teacher"
+        "--teacher-k",
+        type=int,
+        default=16,
+        help="the original model's top-k kept as the teacher, at most the vocabulary",
     )
     p.add_argument(
         "--eval-every", type=int, default=100, help="held-out evaluation every this many steps"
@@ -486,6 +495,24 @@ def build_parser():
     return p
 
 
+def init_folder(name):
+    """--init -> the heads folder to start from. Joint training needs trained heads: none (or auto
+    with nothing shipped) is refused, and so is a folder without heads in it. Loads nothing."""
+    folder = catalog.find_heads(name, "--init")
+    if folder is None:
+        raise cli.UsageError(
+            f"--init {name}: joint training starts from trained heads; give a shipped kind (such "
+            "as medusa) or a heads folder train.py wrote"
+        )
+    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise cli.UsageError(
+                f"--init {name}: no heads there ({file} missing); pass a folder train.py wrote "
+                "(its --out)"
+            )
+    return folder
+
+
 def check_args(args):
     cli.check_counts(
         args,
@@ -506,14 +533,18 @@ def check_args(args):
     if args.batch_tokens < 16:
         raise cli.UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 16")
     cli.check_seed(args.seed)
-    catalog.find_heads(args.init, "--init")
+    init_folder(args.init)
     dataset.check_conversations_file(args.data)
     cli.empty_folder("--out", args.out)
 
 
 def main(args):
-    check_args(args)
-    return run(args)
+    made = cli.new_folders(args.out)  # check_args makes it, to find an unwritable one now
+    try:
+        check_args(args)
+        return run(args)
+    finally:
+        cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
 
 
 def cli_main(argv=None) -> int:
