@@ -948,10 +948,10 @@ def build_data(args, tokenizer, writer, key, folder):
             "features",
             file=sys.stderr,
         )
-        print(
-            f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}",
-            file=sys.stderr,
-        )
+        prompts = dataset.folder_prompts(folder)
+        # features of a --data file keep no prompts (each is ""): no figures to give then
+        if prompts and all(prompts):
+            print(f"[train] diversity: {dataset.diversity_line(prompts)}", file=sys.stderr)
         return 0
     return None
 

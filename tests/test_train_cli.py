@@ -557,6 +557,7 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
         capsys, *model_data_work(tiny_model_dir, chats, tmp_path), "--export-conversations", export
     )
     assert code == 0 and "30 conversations" in err and os.path.isfile(export), err
+    assert "diversity" not in err  # a --data file's prompts are not kept: no made-up figures
     code, _, err = run_train(
         capsys,
         *model_data_work(tiny_model_dir, export, tmp_path),
