@@ -190,7 +190,7 @@ def main(args):
     finally:
         cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
     print(
-        f"wrote {args.out}: {config['num_heads']} Medusa heads for vLLM, vocabulary "
+        f"wrote {args.out}: {cli.plural(config['num_heads'], 'Medusa head')} for vLLM, vocabulary "
         f"{config['truncated_vocab_size']} of {config['vocab_size']}"
     )
 

@@ -284,8 +284,8 @@ def run(args):
     base, _ = checkpoint.load(args.model, device, torch.float32)
     if args.layers >= base.cfg.n_layers:
         raise cli.UsageError(
-            f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most "
-            f"{base.cfg.n_layers - 1}"
+            f"--layers {args.layers}: the model has {cli.plural(base.cfg.n_layers, 'layer')}; "
+            f"adapt at most {base.cfg.n_layers - 1}"
         )
     vocab = base.cfg.vocab_size
     if args.teacher_k > vocab:  # as train.py checks it
@@ -330,7 +330,8 @@ def run(args):
         save_file(data, cached + ".tmp")
         os.replace(cached + ".tmp", cached)
     print(
-        f"[joint] {len(train_convs)} + {len(held_out)} conversations, {len(data['ids'])} tokens: "
+        f"[joint] {len(train_convs)} + {len(held_out)} conversations, "
+        f"{cli.plural(len(data['ids']), 'token')}: "
         "the stream into "
         f"layer {first} and the teacher in {time.time() - t0:.0f} s (kept in {cached})",
         file=sys.stderr,
