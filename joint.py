@@ -498,7 +498,8 @@ def build_parser():
 
 def init_folder(name):
     """--init -> the heads folder to start from. Joint training needs trained heads: none (or auto
-    with nothing shipped) is refused, and so is a folder without heads in it. Loads nothing."""
+    with nothing shipped) is refused, and so is a folder without readable heads. Reads heads.json
+    only."""
     folder = catalog.find_heads(name, "--init")
     if folder is None:
         raise cli.UsageError(
@@ -511,6 +512,12 @@ def init_folder(name):
                 f"--init {name}: no heads there ({file} missing); pass a folder train.py wrote "
                 "(its --out)"
             )
+    try:
+        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    except ValueError as e:  # heads.HeadsError: a garbled heads.json
+        raise cli.UsageError(
+            f"--init {name}: {e}; pass a folder train.py wrote (its --out)"
+        ) from None
     return folder
 
 

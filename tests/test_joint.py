@@ -179,12 +179,19 @@ def test_init_none_is_refused_before_the_model_loads(no_model, capsys, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def test_an_init_folder_without_heads_names_the_flag_and_the_fix(no_model, capsys, tmp_path):
-    (tmp_path / "adir").mkdir()
-    code = joint.cli_main(["--init", str(tmp_path / "adir"), "--out", str(tmp_path / "out")])
-    check_one_line_error(
-        code, capsys.readouterr().err, "--init", "heads.json missing", "train.py wrote"
-    )
+@pytest.mark.parametrize("content", [None, "not json"])
+def test_an_init_folder_without_heads_names_the_flag_and_the_fix(
+    no_model, capsys, tmp_path, content
+):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    words = ["--init", "heads.json missing"]
+    if content is not None:  # a garbled heads.json
+        (folder / "heads.json").write_text(content)
+        (folder / "heads.safetensors").write_text("")
+        words = ["--init", "not readable JSON"]
+    code = joint.cli_main(["--init", str(folder), "--out", str(tmp_path / "out")])
+    check_one_line_error(code, capsys.readouterr().err, *words, "pass a folder train.py wrote")
     assert not (tmp_path / "out").exists()
 
 
