@@ -42,7 +42,7 @@ import engine
 import kernels
 import model as model_lib
 from checkpoint import encode, eos_ids
-from cli import UsageError, check_text, notice, threads_flag
+from cli import UsageError, check_text, notice, plural, threads_flag
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -182,7 +182,7 @@ def prompt_diversity(prompts):
 def diversity_line(prompts):
     d = prompt_diversity(prompts)
     return (
-        f"{d['prompts']} prompts: {d['first_words']:.1%} distinct first words, "
+        f"{plural(d['prompts'], 'prompt')}: {d['first_words']:.1%} distinct first words, "
         f"{d['openings']:.1%} distinct "
         f"3-word openings, {d['distinct_trigrams']:.1%} of word trigrams distinct"
     )
@@ -373,11 +373,13 @@ def self_distill(model, tokenizer, folder, args):
         bar.close()
         seconds = time.time() - t0
         print(
-            f"[data] {counts['kept']} conversations, {counts['new']} new tokens "
+            f"[data] {plural(counts['kept'], 'conversation')}, "
+            f"{plural(counts['new'], 'new token')} "
             f"({counts['answer']} in answers) in "
             f"{seconds:.0f} s: {counts['new'] / max(seconds, 1e-9):.0f} new tokens/s; prompts "
             f"kept {counts['kept']}/{counts['tried']}, "
-            f"{filt.rejected_duplicate} near-duplicates rejected; {have} conversations in {folder}",
+            f"{plural(filt.rejected_duplicate, 'near-duplicate')} rejected; "
+            f"{plural(have, 'conversation')} in {folder}",
             file=sys.stderr,
             flush=True,
         )
@@ -578,8 +580,8 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
             bad.append(str(e))
     if bad:
         notice(
-            f"{len(bad)} of {len(bad) + len(convs)} conversations left out (--skip-bad); the "
-            f"first: {bad[0]}"
+            f"{len(bad)} of {plural(len(bad) + len(convs), 'conversation')} left out "
+            f"(--skip-bad); the first: {bad[0]}"
         )
     if not convs:
         raise ValueError(f"{path}: no conversations in the file")
@@ -639,9 +641,9 @@ def export_conversations(folder, path):
             or not torch.equal(ids[: len(old_ids)], old_ids)
         ):
             raise UsageError(
-                f"--export-conversations {path}: it holds {n} conversations that the data in "
-                f"{folder} does "
-                "not begin with; give a new file name (it is left as it is)"
+                f"--export-conversations {path}: it holds {plural(n, 'conversation')} that "
+                f"the data in {folder} does not begin with; give a new file name (it is left "
+                "as it is)"
             )
     save_file(tensors, path + ".tmp", metadata={"prompts": json.dumps(prompts)})
     replace_durably(path + ".tmp", path)
@@ -745,12 +747,13 @@ def continue_from(model, folder, path, key, per_shard=128):
     convs = read_conversations(path, "--continue-from")
     if len(prompts) != len(convs):
         raise UsageError(
-            f"--continue-from {path}: it holds {len(convs)} conversations but {len(prompts)} "
-            "prompts; "
+            f"--continue-from {path}: it holds {plural(len(convs), 'conversation')} but "
+            f"{plural(len(prompts), 'prompt')}; "
             "give a file written by --export-conversations from self-distilled data"
         )
     print(
-        f"[train] self-distilled data begins with the {len(convs)} conversations of {path}: "
+        f"[train] self-distilled data begins with the {plural(len(convs), 'conversation')} of "
+        f"{path}: "
         "computing the features "
         f"of {len(convs) - len(have)}",
         file=sys.stderr,
@@ -1057,7 +1060,7 @@ def saved_so_far(folder, self_data):
     if not self_data:
         return "the features pass keeps nothing partial; the same command computes them again"
     try:
-        kept = f"{len(folder_prompts(folder))} conversations"
+        kept = plural(len(folder_prompts(folder)), "conversation")
     except Exception:  # a damaged shard: the next run checks them all
         kept = "the conversations"
     return f"{kept} saved in {folder} are kept; the same command continues from them"

@@ -161,12 +161,31 @@ def other_model(heads_cfg, args, fingerprint):
     )
 
 
-def main(args):
-    folder = catalog.find_heads(args.heads)
+def heads_folder(name):
+    """--heads -> the folder of heads to export, checked to hold heads (heads.json and their
+    weights, a readable heads.json); reads heads.json only."""
+    folder = catalog.find_heads(name)
     if folder is None:
         raise cli.UsageError(
-            f"--heads {args.heads}: no heads to export; give medusa or a folder of Medusa heads"
+            f"--heads {name}: no heads to export; give medusa or a folder of Medusa heads"
         )
+    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise cli.UsageError(
+                f"--heads {name}: no heads there ({file} missing); pass a folder train.py wrote "
+                "(its --out) or medusa"
+            )
+    try:
+        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    except HeadsError as e:
+        raise cli.UsageError(
+            f"--heads {name}: {e}; pass a folder train.py wrote (its --out)"
+        ) from None
+    return folder
+
+
+def main(args):
+    folder = heads_folder(args.heads)
     if why := refusal(folder):
         raise cli.UsageError(f"--heads {args.heads}: {why}")
     if os.path.isdir(args.out) and os.listdir(args.out):
@@ -190,7 +209,7 @@ def main(args):
     finally:
         cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
     print(
-        f"wrote {args.out}: {config['num_heads']} Medusa heads for vLLM, vocabulary "
+        f"wrote {args.out}: {cli.plural(config['num_heads'], 'Medusa head')} for vLLM, vocabulary "
         f"{config['truncated_vocab_size']} of {config['vocab_size']}"
     )
 

@@ -284,10 +284,16 @@ def run(args):
     base, _ = checkpoint.load(args.model, device, torch.float32)
     if args.layers >= base.cfg.n_layers:
         raise cli.UsageError(
-            f"--layers {args.layers}: the model has {base.cfg.n_layers} layers; adapt at most "
-            f"{base.cfg.n_layers - 1}"
+            f"--layers {args.layers}: the model has {cli.plural(base.cfg.n_layers, 'layer')}; "
+            f"adapt at most {base.cfg.n_layers - 1}"
         )
-    heads = checkpoint.load_heads(catalog.find_heads(args.init, "--init"), base)
+    vocab = base.cfg.vocab_size
+    if args.teacher_k > vocab:  # as train.py checks it
+        raise cli.UsageError(
+            f"--teacher-k {args.teacher_k}: the model's vocabulary has {vocab} tokens; use at "
+            f"most {vocab}"
+        )
+    heads = checkpoint.load_heads(init_folder(args.init), base)
     kernels.use(heads, kernels.Kernels())  # the readable path: these weights will change
     if heads.kept_ids is None:
         raise cli.UsageError(
@@ -324,7 +330,8 @@ def run(args):
         save_file(data, cached + ".tmp")
         os.replace(cached + ".tmp", cached)
     print(
-        f"[joint] {len(train_convs)} + {len(held_out)} conversations, {len(data['ids'])} tokens: "
+        f"[joint] {len(train_convs)} + {len(held_out)} conversations, "
+        f"{cli.plural(len(data['ids']), 'token')}: "
         "the stream into "
         f"layer {first} and the teacher in {time.time() - t0:.0f} s (kept in {cached})",
         file=sys.stderr,
@@ -462,7 +469,10 @@ def build_parser():
     p.add_argument("--epochs", type=int, default=1, help="passes over the conversations")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument(
-        "--teacher-k", type=int, default=16, help="the original model's top-k kept as the teacher"
+        "--teacher-k",
+        type=int,
+        default=16,
+        help="the original model's top-k kept as the teacher, at most the vocabulary",
     )
     p.add_argument(
         "--eval-every", type=int, default=100, help="held-out evaluation every this many steps"
@@ -486,6 +496,31 @@ def build_parser():
     return p
 
 
+def init_folder(name):
+    """--init -> the heads folder to start from. Joint training needs trained heads: none (or auto
+    with nothing shipped) is refused, and so is a folder without readable heads. Reads heads.json
+    only."""
+    folder = catalog.find_heads(name, "--init")
+    if folder is None:
+        raise cli.UsageError(
+            f"--init {name}: joint training starts from trained heads; give a shipped kind (such "
+            "as medusa) or a heads folder train.py wrote"
+        )
+    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise cli.UsageError(
+                f"--init {name}: no heads there ({file} missing); pass a folder train.py wrote "
+                "(its --out)"
+            )
+    try:
+        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    except ValueError as e:  # heads.HeadsError: a garbled heads.json
+        raise cli.UsageError(
+            f"--init {name}: {e}; pass a folder train.py wrote (its --out)"
+        ) from None
+    return folder
+
+
 def check_args(args):
     cli.check_counts(
         args,
@@ -506,14 +541,18 @@ def check_args(args):
     if args.batch_tokens < 16:
         raise cli.UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 16")
     cli.check_seed(args.seed)
-    catalog.find_heads(args.init, "--init")
+    init_folder(args.init)
     dataset.check_conversations_file(args.data)
     cli.empty_folder("--out", args.out)
 
 
 def main(args):
-    check_args(args)
-    return run(args)
+    made = cli.new_folders(args.out)  # check_args makes it, to find an unwritable one now
+    try:
+        check_args(args)
+        return run(args)
+    finally:
+        cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
 
 
 def cli_main(argv=None) -> int:

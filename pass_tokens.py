@@ -171,8 +171,8 @@ def run(args):
                 r = evaluate(model, held_out, extra, args.stride)
                 curve.append(dict(step=step, **r))
                 print(
-                    f"[pass] step {step}/{total}, {rows} [LA] rows, {time.time() - t0:.0f} s: "
-                    "held-out chain tau "
+                    f"[pass] step {step}/{total}, {cli.plural(rows, '[LA] row')}, "
+                    f"{time.time() - t0:.0f} s: held-out chain tau "
                     f"{r['chain_tau']:.3f}, top-1 {r['top1']}",
                     file=sys.stderr,
                     flush=True,

@@ -470,7 +470,8 @@ def load_checkpoint(folder, heads, opt, identity):
     # older checkpoints record the size only, not the digest
     if data != identity["data"][: len(data)]:
         differ.append(
-            f"data: {identity['data'][0]} conversations, {identity['data'][1]} tokens, digest "
+            f"data: {cli.plural(identity['data'][0], 'conversation')}, "
+            f"{cli.plural(identity['data'][1], 'token')}, digest "
             f"{identity['data'][2]} (checkpoint: {', '.join(map(str, data))})"
         )
     if differ or not same_vocab:
@@ -551,8 +552,8 @@ def train(model, data, out, args):
     kept, to_kept, coverage = kept_vocabulary(data, model.cfg.vocab_size, args.kept_tokens)
     if kept is not None:
         log(
-            f"[train] kept {len(kept)} tokens cover {coverage:.1%} of assistant tokens and "
-            "teacher top-1s"
+            f"[train] kept {cli.plural(len(kept), 'token')}: {coverage:.1%} of assistant "
+            "tokens and teacher top-1s"
         )
 
     # heads and optimizer, the same on every rank (same seed), then the checkpoint if resuming
@@ -614,7 +615,8 @@ def train(model, data, out, args):
     per_epoch = n_batches // world  # steps per epoch
     if per_epoch == 0:
         raise ValueError(
-            f"{n_batches} batch(es) of training data for {world} ranks: add data or lower "
+            f"{n_batches} {'batch' if n_batches == 1 else 'batches'} of training data for "
+            f"{world} ranks: add data or lower "
             "--batch-tokens"
         )
     total = per_epoch * args.epochs
@@ -704,8 +706,8 @@ def train(model, data, out, args):
             json.dump(report, f, indent=1)
         log(eval_line(step, report))
         log(
-            f"[train] done: {step} steps, {time.time() - t0:.0f} s; heads in {out}; chain tau "
-            f"{report['chain_tau']:.2f}"
+            f"[train] done: {cli.plural(step, 'step')}, {time.time() - t0:.0f} s; heads in "
+            f"{out}; chain tau {report['chain_tau']:.2f}"
         )
     return heads
 
@@ -943,15 +945,16 @@ def build_data(args, tokenizer, writer, key, folder):
     if args.export_conversations:
         n, tokens, answers = dataset.export_conversations(folder, args.export_conversations)
         print(
-            f"[train] {n} conversations, {tokens} tokens ({answers} assistant tokens) written to "
+            f"[train] {cli.plural(n, 'conversation')}, {cli.plural(tokens, 'token')} "
+            f"({cli.plural(answers, 'assistant token')}) written to "
             f"{args.export_conversations}; --data {args.export_conversations} rebuilds their "
             "features",
             file=sys.stderr,
         )
-        print(
-            f"[train] diversity: {dataset.diversity_line(dataset.folder_prompts(folder))}",
-            file=sys.stderr,
-        )
+        prompts = dataset.folder_prompts(folder)
+        # features of a --data file keep no prompts (each is ""): no figures to give then
+        if prompts and all(prompts):
+            print(f"[train] diversity: {dataset.diversity_line(prompts)}", file=sys.stderr)
         return 0
     return None
 
@@ -994,8 +997,9 @@ def train_main(args, made):
     data = dataset.load_data(folder)
     if rank == 0:
         print(
-            f"[train] {len(data['offsets']) - 1} conversations, {len(data['ids'])} tokens, "
-            f"{int(data['loss'].sum())} assistant tokens",
+            f"[train] {cli.plural(len(data['offsets']) - 1, 'conversation')}, "
+            f"{cli.plural(len(data['ids']), 'token')}, "
+            f"{cli.plural(int(data['loss'].sum()), 'assistant token')}",
             file=sys.stderr,
         )
     if (

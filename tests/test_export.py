@@ -230,3 +230,20 @@ def test_shipped_heads_on_another_model_ask_for_the_default_one(capsys, tmp_path
         "pass --model default",
     )
     assert not (tmp_path / "new").exists()  # --out was made for nothing
+
+
+@pytest.mark.parametrize("content", [None, "not json"])
+def test_a_heads_folder_without_readable_heads_names_the_flag_and_the_fix(
+    no_model, capsys, tmp_path, content
+):
+    """A folder without heads.json, or with a garbled one: one line naming --heads and the fix."""
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    words = ["--heads", "heads.json missing"]
+    if content is not None:
+        (folder / "heads.json").write_text(content)
+        (folder / "heads.safetensors").write_text("")
+        words = ["--heads", "not readable JSON"]
+    code = export.cli_main(["--heads", str(folder), "--out", str(tmp_path / "out")])
+    check_one_line_error(code, capsys.readouterr().err, *words, "pass a folder train.py wrote")
+    assert not (tmp_path / "out").exists()

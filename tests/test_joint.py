@@ -171,3 +171,43 @@ def test_an_out_folder_with_a_run_is_refused(no_model, capsys, tmp_path):
     check_one_line_error(
         joint.cli_main(["--out", str(tmp_path)]), capsys.readouterr().err, "is not empty"
     )
+
+
+def test_init_none_is_refused_before_the_model_loads(no_model, capsys, tmp_path):
+    code = joint.cli_main(["--init", "none", "--out", str(tmp_path / "out")])
+    check_one_line_error(code, capsys.readouterr().err, "--init none", "trained heads")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", [None, "not json"])
+def test_an_init_folder_without_heads_names_the_flag_and_the_fix(
+    no_model, capsys, tmp_path, content
+):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    words = ["--init", "heads.json missing"]
+    if content is not None:  # a garbled heads.json
+        (folder / "heads.json").write_text(content)
+        (folder / "heads.safetensors").write_text("")
+        words = ["--init", "not readable JSON"]
+    code = joint.cli_main(["--init", str(folder), "--out", str(tmp_path / "out")])
+    check_one_line_error(code, capsys.readouterr().err, *words, "pass a folder train.py wrote")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_teacher_k_beyond_the_vocabulary_is_one_line_and_leaves_no_out_folder(tmp_path, capsys):
+    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3)
+    base, _ = checkpoint.load(model_dir)
+    convs = random_convs(n=4, vocab=200)
+    ids = torch.cat([torch.tensor(c) for c, _ in convs]).int()
+    loss = torch.cat([torch.tensor(m) for _, m in convs])
+    offsets = torch.tensor([0] + [len(c) for c, _ in convs]).cumsum(0)
+    save_file({"ids": ids, "loss": loss, "offsets": offsets}, str(tmp_path / "convs.safetensors"))
+    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), base, torch.arange(256))
+    checkpoint.save_heads(heads, str(tmp_path / "init"))
+    argv = ["--model", model_dir, "--init", str(tmp_path / "init")]
+    argv += ["--data", str(tmp_path / "convs.safetensors"), "--out", str(tmp_path / "out")]
+    code = joint.cli_main([*argv, "--teacher-k", "999999"])
+    vocab = str(base.cfg.vocab_size)
+    check_one_line_error(code, capsys.readouterr().err, "--teacher-k 999999", f"at most {vocab}")
+    assert not (tmp_path / "out").exists()

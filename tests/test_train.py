@@ -963,7 +963,7 @@ def test_export_replaces_a_file_only_with_more_of_its_own_conversations(features
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not safetensors")
     for target, words in (
-        (other, "it holds 1 conversations that the data in"),
+        (other, "it holds 1 conversation that the data in"),
         (str(junk), "that file is not a conversations file"),
     ):
         before = open(target, "rb").read()

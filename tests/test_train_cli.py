@@ -557,6 +557,7 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
         capsys, *model_data_work(tiny_model_dir, chats, tmp_path), "--export-conversations", export
     )
     assert code == 0 and "30 conversations" in err and os.path.isfile(export), err
+    assert "diversity" not in err  # a --data file's prompts are not kept: no made-up figures
     code, _, err = run_train(
         capsys,
         *model_data_work(tiny_model_dir, export, tmp_path),
@@ -575,6 +576,29 @@ def test_export_conversations_and_train_from_them(capsys, tmp_path, tiny_model_d
         *run_train(capsys, "--model", tiny_model_dir, "--data", fake, "--work", tmp_path)[::2],
         "not a conversations file written by --export-conversations",
     )
+
+
+def test_counts_of_one_are_singular(capsys, tmp_path, tiny_model_dir):
+    """One batch is "1 step", one conversation "1 conversation": cli.plural, not "1 steps"."""
+    chats = conversations(tmp_path / "chats.jsonl", n=3)
+    batch_all = ["--batch-tokens", 1_048_576]  # every conversation in one batch: one step
+    code, _, err = run_train(
+        capsys,
+        *model_data_work(tiny_model_dir, chats, tmp_path),
+        *TINY_RUN,
+        *batch_all,
+        "--out",
+        tmp_path / "heads",
+    )
+    assert code == 0 and "[train] done: 1 step," in err, err
+    one = conversations(tmp_path / "one.jsonl", n=1)
+    code, _, err = run_train(
+        capsys,
+        *model_data_work(tiny_model_dir, one, tmp_path),
+        "--export-conversations",
+        tmp_path / "one.safetensors",
+    )
+    assert code == 0 and "[train] 1 conversation, " in err, err
 
 
 # --- torchrun: the ranks stop together ----------------------------------------------------------
