@@ -103,6 +103,21 @@ def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
     )
 
 
+def test_a_category_or_id_that_is_not_a_string_is_refused_before_the_model_loads(
+    no_model, capsys, tmp_path
+):
+    """A list would have crashed the tables after the measuring (unhashable)."""
+    file = tmp_path / "p.jsonl"
+    for line, words in [
+        ('{"prompt": "Hi", "category": ["a"]}', '"category" is a list; give a string'),
+        ('{"prompt": "Hi", "id": ["a"]}', '"id" is a list; give a string or a whole number'),
+    ]:
+        file.write_text('{"prompt": "fine"}\n' + line + "\n")
+        check_one_line_error(
+            *run_bench(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: {words}"
+        )
+
+
 def test_flags_without_effect_get_a_notice(capsys):
     B.check_args(B.build_parser().parse_args(["--max-budget", "8"]))
     assert capsys.readouterr().err == "notice: --max-budget has no effect without --tune-tree\n"
