@@ -210,6 +210,11 @@ def build_parser():
         help="write the results to this JSON file (its folder is checked before the run)",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --json file (else refused)",
+    )
+    p.add_argument(
         "--plots",
         default=None,
         help="write PNG plots to this folder, created if need be (needs matplotlib; checked "
@@ -1129,6 +1134,21 @@ def batch_sizes(text):
     return sizes
 
 
+def check_json(path, prompts, overwrite):
+    """--json: a file that can be written, not the prompts, and new unless --overwrite."""
+    cli.writable_file("--json", path, "results/bench.json")
+    if os.path.isfile(path) and os.path.isfile(prompts) and os.path.samefile(path, prompts):
+        raise cli.UsageError(
+            f"--json {path} is the --prompts file: the results would overwrite the prompts; give "
+            "another --json"
+        )
+    if os.path.exists(path) and not overwrite:
+        raise cli.UsageError(
+            f"--json {path}: the file exists, and the results would replace it; give a new name, "
+            "remove it, or add --overwrite"
+        )
+
+
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
     if (
@@ -1156,7 +1176,7 @@ def check_args(args):
             f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote"
         )
     if args.json:
-        cli.writable_file("--json", args.json, "results/bench.json")
+        check_json(args.json, args.prompts, args.overwrite)
     if args.plots:
         if plotting(quiet=True) is None:  # before the folder is made and the run is measured
             raise cli.UsageError(
@@ -1183,6 +1203,8 @@ def check_args(args):
                 f"--{name.replace('_', '-')} has no effect "
                 f"{'with' if args.tune_tree else 'without'} --tune-tree"
             )
+    if args.overwrite and not args.json:
+        cli.notice("--overwrite has no effect without --json")
     if args.draft_model and not args.tune_tree and not wants_assisted(args):
         cli.notice("--draft-model has no effect unless --methods includes assisted")
     if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:

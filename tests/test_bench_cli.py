@@ -94,6 +94,26 @@ def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, u
     assert file.read_text() == "old results"
 
 
+def test_an_existing_json_file_is_kept_unless_overwrite(no_model, capsys, tmp_path):
+    file = tmp_path / "bench.json"
+    file.write_text("old results")
+    check_one_line_error(
+        *run_bench(capsys, "--json", file)[::2],
+        f"--json {file}: the file exists",
+        "add --overwrite",
+    )
+    prompts = prompts_file(tmp_path)
+    check_one_line_error(
+        *run_bench(capsys, "--json", prompts, "--prompts", prompts, "--overwrite")[::2],
+        "is the --prompts file",
+    )
+    assert file.read_text() == "old results"
+    B.check_args(B.build_parser().parse_args(["--json", str(file), "--overwrite"]))
+    assert capsys.readouterr().err == ""
+    B.check_args(B.build_parser().parse_args(["--overwrite"]))
+    assert capsys.readouterr().err == "notice: --overwrite has no effect without --json\n"
+
+
 def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\udc80 escape"}\n')
