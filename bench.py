@@ -618,11 +618,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
     else:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := [m for m in wanted if m not in METHODS]:
-        raise cli.UsageError(
-            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
-        )
+        wanted = named_methods(args.methods)
     # named: a missing one is an error, not a skip
     asked = set() if args.methods == "all" else set(wanted)
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
@@ -1149,8 +1145,71 @@ def check_json(path, prompts, overwrite):
         )
 
 
+# One mode a run: benchmarking (none of these flags), or one of them instead.
+MODES = ("kernels", "tune_tree", "tune_layers", "tune_skip", "tune_parallel")
+TUNERS = MODES[1:]
+# The flags that only some modes read (None: benchmarking); elsewhere they get a notice.
+READ_BY = {
+    "methods": (None,),
+    "repeats": (None,),
+    "temperature": (None,),
+    "seed": (None,),
+    "draft_model": (None,),
+    "batch_size": (None,),
+    "cuda_graphs": (None,),
+    "prompts": (None, *TUNERS),
+    "limit": (None, *TUNERS),
+    "max_new_tokens": (None, "tune_layers", "tune_skip", "tune_parallel"),
+    "heads": ("tune_tree",),
+    "max_budget": ("tune_tree",),
+    "prefix_len": TUNERS,
+    "tune_repeats": TUNERS,
+    "max_gamma": ("tune_layers", "tune_skip"),
+    "json": (None, *TUNERS),
+    "plots": (None, "tune_tree"),
+}
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def pick_mode(args):
+    """The one mode flag given (None: benchmarking); two or more are refused."""
+    given = [m for m in MODES if getattr(args, m)]
+    if len(given) > 1:
+        raise cli.UsageError(
+            f"{', '.join(map(flag, given))}: one mode a run; give one of them (a run each)"
+        )
+    return given[0] if given else None
+
+
+def no_effect(name, mode):
+    """The notice for a flag that `mode` does not read."""
+    if mode is not None:
+        return f"{flag(name)} has no effect with {flag(mode)}"
+    modes = [flag(m) for m in READ_BY[name]]
+    either = modes[0] if len(modes) == 1 else f"{', '.join(modes[:-1])} or {modes[-1]}"
+    return f"{flag(name)} has no effect without {either}"
+
+
+def named_methods(text):
+    """--methods' names ([] for all); a name not in METHODS is refused."""
+    if text == "all":
+        return []
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if unknown := [m for m in names if m not in METHODS]:
+        raise cli.UsageError(
+            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+        )
+    return names
+
+
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
+    mode = pick_mode(args)
+    default = build_parser().get_default
+    given = [name for name in READ_BY if getattr(args, name) != default(name)]
     if (
         min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len)
         < 1
@@ -1160,6 +1219,7 @@ def check_args(args):
             "at least 1"
         )
     args.batch_size = batch_sizes(args.batch_size)
+    named_methods(args.methods)
     if args.limit < 0:
         raise cli.UsageError(
             f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts"
@@ -1175,44 +1235,32 @@ def check_args(args):
         raise cli.UsageError(
             f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote"
         )
-    if args.json:
+    if args.json and mode in READ_BY["json"]:
         check_json(args.json, args.prompts, args.overwrite)
-    if args.plots:
+    if args.plots and mode in READ_BY["plots"]:
         if plotting(quiet=True) is None:  # before the folder is made and the run is measured
             raise cli.UsageError(
                 f"--plots {args.plots}: needs matplotlib, which is not installed; "
                 "pip install matplotlib, or drop --plots"
             )
         cli.writable_folder("--plots", args.plots)
-    if args.draft_model and wants_assisted(args) and not args.tune_tree:
+    if args.draft_model and wants_assisted(args) and mode is None:
         draft_folder(args.draft_model)
-    default = build_parser().get_default
-    ignored = (
-        ["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"]
-        if args.tune_tree
-        else ["heads", "max_budget"]
-        + (
-            []
-            if args.tune_layers or args.tune_skip or args.tune_parallel
-            else ["prefix_len", "tune_repeats"]
-        )
-    )
-    for name in ignored:
-        if getattr(args, name) != default(name):
-            cli.notice(
-                f"--{name.replace('_', '-')} has no effect "
-                f"{'with' if args.tune_tree else 'without'} --tune-tree"
-            )
-    if args.overwrite and not args.json:
+    for name in given:
+        if mode not in READ_BY[name]:
+            cli.notice(no_effect(name, mode))
+    if args.overwrite and not (args.json and mode in READ_BY["json"]):
         cli.notice("--overwrite has no effect without --json")
-    if args.draft_model and not args.tune_tree and not wants_assisted(args):
+    if args.draft_model and mode is None and not wants_assisted(args):
         cli.notice("--draft-model has no effect unless --methods includes assisted")
-    if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
+    if 0 < args.temperature < verify_lib.GREEDY_BELOW and mode is None:
         cli.notice(
             f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling "
             "methods decode greedily"
         )
-    check_llama_cpp(args)
+    if mode is None:
+        check_llama_cpp(args)
+    return mode
 
 
 def check_llama_cpp(args):
@@ -1279,14 +1327,14 @@ def check_draft_tokenizer(name, tokenizer):
 def main(args):
     """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
     printed)."""
-    check_args(args)
+    mode = check_args(args)
     device = cli.pick_device(args.device)
     if device == "cpu":
         cli.use_threads(args.threads)
     dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
-    rows = read_eval(args.prompts, args.limit)
-    if max(args.batch_size) > len(rows):
+    rows = read_eval(args.prompts, args.limit) if mode in READ_BY["prompts"] else []
+    if mode is None and max(args.batch_size) > len(rows):
         cli.notice(
             f"--batch-size {max(args.batch_size)}: there are only {len(rows)} prompts; decoding "
             f"at most {len(rows)} at a time"

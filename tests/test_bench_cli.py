@@ -153,6 +153,43 @@ def test_flags_without_effect_get_a_notice(capsys):
     assert "the sampling methods decode greedily" in capsys.readouterr().err
 
 
+def test_modes_that_exclude_each_other_are_refused_before_the_model_loads(no_model, capsys):
+    for modes, words in [
+        (["--tune-tree", "--tune-layers"], "--tune-tree, --tune-layers: one mode a run"),
+        (
+            ["--tune-tree", "--tune-layers", "--tune-skip", "--kernels"],
+            "--kernels, --tune-tree, --tune-layers, --tune-skip: one mode a run",
+        ),
+        (["--tune-parallel", "--kernels"], "--kernels, --tune-parallel: one mode a run"),
+    ]:
+        check_one_line_error(*run_bench(capsys, *modes)[::2], words)
+
+
+def test_method_names_are_checked_before_the_model_loads_in_every_mode(no_model, capsys):
+    for mode in ([], ["--kernels"], ["--tune-layers"]):
+        check_one_line_error(
+            *run_bench(capsys, *mode, "--methods", "plain,foo")[::2],
+            "--methods: unknown foo; choose from plain, hf,",
+        )
+
+
+def test_a_mode_names_the_flags_it_does_not_read(capsys):
+    for argv, notices in [
+        (["--kernels", "--methods", "plain", "--json", "k.json"], ["methods", "json"]),
+        (["--tune-layers", "--methods", "plain", "--batch-size", "2"], ["methods", "batch-size"]),
+        (["--tune-parallel", "--plots", "plots", "--max-gamma", "4"], ["max-gamma", "plots"]),
+    ]:
+        B.check_args(B.build_parser().parse_args(argv))
+        mode = argv[0]
+        assert capsys.readouterr().err.splitlines() == [
+            f"notice: --{name} has no effect with {mode}" for name in notices
+        ]
+    B.check_args(B.build_parser().parse_args(["--max-gamma", "4"]))
+    assert capsys.readouterr().err == (
+        "notice: --max-gamma has no effect without --tune-layers or --tune-skip\n"
+    )
+
+
 def test_draft_model_not_of_a_supported_family(no_model, capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
     check_one_line_error(
