@@ -574,8 +574,7 @@ def skip_drafter(args, model):
     spec = catalog.skip_spec(skipped)
     d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")
     how = "tuned for this machine" if tuned else "untuned: run bench.py --tune-skip"
-    tokens = f"{gamma} token{'s' * (gamma != 1)}"
-    return d, f"skip: layers {spec} of {L} skipped, {tokens} a step ({how})"
+    return d, f"skip: layers {spec} of {L} skipped, {cli.plural(gamma, 'token')} a step ({how})"
 
 
 def load_heads(args, name, folder, model, asked):
@@ -640,7 +639,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
         elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
-            notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
+            notes.append(
+                f"{name}: llama.cpp on {path}, {cli.plural(torch.get_num_threads(), 'thread')}"
+            )
         elif (
             name in QUANTIZED
             # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and
@@ -688,7 +689,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(
-                f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
+                f"layers: the first {n} of {cli.plural(model.cfg.n_layers, 'layer')} draft "
+                f"{cli.plural(gamma, 'token')} ({how})"
             )
         elif name == "skip":
             if model.cfg.n_layers < 2:
@@ -757,8 +759,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             )
             methods[name] = Method(name, run, greedy=True)
             notes.append(
-                f"hf-compiled: transformers' static cache ({run.max_cache_len} slots) and "
-                f"torch.compile ({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
+                "hf-compiled: transformers' static cache "
+                f"({cli.plural(run.max_cache_len, 'slot')}) and torch.compile "
+                f"({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
                 "compiled in the warm-up"
             )
         elif name in ("hf", "pld", "assisted"):
@@ -812,7 +815,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             )
             if not variant:
                 notes.append(
-                    f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}"
+                    f"{name}: {folder}, tree of {cli.plural(tree.num_nodes, 'node')}, "
+                    f"depth {tree.max_depth}"
                 )
     return methods, notes
 
@@ -1336,8 +1340,8 @@ def main(args):
     rows = read_eval(args.prompts, args.limit) if mode in READ_BY["prompts"] else []
     if mode is None and max(args.batch_size) > len(rows):
         cli.notice(
-            f"--batch-size {max(args.batch_size)}: there are only {len(rows)} prompts; decoding "
-            f"at most {len(rows)} at a time"
+            f"--batch-size {max(args.batch_size)}: there are only "
+            f"{cli.plural(len(rows), 'prompt')}; decoding at most {len(rows)} at a time"
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
     model, tokenizer = catalog.load_model(args.model, device, dtype, args.quantize, args.exact)

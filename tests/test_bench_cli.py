@@ -25,7 +25,7 @@ import exact
 import kernels
 import bench as B
 import tuning
-from conftest import ctrl_c_after
+from conftest import ctrl_c_after, save_tiny_model
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,7 +276,7 @@ def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
     )
     for row in (
         "attention, 1 query (decode)",
-        "layers' weights in turn",
+        "weights in turn",
         "LM head",
         "whole decode step",
         "whole step of 16 tokens",
@@ -340,7 +340,7 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
     assert code == 0, err
     saved = pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32))
     assert json.loads(saved.read_text())["expected_speedup"] == pytest.approx(1.02 / 2, abs=1e-3)
-    assert tree_lib.load(str(saved)) == [(0,)]
+    assert tree_lib.load(str(saved)) == [(0,)] and "chosen: 1 node + root," in out
     lines = [line for line in err.splitlines() if "plain decoding is faster" in line]
     assert lines == [
         "notice: plain decoding is faster for these heads here (the best tree is "
@@ -637,6 +637,23 @@ def test_a_batch_size_reports_batched_throughput_beside_batch_1(capsys, tmp_path
         for size in (2, 5):
             (row,) = [line for line in out.splitlines() if line.startswith(f"| {name} | {size} |")]
             assert row.endswith("| yes |"), row
+
+
+def test_counts_of_one_are_singular(capsys, tmp_path):
+    """One prompt, a layers setting of one draft: "1 prompt", "1 token", not "1 prompts"."""
+    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=2)
+    model = checkpoint.load(model_dir, "cpu", torch.float32)[0]
+    tuned = {"model": model.cfg.name, "layers": 1, "gamma": 1}
+    tuned["machine"] = {"hardware": "a test", "dtype": "float32"}
+    file = catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, "layers")
+    pathlib.Path(file).write_text(json.dumps(tuned))
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, model_dir), "--batch-size", 2,
+        "--methods", "plain,layers", "--heads-dir", tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "notice: --batch-size 2: there are only 1 prompt; decoding at most 1 at a time" in err
+    assert "layers: the first 1 of 2 layers draft 1 token (tuned on a test, float32)" in err
 
 
 def test_the_llama_cpp_anchor_decodes_greedily_one_eval_a_token(monkeypatch):
