@@ -41,7 +41,9 @@ tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain dec
 tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
 
 The command line (tests/test_bench_cli.py) follows cli.py's convention; --json and --plots are
-checked before the run; Ctrl-C prints the tables of what was measured so far and exits 130.
+checked before the run (an existing --json file is kept unless --overwrite); --kernels and the
+--tune-* modes run one at a time, instead of the benchmark; Ctrl-C prints the tables of what was
+measured so far and exits 130.
 --tune-tree and --tune-layers pick the heads' tree and the N and gamma of 'layers' for this
 machine: expected tau (from held-out calibration, or measured acceptance) over the time of a
 draft and a verify step measured here; the choice is saved next to the heads, named for the
