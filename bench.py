@@ -41,7 +41,9 @@ tokens/s = sum of new tokens / sum of seconds; speedup = tokens/s over plain dec
 tau = new tokens / forward passes of the base model (the prefill included, so plain tau = 1).
 
 The command line (tests/test_bench_cli.py) follows cli.py's convention; --json and --plots are
-checked before the run; Ctrl-C prints the tables of what was measured so far and exits 130.
+checked before the run (an existing --json file is kept unless --overwrite); --kernels and the
+--tune-* modes run one at a time, instead of the benchmark; Ctrl-C prints the tables of what was
+measured so far and exits 130.
 --tune-tree and --tune-layers pick the heads' tree and the N and gamma of 'layers' for this
 machine: expected tau (from held-out calibration, or measured acceptance) over the time of a
 draft and a verify step measured here; the choice is saved next to the heads, named for the
@@ -208,6 +210,11 @@ def build_parser():
         "--json",
         default=None,
         help="write the results to this JSON file (its folder is checked before the run)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --json file (else refused)",
     )
     p.add_argument(
         "--plots",
@@ -569,8 +576,7 @@ def skip_drafter(args, model):
     spec = catalog.skip_spec(skipped)
     d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, kept, f"skip:{spec}")
     how = "tuned for this machine" if tuned else "untuned: run bench.py --tune-skip"
-    tokens = f"{gamma} token{'s' * (gamma != 1)}"
-    return d, f"skip: layers {spec} of {L} skipped, {tokens} a step ({how})"
+    return d, f"skip: layers {spec} of {L} skipped, {cli.plural(gamma, 'token')} a step ({how})"
 
 
 def load_heads(args, name, folder, model, asked):
@@ -613,11 +619,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
     else:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := [m for m in wanted if m not in METHODS]:
-        raise cli.UsageError(
-            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
-        )
+        wanted = named_methods(args.methods)
     # named: a missing one is an error, not a skip
     asked = set() if args.methods == "all" else set(wanted)
     wanted = ["plain"] + [m for m in wanted if m != "plain"]
@@ -639,7 +641,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
         elif name in LLAMA_CPP:  # the same weights in llama.cpp: how many replies keep the model's
             llm, path = load_llama_cpp(name, device, model.cfg.max_seq_len)
             methods[name] = Method(name, in_llama_cpp(llm, eos), greedy=True, adapted=True)
-            notes.append(f"{name}: llama.cpp on {path}, {torch.get_num_threads()} threads")
+            notes.append(
+                f"{name}: llama.cpp on {path}, {cli.plural(torch.get_num_threads(), 'thread')}"
+            )
         elif (
             name in QUANTIZED
             # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and
@@ -687,7 +691,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 name, ours(fast(model), d, "greedy", 0.0, eos), greedy=True, depth=gamma
             )
             notes.append(
-                f"layers: the first {n} of {model.cfg.n_layers} layers draft {gamma} tokens ({how})"
+                f"layers: the first {n} of {cli.plural(model.cfg.n_layers, 'layer')} draft "
+                f"{cli.plural(gamma, 'token')} ({how})"
             )
         elif name == "skip":
             if model.cfg.n_layers < 2:
@@ -756,8 +761,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             )
             methods[name] = Method(name, run, greedy=True)
             notes.append(
-                f"hf-compiled: transformers' static cache ({run.max_cache_len} slots) and "
-                f"torch.compile ({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
+                "hf-compiled: transformers' static cache "
+                f"({cli.plural(run.max_cache_len, 'slot')}) and torch.compile "
+                f"({', '.join(f'{k}={v}' for k, v in HF_COMPILE.items())}), "
                 "compiled in the warm-up"
             )
         elif name in ("hf", "pld", "assisted"):
@@ -811,7 +817,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             )
             if not variant:
                 notes.append(
-                    f"{name}: {folder}, tree of {tree.num_nodes} nodes, depth {tree.max_depth}"
+                    f"{name}: {folder}, tree of {cli.plural(tree.num_nodes, 'node')}, "
+                    f"depth {tree.max_depth}"
                 )
     return methods, notes
 
@@ -1129,8 +1136,86 @@ def batch_sizes(text):
     return sizes
 
 
+def check_json(path, prompts, overwrite):
+    """--json: a file that can be written, not the prompts, and new unless --overwrite."""
+    cli.writable_file("--json", path, "results/bench.json")
+    if os.path.isfile(path) and os.path.isfile(prompts) and os.path.samefile(path, prompts):
+        raise cli.UsageError(
+            f"--json {path} is the --prompts file: the results would overwrite the prompts; give "
+            "another --json"
+        )
+    if os.path.exists(path) and not overwrite:
+        raise cli.UsageError(
+            f"--json {path}: the file exists, and the results would replace it; give a new name, "
+            "remove it, or add --overwrite"
+        )
+
+
+# One mode a run: benchmarking (none of these flags), or one of them instead.
+MODES = ("kernels", "tune_tree", "tune_layers", "tune_skip", "tune_parallel")
+TUNERS = MODES[1:]
+# The flags that only some modes read (None: benchmarking); elsewhere they get a notice.
+READ_BY = {
+    "methods": (None,),
+    "repeats": (None,),
+    "temperature": (None,),
+    "seed": (None,),
+    "draft_model": (None,),
+    "batch_size": (None,),
+    "cuda_graphs": (None,),
+    "prompts": (None, *TUNERS),
+    "limit": (None, *TUNERS),
+    "max_new_tokens": (None, "tune_layers", "tune_skip", "tune_parallel"),
+    "heads": ("tune_tree",),
+    "max_budget": ("tune_tree",),
+    "prefix_len": TUNERS,
+    "tune_repeats": TUNERS,
+    "max_gamma": ("tune_layers", "tune_skip"),
+    "json": (None, *TUNERS),
+    "plots": (None, "tune_tree"),
+}
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def pick_mode(args):
+    """The one mode flag given (None: benchmarking); two or more are refused."""
+    given = [m for m in MODES if getattr(args, m)]
+    if len(given) > 1:
+        raise cli.UsageError(
+            f"{', '.join(map(flag, given))}: one mode a run; give one of them (a run each)"
+        )
+    return given[0] if given else None
+
+
+def no_effect(name, mode):
+    """The notice for a flag that `mode` does not read."""
+    if mode is not None:
+        return f"{flag(name)} has no effect with {flag(mode)}"
+    modes = [flag(m) for m in READ_BY[name]]
+    either = modes[0] if len(modes) == 1 else f"{', '.join(modes[:-1])} or {modes[-1]}"
+    return f"{flag(name)} has no effect without {either}"
+
+
+def named_methods(text):
+    """--methods' names ([] for all); a name not in METHODS is refused."""
+    if text == "all":
+        return []
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if unknown := [m for m in names if m not in METHODS]:
+        raise cli.UsageError(
+            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+        )
+    return names
+
+
 def check_args(args):
     """Every check that needs no model; notices for flags without effect in the chosen mode."""
+    mode = pick_mode(args)
+    default = build_parser().get_default
+    given = [name for name in READ_BY if getattr(args, name) != default(name)]
     if (
         min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len)
         < 1
@@ -1140,6 +1225,7 @@ def check_args(args):
             "at least 1"
         )
     args.batch_size = batch_sizes(args.batch_size)
+    named_methods(args.methods)
     if args.limit < 0:
         raise cli.UsageError(
             f"--limit {args.limit}: must be 0 (all prompts) or a number of prompts"
@@ -1155,42 +1241,32 @@ def check_args(args):
         raise cli.UsageError(
             f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote"
         )
-    if args.json:
-        cli.writable_file("--json", args.json, "results/bench.json")
-    if args.plots:
+    if args.json and mode in READ_BY["json"]:
+        check_json(args.json, args.prompts, args.overwrite)
+    if args.plots and mode in READ_BY["plots"]:
         if plotting(quiet=True) is None:  # before the folder is made and the run is measured
             raise cli.UsageError(
                 f"--plots {args.plots}: needs matplotlib, which is not installed; "
                 "pip install matplotlib, or drop --plots"
             )
         cli.writable_folder("--plots", args.plots)
-    if args.draft_model and wants_assisted(args) and not args.tune_tree:
+    if args.draft_model and wants_assisted(args) and mode is None:
         draft_folder(args.draft_model)
-    default = build_parser().get_default
-    ignored = (
-        ["methods", "repeats", "max_new_tokens", "temperature", "seed", "draft_model"]
-        if args.tune_tree
-        else ["heads", "max_budget"]
-        + (
-            []
-            if args.tune_layers or args.tune_skip or args.tune_parallel
-            else ["prefix_len", "tune_repeats"]
-        )
-    )
-    for name in ignored:
-        if getattr(args, name) != default(name):
-            cli.notice(
-                f"--{name.replace('_', '-')} has no effect "
-                f"{'with' if args.tune_tree else 'without'} --tune-tree"
-            )
-    if args.draft_model and not args.tune_tree and not wants_assisted(args):
+    for name in given:
+        if mode not in READ_BY[name]:
+            cli.notice(no_effect(name, mode))
+    if args.overwrite and not (args.json and mode in READ_BY["json"]):
+        cli.notice("--overwrite has no effect without --json")
+    if args.draft_model and mode is None and not wants_assisted(args):
         cli.notice("--draft-model has no effect unless --methods includes assisted")
-    if 0 < args.temperature < verify_lib.GREEDY_BELOW and not args.tune_tree:
+    if 0 < args.temperature < verify_lib.GREEDY_BELOW and mode is None:
         cli.notice(
             f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: the sampling "
             "methods decode greedily"
         )
-    check_llama_cpp(args)
+    if mode is None:
+        check_llama_cpp(args)
+    return mode
 
 
 def check_llama_cpp(args):
@@ -1257,17 +1333,17 @@ def check_draft_tokenizer(name, tokenizer):
 def main(args):
     """Returns the exit code: 0, or 130 when Ctrl-C cut the measuring short (what was measured is
     printed)."""
-    check_args(args)
+    mode = check_args(args)
     device = cli.pick_device(args.device)
     if device == "cpu":
         cli.use_threads(args.threads)
     dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
-    rows = read_eval(args.prompts, args.limit)
-    if max(args.batch_size) > len(rows):
+    rows = read_eval(args.prompts, args.limit) if mode in READ_BY["prompts"] else []
+    if mode is None and max(args.batch_size) > len(rows):
         cli.notice(
-            f"--batch-size {max(args.batch_size)}: there are only {len(rows)} prompts; decoding "
-            f"at most {len(rows)} at a time"
+            f"--batch-size {max(args.batch_size)}: there are only "
+            f"{cli.plural(len(rows), 'prompt')}; decoding at most {len(rows)} at a time"
         )
         args.batch_size = sorted({min(B, len(rows)) for B in args.batch_size})
     model, tokenizer = catalog.load_model(args.model, device, dtype, args.quantize, args.exact)

@@ -315,6 +315,33 @@ def check_messages(messages, where, ends_with_user=True):
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def json_kind(value):
+    """What a JSON value is, in words: a list, an object, a number, a string, true, false, null."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    kinds = {list: "a list", dict: "an object", str: "a string"}
+    return kinds.get(type(value), "a number")
+
+
+def prompt_labels(obj, n, where):
+    """A prompt line's "id" (a string or a whole number; the line number if absent) and "category"
+    (a string; "all" if absent): both name the prompt in tables and output files."""
+    pid, category = obj.get("id", n), obj.get("category", "all")
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        raise UsageError(
+            f'{where}: "id" is {json_kind(pid)}; give a string or a whole number, as in '
+            '{"id": "q1", ...}'
+        )
+    if not isinstance(category, str):
+        raise UsageError(
+            f'{where}: "category" is {json_kind(category)}; give a string, as in '
+            '{"category": "math", ...}'
+        )
+    if isinstance(pid, str):
+        check_text(pid, f'{where}, "id"')
+    return pid, check_text(category, f'{where}, "category"')
+
+
 def read_prompts(path):
     """JSONL with a "prompt" field, or a "messages" list (a conversation whose last, user's, turn
     is answered), and optional "id", "category": [(id, prompt or messages, category)], errors name
@@ -342,7 +369,8 @@ def read_prompts(path):
             )
         if isinstance(obj, dict) and "messages" in obj and "prompt" not in obj:
             messages = check_messages(obj["messages"], f"--prompts {path}, line {n}")
-            prompts.append((obj.get("id", n), messages, obj.get("category", "all")))
+            pid, category = prompt_labels(obj, n, f"--prompts {path}, line {n}")
+            prompts.append((pid, messages, category))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise UsageError(
@@ -354,13 +382,9 @@ def read_prompts(path):
                 f"--prompts {path}, line {n}: the prompt is empty; give it some text or drop the "
                 "line"
             )
-        prompts.append(
-            (
-                obj.get("id", n),
-                check_text(obj["prompt"], f"--prompts {path}, line {n}"),
-                obj.get("category", "all"),
-            )
-        )
+        text = check_text(obj["prompt"], f"--prompts {path}, line {n}")
+        pid, category = prompt_labels(obj, n, f"--prompts {path}, line {n}")
+        prompts.append((pid, text, category))
     if not prompts:
         raise UsageError(
             f'--prompts {path}: no prompts in the file; write one {{"prompt": "..."}} object per '

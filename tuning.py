@@ -233,7 +233,7 @@ def sparse(acc, budget: int) -> list:
     if not isinstance(budget, int) or not 0 <= budget <= min(room, tree_lib.MAX_NODES - 1):
         raise ValueError(
             f"budget must be an int in [0, {min(room, tree_lib.MAX_NODES - 1)}] for these "
-            f"{len(acc)} heads "
+            f"{cli.plural(len(acc), 'head')} "
             f"and {[len(a) for a in acc]} ranks, got {budget!r}"
         )
     taken, frontier = [], [(-acc[0][0], (0,))]  # a heap of (-path_prob, path)
@@ -307,6 +307,7 @@ def kernel_table(model, device):
     # one row through every layer's down projection in turn, as a decode step reads them: from
     # memory, not from a cache that one weight timed alone would sit in
     w, n = model.layers[0].mlp.down_proj.weight, len(model.layers)
+    weights = f"the {n} layers' weights" if n > 1 else "the layer's weights"
     gate_up = [
         (torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), layer.mlp)
         for layer in model.layers
@@ -316,8 +317,8 @@ def kernel_table(model, device):
         x = rand(rows_, c.dim)
         rows.append(
             (
-                f"linear {c.dim} -> {2 * c.hidden_dim} (gate and up), {rows_} "
-                f"row{'s' * (rows_ > 1)}, the {n} layers' weights in turn",
+                f"linear {c.dim} -> {2 * c.hidden_dim} (gate and up), "
+                f"{cli.plural(rows_, 'row')}, {weights} in turn",
                 ms(lambda: [torch.nn.functional.linear(x, weight) for weight, _ in gate_up]),
                 ms(
                     lambda: [
@@ -331,7 +332,7 @@ def kernel_table(model, device):
         )
     for what, layers in (
         (
-            f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, the {n} layers' weights in turn",
+            f"linear {w.shape[1]} -> {w.shape[0]}, 1 row, {weights} in turn",
             [layer.mlp.down_proj for layer in model.layers],
         ),
         (f"LM head {c.dim} -> {c.vocab_size}, 1 row", [model.lm_head]),
@@ -532,9 +533,8 @@ def tune_tree(args, model, prompts, device):
     speedup = best["tokens_per_s"] / rows[0]["tokens_per_s"]
     save_tree(best["paths"], saved, speedup)
     print(
-        f"\nchosen: {best['budget']} nodes + root, expected tau {best['expected_tau']:.2f}, "
-        "expected "
-        f"{speedup:.2f}x plain decoding; saved {saved}"
+        f"\nchosen: {cli.plural(best['budget'], 'node')} + root, expected tau "
+        f"{best['expected_tau']:.2f}, expected {speedup:.2f}x plain decoding; saved {saved}"
     )
     if speedup < 1:  # saved all the same (--tree auto finds it), but these heads do not pay here
         cli.notice(
@@ -850,7 +850,7 @@ def tune_skip(args, model, prompts, device, eos):
     def report(skipped):
         r = rows[skipped]
         print(
-            f"[tune] skip {catalog.skip_spec(skipped)}: {r['kept']} layers, match "
+            f"[tune] skip {catalog.skip_spec(skipped)}: {cli.plural(r['kept'], 'layer')}, match "
             f"{r['match']:.2f}, tau {r['tau']:.2f} at gamma {r['gamma']}, expected "
             f"{r['tokens_per_s']:.1f} tokens/s",
             file=sys.stderr,
@@ -867,7 +867,7 @@ def tune_skip(args, model, prompts, device, eos):
     print(
         machine_line(mach)
         + f"\n\nplain decoding: {plain_ms:.1f} ms a token, {1e3 / plain_ms:.1f} tokens/s; "
-        f"{len(rows)} sets measured"
+        f"{cli.plural(len(rows), 'set')} measured"
         "\n\n| layers run | skipped (searched) | match | tau | gamma | expected tokens/s | "
         "first-N match | first-N tau | first-N tokens/s |"
         "\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"

@@ -25,7 +25,7 @@ import exact
 import kernels
 import bench as B
 import tuning
-from conftest import ctrl_c_after
+from conftest import ctrl_c_after, save_tiny_model
 from test_cli import check_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +94,26 @@ def test_json_and_plots_are_checked_before_the_run(no_model, capsys, tmp_path, u
     assert file.read_text() == "old results"
 
 
+def test_an_existing_json_file_is_kept_unless_overwrite(no_model, capsys, tmp_path):
+    file = tmp_path / "bench.json"
+    file.write_text("old results")
+    check_one_line_error(
+        *run_bench(capsys, "--json", file)[::2],
+        f"--json {file}: the file exists",
+        "add --overwrite",
+    )
+    prompts = prompts_file(tmp_path)
+    check_one_line_error(
+        *run_bench(capsys, "--json", prompts, "--prompts", prompts, "--overwrite")[::2],
+        "is the --prompts file",
+    )
+    assert file.read_text() == "old results"
+    B.check_args(B.build_parser().parse_args(["--json", str(file), "--overwrite"]))
+    assert capsys.readouterr().err == ""
+    B.check_args(B.build_parser().parse_args(["--overwrite"]))
+    assert capsys.readouterr().err == "notice: --overwrite has no effect without --json\n"
+
+
 def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "fine"}\n{"prompt": "an unpaired \\udc80 escape"}\n')
@@ -101,6 +121,21 @@ def test_prompt_that_is_not_valid_unicode(no_model, capsys, tmp_path):
         *run_bench(capsys, "--prompts", file)[::2],
         f"--prompts {file}, line 2: not valid Unicode text",
     )
+
+
+def test_a_category_or_id_that_is_not_a_string_is_refused_before_the_model_loads(
+    no_model, capsys, tmp_path
+):
+    """A list would have crashed the tables after the measuring (unhashable)."""
+    file = tmp_path / "p.jsonl"
+    for line, words in [
+        ('{"prompt": "Hi", "category": ["a"]}', '"category" is a list; give a string'),
+        ('{"prompt": "Hi", "id": ["a"]}', '"id" is a list; give a string or a whole number'),
+    ]:
+        file.write_text('{"prompt": "fine"}\n' + line + "\n")
+        check_one_line_error(
+            *run_bench(capsys, "--prompts", file)[::2], f"--prompts {file}, line 2: {words}"
+        )
 
 
 def test_flags_without_effect_get_a_notice(capsys):
@@ -116,6 +151,43 @@ def test_flags_without_effect_get_a_notice(capsys):
     )
     B.check_args(B.build_parser().parse_args(["--temperature", "1e-9"]))
     assert "the sampling methods decode greedily" in capsys.readouterr().err
+
+
+def test_modes_that_exclude_each_other_are_refused_before_the_model_loads(no_model, capsys):
+    for modes, words in [
+        (["--tune-tree", "--tune-layers"], "--tune-tree, --tune-layers: one mode a run"),
+        (
+            ["--tune-tree", "--tune-layers", "--tune-skip", "--kernels"],
+            "--kernels, --tune-tree, --tune-layers, --tune-skip: one mode a run",
+        ),
+        (["--tune-parallel", "--kernels"], "--kernels, --tune-parallel: one mode a run"),
+    ]:
+        check_one_line_error(*run_bench(capsys, *modes)[::2], words)
+
+
+def test_method_names_are_checked_before_the_model_loads_in_every_mode(no_model, capsys):
+    for mode in ([], ["--kernels"], ["--tune-layers"]):
+        check_one_line_error(
+            *run_bench(capsys, *mode, "--methods", "plain,foo")[::2],
+            "--methods: unknown foo; choose from plain, hf,",
+        )
+
+
+def test_a_mode_names_the_flags_it_does_not_read(capsys):
+    for argv, notices in [
+        (["--kernels", "--methods", "plain", "--json", "k.json"], ["methods", "json"]),
+        (["--tune-layers", "--methods", "plain", "--batch-size", "2"], ["methods", "batch-size"]),
+        (["--tune-parallel", "--plots", "plots", "--max-gamma", "4"], ["max-gamma", "plots"]),
+    ]:
+        B.check_args(B.build_parser().parse_args(argv))
+        mode = argv[0]
+        assert capsys.readouterr().err.splitlines() == [
+            f"notice: --{name} has no effect with {mode}" for name in notices
+        ]
+    B.check_args(B.build_parser().parse_args(["--max-gamma", "4"]))
+    assert capsys.readouterr().err == (
+        "notice: --max-gamma has no effect without --tune-layers or --tune-skip\n"
+    )
 
 
 def test_draft_model_not_of_a_supported_family(no_model, capsys, tmp_path):
@@ -204,7 +276,7 @@ def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
     )
     for row in (
         "attention, 1 query (decode)",
-        "layers' weights in turn",
+        "weights in turn",
         "LM head",
         "whole decode step",
         "whole step of 16 tokens",
@@ -268,7 +340,7 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
     assert code == 0, err
     saved = pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32))
     assert json.loads(saved.read_text())["expected_speedup"] == pytest.approx(1.02 / 2, abs=1e-3)
-    assert tree_lib.load(str(saved)) == [(0,)]
+    assert tree_lib.load(str(saved)) == [(0,)] and "chosen: 1 node + root," in out
     lines = [line for line in err.splitlines() if "plain decoding is faster" in line]
     assert lines == [
         "notice: plain decoding is faster for these heads here (the best tree is "
@@ -565,6 +637,23 @@ def test_a_batch_size_reports_batched_throughput_beside_batch_1(capsys, tmp_path
         for size in (2, 5):
             (row,) = [line for line in out.splitlines() if line.startswith(f"| {name} | {size} |")]
             assert row.endswith("| yes |"), row
+
+
+def test_counts_of_one_are_singular(capsys, tmp_path):
+    """One prompt, a layers setting of one draft: "1 prompt", "1 token", not "1 prompts"."""
+    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=2)
+    model = checkpoint.load(model_dir, "cpu", torch.float32)[0]
+    tuned = {"model": model.cfg.name, "layers": 1, "gamma": 1}
+    tuned["machine"] = {"hardware": "a test", "dtype": "float32"}
+    file = catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, "layers")
+    pathlib.Path(file).write_text(json.dumps(tuned))
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, model_dir), "--batch-size", 2,
+        "--methods", "plain,layers", "--heads-dir", tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "notice: --batch-size 2: there are only 1 prompt; decoding at most 1 at a time" in err
+    assert "layers: the first 1 of 2 layers draft 1 token (tuned on a test, float32)" in err
 
 
 def test_the_llama_cpp_anchor_decodes_greedily_one_eval_a_token(monkeypatch):

@@ -206,6 +206,14 @@ def test_bad_tree_files(no_model, capsys, tmp_path, paths, words):
         ("\n  \n", "no prompts in the file"),
         (b'{"prompt": "caf\xe9"}\n', "not valid UTF-8"),
         ("[" * 100000, "line 1: not valid JSON"),
+        ('{"prompt": "Hi", "category": ["a"]}\n', 'line 1: "category" is a list; give a string'),
+        ('{"prompt": "Hi", "id": ["a"]}\n', 'line 1: "id" is a list; give a string or a whole'),
+        ('{"prompt": "Hi", "id": true}\n', 'line 1: "id" is true; give a string'),
+        (
+            '{"messages": [{"role": "user", "content": "Hi"}], "category": {}}\n',
+            'line 1: "category" is an object; give a string',
+        ),
+        ('{"prompt": "Hi", "category": "\\udc80"}\n', 'line 1, "category": not valid Unicode'),
     ],
 )
 def test_bad_prompts_file(no_model, capsys, tmp_path, content, words):
