@@ -237,8 +237,10 @@ def test_model_not_found(capsys, tmp_path):
         *run_cli(capsys, "--prompt", "hi", "--model", tmp_path / "no" / "such" / "model")[::2],
         "no such folder",
     )
-    check_one_line_error(
-        *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2], "no readable config.json"
+    check_one_line_error(  # a folder, but not a model's
+        *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2],
+        f"model '{tmp_path}': no config.json there",
+        "(config.json and *.safetensors), a hub id (owner/name) or 'default'",
     )
 
 
@@ -1303,14 +1305,6 @@ def test_exact_is_refused_before_the_model_loads(no_model, capsys, monkeypatch, 
     monkeypatch.setattr(exact, "triton", None)  # as where triton is not installed
     code, _, err = run_cli(capsys, "--prompt", "hi", "--exact", *argv)
     check_one_line_error(code, err, words)
-
-
-def test_a_folder_without_a_model_says_what_a_model_folder_holds(capsys, tmp_path):
-    check_one_line_error(
-        *run_cli(capsys, "--prompt", "hi", "--model", tmp_path)[::2],
-        f"model '{tmp_path}': no config.json there",
-        "(config.json and *.safetensors), a hub id (owner/name) or 'default'",
-    )
 
 
 def test_a_conversation_in_prompts_is_checked_before_the_model_loads(no_model, capsys, tmp_path):
