@@ -1136,21 +1136,6 @@ def batch_sizes(text):
     return sizes
 
 
-def check_json(path, prompts, overwrite):
-    """--json: a file that can be written, not the prompts, and new unless --overwrite."""
-    cli.writable_file("--json", path, "results/bench.json")
-    if os.path.isfile(path) and os.path.isfile(prompts) and os.path.samefile(path, prompts):
-        raise cli.UsageError(
-            f"--json {path} is the --prompts file: the results would overwrite the prompts; give "
-            "another --json"
-        )
-    if os.path.exists(path) and not overwrite:
-        raise cli.UsageError(
-            f"--json {path}: the file exists, and the results would replace it; give a new name, "
-            "remove it, or add --overwrite"
-        )
-
-
 # One mode a run: benchmarking (none of these flags), or one of them instead.
 MODES = ("kernels", "tune_tree", "tune_layers", "tune_skip", "tune_parallel")
 TUNERS = MODES[1:]
@@ -1242,7 +1227,10 @@ def check_args(args):
             f"--heads-dir {args.heads_dir}: no such folder; give a heads folder that train.py wrote"
         )
     if args.json and mode in READ_BY["json"]:
-        check_json(args.json, args.prompts, args.overwrite)
+        replaced = "the results would replace it"
+        cli.new_file(
+            "--json", args.json, "results/bench.json", args.prompts, args.overwrite, replaced
+        )
     if args.plots and mode in READ_BY["plots"]:
         if plotting(quiet=True) is None:  # before the folder is made and the run is measured
             raise cli.UsageError(

@@ -88,6 +88,21 @@ def find_heads(name, flag="--heads"):
     )
 
 
+def check_heads_in(folder, where):
+    """`folder` holds heads as checkpoint.save_heads writes them: a readable heads.json and the
+    weights. `where`: the flag and its value, for the error. Reads heads.json only."""
+    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise UsageError(
+                f"{where}: no heads there ({file} missing); pass a folder train.py wrote (its "
+                "--out)"
+            )
+    try:
+        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    except ValueError as e:  # heads.HeadsError: a garbled heads.json
+        raise UsageError(f"{where}: {e}; pass a folder train.py wrote (its --out)") from None
+
+
 def heads_folder(heads_dir, kind):
     """The heads of `kind` for --heads-dir: the folder itself if it holds heads of that kind (what
     train.py or joint.py writes), else its KIND/ or heads-KIND/ (train.py's default name)

@@ -13,7 +13,8 @@ Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
     pick_device, DTYPES, check_seed                  the machine and randomness (kernels.pick_dtype
                                                      turns --dtype into one of DTYPES)
     threads_flag, use_threads                        --threads: the cores other work leaves idle
-    writable_file, writable_folder, empty_folder     paths, checked before the work
+    writable_file, new_file, writable_folder,        paths, checked before the work
+        empty_folder
     check_text, check_counts, read_prompts           text, numbers and prompt files
     check_messages                                   a {"messages": [...]} conversation
     cache_root()                                     the folder for what is made once per machine
@@ -221,6 +222,23 @@ def writable_file(flag, path, example):
         raise UsageError(
             f"{flag} {path}: cannot write there ({e.strerror}); choose a writable folder"
         ) from None
+
+
+def new_file(flag, path, example, prompts, overwrite, replaced):
+    """An output file: writable (writable_file), not the --prompts file, and new unless
+    --overwrite; `replaced` says what writing it would do to one that exists."""
+    writable_file(flag, path, example)
+    if prompts and os.path.isfile(path) and os.path.isfile(prompts):
+        if os.path.samefile(path, prompts):
+            raise UsageError(
+                f"{flag} {path} is the --prompts file: writing it would overwrite the prompts; "
+                f"give another {flag}"
+            )
+    if os.path.exists(path) and not overwrite:
+        raise UsageError(
+            f"{flag} {path}: the file exists, and {replaced}; give a new name, remove it, or add "
+            "--overwrite"
+        )
 
 
 def writable_folder(flag, path):

@@ -169,18 +169,7 @@ def heads_folder(name):
         raise cli.UsageError(
             f"--heads {name}: no heads to export; give medusa or a folder of Medusa heads"
         )
-    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
-        if not os.path.isfile(os.path.join(folder, file)):
-            raise cli.UsageError(
-                f"--heads {name}: no heads there ({file} missing); pass a folder train.py wrote "
-                "(its --out) or medusa"
-            )
-    try:
-        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
-    except HeadsError as e:
-        raise cli.UsageError(
-            f"--heads {name}: {e}; pass a folder train.py wrote (its --out)"
-        ) from None
+    catalog.check_heads_in(folder, f"--heads {name}")
     return folder
 
 

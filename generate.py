@@ -18,7 +18,6 @@ terminal.py's.
 
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -348,22 +347,6 @@ def check_sampling_flags(args):
     cli.check_seed(args.seed)
 
 
-def check_out(out, prompts, overwrite):
-    """--out: a file that can be written, not the prompts, and new unless --overwrite."""
-    cli.writable_file("--out", out, "replies.jsonl")
-    if prompts and os.path.isfile(out) and os.path.isfile(prompts):
-        if os.path.samefile(out, prompts):
-            raise cli.UsageError(
-                f"--out {out} is the --prompts file: the replies would overwrite the prompts; "
-                "give another --out"
-            )
-    if os.path.exists(out) and not overwrite:
-        raise cli.UsageError(
-            f"--out {out}: the file exists, and decoding would empty it; give a new name, remove "
-            "it, or add --overwrite"
-        )
-
-
 def check_online(args, kind):
     """--online needs heads to train; its numbers are positive; --online-save is a new or empty
     folder."""
@@ -396,7 +379,8 @@ def check_args(args, parser):
     given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
     draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
     if args.out:
-        check_out(args.out, args.prompts, args.overwrite)
+        replaced = "decoding would empty it"
+        cli.new_file("--out", args.out, "replies.jsonl", args.prompts, args.overwrite, replaced)
     check_online(args, draft.kind)
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)

@@ -506,18 +506,7 @@ def init_folder(name):
             f"--init {name}: joint training starts from trained heads; give a shipped kind (such "
             "as medusa) or a heads folder train.py wrote"
         )
-    for file in (checkpoint.HEADS_CONFIG, checkpoint.HEADS_WEIGHTS):
-        if not os.path.isfile(os.path.join(folder, file)):
-            raise cli.UsageError(
-                f"--init {name}: no heads there ({file} missing); pass a folder train.py wrote "
-                "(its --out)"
-            )
-    try:
-        checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
-    except ValueError as e:  # heads.HeadsError: a garbled heads.json
-        raise cli.UsageError(
-            f"--init {name}: {e}; pass a folder train.py wrote (its --out)"
-        ) from None
+    catalog.check_heads_in(folder, f"--init {name}")
     return folder
 
 

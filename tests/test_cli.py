@@ -865,7 +865,7 @@ def test_out_that_is_the_prompts_file_is_refused(no_model, capsys, tmp_path):
             "give another --out",
         )
     code, _, err = run_script("--prompts", prompts, "--out", prompts)  # the real entry point
-    check_one_line_error(code, err, "the replies would overwrite the prompts")
+    check_one_line_error(code, err, "writing it would overwrite the prompts")
     assert prompts.read_text() == text
 
 

@@ -98,19 +98,24 @@ def test_joint_heads_decode_losslessly_on_the_adapted_model(tmp_path, kind):
     assert decode.generate(base, [5, 6, 7, 8], 24).tokens != plain.tokens
 
 
-def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # where the layers' input is kept
-    model_dir = save_tiny_model(
-        tmp_path / "model", num_hidden_layers=3, hidden_size=32, intermediate_size=64
-    )
+def joint_inputs(tmp_path, n, **sizes):
+    """A tiny 3-layer model, n random conversations (convs.safetensors) and Medusa heads to start
+    from (init/), in tmp_path: joint.py's inputs. Returns the model's folder and the model."""
+    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3, **sizes)
     base, _ = checkpoint.load(model_dir)
-    convs = random_convs(n=40, vocab=200)
+    convs = random_convs(n=n, vocab=200)
     ids = torch.cat([torch.tensor(c) for c, _ in convs]).int()
     loss = torch.cat([torch.tensor(m) for _, m in convs])
     offsets = torch.tensor([0] + [len(c) for c, _ in convs]).cumsum(0)
     save_file({"ids": ids, "loss": loss, "offsets": offsets}, str(tmp_path / "convs.safetensors"))
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), base, torch.arange(256))
     checkpoint.save_heads(heads, str(tmp_path / "init"))
+    return model_dir, base
+
+
+def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # where the layers' input is kept
+    model_dir, base = joint_inputs(tmp_path, 40, hidden_size=32, intermediate_size=64)
     out = tmp_path / "out"
     code = joint.cli_main(
         [
@@ -196,15 +201,7 @@ def test_an_init_folder_without_heads_names_the_flag_and_the_fix(
 
 
 def test_a_teacher_k_beyond_the_vocabulary_is_one_line_and_leaves_no_out_folder(tmp_path, capsys):
-    model_dir = save_tiny_model(tmp_path / "model", num_hidden_layers=3)
-    base, _ = checkpoint.load(model_dir)
-    convs = random_convs(n=4, vocab=200)
-    ids = torch.cat([torch.tensor(c) for c, _ in convs]).int()
-    loss = torch.cat([torch.tensor(m) for _, m in convs])
-    offsets = torch.tensor([0] + [len(c) for c, _ in convs]).cumsum(0)
-    save_file({"ids": ids, "loss": loss, "offsets": offsets}, str(tmp_path / "convs.safetensors"))
-    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), base, torch.arange(256))
-    checkpoint.save_heads(heads, str(tmp_path / "init"))
+    model_dir, base = joint_inputs(tmp_path, 4)
     argv = ["--model", model_dir, "--init", str(tmp_path / "init")]
     argv += ["--data", str(tmp_path / "convs.safetensors"), "--out", str(tmp_path / "out")]
     code = joint.cli_main([*argv, "--teacher-k", "999999"])
