@@ -210,9 +210,11 @@ def parse(spec: str) -> list[Path]:
 
 def ascii(tree: Tree) -> str:
     """The nodes as an indented tree ([index] rank r), then the mask as rows of '1' / '.'."""
-    n, leaves = tree.num_nodes, len(tree.retrieve)
-    nodes = f"{n} node{'s' * (n != 1)}, depth {tree.max_depth}, {leaves} "
-    lines = [f"tree: {nodes}{'leaf' if leaves == 1 else 'leaves'}", "[0] root"]
+    n = tree.num_nodes
+    leaves = len(tree.retrieve)
+    head = f"tree: {n} node{'s' * (n != 1)}, depth {tree.max_depth}, "
+    head += f"{leaves} {'leaf' if leaves == 1 else 'leaves'}"
+    lines = [head, "[0] root"]
 
     stack = [(c, " ", c == tree.children[0][-1]) for c in reversed(tree.children[0])]
     while stack:  # depth-first, without recursion (a chain may be 1023 deep)
