@@ -61,18 +61,18 @@ from typing import Callable
 
 import torch
 
-import catalog
-import checkpoint
-import cli
-import drafters
-import decode
-import engine
-import graphs
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec import drafters
+from specdec.engines import decode
+from specdec.engines import engine
+from specdec.fast import graphs
 import heads as heads_lib
-import kernels as kernels_lib
-import online
-import tuning
-from tuning import (
+from specdec.fast import kernels as kernels_lib
+from specdec.engines import online
+from specdec import tuning
+from specdec.tuning import (
     distance_to_floor,
     kernel_table,
     machine,
@@ -732,7 +732,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                     raise cli.UsageError(
                         "--methods pass: no [LA] tokens for this model in --heads-dir "
                         f"{args.heads_dir}/pass; "
-                        "train them with pass_tokens.py"
+                        "train them with python -m specdec.training.pass_tokens"
                     )
                 notes.append(
                     f"pass: skipped (no [LA] tokens for this model in {args.heads_dir}/pass)"

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-import catalog
-import checkpoint
-import cli
-import decode
-import engine
-import graphs
-import kernels
-import online
-import terminal
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.engines import decode
+from specdec.engines import engine
+from specdec.fast import graphs
+from specdec.fast import kernels
+from specdec.engines import online
+from specdec import terminal
 import verify as verify_lib
 
 # --- command line --------------------------------------------------------------------------------

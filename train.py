@@ -43,11 +43,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
-import checkpoint
-import cli
-import dataset
-import kernels
-from cli import (
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.training import dataset
+from specdec.fast import kernels
+from specdec.cli import (
     MAX_SEED,
     Parser,
     UsageError,
@@ -57,7 +57,14 @@ from cli import (
     writable_file,
     writable_folder,
 )
-from losses import TrainForward, collate, head_states, logits_of, to_kept_map, train_step
+from specdec.training.losses import (
+    TrainForward,
+    collate,
+    head_states,
+    logits_of,
+    to_kept_map,
+    train_step,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

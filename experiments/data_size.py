@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ablations  # noqa: E402
-import checkpoint  # noqa: E402
-import dataset  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec.training import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
-import losses  # noqa: E402
+from specdec.training import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 

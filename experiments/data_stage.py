@@ -16,9 +16,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import dataset  # noqa: E402
-import kernels  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec.training import dataset  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

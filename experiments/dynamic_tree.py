@@ -18,12 +18,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import kernels  # noqa: E402
-import catalog  # noqa: E402
-import cli  # noqa: E402
-import drafters as D  # noqa: E402
-import decode  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
+from specdec.loading import catalog  # noqa: E402
+from specdec import cli  # noqa: E402
+from specdec import drafters as D  # noqa: E402
+from specdec.engines import decode  # noqa: E402
 import tree as T  # noqa: E402
 
 

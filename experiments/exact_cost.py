@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
 import model as model_lib  # noqa: E402
 
 SMOLLM2 = dict(  # SmolLM2-135M's shapes (weights/ holds the real ones)
@@ -146,7 +146,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.tiny:  # before triton is imported: its kernels are decorated for the interpreter then
         os.environ["TRITON_INTERPRET"] = "1"
-    import exact
+    from specdec.fast import exact
 
     if args.tiny:
         what, shape, device = "a tiny model", TINY, torch.device("cpu")

@@ -28,12 +28,12 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import checkpoint  # noqa: E402
-import catalog  # noqa: E402
-import cli  # noqa: E402
-import dataset  # noqa: E402
-import kernels  # noqa: E402
-import losses  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec.loading import catalog  # noqa: E402
+from specdec import cli  # noqa: E402
+from specdec.training import dataset  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
+from specdec.training import losses  # noqa: E402
 import train  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 

@@ -33,13 +33,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import checkpoint  # noqa: E402
-import drafters  # noqa: E402
-import decode  # noqa: E402
-import engine  # noqa: E402
-import graphs  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec import drafters  # noqa: E402
+from specdec.engines import decode  # noqa: E402
+from specdec.engines import engine  # noqa: E402
+from specdec.fast import graphs  # noqa: E402
 import heads as heads_lib  # noqa: E402
-import kernels  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
 import model as M  # noqa: E402
 import tree as tree_lib  # noqa: E402
 

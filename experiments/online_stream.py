@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tuning  # noqa: E402
+from specdec import tuning  # noqa: E402
 
 MODULES = (
     "string textwrap re json os.path shutil itertools functools collections heapq bisect math "

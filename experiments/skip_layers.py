@@ -26,13 +26,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import catalog  # noqa: E402
-import checkpoint  # noqa: E402
-import cli  # noqa: E402
-import drafters  # noqa: E402
-import decode  # noqa: E402
-import kernels  # noqa: E402
-import tuning  # noqa: E402
+from specdec.loading import catalog  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec import cli  # noqa: E402
+from specdec import drafters  # noqa: E402
+from specdec.engines import decode  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
+from specdec import tuning  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G = 8  # the longest chain tried

@@ -19,13 +19,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tuning  # noqa: E402
-import checkpoint  # noqa: E402
-import catalog  # noqa: E402
-import cli  # noqa: E402
-import drafters as D  # noqa: E402
-import decode  # noqa: E402
-import kernels as K  # noqa: E402
+from specdec import tuning  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
+from specdec.loading import catalog  # noqa: E402
+from specdec import cli  # noqa: E402
+from specdec import drafters as D  # noqa: E402
+from specdec.engines import decode  # noqa: E402
+from specdec.fast import kernels as K  # noqa: E402
 import model as M  # noqa: E402
 import verify as V  # noqa: E402
 

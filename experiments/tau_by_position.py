@@ -21,14 +21,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import checkpoint  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
 import data_size  # noqa: E402
-import dataset  # noqa: E402
-import kernels  # noqa: E402
-import losses  # noqa: E402
+from specdec.training import dataset  # noqa: E402
+from specdec.fast import kernels  # noqa: E402
+from specdec.training import losses  # noqa: E402
 import train  # noqa: E402
 import tree as tree_lib  # noqa: E402
-import tuning  # noqa: E402
+from specdec import tuning  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 WINDOWS = [(0, 16), (16, 64), (0, 64), (64, 1 << 30), (0, 1 << 30)]  # answer positions [a, b)

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-import checkpoint
+from specdec.loading import checkpoint
 import model as model_lib
 
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 def threads_as_they_were(monkeypatch):
     """--threads 0 counts the cores other work keeps busy: in tests, none (the same count whatever
     else the machine runs), and each test leaves torch's thread count as it found it."""
-    import cli
+    from specdec import cli
 
     monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.1: 0)
     threads = torch.get_num_threads()

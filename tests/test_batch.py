@@ -5,12 +5,12 @@ rows that end at different steps; a sampled row depends on its own seed only."""
 import pytest
 import torch
 
-import catalog
-import dataset
-import drafters
-import decode
-import engine
-import kernels
+from specdec.loading import catalog
+from specdec.training import dataset
+from specdec import drafters
+from specdec.engines import decode
+from specdec.engines import engine
+from specdec.fast import kernels
 import model as model_lib
 import test_kernels
 import tree as tree_lib

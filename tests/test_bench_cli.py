@@ -18,13 +18,13 @@ import types
 import pytest
 import torch
 
-import catalog
-import checkpoint
-import cli
-import exact
-import kernels
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.fast import exact
+from specdec.fast import kernels
 import bench as B
-import tuning
+from specdec import tuning
 from conftest import ctrl_c_after, save_tiny_model
 from test_cli import check_one_line_error
 
@@ -419,7 +419,7 @@ def test_parallel_tuning_saves_a_choice_that_the_methods_then_use(capsys, tmp_pa
 
 
 def test_parallel_tuning_climbs_to_the_best_neighbour_and_stops():
-    import tuning
+    from specdec import tuning
 
     grid = {"a": (1, 2, 3, 4, 5), "b": (1, 2, 3)}
     seen = []

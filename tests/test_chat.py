@@ -17,12 +17,12 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import dataset
-import drafters
-import decode
+from specdec.loading import checkpoint
+from specdec.training import dataset
+from specdec import drafters
+from specdec.engines import decode
 import generate as G
-import terminal
+from specdec import terminal
 import test_batch
 import tree as tree_lib
 from conftest import save_tiny_model

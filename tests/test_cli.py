@@ -16,17 +16,17 @@ import time
 import pytest
 import torch
 
-import catalog
-import checkpoint
-import cli
-import drafters
-import decode
-import engine
-import exact
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec import drafters
+from specdec.engines import decode
+from specdec.engines import engine
+from specdec.fast import exact
 import generate as G
-import terminal
+from specdec import terminal
 import heads as heads_lib
-import kernels
+from specdec.fast import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -329,8 +329,8 @@ def test_a_kind_not_shipped_is_the_folder_of_that_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         cli.UsageError,
-        match=r"--heads medusa-2: no medusa-2 heads are shipped .* joint.py --init medusa --out "
-        r"FOLDER",
+        match=r"--heads medusa-2: no medusa-2 heads are shipped .* specdec.training.joint --init "
+        r"medusa --out FOLDER",
     ):
         catalog.find_heads("medusa-2")
     (tmp_path / "medusa-2").mkdir()

@@ -21,15 +21,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-import catalog
-import drafters
-import decode
+from specdec.loading import catalog
+from specdec import drafters
+from specdec.engines import decode
 import heads as heads_lib
-import losses
+from specdec.training import losses
 import train as T
 import tree as tree_lib
 from conftest import tiny_config
-import dataset as D
+from specdec.training import dataset as D
 from test_train import args_for, features  # noqa: F401 (a fixture)
 
 FACTORIES = {
@@ -276,7 +276,7 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
     no mask (readable attention and its GPU twin), and gives what the masked form gives; a step
     after a cached prefix (a tree) passes its mask."""
     import model as model_lib
-    import kernels
+    from specdec.fast import kernels
 
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 

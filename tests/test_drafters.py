@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import catalog
-import checkpoint
-import drafters as D
-import decode
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import drafters as D
+from specdec.engines import decode
 import model as model_lib
 import tree as tree_lib
 import verify as verify_lib

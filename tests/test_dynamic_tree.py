@@ -7,7 +7,7 @@ import os
 
 import torch
 
-import decode
+from specdec.engines import decode
 from conftest import draft_one
 from test_generate import random_heads, small  # noqa: F401 (a fixture)
 

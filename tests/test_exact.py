@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import drafters
-import decode
-import kernels
+from specdec import drafters
+from specdec.engines import decode
+from specdec.fast import kernels
 import model as model_lib
 from conftest import tiny_config
 
@@ -50,7 +50,7 @@ def interpreter():
 def load_exact():
     """exact, its kernels decorated for this machine: compiled for CUDA, else interpreted."""
     with interpreter():
-        module = importlib.import_module("exact")
+        module = importlib.import_module("specdec.fast.exact")
         if not CUDA and module.triton is not None and not module.INTERPRETED:  # imported before
             module = importlib.reload(module)
     return module

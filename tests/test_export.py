@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import checkpoint
-import export
+from specdec.loading import checkpoint
+from specdec import export
 from heads import HeadsConfig, build
 from test_cli import check_one_line_error
 

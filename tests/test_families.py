@@ -17,11 +17,11 @@ import torch
 import transformers
 
 import bench
-import checkpoint
-import drafters
-import decode
+from specdec.loading import checkpoint
+from specdec import drafters
+from specdec.engines import decode
 import generate as G
-import kernels
+from specdec.fast import kernels
 import tree as tree_lib
 from test_cli import check_one_line_error, reply_ids, run_cli
 from test_train_cli import TINY_RUN, conversations, run_train

@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-import catalog
-import checkpoint
-import drafters
-import decode
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import drafters
+from specdec.engines import decode
 import heads as heads_lib
-import kernels
+from specdec.fast import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -267,7 +267,7 @@ def test_same_seed_same_output(small):
 def test_a_tuned_tree_expected_to_lose_says_plain_decoding_is_faster(tiny, tmp_path, capsys):
     """bench.py --tune-tree records the tree's expected speedup; --tree auto on one below 1x says
     that --heads none is faster here (and says nothing for one that pays, or a file without it)."""
-    import tuning
+    from specdec import tuning
 
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny)
     file = catalog.tuned_tree_file(tmp_path, "cpu", torch.float32)

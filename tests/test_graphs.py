@@ -11,11 +11,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-import catalog
-import drafters
-import decode
-import engine
-import graphs
+from specdec.loading import catalog
+from specdec import drafters
+from specdec.engines import decode
+from specdec.engines import engine
+from specdec.fast import graphs
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config

@@ -40,7 +40,10 @@ GUARDED = {
 
 # (file, module) imported without a guard of its own, only ever reached through one in GUARDED
 BEHIND_A_GUARD = {
-    ("checkpoint.py", "llama_cpp"): "default_gguf_as, called only for bench.py's llama.cpp methods "
+    (
+        "specdec/loading/checkpoint.py",
+        "llama_cpp",
+    ): "default_gguf_as, called only for bench.py's llama.cpp methods "
     "(tests/test_bench_cli.py::test_llama_cpp_methods_decode_the_same_prompt_ids_on_torch_threads)",
 }
 
@@ -132,7 +135,7 @@ def project_files():
 def test_every_import_is_installed_by_requirements_or_guarded_and_tested():
     files = project_files()
     assert {"bench.py", "tests/test_imports.py", "experiments/merged_rules.py"} <= set(files)
-    project = {os.path.basename(p)[:-3] for p in files}
+    project = {os.path.basename(p)[:-3] for p in files} | {"specdec"}  # the package
     required = {module_of(d) for d in requirements()}
     lines = [
         line

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import catalog
-import checkpoint
-import drafters
-import decode
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import drafters
+from specdec.engines import decode
 import heads as heads_lib
-import joint
+from specdec.training import joint
 import model as model_lib
 import tree as tree_lib
 from conftest import save_tiny_model, tiny_config

@@ -24,14 +24,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import checkpoint
+from specdec.loading import checkpoint
 import heads as heads_lib
-import kernels
-import losses
+from specdec.fast import kernels
+from specdec.training import losses
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
-from kernels import Kernels, block_native
+from specdec.fast.kernels import Kernels, block_native
 
 PACKED = Kernels.choose("cpu", torch.float32, 0).packed  # oneDNN prepacking in this torch build
 ONEDNN_BF16 = PACKED and kernels.onednn_bf16()  # oneDNN's bf16 native here
@@ -835,8 +835,8 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
     """kernels.c's rows and queries do not depend on each other: in bf16, a tree step's products
     and attention give each node what a plain step gives it, and greedy speculative decoding keeps
     plain greedy's tokens."""
-    import drafters
-    import decode
+    from specdec import drafters
+    from specdec.engines import decode
 
     steps = {"plain": 0, "spec": 0}
     for seed in range(10):  # (through oneDNN and SDPA, 1 of these 10 differs)
@@ -869,8 +869,8 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
 def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     """Quantised weights change the model a little; the lossless contract holds against that
     model."""
-    import decode
-    import drafters
+    from specdec.engines import decode
+    from specdec import drafters
 
     torch.manual_seed(0)
     base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()

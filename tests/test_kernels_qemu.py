@@ -19,10 +19,10 @@ import subprocess
 import pytest
 import torch
 
-import kernels
+from specdec.fast import kernels
 import model as model_lib
 from conftest import tiny_config
-from kernels import Kernels
+from specdec.fast.kernels import Kernels
 from test_kernels import close_as_readable, spread_norms
 
 ARM = platform.machine().lower() in kernels.ARM

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import checkpoint
-import kernels
+from specdec.loading import checkpoint
+from specdec.fast import kernels
 import model as model_lib
 import tree as tree_lib
 from conftest import TINY_LLAMA, tiny_config
@@ -218,8 +218,8 @@ def test_rope_frequencies_stay_fp32():
 
 
 def test_script_takes_model_and_refuses_bad_arguments(capsys, tiny_model_dir):
-    """`python checkpoint.py` runs main(): --help, --model, one line and exit code 2 on bad
-    input."""
+    """`python -m specdec.loading.checkpoint` runs main(): --help, --model, one line and exit code 2
+    on bad input."""
 
     def one_line_error(words):
         err = capsys.readouterr().err

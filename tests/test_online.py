@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-import catalog
-import checkpoint
-import drafters as D
-import decode
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import drafters as D
+from specdec.engines import decode
 import heads as heads_lib
 import model as model_lib
-import online
+from specdec.engines import online
 import tree as tree_lib
 from conftest import tiny_config
 from test_cli import check_one_line_error, run_cli

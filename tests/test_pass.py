@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import catalog
-from cli import plural
-import checkpoint
-import drafters as D
-import decode
+from specdec.loading import catalog
+from specdec.cli import plural
+from specdec.loading import checkpoint
+from specdec import drafters as D
+from specdec.engines import decode
 import model as model_lib
-import pass_tokens
+from specdec.training import pass_tokens
 from conftest import save_tiny_model, tiny_config, draft_one
 from test_bench_cli import run_bench, short_run
 from test_cli import check_one_line_error, run_cli

@@ -50,7 +50,10 @@ def commands(text):
 
 
 def script_and_argv(words):
-    """(the script's module name, its arguments) for python X.py / torchrun ... X.py, else None."""
+    """(the script's module name, its arguments) for python X.py / torchrun ... X.py and
+    python -m specdec.X (a script of the package), else None."""
+    if words[:2] == ["python", "-m"] and words[2].startswith("specdec."):
+        return words[2], words[3:]
     for i, word in enumerate(words):
         if word.endswith(".py") and words[0] in ("python", "torchrun") and "/" not in word:
             return word[:-3], words[i + 1 :]
@@ -67,7 +70,7 @@ CASES = [
 
 def test_the_readmes_show_commands():
     assert len(CASES) > 30 and {"generate", "train", "bench", "joint", "export", "tree"} <= {
-        script_and_argv(w)[0] for _, _, w in CASES
+        script_and_argv(w)[0].split(".")[-1] for _, _, w in CASES
     }
 
 
@@ -119,8 +122,8 @@ def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
     model, drafter, device, dtype and threads, is the line the README shows."""
     import types
 
-    import terminal
-    import kernels
+    from specdec import terminal
+    from specdec.fast import kernels
 
     text = open(os.path.join(ROOT, "README.md")).read()
     shown = re.search(r"^\[SmolLM2-135M-Instruct .* on cpu, .*\]$", text, re.M).group(0)

@@ -16,9 +16,9 @@ import threading
 import pytest
 import torch
 
-import checkpoint
-import drafters
-import decode
+from specdec.loading import checkpoint
+from specdec import drafters
+from specdec.engines import decode
 import heads as heads_lib
 import model as model_lib
 import tree as tree_lib

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import bench as B
-import catalog
-import cli
-import drafters as D
-import decode
+from specdec.loading import catalog
+from specdec import cli
+from specdec import drafters as D
+from specdec.engines import decode
 import model as model_lib
-import tuning
+from specdec import tuning
 from conftest import save_tiny_model, tiny_config
 from test_bench_cli import prompts_file, run_bench
 from test_cli import check_one_line_error, run_cli

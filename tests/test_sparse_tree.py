@@ -6,7 +6,7 @@ import random
 import pytest
 
 import tree as T
-import tuning
+from specdec import tuning
 
 
 def random_acc(rng, heads, ranks, sort=True):

@@ -23,11 +23,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import checkpoint as checkpoint_lib
-import dataset as D
+from specdec.loading import checkpoint as checkpoint_lib
+from specdec.training import dataset as D
 import heads as heads_lib
-import kernels
-import losses
+from specdec.fast import kernels
+from specdec.training import losses
 import model as model_lib
 import train as T
 from conftest import tiny_config, torchrun_env
@@ -563,7 +563,7 @@ def test_two_cpu_processes_train_one_set_of_heads(features, reference, tmp_path)
 
 
 def plain_answers(model, prompts, max_new, stop):
-    import decode
+    from specdec.engines import decode
 
     return [decode.generate(model, p, max_new, eos_ids=stop).tokens for p in prompts]
 

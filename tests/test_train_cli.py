@@ -20,9 +20,9 @@ import time
 import pytest
 import torch
 
-import checkpoint
+from specdec.loading import checkpoint
 import model as model_lib
-import dataset as D
+from specdec.training import dataset as D
 import train as T
 from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
 from test_cli import check_one_line_error

@@ -36,15 +36,16 @@ import time
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import drafters
-import engine
-import kernels
+from specdec.loading import checkpoint
+from specdec import drafters
+from specdec.engines import engine
+from specdec.fast import kernels
 import model as model_lib
-from checkpoint import encode, eos_ids
-from cli import UsageError, check_text, notice, plural, threads_flag
+from specdec.loading.checkpoint import encode, eos_ids
+from specdec.cli import UsageError, check_text, notice, plural, threads_flag
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository, two folders above this file
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- decoding: the data stage's engine ----------------------------------------------------------

@@ -14,8 +14,8 @@ Families other than Llama load as the Llama model.py computes, with their differ
 into the weights where that is exact (fold_family). Both loads end with kernels.use(), so what
 they return runs the fast kernels for its device and dtype. The tokenizer's facts live here too:
 encode() (the one chat-template encoder) and eos_ids() (the tokens that end a reply). Run
-`python checkpoint.py [--model M] [--prompt P]` to load a model and print its five likeliest
-first tokens of a reply.
+`python -m specdec.loading.checkpoint [--model M] [--prompt P]` to load a model and print its
+five likeliest first tokens of a reply.
 Test: `python -m pytest -q tests/test_model.py tests/test_heads.py tests/test_families.py`.
 """
 
@@ -31,9 +31,9 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file, save_file
 
-import cli
-import kernels
-from cli import UsageError, cache_root
+from specdec import cli
+from specdec.fast import kernels
+from specdec.cli import UsageError, cache_root
 from heads import HeadsConfig, HeadsError, build
 from model import Config, Rope, Transformer, lm_head_fingerprint
 
@@ -662,7 +662,7 @@ def load_tokens(folder, model):
     ) as e:  # missing, unreadable, not JSON, no "embeddings": all the same to the user
         raise HeadsError(
             f"{folder}: no [LA] tokens of pass_tokens.py there ({type(e).__name__}); train them "
-            f"with pass_tokens.py --out {folder}"
+            f"with python -m specdec.training.pass_tokens --out {folder}"
         ) from None
     if (
         not isinstance(cfg, dict)
@@ -672,7 +672,7 @@ def load_tokens(folder, model):
         raise HeadsError(
             f"{folder}: its [LA] tokens were trained for another base model "
             f"({cfg.get('model') if isinstance(cfg, dict) else '?'}); "
-            f"train them for {model.cfg.name} with pass_tokens.py"
+            f"train them for {model.cfg.name} with python -m specdec.training.pass_tokens"
         )
     return embeddings
 
@@ -732,8 +732,8 @@ def eos_ids(model, tokenizer) -> set:
 
 
 def main(argv=None) -> int:
-    """`python checkpoint.py [--model M] [--prompt P]`: a smoke test of loading and the forward
-    pass.
+    """`python -m specdec.loading.checkpoint [--model M] [--prompt P]`: a smoke test of loading and
+    the forward pass.
     Bad input: one line on stderr, exit code 2; Ctrl-C: exit code 130."""
 
     def smoke(args):

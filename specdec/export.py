@@ -17,7 +17,7 @@ math of heads.MedusaHeads, so the export renames tensors and writes the config:
 Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), and joint heads
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
-    python export.py --heads medusa --out medusa-vllm vllm serve BASE --speculative-config
+    python -m specdec.export --heads medusa --out medusa-vllm vllm serve BASE --speculative-config
     '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
 
 BASE is the model the heads were trained on (for the shipped heads, the folder that
@@ -33,9 +33,9 @@ import sys
 
 import torch
 
-import catalog
-import checkpoint
-import cli
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
 from heads import HeadsError
 from model import lm_head_fingerprint
 

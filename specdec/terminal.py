@@ -10,12 +10,12 @@ import os
 import sys
 import time
 
-import catalog
-import checkpoint
-import cli
-import decode
-import graphs
-import kernels
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.engines import decode
+from specdec.fast import graphs
+from specdec.fast import kernels
 
 # --- what is printed ------------------------------------------------------------------------------
 

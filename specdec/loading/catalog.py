@@ -28,17 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-import checkpoint
-import drafters as drafters_lib
-import exact
-import graphs
+from specdec.loading import checkpoint
+from specdec import drafters as drafters_lib
+from specdec.fast import exact
+from specdec.fast import graphs
 import heads as heads_lib
-import kernels
-import online
+from specdec.fast import kernels
+from specdec.engines import online
 import tree as tree_lib
-from cli import UsageError, empty_folder, notice, plural
+from specdec.cli import UsageError, empty_folder, notice, plural
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository, two folders above this file
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED = os.path.join(HERE, "weights", "smollm2-135m-instruct")  # heads trained by train.py
 
 # heads trained with the base model's last layers (joint.py)
@@ -72,7 +73,7 @@ def find_heads(name, flag="--heads"):
         if os.path.isdir(name):
             return name
         how = (
-            f"joint.py --init {name.removesuffix('-2')} --out FOLDER"
+            f"python -m specdec.training.joint --init {name.removesuffix('-2')} --out FOLDER"
             if name in JOINT_KINDS
             else f"train.py --heads {name} --out FOLDER"
         )
@@ -292,8 +293,8 @@ def parse_draft(spec):
         folder = spec[5:] or os.path.join(SHIPPED, "pass")
         if not os.path.isfile(os.path.join(folder, checkpoint.TOKENS_CONFIG)):
             raise UsageError(
-                f"--draft {spec}: no [LA] tokens in {folder}; train them with pass_tokens.py "
-                "--out FOLDER, then --draft pass:FOLDER"
+                f"--draft {spec}: no [LA] tokens in {folder}; train them with "
+                "python -m specdec.training.pass_tokens --out FOLDER, then --draft pass:FOLDER"
             )
         return "pass", folder
     if m := re.fullmatch(r"layers:(-?[0-9]+)", spec):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import drafters as drafters_lib
+from specdec import drafters as drafters_lib
 import verify as verify_lib
 
 # --- what a reply is, and who verifies it -------------------------------------------------------

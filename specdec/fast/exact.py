@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-import kernels
+from specdec.fast import kernels
 import model
 
 try:

@@ -15,7 +15,7 @@ batch of rows:
 
 so a conversation costs one forward over its tokens, and a forward and backward over its [LA] rows.
 
-    python pass_tokens.py --out weights/smollm2-135m-instruct/pass
+    python -m specdec.training.pass_tokens --out weights/smollm2-135m-instruct/pass
 
 Test: `python -m pytest -q tests/test_pass.py`. Shapes: T tokens, M cuts, K [LA] tokens, D hidden, V
 vocabulary.
@@ -28,10 +28,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-import cli
-import dataset
-import kernels
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.training import dataset
+from specdec.fast import kernels
 import train
 
 
@@ -188,7 +188,7 @@ def run(args):
             "curve": curve,
             "seconds": round(time.time() - t0),
             "rows": rows,
-            "command": "python pass_tokens.py " + " ".join(sys.argv[1:]),
+            "command": "python -m specdec.training.pass_tokens " + " ".join(sys.argv[1:]),
             "flags": vars(args),
         },
     )

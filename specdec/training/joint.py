@@ -20,7 +20,7 @@ heads: catalog.load_heads merges the delta into the base model's weights at load
 nothing more), so `--heads FOLDER` decodes with the adapted model and `--heads none` is the original
 one. Greedy speculative decoding is lossless against the adapted model (tests/test_joint.py).
 
-    python joint.py --init weights/smollm2-135m-instruct/medusa --out medusa-2
+    python -m specdec.training.joint --init weights/smollm2-135m-instruct/medusa --out medusa-2
 
 Test: `python -m pytest -q tests/test_joint.py`. Shapes: B batch, T time, D hidden, r LoRA rank.
 """
@@ -36,12 +36,12 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-import catalog
-import checkpoint
-import cli
-import dataset
-import kernels
-import losses
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec.training import dataset
+from specdec.fast import kernels
+from specdec.training import losses
 import model as model_lib
 import train
 

@@ -78,7 +78,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cli
+from specdec import cli
 import heads
 import model
 

@@ -35,7 +35,7 @@ import torch
 
 import tree as tree_lib
 import verify as verify_lib
-from cli import plural
+from specdec.cli import plural
 
 # --- the draft: a tree and its tokens -----------------------------------------------------------
 # Trees here change from step to step (a lookup finds a match or not, of some length), but only

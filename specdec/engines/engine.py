@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-import decode
-import drafters as drafters_lib
+from specdec.engines import decode
+from specdec import drafters as drafters_lib
 
 
 @dataclass

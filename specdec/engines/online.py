@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 import heads as heads_lib
-import kernels
-import losses
+from specdec.fast import kernels
+from specdec.training import losses
 
 TEACHER_K = 16  # the base model's top-k kept per position, as train.py's --teacher-k default
 # generate.py --online's and bench.py's defaults: chosen on a single-domain stream

@@ -9,8 +9,8 @@ M predictions, V' the heads' vocabulary, k teacher top-k.
 import torch
 import torch.nn as nn
 
-import kernels
-from kernels import bucket
+from specdec.fast import kernels
+from specdec.fast.kernels import bucket
 
 
 # --- losses --------------------------------------------------------------------------------------

@@ -50,13 +50,13 @@ import time
 
 import torch
 
-import catalog
-import checkpoint
-import cli
-import drafters
-import decode
+from specdec.loading import catalog
+from specdec.loading import checkpoint
+from specdec import cli
+from specdec import drafters
+from specdec.engines import decode
 import heads as heads_lib
-import kernels as kernels_lib
+from specdec.fast import kernels as kernels_lib
 import model as model_lib
 import tree as tree_lib
 
