@@ -1,28 +1,152 @@
-"""Generate text with a Llama-family model, plainly or speculatively: draft heads, prompt lookup,
-a draft model, the model's own first layers, its own Jacobi iterations or learned [LA] tokens
-propose tokens, one forward verifies them.
+"""Speculative decoding with draft heads, for one sequence, as a ladder: prefill -> step ->
+generate. Read it after tree.py, verify.py, model.py and heads.py: this file puts them together.
+
+    prefill(model, cache, prompt)       one forward over the prompt, its KV entries kept
+    fill_tree(heads, h, root, tree)     the heads guess a token for every node, depth by depth
+    step(model, cache, heads, ...)      draft a tree -> one forward over it -> verify -> keep
+    generate(model, prompt, n, heads, tree)        prefill, then step until EOS or n tokens
+
+Plain decoding is the same loop with a tree that is its root alone. The contract: greedy
+speculative output is token-identical to plain greedy decoding; sampled output follows the base
+model's own distribution (tests/test_generate.py).
+
+Below the lesson, the command line (its flags, checks and modes):
 
     python generate.py --prompt "Write a haiku about the sea."            # shipped heads, greedy
     python generate.py --prompt "..." --heads none                        # plain decoding
-    python generate.py --prompt "..." --heads medusa --tree chain:3 --show
     python generate.py --prompt "..." --temperature 0.7 --verify sample --seed 1
     python generate.py --prompt "Summarise: ..." --draft heads+lookup --show
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
     python generate.py --chat                          # talk; the KV cache is kept between turns
 
-The loop it runs is decode.py's (prefill -> step -> generate, read it first), and engine.py's
-for --batch-size rows; this file is the command line: its flags, their checks, the modes (one
-prompt after another, a batch, a chat) and main(). What is printed, and the chat terminal, are
-terminal.py's.
+It runs the package's twin of this ladder (specdec/engines/decode.py: many rows in one forward,
+every drafter of specdec/drafters.py, a chat that keeps its cache), tested token-identical to it.
+Shapes: N tree nodes, T prompt tokens, D hidden, V vocabulary.
 """
+
+from dataclasses import dataclass
+
+import torch
+
+import tree as tree_lib
+import verify as verify_lib
+
+# --- prefill --------------------------------------------------------------------------------------
+
+
+def prefill(model, cache, prompt):
+    """Forward the prompt (a list of ids) into an empty cache and keep every entry. -> the logits
+    after its last token (V,) and its final hidden states (1, T, D)."""
+    tokens = torch.tensor([prompt], device=model.device)  # (1, T)
+    logits, hidden = model(tokens, torch.arange(len(prompt), device=model.device), None, cache)
+    cache.keep(range(len(prompt)))
+    return logits[0, -1], hidden  # (V,), (1, T, D)
+
+
+# --- drafting with heads --------------------------------------------------------------------------
+# Node (depth d, rank r) gets the r-th likeliest token of head d after its parent. A Hydra head
+# reads the tokens on the path above the node, so the tree is filled depth by depth.
+
+
+def fill_tree(heads, h, root, tree):
+    """h (1, D) the heads' draft state, root the last emitted token -> tokens (N,) of the tree's
+    nodes, node 0 the root."""
+    tokens = torch.full((tree.num_nodes,), root, device=tree.parent.device)  # (N,)
+    for d, nodes in enumerate(tree.by_depth, start=1):
+        for parent in tree.parent[nodes].unique().tolist():
+            children = nodes[tree.parent[nodes] == parent]  # (c,) in rank order
+            path = tokens[tree.mask[parent]][None]  # (1, d) the tokens from the root to the parent
+            z = heads.head(d, h, path)  # (1, D) Medusa's head reads h alone, Hydra's also the path
+            top = heads.project(z, d).topk(len(children)).indices[0]  # (c,) likeliest first
+            tokens[children] = heads.full_ids(top)[tree.rank[children]]
+    return tokens
+
+
+# --- one speculative step -------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """What a sequence carries from one step to the next."""
+
+    root: int  # the last emitted token: not in the cache yet, the root of the next tree
+    h: torch.Tensor | None = None  # (1, D) the heads' draft state after the accepted tokens
+    head_cache: object = None  # Hydra++'s PrefixMLP cache (heads.new_cache), else None
+
+
+def step(model, cache, heads, tree, verifier, seq):
+    """One step: the heads draft the tree after seq.root, one forward of the base model checks
+    every node, the verifier keeps the longest agreed path and adds the model's own next token.
+    -> the tokens emitted (the accepted drafts, then that bonus token)."""
+    tokens = fill_tree(heads, seq.h, seq.root, tree)  # (N,) the root alone without heads
+    # node i sits at position length + depth[i] and sees its ancestors (the tree mask) and the cache
+    positions = cache.length + tree.depth  # (N,)
+    logits, hidden = model(tokens[None], positions, tree.mask, cache)  # (1, N, V), (1, N, D)
+    # row i of the logits predicts the token after node i: the verifier checks children at parents
+    nodes, bonus = verifier(logits[0].float(), tokens, tree)  # (n,) root..last accepted
+    cache.keep(nodes.tolist())  # their KV entries follow the prefix; the rest is garbage
+    if heads is not None:  # the next draft state, from the hidden states at the accepted nodes
+        seq.h = heads.context(hidden[:, nodes], positions[nodes], seq.head_cache)[:, -1]  # (1, D)
+    seq.root = bonus
+    return tokens[nodes[1:]].tolist() + [bonus]
+
+
+# --- generate -------------------------------------------------------------------------------------
+
+
+def choose_verifier(temperature, top_p, generator, verify="auto"):
+    """verify.py's rule for these settings, as verifier(logits, tokens, tree) -> (nodes, bonus)."""
+    if verify_lib.is_greedy(temperature):
+        return verify_lib.greedy
+    if verify == "typical":  # lossy: Medusa's typical acceptance
+        return lambda l, t, tree: verify_lib.typical(
+            l, t, tree, temperature, top_p, generator=generator
+        )
+    return lambda l, t, tree: verify_lib.speculative(l, t, tree, temperature, top_p, generator)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompt,
+    max_new_tokens,
+    heads=None,
+    tree=None,
+    temperature=0.0,
+    top_p=1.0,
+    generator=None,
+    verify="auto",
+    eos_ids=(),
+):
+    """Up to max_new_tokens ids after `prompt` (a list of ids), ending at the first of eos_ids
+    (kept), drafted by `heads` on `tree` (tree.py's; heads None: plain decoding). -> (the new ids,
+    the base model's forward passes, the prefill included)."""
+    tree = (tree if heads is not None else tree_lib.build([])).to(model.device)
+    cache = model.new_cache(len(prompt) + max_new_tokens + tree.num_nodes)  # room for a last tree
+    logits, hidden = prefill(model, cache, prompt)  # (V,), (1, T, D)
+    probs = verify_lib.logits_to_probs(logits.float(), temperature, top_p)  # (V,)
+    seq = Sequence(root=int(verify_lib.sample(probs, generator)))
+    if heads is not None:
+        seq.head_cache = heads.new_cache(cache.max_len)
+        positions = torch.arange(len(prompt), device=model.device)  # (T,)
+        seq.h = heads.context(hidden, positions, seq.head_cache)[:, -1]  # (1, D)
+    verifier = choose_verifier(temperature, top_p, generator, verify)
+    new, forwards = [seq.root], 1
+    while len(new) < max_new_tokens and not set(new) & set(eos_ids):
+        new += step(model, cache, heads, tree, verifier, seq)
+        forwards += 1
+    ends = [i + 1 for i, t in enumerate(new) if t in eos_ids]  # just after the first EOS
+    return new[: min(ends + [max_new_tokens])], forwards
+
+
+# --- command line ---------------------------------------------------------------------------------
+# The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
+# the modes, and main(), which turns the flags into plain values once.
 
 import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass
-
-import torch
 
 from specdec.loading import catalog
 from specdec.loading import checkpoint
@@ -33,11 +157,6 @@ from specdec.fast import graphs
 from specdec.fast import kernels
 from specdec.engines import online
 from specdec import terminal
-import verify as verify_lib
-
-# --- command line --------------------------------------------------------------------------------
-# The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
-# the modes, and main(), which turns the flags into plain values once.
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
 

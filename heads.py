@@ -18,7 +18,8 @@ untrained Medusa or Hydra head is the base LM head.
     z = heads(h, tokens, at=(b, t))                         # training at N positions: (N, K, D)
     logits = heads.project(z, d)                            # (..., V'); full_ids(ids): base ids
 
-checkpoint.py saves and loads them. Test: `python -m pytest -q tests/test_heads.py`.
+The package's loader (specdec/loading/checkpoint.py) saves and loads them.
+Test: `python -m pytest -q tests/test_heads.py`.
 Shapes: B batch, T time, D hidden, K heads, V' head vocabulary (V, or the kept tokens), P parent
 nodes (tree nodes at one depth), d the depth = the head drafting it (1-based).
 """
@@ -146,11 +147,12 @@ def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
 
 
 class PrefixMLP(nn.Module):
-    """Hydra++'s extra layer: a model.Block (the base's attention and rope) and an RMSNorm. o_proj
-    and down_proj start at zero, so at first the layer passes x through: the output is RMSNorm(x).
-    Its KV cache holds exactly the accepted sequence: the caller feeds only hidden states of
-    accepted positions, and every call commits all of them (keep(range(T))), so slots [0, length)
-    are positions 0..length-1 and nothing beyond `length` is ever read."""
+    """Hydra++'s extra layer: a fresh decoder layer shaped as the base model's (model.Block, with
+    its own weights; rope as the base's) and an RMSNorm. o_proj and down_proj start at zero, so at
+    first the layer passes x through: the output is RMSNorm(x). Its KV cache holds exactly the
+    accepted sequence: the caller feeds only hidden states of accepted positions, and every call
+    commits all of them (keep(range(T))), so slots [0, length) are positions 0..length-1 and
+    nothing beyond `length` is ever read."""
 
     def __init__(self, base_cfg: Config):
         super().__init__()
@@ -171,7 +173,7 @@ class PrefixMLP(nn.Module):
                     f"PrefixMLP cache full: {start} + {T} positions > {cache.max_len} slots"
                 )
         cos, sin = self.rope(positions, x.dtype)  # (B|1, 1, T, Dh)
-        mask = attention_mask(T, start, None, None, x.device)  # causal, cached prefix visible
+        mask = attention_mask(T, start, None, x.device)  # causal, cached prefix visible
         kv = None if cache is None else (cache.k[0], cache.v[0], start)
         y = self.norm(self.block(x, cos, sin, mask, kv))  # (B, T, D)
         if cache is not None:
@@ -200,7 +202,7 @@ class HydraHeads(nn.Module):
         if self.prefix is None:
             return None
         w = self.prefix.norm.weight
-        return KVCache(self.prefix.cfg, 1, max_len, w.device, w.dtype)
+        return KVCache(self.prefix.cfg, max_len, w.device, w.dtype)
 
     def head(self, d, h, path):
         """Head d for the parents of R rows: h (R, D) their draft states; path (R*P, d) token ids

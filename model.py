@@ -1,22 +1,24 @@
 """The base model: a Llama-family transformer in one file, with a pre-allocated KV cache and a
 forward pass that takes an explicit tree attention mask.
 
-    model = Transformer(Config(...))                          # checkpoint.load() fills one
+    model = Transformer(Config(...))                   # the loader (specdec's checkpoint) fills one
     cache = model.new_cache(max_len=2048)
-    logits, hidden = model(tokens, positions, mask, cache)    # (B, T, V), (B, T, D)
-    cache.keep(idx)                                           # commit a row's accepted entries
+    logits, hidden = model(tokens, positions, mask, cache)    # (1, T, V), (1, T, D)
+    cache.keep(idx)                                           # commit the accepted entries
 
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
-tied or untied LM head; checkpoint.py folds other families' constants into the weights. Test:
-`python -m pytest -q tests/test_model.py tests/test_families.py` (parity with transformers).
+tied or untied LM head; the loader folds other families' constants into the weights. This file
+holds one sequence; the engines' forward over many rows (specdec/engines/rows.py) subclasses it
+and the fast paths (specdec/fast/) are twins of its layers. Test: `python -m pytest -q
+tests/test_model.py tests/test_families.py` (parity with transformers).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, Hkv key/value heads,
 Dh head size, V vocabulary."""
 
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 
 # --- configuration ---------------------------------------------------------------------------
-# One model's shapes; checkpoint.config_from_hf reads them from a transformers config.json.
+# One model's shapes; the loader (config_from_hf) reads them from a transformers config.json.
 
 
 @dataclass
@@ -111,78 +113,30 @@ class Rope(nn.Module):
 
 
 class KVCache:
-    """Pre-allocated keys and values for every layer, for B sequences side by side (rows).
+    """Pre-allocated keys and values of every layer for one sequence.
 
-    Invariant: row b's slots [0, lengths[b]) hold the keys/values of its accepted sequence, in
-    order, for positions 0..lengths[b]-1; rows are right-padded. A forward of T new tokens writes
-    them to slots [length, length+T) of every row, length = max(lengths) (one slice for the whole
-    batch), and row b attends over its [0, lengths[b]) and those T (the forward hides the gap
-    [lengths[b], length) from it); the lengths move only when keep() commits what was accepted.
-    Everything at or beyond a row's length is garbage (rejected nodes, computed-only nodes:
-    drafters.Draft.candidates, the gap): harmless, because no forward lets a row read a slot >= its
-    length before overwriting it. With B = 1 there is no gap: length is the row's length."""
+    Invariant: slots [0, length) hold the keys and values of the accepted sequence, in order, for
+    positions 0..length-1. A forward of T new tokens (a tree's nodes) writes them to slots
+    [length, length+T) and reads [0, length+T); `length` moves only when keep() commits the ones
+    that were accepted. Everything at or beyond `length` is garbage (the rejected nodes): harmless,
+    because no forward reads a slot >= length before overwriting it."""
 
-    def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    def __init__(self, cfg: Config, max_len: int, device, dtype):
+        shape = (cfg.n_layers, 1, cfg.n_kv_heads, max_len, cfg.head_dim)  # (L, 1, Hkv, S, Dh)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.lengths = [0] * batch  # per row, on the host: no wait for the device to read them
+        self.length = 0
         self.max_len = max_len
 
-    @property
-    def length(self):
-        """Where the next forward writes its new tokens, in every row: the longest row's length."""
-        return max(self.lengths)
-
-    @length.setter
-    def length(self, n):  # every row holds n (a drafter's cache, cut back or moved on by hand)
-        self.lengths = [n] * len(self.lengths)
-
-    def keep(self, *idx):
-        """Commit row b's new entries idx[b] (indices into the last forward's T: list or 1-D
-        tensor, ascending, e.g. its accepted tree path) to its slots from lengths[b] on, and grow
-        lengths[b] by len(idx[b]): accepted nodes only, never one computed but not verified."""
-        assert len(idx) == len(self.lengths), f"{len(self.lengths)} rows, {len(idx)} paths"
-        start = self.length  # the slot of new entry 0, in every row
-        moves = []  # (row, to slot, from slot) of every entry not in its place already
-        for b, row in enumerate(idx):
-            n, to = len(row), self.lengths[b]
-            if isinstance(row, torch.Tensor):
-                in_place = to == start and torch.equal(row, torch.arange(n, device=row.device))
-                row = row.tolist() if not in_place else row
-            else:  # known on the host: no wait for the device
-                in_place = to == start and list(row) == list(range(n))
-            if not in_place:  # a plain step of a row with no gap keeps 0..n-1 where they are
-                moves += [(b, to + j, start + i) for j, i in enumerate(row)]
-            self.lengths[b] += n
-        if moves:  # every row's in one copy
-            b, to, src = torch.tensor(moves, device=self.k.device).T  # (E,) each
-            self.k[:, b, :, to] = self.k[:, b, :, src]
-            self.v[:, b, :, to] = self.v[:, b, :, src]
-
-    def put(self, rows, other):
-        """Cache row rows[j] starts over as `other`'s row j: a new sequence takes a free row."""
-        for j, b in enumerate(rows):
-            n = other.lengths[j]
-            self.k[:, b, :, :n] = other.k[:, j, :, :n]
-            self.v[:, b, :, :n] = other.v[:, j, :, :n]
-            self.lengths[b] = n
-
-    def select_rows(self, rows):
-        """Keep only these rows (indices): a batch drops its ended sequences, which stop costing."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
-        self.lengths = [self.lengths[b] for b in rows]
-
-    def key_mask(self, T):
-        """(B, length+T) bool: the slots each row may read in a forward of T new tokens (its own
-        prefix and the new ones, not the gap); None when no row has a gap."""
-        start = self.length
-        if all(n == start for n in self.lengths):
-            return None
-        slots = torch.arange(start + T, device=self.k.device)  # (S,)
-        lengths = torch.tensor(self.lengths, device=self.k.device)[:, None]  # (B, 1)
-        return (slots < lengths) | (slots >= start)  # (B, S)
+    def keep(self, idx):
+        """Commit the new entries idx (indices into the last forward's T, ascending: an accepted
+        tree path) to slots length, length+1, ...: the entry of new token i moves from slot
+        length + i down to its place on the path. Accepted nodes only, never one not verified."""
+        for j, i in enumerate(idx):
+            if i != j:  # a chain's accepted prefix is in place already
+                self.k[:, :, :, self.length + j] = self.k[:, :, :, self.length + i]
+                self.v[:, :, :, self.length + j] = self.v[:, :, :, self.length + i]
+        self.length += len(idx)
 
 
 # --- the transformer ---------------------------------------------------------------------------
@@ -277,24 +231,17 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def attention_mask(T, start, mask, key_mask, device):
-    """The (B|1, 1, T, start+T) bool mask: each new token sees the cached prefix (but the slots
-    key_mask (B, start+T) hides) and, among the new tokens, what `mask` (T, T) or (B, T, T) allows
-    (None: causal). None where that is plain causal (nothing cached or one new token, no gap)."""
+def attention_mask(T, start, mask, device):
+    """The (1, 1, T, start+T) bool mask of a forward of T new tokens after `start` cached ones:
+    every new token sees the whole cached prefix and, among the new tokens, what `mask` (T, T)
+    allows (None: causal). None where that is plain causal (nothing cached, or one new token)."""
     if mask is None:
-        if (T == 1 or start == 0) and key_mask is None:
-            return None
+        if T == 1 or start == 0:
+            return None  # SDPA's own causal mask (its flash kernels)
         mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    assert mask.shape[-2:] == (T, T), (
-        f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
-    )
-    mask = mask.view(-1, 1, T, T)
-    prefix = torch.ones(mask.shape[0], 1, T, start, dtype=torch.bool, device=device)  # all seen
-    full = torch.cat([prefix, mask], dim=-1)
-    if key_mask is not None:  # hide the gaps, but let every token see itself (no NaN rows)
-        full = full & key_mask[:, None, None, :]
-        full[..., start:] |= torch.eye(T, dtype=torch.bool, device=device)
-    return full  # (B|1, 1, T, start+T)
+    assert mask.shape == (T, T), f"tree mask must be (T, T) = ({T}, {T}), got {tuple(mask.shape)}"
+    prefix = torch.ones(T, start, dtype=torch.bool, device=device)  # (T, start) all seen
+    return torch.cat([prefix, mask], dim=-1)[None, None]  # (1, 1, T, start+T)
 
 
 class Transformer(nn.Module):
@@ -317,52 +264,26 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, max_len=None, batch=1, num_layers=None) -> KVCache:
-        """num_layers: a cache for only that many layers (a forward running that many `layers`)."""
-        cfg = self.cfg if num_layers is None else replace(self.cfg, n_layers=num_layers)
-        return KVCache(cfg, batch, max_len or self.cfg.max_seq_len, self.device, self.dtype)
+    def new_cache(self, max_len=None) -> KVCache:
+        return KVCache(self.cfg, max_len or self.cfg.max_seq_len, self.device, self.dtype)
 
-    def embed(self, tokens, extra=None):
-        """The token embeddings (..., D); ids from V on read the rows of `extra` (K, D): tokens the
-        model was not trained with (PaSS's [LA] tokens), given by whoever owns them."""
-        if extra is None:
-            return self.embed_tokens(tokens)
-        V = self.embed_tokens.num_embeddings
-        added = extra[(tokens - V).clamp(0, len(extra) - 1)].to(self.dtype)  # (..., D)
-        known = self.embed_tokens(tokens.clamp(max=V - 1))  # (..., D)
-        return torch.where((tokens >= V)[..., None], added, known)
-
-    def forward(
-        self, tokens, positions, mask=None, cache=None, last_only=False, layers=None, extra=None
-    ):
-        """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
+    def forward(self, tokens, positions, mask=None, cache=None):
+        """tokens (1, T) long: the new tokens; positions (T,) long; mask (T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
-        visible. cache: a KVCache (its invariant says where new entries go, what each row sees).
-        Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
-        read; last_only: logits at the last position only (B, 1, V), for a long prompt's prefill.
-        layers: run only these (indices in order: self-speculative drafting; see run_layers). extra:
-        embeddings of ids past the vocabulary (embed())."""
+        visible. cache: a KVCache (its invariant says where the new entries go). Returns the logits
+        (1, T, V) and the final hidden states (1, T, D), which the draft heads read."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
         cos, sin = self.rope(positions, self.dtype)
-        key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
-        attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
-        x = self.embed(tokens, extra)  # (B, T, D)
-        x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers)
-        hidden = self.norm(x)  # (B, T, D)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
-        return logits, hidden
-
-    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
-        """x (B, T, D) through the decoder layers, all or forward's `layers`: the i-th layer run
-        reads and extends cache.k[i], cache.v[i] from slot `start` (None: no cache)."""
-        run = self.layers if layers is None else [self.layers[i] for i in layers]
-        for i, layer in enumerate(run):  # i: the layer's place in the cache
+        attn_mask = attention_mask(T, start, mask, tokens.device)  # (1, 1, T, start+T) | None
+        x = self.embed_tokens(tokens)  # (B, T, D)
+        for i, layer in enumerate(self.layers):  # layer i reads and extends cache.k[i], cache.v[i]
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
-        return x  # (B, T, D)
+        hidden = self.norm(x)  # (B, T, D)
+        return self.lm_head(hidden), hidden  # (B, T, V), (B, T, D)
 
 
 def lm_head_fingerprint(model) -> str:

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specdec.fast import kernels  # noqa: E402
 import model as model_lib  # noqa: E402
+from specdec.engines import rows
 
 SMOLLM2 = dict(  # SmolLM2-135M's shapes (weights/ holds the real ones)
     vocab_size=49152,
@@ -161,9 +162,9 @@ def main(argv=None):
     exact.check(device)  # triton there, and a GPU or the interpreter
     torch.manual_seed(0)
     cfg = model_lib.Config(**shape, name="random")
-    m = model_lib.Transformer(cfg).eval().requires_grad_(False).to(device, torch.bfloat16)
-    rows = measure(m, exact, batches, trees, context, repeats, warmup)
-    text = table(rows, what, device, "bf16", context, exact)
+    m = rows.Model(cfg).eval().requires_grad_(False).to(device, torch.bfloat16)
+    measured = measure(m, exact, batches, trees, context, repeats, warmup)
+    text = table(measured, what, device, "bf16", context, exact)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -40,7 +40,7 @@ from specdec.engines import engine  # noqa: E402
 from specdec.fast import graphs  # noqa: E402
 import heads as heads_lib  # noqa: E402
 from specdec.fast import kernels  # noqa: E402
-import model as M  # noqa: E402
+from specdec.engines import rows
 import tree as tree_lib  # noqa: E402
 
 # the default model's config.json, as transformers writes it (its weights are not needed)
@@ -108,7 +108,7 @@ def build_models(shape, device, dtype, with_hf):
     hf_config = {k: v for k, v in shape.items() if k != "model_type"}
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config)).eval()
-    ours = M.Transformer(checkpoint.config_from_hf(shape, "random, SmolLM2-135M's shape"))
+    ours = rows.Model(checkpoint.config_from_hf(shape, "random, SmolLM2-135M's shape"))
     ours.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()})
     ours = ours.eval().requires_grad_(False)
     fp32 = kernels.use(copy.deepcopy(ours).to(device))  # as checkpoint.load leaves a model

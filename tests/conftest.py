@@ -9,6 +9,7 @@ import torch
 
 from specdec.loading import checkpoint
 import model as model_lib
+from specdec.engines import rows
 
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
 # exact.py's Triton kernels run in Triton's interpreter where there is no GPU: triton reads this as
@@ -48,7 +49,7 @@ def tiny_config(**kw):
 @pytest.fixture
 def tiny():
     torch.manual_seed(0)
-    return model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    return rows.Model(tiny_config()).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +100,7 @@ def save_tiny_model(folder, seed=0, **config):
     hf = TINY_LLAMA | config
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
-    model = model_lib.Transformer(checkpoint.config_from_hf(hf, hf["_name_or_path"]))
+    model = rows.Model(checkpoint.config_from_hf(hf, hf["_name_or_path"]))
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
         os.path.join(folder, "model.safetensors"),

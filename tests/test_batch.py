@@ -11,7 +11,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import kernels
-import model as model_lib
+from specdec.engines import rows
 import test_kernels
 import tree as tree_lib
 from conftest import tiny_config, draft_one
@@ -196,7 +196,7 @@ def test_the_data_stage_records_what_a_fresh_forward_over_prompt_and_reply_compu
 def small_through_kernels_c():
     """The tests' small model in bf16, every layer through kernels.c's twins."""
     torch.manual_seed(0)
-    bf16 = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    bf16 = rows.Model(tiny_config(vocab_size=12)).eval().requires_grad_(False)
     return kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
 
 
@@ -279,7 +279,7 @@ def echo():
     """A tiny model whose LM head is zero: every logit is 0, so greedy decoding emits token 0
     forever (argmax takes the first of equal values) and Repeat's chains of 0 are accepted whole."""
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    model = rows.Model(tiny_config(vocab_size=12)).eval().requires_grad_(False)
     model.lm_head.weight.zero_()
     return model
 

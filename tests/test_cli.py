@@ -27,7 +27,7 @@ import generate as G
 from specdec import terminal
 import heads as heads_lib
 from specdec.fast import kernels
-import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import tiny_config
 
@@ -417,7 +417,7 @@ def test_heads_config_damaged(loaded, capsys, tmp_path, heads_dir, change, words
 
 def test_heads_for_another_model(loaded, capsys, tmp_path):
     torch.manual_seed(0)
-    tiny = model_lib.Transformer(tiny_config(name="tiny-llama")).eval()
+    tiny = rows.Model(tiny_config(name="tiny-llama")).eval()
     checkpoint.save_heads(
         heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), tiny), tmp_path
     )
@@ -971,7 +971,7 @@ def test_tiny_temperatures_decode_greedily(capsys, tmp_path, tiny_model_dir):
 
 def test_library_verifiers_at_a_tiny_temperature_are_greedy():
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    model = rows.Model(tiny_config(vocab_size=12)).eval().requires_grad_(False)
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), model).eval()
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     want = decode.generate(model, [1, 2, 3], 20).tokens

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from specdec.loading import catalog
 from specdec import drafters
 from specdec.engines import decode
+from specdec.engines import rows
 import heads as heads_lib
 from specdec.training import losses
 import train as T
@@ -137,9 +138,8 @@ def test_the_simulation_catches_what_cuda_refuses():
 @pytest.fixture(scope="module")
 def small():
     torch.manual_seed(0)
-    import model as model_lib
 
-    return placed(model_lib.Transformer(tiny_config(vocab_size=64)).eval())
+    return placed(rows.Model(tiny_config(vocab_size=64)).eval())
 
 
 @pytest.mark.parametrize("kind", heads_lib.KINDS)
@@ -174,10 +174,9 @@ def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
 
 
 def test_a_generator_on_another_device_is_named_before_decoding():
-    import model as model_lib
 
     # a device that is not the generator's
-    on_meta = model_lib.Transformer(tiny_config(vocab_size=64)).to("meta")
+    on_meta = rows.Model(tiny_config(vocab_size=64)).to("meta")
     with pytest.raises(ValueError, match="generator is on cpu, the model on meta"):
         decode.generate(on_meta, [1, 2], 4, temperature=0.8, generator=torch.Generator())
 
@@ -275,7 +274,6 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
     """An explicit mask rules out SDPA's flash kernels on CUDA: a plain prefill passes is_causal and
     no mask (readable attention and its GPU twin), and gives what the masked form gives; a step
     after a cached prefix (a tree) passes its mask."""
-    import model as model_lib
     from specdec.fast import kernels
 
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
@@ -286,7 +284,7 @@ def test_a_prefill_with_nothing_cached_is_causal_without_a_mask(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
-    m = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+    m = rows.Model(tiny_config(vocab_size=64)).eval()
     tokens, T, tree = (
         torch.tensor([[5, 6, 7, 8, 9, 10]]),
         6,

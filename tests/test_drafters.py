@@ -22,7 +22,7 @@ from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
-import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 import verify as verify_lib
 from conftest import tiny_config, draft_one
@@ -31,14 +31,14 @@ from test_generate import greedy_runs, random_heads
 
 def tiny(seed, **kw):
     torch.manual_seed(seed)
-    return model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    return rows.Model(tiny_config(**kw)).eval().requires_grad_(False)
 
 
 def noisy_copy(base, scale=0.3):
     """The base model with noise on every weight: a draft model that is often but not always
     right."""
     torch.manual_seed(1)
-    copy = model_lib.Transformer(base.cfg).eval().requires_grad_(False)
+    copy = rows.Model(base.cfg).eval().requires_grad_(False)
     copy.load_state_dict(
         {k: v + scale * v.std() * torch.randn_like(v) for k, v in base.state_dict().items()}
     )

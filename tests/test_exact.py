@@ -24,6 +24,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.fast import kernels
 import model as model_lib
+from specdec.engines import rows
 from conftest import tiny_config
 
 CUDA = torch.cuda.is_available()
@@ -170,7 +171,7 @@ def test_attention_node_is_plain_decoding_with_neighbours(n, dtype):
     tree_mask, paths = random_tree(N, seed=n)  # (N, N)
     slots = torch.arange(P + N, device=DEVICE)  # (S,)
     key_mask = (slots < torch.tensor(lengths, device=DEVICE)[:, None]) | (slots >= P)  # (B, S)
-    mask = model_lib.attention_mask(N, P, tree_mask, key_mask, DEVICE)  # (B, 1, N, S)
+    mask = rows.attention_mask(N, P, tree_mask, key_mask, DEVICE)  # (B, 1, N, S)
     y = exact.attend(q, k, v, mask)  # (B, H, N, Dh)
     for b in range(2):
         for node in sorted({0, N // 2, N - 1}):
@@ -194,7 +195,7 @@ def test_attention_causal_without_a_mask():
 
 def tiny(dtype=torch.bfloat16, **kw):
     torch.manual_seed(0)
-    m = model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    m = rows.Model(tiny_config(**kw)).eval().requires_grad_(False)
     return m.to(DEVICE, dtype)
 
 
@@ -356,7 +357,7 @@ def test_default_shapes_rows_are_the_same_on_cuda():
     q = rand(8, 9, 64, 64, seed=2)  # (B, H, N, Dh)
     k, v = rand(8, 3, 764, 64, seed=3), rand(8, 3, 764, 64, seed=4)  # (B, Hkv, S, Dh)
     tree_mask, paths = random_tree(64, seed=0)
-    mask = model_lib.attention_mask(64, 700, tree_mask, None, DEVICE)  # (1, 1, N, S)
+    mask = rows.attention_mask(64, 700, tree_mask, None, DEVICE)  # (1, 1, N, S)
     y = exact.attend(q, k, v, mask)  # (B, H, N, Dh)
     for node in (0, 17, 63):
         alone = plain_decoding(q[:1], k[:1], v[:1], 700, paths[node], 700)  # (H, Dh)

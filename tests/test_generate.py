@@ -15,6 +15,8 @@ from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
 from specdec.fast import kernels
+from specdec.engines import rows
+import generate as G
 import model as model_lib
 import tree as tree_lib
 from conftest import tiny_config
@@ -37,7 +39,7 @@ def random_heads(base, kind, k=3, scale=0.5, seed=0):
 def small():
     """A tiny model with a 12-token vocabulary, so random drafts are often accepted."""
     torch.manual_seed(0)
-    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    return rows.Model(tiny_config(vocab_size=12)).eval().requires_grad_(False)
 
 
 def greedy_runs(model, drafter, seeds=4):
@@ -65,6 +67,63 @@ def test_greedy_speculative_equals_plain_tiny(small, kind, spec):
     accepted = sum(sum(r.accepted) for r in runs)
     if spec.startswith("cartesian"):  # random heads on a chain may never be right; a bushy tree is
         assert accepted > 0, "no draft was ever accepted: the test would not exercise the tree path"
+
+
+# --- the lesson's ladder (generate.py) against plain decoding and the engines' twin ---------------
+
+
+def lesson_of(model):
+    """model.py's Transformer (one sequence, model.KVCache) holding `model`'s weights."""
+    lesson = model_lib.Transformer(model.cfg).eval().requires_grad_(False)
+    lesson.load_state_dict(model.state_dict())
+    return lesson
+
+
+@pytest.mark.parametrize("kind", [None, *heads_lib.KINDS])
+@pytest.mark.parametrize("spec", ["chain:3", "cartesian:3,2,2"])
+def test_the_lessons_ladder_is_greedy_lossless_in_the_twins_steps(small, kind, spec):
+    """generate.generate keeps plain greedy decoding's tokens, in as many forwards as the engines'
+    decode.generate with the same heads and tree (its batch twin), EOS and the limit included."""
+    lesson = lesson_of(small)
+    heads = random_heads(small, kind) if kind else None
+    tree = tree_lib.build(tree_lib.parse(spec))
+    drafter = drafters.HeadsDrafter(heads, tree) if heads else None
+    for seed, eos in itertools.product(range(3), [(), (3,)]):
+        prompt = torch.randint(0, 12, (5 + seed,), generator=torch.Generator().manual_seed(seed))
+        plain = decode.generate(small, prompt.tolist(), 40, eos_ids=eos)
+        twin = decode.generate(small, prompt.tolist(), 40, drafter, eos_ids=eos)
+        new, forwards = G.generate(lesson, prompt.tolist(), 40, heads, tree, eos_ids=eos)
+        assert new == plain.tokens and forwards == twin.steps, (seed, eos)
+
+
+@pytest.mark.parametrize("verify", ["sample", "typical"])
+def test_the_lessons_ladder_samples_as_its_twin(small, verify):
+    """At a temperature, the same seed draws the same reply in the lesson and in its twin."""
+    heads = random_heads(small, "hydra")
+    tree = tree_lib.build(tree_lib.parse("cartesian:3,2,2"))
+    for seed in range(3):
+        got = G.generate(
+            lesson_of(small),
+            [1, 2, 3, 4, 5],
+            30,
+            heads,
+            tree,
+            0.8,
+            0.9,
+            torch.Generator().manual_seed(seed),
+            verify,
+        )[0]
+        twin = decode.generate(
+            small,
+            [1, 2, 3, 4, 5],
+            30,
+            drafters.HeadsDrafter(heads, tree),
+            verify,
+            0.8,
+            0.9,
+            torch.Generator().manual_seed(seed),
+        )
+        assert got == twin.tokens, seed
 
 
 @pytest.mark.parametrize("kind", heads_lib.KINDS)
@@ -198,7 +257,7 @@ def chi_square(model, heads, tree, verify, n_samples, prompt, temperature=1.0):
 def four_token_setup():
     """A one-layer model over 4 tokens, random Hydra heads for it and a cartesian 2, 2 tree."""
     torch.manual_seed(0)
-    model = model_lib.Transformer(
+    model = rows.Model(
         tiny_config(vocab_size=4, dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
     ).eval()
     model.requires_grad_(False)

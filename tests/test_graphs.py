@@ -16,7 +16,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
-import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import tiny_config
 from test_batch import EOS, LIMITS, PROMPTS
@@ -94,7 +94,7 @@ def test_a_step_equals_the_readable_forward_with_gaps_and_a_tree(N, bucket):
     """One forward of a tree over rows of different lengths: the same logits, hidden states and
     cache entries as the readable one, whatever bucket it attends over, padded or not."""
     torch.manual_seed(0)
-    m = model_lib.Transformer(tiny_config()).eval()
+    m = rows.Model(tiny_config()).eval()
     B = 3
     tree = torch.ones(4, 4, dtype=torch.bool).tril()
     tree[2, 1] = tree[3, 2] = False  # branches 0-1-3 and 0-2: a tree, not a chain
@@ -202,7 +202,7 @@ def test_the_replayed_part_makes_no_host_sync_and_keeps_to_the_device(small, nam
 
     monkeypatch.setattr(graphs, "static_forward", counted)
     torch.manual_seed(0)
-    dev_model = placed(model_lib.Transformer(tiny_config(vocab_size=12)).eval())
+    dev_model = placed(rows.Model(tiny_config(vocab_size=12)).eval())
     dev_model.load_state_dict(small.state_dict())
     fast = wrapped(dev_model)
     heads = placed(random_heads(dev_model, "hydra++"))
@@ -224,7 +224,7 @@ def test_what_the_static_step_cannot_serve_runs_eagerly_and_is_counted(small):
     with torch.inference_mode():
         cache = fast.new_cache(64)
         other = fast.new_cache(64)  # the buffers are taken: a plain KVCache
-        assert isinstance(cache, graphs.StaticCache) and type(other) is model_lib.KVCache
+        assert isinstance(cache, graphs.StaticCache) and type(other) is rows.RowsCache
         fast(torch.tensor([[1, 2, 3]]), torch.arange(3), None, cache, last_only=True)
         cache.keep(range(3))
         fast(torch.tensor([[4]]), torch.tensor([3]), None, other)
@@ -253,7 +253,7 @@ def test_the_buffers_grow_to_a_power_of_two_and_their_shapes_start_over(small):
     decode.generate(fast, PROMPTS[0], 40)  # 44 slots: new buffers, and the shapes read the old ones
     assert fast.slots == 64 and all(S <= 64 for _, _, S in fast.shapes)
     assert fast.new_cache(700, batch=3).k.shape[1:4:2] == (3, 700) and fast.slots == 700
-    assert graphs.GraphedForward(small, slots=64).new_cache(65).__class__ is model_lib.KVCache
+    assert graphs.GraphedForward(small, slots=64).new_cache(65).__class__ is rows.RowsCache
 
 
 def test_the_flag_is_on_where_cuda_is_unless_it_says_otherwise():
@@ -317,7 +317,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_graphs_replay_the_readable_models_greedy_output(small, name):
     """fp32 on the GPU: one sequence at a time, then batches of 4 rows (gaps, rows that end and
     are refilled), every shape captured and replayed."""
-    gpu = model_lib.Transformer(small.cfg).eval()
+    gpu = rows.Model(small.cfg).eval()
     gpu.load_state_dict(small.state_dict())
     gpu = gpu.cuda()
     fast = wrapped(gpu)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model  # noqa: E402
+from specdec.engines import rows
 from specdec.loading.checkpoint import load_heads, save_heads  # noqa: E402
 from heads import HeadsConfig, HeadsError, build  # noqa: E402
 
@@ -39,7 +40,7 @@ def tiny_base(seed=0, dim=D):
     cfg = model.Config(
         vocab_size=V, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64
     )
-    return model.Transformer(cfg).eval().requires_grad_(False)
+    return rows.Model(cfg).eval().requires_grad_(False)
 
 
 def kept(n=16):

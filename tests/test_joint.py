@@ -16,7 +16,7 @@ from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
 from specdec.training import joint
-import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import save_tiny_model, tiny_config
 from test_cli import check_one_line_error
@@ -25,8 +25,8 @@ from test_cli import check_one_line_error
 def two_models(seed=0):
     torch.manual_seed(seed)
     cfg = tiny_config(vocab_size=64, n_layers=3)
-    a = model_lib.Transformer(cfg).eval()
-    b = model_lib.Transformer(cfg).eval()
+    a = rows.Model(cfg).eval()
+    b = rows.Model(cfg).eval()
     b.load_state_dict(a.state_dict())
     return a, b
 

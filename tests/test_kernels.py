@@ -29,6 +29,7 @@ import heads as heads_lib
 from specdec.fast import kernels
 from specdec.training import losses
 import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import tiny_config
 from specdec.fast.kernels import Kernels, block_native
@@ -90,7 +91,7 @@ def test_off_the_cpu_no_fast_path_is_reached(monkeypatch, capsys):
         )
         assert Kernels.choose("meta", dtype) == Kernels()
     with torch.device("meta"):
-        meta = model_lib.Transformer(tiny_config())
+        meta = rows.Model(tiny_config())
     for m in (meta, meta.to(torch.bfloat16)):
         kernels.use(m)
         assert kernels.in_use(m) == Kernels() and not any(
@@ -325,7 +326,7 @@ def layer_case(readable, case, family):
     cos, sin = model_lib.Rope(cfg)(torch.arange(start or 0, (start or 0) + T))
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)]).mask if case == "tree" else None  # (5, 5)
     key_mask = torch.rand(B, start + T) > 0.3 if padded else None
-    mask = model_lib.attention_mask(T, start or 0, tree, key_mask, x.device)
+    mask = rows.attention_mask(T, start or 0, tree, key_mask, x.device)
     # k, v: prefix, then slots
     cache = torch.randn(2, B, cfg.n_kv_heads, (start or 0) + T, cfg.head_dim)
 
@@ -382,7 +383,7 @@ def test_kernels_c_runs_the_layers_in_one_call_with_the_bits_of_one_by_one(nativ
     prefill and steps; a run of some layers (layers=); a layer with a hook runs alone (its hook
     sees it)."""
     torch.manual_seed(0)
-    tiny = model_lib.Transformer(tiny_config(n_layers=3)).eval().requires_grad_(False)
+    tiny = rows.Model(tiny_config(n_layers=3)).eval().requires_grad_(False)
     tiny = kernels.use(tiny.to(torch.bfloat16), C)
     assert type(tiny) is kernels.FastTransformer
 
@@ -457,7 +458,7 @@ def test_loaded_heads_draft_the_same_through_their_twins(tmp_path, kind):
     the frozen LM head, Hydra++'s decoder layer) from the loaded weights, not build()'s zero-
     initialised ones: the logits of each depth, and Hydra++'s context, match the readable path's."""
     torch.manual_seed(0)
-    base = model_lib.Transformer(tiny_config(max_seq_len=64)).eval().requires_grad_(False)
+    base = rows.Model(tiny_config(max_seq_len=64)).eval().requires_grad_(False)
     heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=2), base, torch.arange(0, 64, 2))
     with torch.no_grad():
         for p in heads.parameters():
@@ -535,11 +536,7 @@ def test_prepacked_fp32_linears_match_the_readable_path(family):
     oneDNN is there) give the readable path's logits to fp32 rounding, for a prefix, a tree and a
     padded batch."""
     torch.manual_seed(0)
-    tiny = (
-        spread_norms(model_lib.Transformer(tiny_config(**FAMILY[family])))
-        .eval()
-        .requires_grad_(False)
-    )
+    tiny = spread_norms(rows.Model(tiny_config(**FAMILY[family]))).eval().requires_grad_(False)
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
     tokens = torch.randint(0, 64, (2, 12))
     out = {}
@@ -560,7 +557,7 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
     prepacked linears where bf16 is native to it) stays as close to the fp32 result as the
     readable bf16 path does: same prefix, tree and batch."""
     tiny32 = tiny
-    tiny16 = model_lib.Transformer(tiny.cfg).eval().requires_grad_(False)
+    tiny16 = rows.Model(tiny.cfg).eval().requires_grad_(False)
     tiny16.load_state_dict(tiny32.state_dict())
     tiny16 = tiny16.to(dtype=torch.bfloat16)
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1)])
@@ -841,7 +838,7 @@ def test_a_bf16_model_through_kernels_c_decodes_speculatively_as_it_decodes_plai
     steps = {"plain": 0, "spec": 0}
     for seed in range(10):  # (through oneDNN and SDPA, 1 of these 10 differs)
         torch.manual_seed(seed)
-        base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+        base = rows.Model(tiny_config(vocab_size=64)).eval()
         heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), base)
         for p in heads.parameters():
             p.data.normal_(0, 0.2)
@@ -873,7 +870,7 @@ def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
     from specdec import drafters
 
     torch.manual_seed(0)
-    base = model_lib.Transformer(tiny_config(vocab_size=64)).eval()
+    base = rows.Model(tiny_config(vocab_size=64)).eval()
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra", num_heads=2), base)
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
@@ -900,7 +897,7 @@ def test_a_quantized_model_decodes_speculatively_as_it_decodes_plainly(quant):
 def test_a_layer_the_int4_kernel_does_not_take_stays_readable():
     """The CPU's int4 kernel wants out a multiple of 16 and in of the group (32): a 72-token
     vocabulary's LM head stays nn.Linear."""
-    m = model_lib.Transformer(tiny_config(vocab_size=72, tie_embeddings=True)).eval()
+    m = rows.Model(tiny_config(vocab_size=72, tie_embeddings=True)).eval()
     kernels.quantize(m, "int4")
     assert (
         type(m.lm_head) is nn.Linear and type(m.layers[0].self_attn.q_proj) is kernels.PackedLinear
@@ -920,8 +917,8 @@ def test_expanded_kv_attention_equals_the_readable_one_with_every_kind_of_mask(t
     key_mask[1, :2] = False
     for mask in (
         None,
-        model_lib.attention_mask(T, S - T, tree, None, "cpu"),
-        model_lib.attention_mask(T, S - T, None, key_mask, "cpu"),
+        rows.attention_mask(T, S - T, tree, None, "cpu"),
+        rows.attention_mask(T, S - T, None, key_mask, "cpu"),
     ):
         torch.testing.assert_close(
             kernels.attend_expanded(q, k, v, mask), model_lib.attend(q, k, v, mask)
@@ -943,9 +940,7 @@ def test_the_gpu_attention_never_lets_sdpa_pick_cudnn_and_restores_the_callers_c
     )
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     if mask == "tree":
-        mask = model_lib.attention_mask(
-            3, 4, torch.ones(3, 3, dtype=torch.bool).tril(), None, "cpu"
-        )
+        mask = rows.attention_mask(3, 4, torch.ones(3, 3, dtype=torch.bool).tril(), None, "cpu")
     for before in (True, False):
         torch.backends.cuda.enable_cudnn_sdp(before)
         try:

@@ -21,6 +21,7 @@ import torch
 
 from specdec.fast import kernels
 import model as model_lib
+from specdec.engines import rows as rows_lib
 from conftest import tiny_config
 from specdec.fast.kernels import Kernels
 from test_kernels import close_as_readable, spread_norms
@@ -214,7 +215,7 @@ def test_neon_block_is_model_block_and_each_row_alone(family, neon):
     tree = (torch.rand(T, T) > 0.5).tril() | torch.eye(T, dtype=torch.bool)  # (T, T)
     key_mask = torch.rand(B, start + T) > 0.3  # (B, S)
     key_mask[:, start:] = True  # padding is in the prefix
-    mask = model_lib.attention_mask(T, start, tree, key_mask, x.device)  # (B, 1, T, S)
+    mask = rows_lib.attention_mask(T, start, tree, key_mask, x.device)  # (B, 1, T, S)
     cache = torch.randn(2, B, cfg.n_kv_heads, start + T + 3, cfg.head_dim)  # k, v
 
     def readable(dtype):  # model.Block's output and caches, flattened (fp32)

@@ -10,11 +10,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.loading import checkpoint
 from specdec.fast import kernels
 import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import TINY_LLAMA, tiny_config
 
 
-def hf_twin(cfg, rope_scaling=None, tie=False):
+def hf_twin(cfg, rope_scaling=None, tie=False, cls=model_lib.Transformer):
     """A random HF Llama and our Transformer holding the same weights."""
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
@@ -33,7 +34,7 @@ def hf_twin(cfg, rope_scaling=None, tie=False):
     )
     hf = LlamaForCausalLM(hf_cfg).eval()
     ours_cfg = checkpoint.config_from_hf(json.loads(hf_cfg.to_json_string()), name="twin")
-    ours = model_lib.Transformer(ours_cfg).eval()
+    ours = cls(ours_cfg).eval()
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     ours.load_state_dict(state, strict=not tie)
     return hf, ours
@@ -54,9 +55,11 @@ def hf_twin(cfg, rope_scaling=None, tie=False):
     ],
 )
 @pytest.mark.parametrize("tie", [False, True])
-def test_parity_tiny(rope_scaling, tie):
+@pytest.mark.parametrize("cls", [model_lib.Transformer, rows.Model], ids=["lesson", "rows"])
+def test_parity_tiny(rope_scaling, tie, cls):
+    """model.py's forward, and the engines' (specdec/engines/rows.py), match transformers."""
     hf, ours = hf_twin(
-        tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie
+        tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie, cls
     )
     tokens = torch.randint(0, 64, (2, 40))
     with torch.no_grad():
@@ -89,8 +92,19 @@ def test_parity_default_model(default_model):
         kernels.use(model, chosen)
 
 
-def test_tree_forward_equals_sequential(tiny):
+@pytest.fixture(params=["lesson", "rows"])
+def either(request, tiny):
+    """The tiny model as model.py's Transformer (one sequence) and as the engines' rows.Model."""
+    if request.param == "rows":
+        return tiny
+    lesson = model_lib.Transformer(tiny.cfg).eval().requires_grad_(False)
+    lesson.load_state_dict(tiny.state_dict())
+    return lesson
+
+
+def test_tree_forward_equals_sequential(either):
     """Logits at every tree node equal those of running its root-to-node path after the prefix."""
+    tiny = either
     torch.manual_seed(1)
     tree = tree_lib.build([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
     prefix = torch.randint(0, 64, (1, 7))
@@ -106,8 +120,9 @@ def test_tree_forward_equals_sequential(tiny):
         torch.testing.assert_close(logits[0, node], ref[0, -1], atol=1e-5, rtol=1e-5)
 
 
-def test_keep_accepted_path(tiny):
+def test_keep_accepted_path(either):
     """After keeping a tree path, the next forward equals one over a cache built from scratch."""
+    tiny = either
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
     torch.manual_seed(2)
     prefix = torch.randint(0, 64, (1, 5))
@@ -118,7 +133,7 @@ def test_keep_accepted_path(tiny):
     tiny(tokens[None], 5 + tree.depth, tree.mask, cache)
     path = torch.tensor([0, 2, 5])  # root -> (1,) -> (1, 0)
     assert tree.parent[5] == 2 and tree.parent[2] == 0
-    cache.keep(path)
+    cache.keep(path.tolist())
     nxt = torch.tensor([[7, 9]])
     logits, _ = tiny(nxt, torch.arange(8, 10), None, cache)
     seq = torch.cat([prefix[0], tokens[path], nxt[0]])[None]
@@ -133,7 +148,7 @@ def test_first_layers_only(tiny):
     with and without a cache of one layer."""
     torch.manual_seed(4)
     seq = torch.randint(0, 64, (1, 9))
-    one = model_lib.Transformer(tiny_config(n_layers=1)).eval()
+    one = rows.Model(tiny_config(n_layers=1)).eval()
     one.load_state_dict(
         {k: v for k, v in tiny.state_dict().items() if not k.startswith("layers.1.")}
     )
@@ -203,7 +218,7 @@ def test_rope_frequencies_stay_fp32():
     bf16 cos/sin at long positions stay within bf16's own rounding of the exact values."""
     # 32 frequencies, as SmolLM2
     cfg = tiny_config(rope_theta=10000.0, max_seq_len=8192, head_dim=64)
-    m = model_lib.Transformer(cfg).to(dtype=torch.bfloat16)
+    m = rows.Model(cfg).to(dtype=torch.bfloat16)
     assert m.rope.inv_freq.dtype == torch.float32
     torch.testing.assert_close(m.rope.inv_freq, model_lib.rope_frequencies(cfg), atol=0, rtol=0)
     positions = torch.arange(2000, 4001, 250)

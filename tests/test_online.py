@@ -19,7 +19,7 @@ from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
 import heads as heads_lib
-import model as model_lib
+from specdec.engines import rows
 from specdec.engines import online
 import tree as tree_lib
 from conftest import tiny_config
@@ -33,7 +33,7 @@ PROMPTS = [[1, 5, 3, 7], [2, 2, 9, 4, 1], [6, 3], [1, 5, 3, 7]]
 def small():
     """A 12-token vocabulary: random drafts are often accepted, so paths are long and varied."""
     torch.manual_seed(0)
-    return model_lib.Transformer(tiny_config(vocab_size=12)).eval().requires_grad_(False)
+    return rows.Model(tiny_config(vocab_size=12)).eval().requires_grad_(False)
 
 
 def online_drafter(base, kind="hydra++", lr=1e-2, buffer=4, every=1, steps=2):

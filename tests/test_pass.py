@@ -15,7 +15,7 @@ from specdec.cli import plural
 from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
-import model as model_lib
+from specdec.engines import rows
 from specdec.training import pass_tokens
 from conftest import save_tiny_model, tiny_config, draft_one
 from test_bench_cli import run_bench, short_run
@@ -24,7 +24,7 @@ from test_cli import check_one_line_error, run_cli
 
 def tiny(seed=0, **kw):
     torch.manual_seed(seed)
-    return model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    return rows.Model(tiny_config(**kw)).eval().requires_grad_(False)
 
 
 def test_added_tokens_embed_the_vocabulary_as_before():

@@ -20,7 +20,7 @@ from specdec.loading import checkpoint
 from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
-import model as model_lib
+from specdec.engines import rows
 import tree as tree_lib
 from conftest import tiny_config
 
@@ -97,7 +97,7 @@ def assert_untouched(made):
 
 def test_thousands_of_tokens_stay_in_the_preallocated_cache(monkeypatch):
     torch.manual_seed(0)
-    model = model_lib.Transformer(tiny_config(max_seq_len=2000)).eval().requires_grad_(False)
+    model = rows.Model(tiny_config(max_seq_len=2000)).eval().requires_grad_(False)
     made = spy_on_caches(monkeypatch, model)
     prompt = [1, 2, 3, 4, 5]
     r = decode.generate(model, prompt, 2000 - len(prompt))  # exactly up to the context
@@ -110,11 +110,7 @@ def test_thousands_of_tokens_stay_in_the_preallocated_cache(monkeypatch):
 
 def test_speculative_decoding_stays_in_its_caches_too(monkeypatch):
     torch.manual_seed(0)
-    model = (
-        model_lib.Transformer(tiny_config(vocab_size=12, max_seq_len=600))
-        .eval()
-        .requires_grad_(False)
-    )
+    model = rows.Model(tiny_config(vocab_size=12, max_seq_len=600)).eval().requires_grad_(False)
     heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), model).eval()
     tree = tree_lib.build(tree_lib.cartesian([3, 2]))
     made, made_heads = spy_on_caches(monkeypatch, model), spy_on_caches(monkeypatch, heads)

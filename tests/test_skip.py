@@ -19,7 +19,7 @@ from specdec.loading import catalog
 from specdec import cli
 from specdec import drafters as D
 from specdec.engines import decode
-import model as model_lib
+from specdec.engines import rows
 from specdec import tuning
 from conftest import save_tiny_model, tiny_config
 from test_bench_cli import prompts_file, run_bench
@@ -30,7 +30,7 @@ from test_generate import greedy_runs
 
 def tiny(seed, **kw):
     torch.manual_seed(seed)
-    return model_lib.Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    return rows.Model(tiny_config(**kw)).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_a_subset_of_layers_is_the_model_without_the_others(small):
     """layers=[0, 2, 3] is a three-layer model holding layers 0, 2 and 3's weights, final norm and
     LM head included, with and without a cache of three layers."""
     seq = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(3))
-    three = model_lib.Transformer(tiny_config(vocab_size=12, n_layers=3)).eval()
+    three = rows.Model(tiny_config(vocab_size=12, n_layers=3)).eval()
     rename = {"layers.0.": "layers.0.", "layers.2.": "layers.1.", "layers.3.": "layers.2."}
     three.load_state_dict(
         {

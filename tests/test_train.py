@@ -28,7 +28,7 @@ from specdec.training import dataset as D
 import heads as heads_lib
 from specdec.fast import kernels
 from specdec.training import losses
-import model as model_lib
+from specdec.engines import rows
 import train as T
 from conftest import tiny_config, torchrun_env
 
@@ -58,7 +58,7 @@ def tiny_base(seed=0):
     """A tiny random Llama whose LM head is scaled up 4x, so that its next-token distributions are
     as peaked as a trained model's (top-8 mass ~0.8) and the teacher loss has something to teach."""
     torch.manual_seed(seed)
-    base = model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    base = rows.Model(tiny_config()).eval().requires_grad_(False)
     base.lm_head.weight.mul_(4)
     return base
 
@@ -1027,7 +1027,7 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     made without them (and prepacks its own), and the base keeps its kernels."""
     torch.manual_seed(0)
     # prepacked
-    base = kernels.use(model_lib.Transformer(tiny_config()).eval().requires_grad_(False))
+    base = kernels.use(rows.Model(tiny_config()).eval().requires_grad_(False))
     fast = kernels.in_use(base)
     writer = T.data_model(base, "bf16")
     assert (

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specdec.loading import checkpoint
-import model as model_lib
+from specdec.engines import rows
 from specdec.training import dataset as D
 import train as T
 from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
@@ -169,7 +169,7 @@ def test_epochs_0_and_data_without_assistant_turns_train_nothing_and_are_refused
 def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
     """train() itself refuses data it could learn nothing from, rather than exit 0 with no heads."""
     torch.manual_seed(0)
-    base = model_lib.Transformer(tiny_config()).eval().requires_grad_(False)
+    base = rows.Model(tiny_config()).eval().requires_grad_(False)
     convs = [(list(range(1, 12)), [False] * 11) for _ in range(20)]
     D.features_of(base, convs, str(tmp_path / "f"), top_k=4)
     args = T.build_parser().parse_args(

@@ -1,22 +1,27 @@
-"""The decode loop, as a ladder: prefill -> step -> generate. Read this file first.
+"""The decode loop the program runs: generate.py's ladder (prefill -> step -> generate) for many
+rows and every drafter. Read generate.py first: this is its twin, tested equal to it.
 
     prefill(model, cache, prompts)        one forward over the prompts: each one's last logits
     step(model, cache, drafter, rows)     one speculative step for every row of the cache:
-        the drafter fills a tree of candidates after each row's last token      (drafters.py)
-        -> one forward of the base model over every tree, tree masks          (model.Transformer)
+        the drafter fills a tree of candidates after each row's last token    (specdec.drafters)
+        -> one forward of the base model over every tree, tree masks    (specdec.engines.rows)
         -> each row's verifier picks its longest acceptable path + a bonus     (verify.py)
-        -> the accepted nodes' KV entries are kept, the rest is garbage        (KVCache.keep)
+        -> the accepted nodes' KV entries are kept, the rest is garbage        (RowsCache.keep)
         -> each row's drafter is told what was kept and what the model computed (drafter.accept)
     generate(model, prompt, max_new_tokens, drafter)   prefill, then step until EOS or the limit
     Conversation                          generate() with a KV cache that outlives the reply
 
-Plain decoding is the same loop with a drafter that proposes nothing. Many prompts at once is
-engine.py, on the same prefill and step; the fast paths (kernels.py) replace the forward, not these.
+What generate.py's one sequence does not need is here: rows of different lengths side by side
+(a free row drafts a root nobody keeps), drafters that bring nodes computed but never verified
+(Draft.candidates: lookahead, PaSS) or embeddings past the vocabulary (PaSS), statistics. Plain
+decoding is the same loop with a drafter that proposes nothing. Many prompts at once is
+engine.py, on the same prefill and step; the fast paths (specdec.fast) replace the forward.
 
 Contracts (tests/test_generate.py, test_drafters.py, test_batch.py, test_chat.py): greedy
 speculative output is token-identical to plain greedy decoding in fp32, whatever the drafter, and
 in bf16 through kernels.c (elsewhere a tree step and a one-token step round differently); sampling
-samples from the base model's own distribution; a chat's reply is the one-shot reply (greedy, fp32).
+samples from the base model's own distribution; a chat's reply is the one-shot reply (greedy, fp32);
+one row with heads takes generate.py's steps and, at a temperature, draws its tokens.
 Shapes: B rows, N tree nodes, T prompt tokens, D hidden, V vocabulary.
 """
 
@@ -252,9 +257,9 @@ def generate(
 
 # --- a conversation that keeps its cache ---------------------------------------------------------
 # Each turn the caller renders the whole conversation with the chat template; the cache keeps the
-# longest common prefix of those ids with the ids it holds and only the rest is prefilled
-# (ALGORITHMS.md 7c). A template may render an earlier turn differently from how it was generated
-# (a leading space, retokenized text), which is why the cut is computed on ids, not assumed.
+# longest common prefix of those ids with the ids it holds and only the rest is prefilled (a
+# prefix cache, as serving engines keep). A template may render an earlier turn differently from
+# how it was generated (a leading space, retokenized text): the cut is computed on ids, not assumed.
 
 
 class Conversation:

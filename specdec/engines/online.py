@@ -1,4 +1,4 @@
-"""Online speculative decoding (Liu et al. 2023; ALGORITHMS.md 7d): heads that keep learning from
+"""Online speculative decoding (Liu et al. 2023): heads that keep learning from
 the replies they draft.
 
 Every speculative step already computes what the heads' teacher loss (train.py) needs: the base

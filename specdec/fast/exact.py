@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from specdec.fast import kernels
 import model
+from specdec.engines import rows
 
 try:
     import triton
@@ -374,7 +375,7 @@ class ExactAttention(model.Attention):
         return attend(q, k, v, mask)  # (B, H, T, Dh)
 
 
-class ExactTransformer(model.Transformer):
+class ExactTransformer(rows.Model):
     """model.Transformer whose layers get the forward's mask as a Visible, sorted once for all
     of them (not once a layer)."""
 
@@ -389,7 +390,7 @@ TWINS = {
     model.RMSNorm: ExactRMSNorm,
     model.Attention: ExactAttention,
     model.MLP: ExactMLP,
-    model.Transformer: ExactTransformer,
+    rows.Model: ExactTransformer,
 }
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 

@@ -42,6 +42,7 @@ import weakref
 import torch
 
 import model as model_lib
+from specdec.engines import rows
 
 # --- the static step -------------------------------------------------------------------------
 # model.Transformer.forward for a cached step, at the shapes of its inputs whatever the lengths.
@@ -95,7 +96,7 @@ def static_forward(model, k_cache, v_cache, tokens, positions, tree, lengths, st
 # --- the cache the replays write into --------------------------------------------------------
 
 
-class StaticCache(model_lib.KVCache):
+class StaticCache(rows.RowsCache):
     """A KVCache whose keys and values are the first `batch` rows and `max_len` slots of
     GraphedForward's buffers (L, rows, Hkv, slots, Dh), so that they stay at one address: a
     captured graph reads and writes there. The invariant and every method are KVCache's, but

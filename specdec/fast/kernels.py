@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from specdec import cli
 import heads
 import model
+from specdec.engines import rows
 
 
 # --- choosing ------------------------------------------------------------------------------------
@@ -926,7 +927,7 @@ class FastBlock(model.Block):
         return self.mlp(self.post_attention_layernorm(x), residual=x)  # (B, T, D)
 
 
-class FastTransformer(model.Transformer):
+class FastTransformer(rows.Model):
     """model.Transformer's twin: with kernels.c, the decoder layers in one call (stack_native) where
     block_native would take each of them (no Python between two layers), else one by one."""
 
@@ -1017,7 +1018,7 @@ TWINS = {
     heads.LMHead: FastLMHead,
     model.RMSNorm: FastRMSNorm,
     model.Block: FastBlock,
-    model.Transformer: FastTransformer,
+    rows.Model: FastTransformer,
 }
 READABLE = {twin: readable for readable, twin in TWINS.items()}
 

@@ -35,7 +35,8 @@ from specdec import cli
 from specdec.fast import kernels
 from specdec.cli import UsageError, cache_root
 from heads import HeadsConfig, HeadsError, build
-from model import Config, Rope, Transformer, lm_head_fingerprint
+from model import Config, Rope, lm_head_fingerprint
+from specdec.engines.rows import Model
 
 # architectures model.py computes exactly (model_type in config.json): Llama and Mistral as they
 # are,
@@ -432,7 +433,7 @@ def read_weights(folder):
 
 
 def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
-    """Load a model of a SUPPORTED family and its tokenizer. Returns (model.Transformer in eval
+    """Load a model of a SUPPORTED family and its tokenizer. Returns (rows.Model in eval
     mode, running the fast kernels for `device` and `dtype` (kernels.use), tokenizer)."""
     from transformers import AutoTokenizer
 
@@ -486,7 +487,7 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
             f"weights in {folder} do not fit a {arch} model: {type(e).__name__} {str(e)[:120]}"
         ) from None
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Model(cfg)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shapes that config.json does not describe
