@@ -1,27 +1,22 @@
-"""Drafters: whoever fills the tree, decode.py's one step verifies it alike.
+"""Drafters: whoever fills the tree, the engines' step (decode.py) verifies it alike.
 
 A drafter proposes candidate tokens after the last emitted one (the root) as a tree (a chain is a
-tree with one path); verification does not care who drafted. The drafters, one interface:
+tree with one path); verification does not care who drafted. Every drafter is a `Drafter` (the
+protocol below, the one the loop and the engines rely on):
 
-    HeadsDrafter(heads, tree)          Medusa / Hydra heads fill a fixed tree, depth by depth
-    Plain()                            drafts nothing: plain decoding, a root-only tree every step
-    Lookup(gamma, ngram, matches)      prompt lookup: copy what followed the last n tokens earlier
-    ModelDrafter(model, gamma, ...)    a smaller model (or the base, layers skipped) drafts a chain
-    HeadsPlusLookup(heads, lookup)     both trees in one (catalog.heads_and_lookup: with its rules)
-    Jacobi(gamma)                      the model's own outputs of last step, as guesses
-    Lookahead(window, ngram, guesses)  n-grams from a window of Jacobi trajectories, same forward
-    PaSS(model, embeddings, gamma)     learned [LA] tokens: the model drafts for itself
+    HeadsDrafter(heads, tree)                      Medusa / Hydra heads fill a fixed tree, depth by
+                                                   depth (generate.py's fill_tree, for many rows)
+    Plain(device)                                  drafts nothing: plain decoding, the root alone
+    Lookup(gamma, ngram, matches, device)          prompt lookup: copy what followed the last n
+                                                   tokens earlier in the text
+    ModelDrafter(model, gamma, temperature, ...)   a smaller model (or the base, layers skipped)
+                                                   drafts a chain
+    HeadsPlusLookup(heads, lookup, device)         both trees in one (catalog.heads_and_lookup)
+    Jacobi(gamma, device)                          the model's own outputs of last step, as guesses
+    Lookahead(window, ngram, guesses, device)      n-grams from a window of Jacobi trajectories
+    PaSS(model, embeddings, gamma, guesses)        learned [LA] tokens: the model drafts for itself
 
-    d.row(generator)                         a drafter for one more sequence of a batch: the same
-        weights and settings, its own state (start() makes it) and generator (sampled drafts)
-    d.start(prompt, hidden, max_len, kept=0)  a new sequence: the prompt ids, the base model's
-        hidden states over them (1, T, D), room for max_len positions; kept > 0: the last sequence
-        goes on (Conversation's next turn), its state for prompt[:kept] kept, hidden the rest's
-    d.draft(rows, roots) -> [Draft]          the tree of each row (d's row()s, or [d] alone),
-        rooted at its last token: one call a step for every row (the heads run once for all)
-    d.accept(step: Accepted)                 what the step kept, what the base model computed there
-    d.name, d.legend, d.max_nodes, d.max_depth   for printing, --show and sizing the KV cache
-
+A new drafter is one class here that implements Drafter, and its line in catalog.DRAFTERS.
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
 """
@@ -30,6 +25,7 @@ import copy
 import itertools
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -66,7 +62,7 @@ class Accepted:
     """What a step kept of one row's Draft and what the base model computed there: the drafter's
     accept() reads it, as does whoever learns from the step (online.py, the data stage)."""
 
-    kept: list  # the root and the accepted drafts: their ids, now in the cache
+    ids: list  # the root and the accepted drafts: their ids, now in the cache
     hidden: torch.Tensor | None = None  # (1, n, D) the base model's final hidden states at them
     positions: torch.Tensor | None = None  # (n,) their positions in the sequence
     logits: torch.Tensor | None = None  # (N, V) its logits at every node of the draft, kept or not
@@ -77,7 +73,33 @@ class Accepted:
     @property
     def tokens(self) -> list:
         """What the step emits: the accepted drafts, then the bonus."""
-        return self.kept[1:] + [self.bonus]
+        return self.ids[1:] + [self.bonus]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What decode.step and the engines ask of a drafter, and all they ask."""
+
+    name: str  # what drafts, for the banner: "heads: hydra++, tree: 6 nodes"
+    legend: list  # who drafted a token, by index: 0 the base model (--show colours by it)
+    max_nodes: int  # the most nodes a draft holds (computed-only ones included): sizes the cache
+    max_depth: int  # the deepest node: acceptance is counted by depth up to it
+
+    def row(self, generator=None) -> "Drafter":
+        """A drafter for one more sequence of a batch: the same weights and settings, its own state
+        (start() makes it) and generator (for sampled drafts)."""
+
+    def start(self, prompt: list, hidden: torch.Tensor, max_len: int, cached: int = 0) -> None:
+        """A new sequence: the prompt ids, the base model's hidden states over them (1, T, D), room
+        for max_len positions; cached > 0: the last sequence goes on (a conversation's next turn),
+        its state for prompt[:cached] kept, `hidden` the rest's."""
+
+    def draft(self, rows: list, roots: list) -> list:
+        """The Draft of each row (this drafter's row()s, or [itself] alone), rooted at its last
+        token: one call a step for every row (the heads run once for all)."""
+
+    def accept(self, accepted: Accepted) -> None:
+        """What the step kept of this row's draft, and what the base model computed there."""
 
 
 @dataclass(frozen=True)
@@ -180,18 +202,20 @@ def draft_plan(tree):
     return plan
 
 
-def draft(heads, h, roots, plan, num_nodes):
-    """h (B, D) the draft states of B rows, roots (B,) their last emitted tokens -> tokens (B, N)
-    for every node of each row's tree; each depth's head runs once for every row's parents."""
+def fill_trees(heads, h, roots, plan, num_nodes):
+    """generate.fill_tree's twin for B rows at once: h (B, D) the draft states of B rows, roots (B,)
+    their last emitted tokens -> tokens (B, N) for every node of each row's tree; each depth's head
+    runs once for every row's parents."""
     B = len(roots)
     tokens = roots[:, None].repeat(1, num_nodes)  # (B, N)
-    for d, step in enumerate(plan, start=1):
-        P = len(step.paths)
+    for d, at in enumerate(plan, start=1):
+        P = len(at.paths)
         # (B*P, D), or (B, D) for Medusa: row b's parents are rows [b*P, (b+1)*P) of the paths
-        z = heads.head(d, h, tokens[:, step.paths].flatten(0, 1))
-        top = heads.project(z, d).topk(step.k, dim=-1).indices  # (B*P | B, k)
-        top = heads.full_ids(top).view(B, -1, step.k).expand(-1, P, -1)  # (B, P, k) base ids
-        tokens[:, step.nodes] = top[:, step.row, step.rank]
+        z = heads.head(d, h, tokens[:, at.paths].flatten(0, 1))
+        top = heads.project(z, d).topk(at.k, dim=-1).indices  # (B*P | B, k)
+        # Medusa's heads read h alone, so a row's guesses are the same under each of its P parents
+        top = heads.full_ids(top).view(B, -1, at.k).expand(-1, P, -1)  # (B, P, k) base ids
+        tokens[:, at.nodes] = top[:, at.row, at.rank]
     return tokens
 
 
@@ -215,12 +239,12 @@ class HeadsDrafter:
     def row(self, generator=None):  # start() makes the state (h, Hydra++'s prefix cache)
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        if not kept:
+    def start(self, prompt, hidden, max_len, cached=0):
+        if not cached:
             self.cache = self.heads.new_cache(max_len)  # Hydra++'s PrefixMLP keeps one, else None
         elif self.cache is not None:  # it holds the whole last sequence (accept() every step)
-            self.cache.length = kept
-        positions = torch.arange(kept, len(prompt), device=hidden.device)
+            self.cache.length = cached
+        positions = torch.arange(cached, len(prompt), device=hidden.device)
         self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
 
     def draft(self, rows, roots):
@@ -228,11 +252,13 @@ class HeadsDrafter:
             return []
         h = torch.cat([r.h for r in rows])  # (B, D)
         roots = torch.tensor(roots, device=h.device)  # (B,)
-        tokens = draft(self.heads, h, roots, self.plan, self.tree.num_nodes)  # (B, N)
+        tokens = fill_trees(self.heads, h, roots, self.plan, self.tree.num_nodes)  # (B, N)
         return [Draft(t, self.tree, self.mask, self.depth, self.source) for t in tokens]
 
-    def accept(self, step):
-        self.h = self.heads.context(step.hidden, step.positions, self.cache)[:, -1]  # (1, D)
+    def accept(self, accepted):
+        self.h = self.heads.context(accepted.hidden, accepted.positions, self.cache)[
+            :, -1
+        ]  # (1, D)
 
 
 # --- plain decoding -----------------------------------------------------------------------------
@@ -248,13 +274,13 @@ class Plain:
     def row(self, generator=None):
         return self
 
-    def start(self, prompt, hidden, max_len, kept=0):
+    def start(self, prompt, hidden, max_len, cached=0):
         pass
 
     def draft(self, rows, roots):
         return [self.shapes.draft(root, {}) for root in roots]
 
-    def accept(self, step):
+    def accept(self, accepted):
         pass
 
 
@@ -295,7 +321,7 @@ class Lookup:
     def row(self, generator=None):  # start() makes the state (the text, its index)
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):  # kept: the index is rebuilt, a few ms
+    def start(self, prompt, hidden, max_len, cached=0):  # cached: the index is rebuilt, a few ms
         self.text = []  # the committed text
         self.ends = {}  # n-gram -> indices just after each occurrence
         self.length = self.gamma  # tokens proposed a step (adapt)
@@ -335,8 +361,8 @@ class Lookup:
         self.proposed = self.continuations(root)
         return self.shapes.draft(root, chains(self.proposed, 1))
 
-    def accept(self, step):
-        tokens = step.kept
+    def accept(self, accepted):
+        tokens = accepted.ids
         # adapt (transformers' "heuristic" schedule for assisted generation): after a step that kept
         # a whole proposed continuation, propose 2 tokens more (up to gamma), else 1 fewer (at least
         # 1). Where the reply does not copy, the chain shrinks to a token and costs the step almost
@@ -402,12 +428,12 @@ class ModelDrafter:
         other.generator = generator  # the row's own draws, as a sequence alone has (None: torch's)
         return other
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        if not kept:
+    def start(self, prompt, hidden, max_len, cached=0):
+        if not cached:
             runs = None if self.layers is None else len(self.layers)
             self.cache = self.model.new_cache(max_len, num_layers=runs)
-        # its cache holds a prefix of the accepted sequence, maybe shorter than kept: fed later
-        self.cache.length = min(self.cache.length, kept)
+        # its cache holds a prefix of the accepted sequence, maybe shorter than `cached`: fed later
+        self.cache.length = min(self.cache.length, cached)
         self.pending = list(prompt[self.cache.length :])
 
     def _next(self, tokens):
@@ -441,8 +467,8 @@ class ModelDrafter:
         sampled = None if verify_lib.is_greedy(self.temperature) else torch.stack(probs)  # (G, V)
         return Draft(tokens, tree, mask, depth, [0] + [1] * self.gamma, sampled)
 
-    def accept(self, step):
-        tokens, drafts, k = step.kept, self.drafts.tolist(), 0
+    def accept(self, accepted):
+        tokens, drafts, k = accepted.ids, self.drafts.tolist(), 0
         while k < len(tokens) - 1 and k < self.gamma - 1 and tokens[1 + k] == drafts[k]:
             k += 1  # accepted drafts whose keys are in the cache
         self.cache.length = self.fed + k  # cut back to the accepted prefix
@@ -477,9 +503,9 @@ class HeadsPlusLookup:
         pair.heads, pair.lookup = self.heads.row(generator), self.lookup.row(generator)
         return pair
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        self.heads.start(prompt, hidden, max_len, kept)
-        self.lookup.start(prompt, hidden, max_len, kept)
+    def start(self, prompt, hidden, max_len, cached=0):
+        self.heads.start(prompt, hidden, max_len, cached)
+        self.lookup.start(prompt, hidden, max_len, cached)
 
     def draft(self, rows, roots):
         """The heads' trees of the rows that want one are drafted in one call."""
@@ -505,9 +531,9 @@ class HeadsPlusLookup:
             nodes = dict(list(nodes.items())[: max(len(nodes) - len(copied), self.floor)])
         return self.shapes.draft(root, graft(nodes, copied, self.offset))
 
-    def accept(self, step):
-        self.heads.accept(step)
-        self.lookup.accept(step)
+    def accept(self, accepted):
+        self.heads.accept(accepted)
+        self.lookup.accept(accepted)
 
 
 # --- Jacobi decoding -----------------------------------------------------------------------------
@@ -533,7 +559,9 @@ class Jacobi:
     def row(self, generator=None):  # start() makes the state (the guesses)
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
+    def start(
+        self, prompt, hidden, max_len, cached=0
+    ):  # cached or not: from the prompt's ids alone
         self.guesses = []
 
     def draft(self, rows, roots):
@@ -544,10 +572,10 @@ class Jacobi:
         guesses = (self.guesses + [pad] * self.gamma)[: self.gamma]
         return self.shapes.draft(root, chains([guesses], 1))
 
-    def accept(self, step):
+    def accept(self, accepted):
         # nodes 0..k were kept (the root and k guesses) and the bonus is the output at node k; the
         # output at node k+i guesses the token i places after the bonus
-        self.guesses = step.logits[len(step.kept) :].argmax(-1).tolist()  # (m-k,)
+        self.guesses = accepted.logits[len(accepted.ids) :].argmax(-1).tolist()  # (m-k,)
 
 
 # --- lookahead decoding --------------------------------------------------------------------------
@@ -596,7 +624,9 @@ class Lookahead:
     def row(self, generator=None):  # start() makes the state (the window, the pool)
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
+    def start(
+        self, prompt, hidden, max_len, cached=0
+    ):  # cached or not: from the prompt's ids alone
         fill = itertools.cycle(prompt)
         self.levels = [
             [next(fill) for _ in range(self.W - (level == 0))] for level in range(self.N - 1)
@@ -613,12 +643,12 @@ class Lookahead:
         self.n = d.candidates
         return d
 
-    def accept(self, step):
+    def accept(self, accepted):
         # window node i follows the n candidates
         at = [self.n + i - 1 if i else 0 for i in self.top]
-        new = step.logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
+        new = accepted.logits[at].argmax(-1).tolist()  # (W,) the next token of every trajectory
         if self.steps >= self.N - 2:
-            starts = [step.kept[0]] + self.levels[0]  # c_0 = this step's root, then the chain
+            starts = [accepted.ids[0]] + self.levels[0]  # c_0 = this step's root, then the chain
             for r in range(self.W):
                 self._add(starts[r], tuple(level[r] for level in self.levels[1:]) + (new[r],))
         stack = self.levels + [new]
@@ -682,7 +712,9 @@ class PaSS:
     def row(self, generator=None):  # start() makes the state (the last step's guesses)
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):  # kept or not: from the prompt's ids alone
+    def start(
+        self, prompt, hidden, max_len, cached=0
+    ):  # cached or not: from the prompt's ids alone
         self.first = self.rest = None
 
     def draft(self, rows, roots):
@@ -696,8 +728,8 @@ class PaSS:
         source = [0] + [1] * len(drafts)
         return Draft(tokens, self.tree, self.mask, self.depth, source, extra=self.extra)
 
-    def accept(self, step):
-        first = self.tree.num_nodes + step.nodes[-1] * self.K
-        group = step.logits[first : first + self.K]  # (K, V)
+    def accept(self, accepted):
+        first = self.tree.num_nodes + accepted.nodes[-1] * self.K
+        group = accepted.logits[first : first + self.K]  # (K, V)
         self.first = group[0].topk(self.G).indices.tolist()
         self.rest = group[1:].argmax(-1).tolist()

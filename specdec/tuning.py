@@ -479,7 +479,8 @@ def tune_tree(args, model, prompts, device):
         paths = sparse(acc, budget)
         t = tree_lib.build(paths)
         plan = drafters.draft_plan(t.to(device))
-        draft = lambda t=t, plan=plan: drafters.draft(heads, h, roots, plan, t.num_nodes)[0]  # (N,)
+        fill = drafters.fill_trees
+        draft = lambda t=t, plan=plan: fill(heads, h, roots, plan, t.num_nodes)[0]  # (N,)
         tokens = draft() if budget else roots  # (N,)
         mask, pos = (t.mask.to(device) if budget else None), cache.length + t.depth.to(device)
         step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens[None], pos, mask, cache)
@@ -946,16 +947,16 @@ class Counted:
         other.drafter = self.drafter.row(generator)
         return other
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        self.drafter.start(prompt, hidden, max_len, kept)
+    def start(self, prompt, hidden, max_len, cached=0):
+        self.drafter.start(prompt, hidden, max_len, cached)
 
     def draft(self, rows, roots):
         drafts = self.drafter.draft([row.drafter for row in rows], roots)
         self.sizes += [len(d.tokens) for d in drafts]
         return drafts
 
-    def accept(self, step):
-        self.drafter.accept(step)
+    def accept(self, accepted):
+        self.drafter.accept(accepted)
 
 
 def make(kind, setting, model, folder):

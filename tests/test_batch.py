@@ -263,14 +263,14 @@ class Repeat:
     def row(self, generator=None):
         return self
 
-    def start(self, prompt, hidden, max_len, kept=0):
+    def start(self, prompt, hidden, max_len, cached=0):
         pass
 
     def draft(self, rows, roots):
         chain = lambda root: drafters.chains([[root] * self.max_depth], 1)
         return [self.shapes.draft(root, chain(root)) for root in roots]
 
-    def accept(self, step):
+    def accept(self, accepted):
         pass
 
 

@@ -106,13 +106,13 @@ class Checked(D.ModelDrafter):
     """A ModelDrafter that, after every step, compares its cache with a fresh forward of the
     accepted sequence and checks that what is not cached is exactly `pending`."""
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        super().start(prompt, hidden, max_len, kept)
+    def start(self, prompt, hidden, max_len, cached=0):
+        super().start(prompt, hidden, max_len, cached)
         self.seq, self.checked = list(prompt), 0
 
-    def accept(self, step):
-        super().accept(step)
-        self.seq += step.kept
+    def accept(self, accepted):
+        super().accept(accepted)
+        self.seq += accepted.ids
         n = self.cache.length
         assert self.seq[n:] == self.pending
         fresh = self.model.new_cache(n, num_layers=len(self.layers) if self.layers else None)
@@ -630,3 +630,43 @@ def test_a_drafter_of_one_names_it_in_the_singular(small):
         "jacobi: 1 guess a step",
         "lookahead: window 1, 2-grams, up to 1 guess",
     ]
+
+
+# --- one protocol, one registry -------------------------------------------------------------------
+
+
+def test_every_drafter_is_a_drafter_and_every_kind_builds_one(small, tmp_path):
+    """Each drafter above, and each --draft kind of catalog.DRAFTERS built as load_drafter builds
+    it, implements drafters.Drafter: the methods and attributes decode.step relies on."""
+    for name in [*NAMES, "jacobi", "lookahead:3,3,2", "pass"]:
+        assert isinstance(drafter(name, small), D.Drafter), name
+    heads = random_heads(small, "hydra")
+    built = dict(
+        settings={},
+        model=small,
+        heads=heads,
+        tree=tree_lib.build(tree_lib.cartesian([2, 2])),
+        draft_model=noisy_copy(small),
+        temperature=0.0,
+        top_p=1.0,
+        generator=None,
+    )
+    args = {"layers": 1, "skip": (0,), "pass": None}
+    for kind, k in catalog.DRAFTERS.items():
+        if kind == "pass":  # needs a folder of [LA] tokens: tests/test_pass.py loads one
+            continue
+        settings = catalog.DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
+        d = catalog.make_drafter(kind, **built | {"arg": args.get(kind), "settings": settings})
+        assert isinstance(d, D.Drafter), kind
+        assert isinstance(d.row(), D.Drafter), kind
+    assert set(catalog.PARALLEL) == {"jacobi", "lookahead", "pass"}
+
+
+def test_something_that_lacks_a_method_is_no_drafter():
+    class Half:
+        name, legend, max_nodes, max_depth = "half", ["base model"], 1, 0
+
+        def draft(self, rows, roots):
+            return []
+
+    assert not isinstance(Half(), D.Drafter)

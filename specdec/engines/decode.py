@@ -174,9 +174,9 @@ def step(model, cache, drafter, rows):
             continue
         n = d.candidates  # the row's tree; nodes after it are computed only, or padding
         nodes, bonus = row.verifier(logits[b, :n].float(), d.tokens[:n], d)  # (n, V) -> (k,)
-        kept, path = torch.stack([d.tokens[nodes], nodes]).tolist()  # the root, accepted drafts
+        ids, path = torch.stack([d.tokens[nodes], nodes]).tolist()  # the root, accepted drafts
         accepted = drafters_lib.Accepted(
-            kept=kept,
+            ids=ids,
             hidden=hidden[b : b + 1, nodes],  # (1, n, D)
             positions=positions[b, nodes],  # (n,)
             logits=logits[b, : len(d.tokens)],  # (N_b, V): the row's nodes, computed-only too
@@ -232,9 +232,9 @@ def generate(
     check_prompt(model, prompt, max_new_tokens, generator)
     if cache is None:  # room for the reply, and a last step's tree past it
         cache = model.new_cache(len(prompt) + max_new_tokens + drafter.max_nodes)
-    kept = cache.length
+    cached = cache.length
     logits, hidden = prefill(model, cache, [prompt])  # (1, V), [(1, T, D)]
-    drafter.start(prompt, hidden[0], cache.max_len, kept)
+    drafter.start(prompt, hidden[0], cache.max_len, cached)
     root = first_token(logits[0], temperature, top_p, generator)
     row = Row(drafter, choose_verifier(verify, temperature, top_p, generator), root)
     out.steps = 1  # the prefill
@@ -247,7 +247,7 @@ def generate(
         done = out.add(s.tokens, s.sources, max_new_tokens, eos_ids)
         out.steps += 1
         # the drafts emitted: fewer than were accepted where EOS or the limit cut the step
-        out.accepted.append(min(len(s.kept) - 1, len(out.tokens) - before))
+        out.accepted.append(min(len(s.ids) - 1, len(out.tokens) - before))
         if on_tokens:
             on_tokens(out.tokens[before:], out.sources[before:])
         row.root = s.bonus
@@ -285,10 +285,10 @@ class Conversation:
         forwarding only what the cache does not hold; decoding: generate()'s other arguments."""
         # the last prompt token is always forwarded: its logits give the reply's first token
         # (os.path.commonprefix compares any two lists item by item, ids included)
-        kept = len(os.path.commonprefix([self.ids, prompt[:-1]]))
-        self.ids = self.ids[:kept]
-        self.cache.length = kept
-        self.forwarded = len(prompt) - kept
+        cached = len(os.path.commonprefix([self.ids, prompt[:-1]]))
+        self.ids = self.ids[:cached]
+        self.cache.length = cached
+        self.forwarded = len(prompt) - cached
         r = generate(self.model, prompt, max_new_tokens, self.drafter, cache=self.cache, **decoding)
         self.ids = prompt + r.tokens[:-1]
         return r

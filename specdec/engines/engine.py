@@ -134,7 +134,7 @@ def generate_batch(
             rows[slot].root = s.bonus
             done = add(slot, s.tokens, s.sources)
             # the drafts emitted: fewer than were accepted where EOS or the limit cut the step
-            job.out.accepted.append(min(len(s.kept) - 1, len(job.out.tokens) - before))
+            job.out.accepted.append(min(len(s.ids) - 1, len(job.out.tokens) - before))
             if done:
                 finish(slot)
     return results

@@ -197,15 +197,15 @@ class OnlineHeads:
         other.inner = self.inner.row(generator)
         return other
 
-    def start(self, prompt, hidden, max_len, kept=0):
-        self.inner.start(prompt, hidden, max_len, kept)
-        # a conversation's later turn (kept > 0): the record holds what is forwarded now; the turns
-        # before it taught the learner already
-        self.record = self.learner.new_record(prompt[kept:], hidden)
+    def start(self, prompt, hidden, max_len, cached=0):
+        self.inner.start(prompt, hidden, max_len, cached)
+        # a conversation's later turn (cached > 0): the record holds what is forwarded now; the
+        # turns before it taught the learner already
+        self.record = self.learner.new_record(prompt[cached:], hidden)
 
     def draft(self, rows, roots):
         return self.inner.draft([row.inner for row in rows], roots)
 
-    def accept(self, step):
-        self.inner.accept(step)
-        self.record.add(step.kept, step.hidden, step.logits[step.nodes])
+    def accept(self, accepted):
+        self.inner.accept(accepted)
+        self.record.add(accepted.ids, accepted.hidden, accepted.logits[accepted.nodes])

@@ -267,23 +267,6 @@ def load_tree(spec, heads, heads_folder, quant="none"):
 # --- drafters: --draft --------------------------------------------------------------------------
 # Everything that needs no model is checked before one loads: a typo costs a second, not a load.
 
-DRAFT_DEFAULTS = {
-    "lookup": {"gamma": 10, "ngram": 3, "matches": 1},
-    "layers": {"gamma": 4},
-    "skip": {"gamma": 4},
-    "model": {"gamma": 4},
-    "jacobi": {"gamma": 4},
-    "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
-    "pass": {"gamma": 2, "guesses": 2},
-}
-
-# the model drafts for itself at nodes it computes but never verifies
-PARALLEL = (
-    "jacobi",
-    "lookahead",
-    "pass",
-)
-
 
 def parse_draft(spec):
     """--draft -> (kind, arg): kind is heads, lookup, heads+lookup, layers, skip, model, jacobi,
@@ -306,7 +289,7 @@ def parse_draft(spec):
         return "layers", int(m[1])
     if spec.startswith("skip:"):
         return "skip", parse_skip(spec, spec[5:])
-    if spec in ("heads", "lookup", "heads+lookup", "skip", "model", *PARALLEL):
+    if spec in DRAFTERS and spec != "layers":  # layers takes its N
         return spec, None
     raise UsageError(
         f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a "
@@ -578,45 +561,101 @@ def heads_and_lookup(heads, gamma: int, ngram: int, matches: int, device):
     return drafters_lib.HeadsPlusLookup(heads, lookup, device, floor=4)
 
 
-def make_drafter(
-    kind, arg, settings, model, heads, tree, draft_model, temperature, top_p, generator
-):
-    """The drafter that --draft names. Model drafters sample their drafts at `temperature` (0:
-    greedy); the heads' drafter at --heads none (or no heads for this model) is plain decoding."""
-    dev = model.device
-    if kind == "heads":
-        return (
-            drafters_lib.HeadsDrafter(heads, tree) if heads is not None else drafters_lib.Plain(dev)
-        )
-    if kind == "lookup":
-        return drafters_lib.Lookup(settings["gamma"], settings["ngram"], settings["matches"], dev)
-    if kind == "heads+lookup":
-        return heads_and_lookup(
-            drafters_lib.HeadsDrafter(heads, tree),
-            settings["gamma"],
-            settings["ngram"],
-            settings["matches"],
-            dev,
-        )
-    if kind == "layers":
-        return drafters_lib.ModelDrafter(
-            model, settings["gamma"], temperature, top_p, generator, range(arg), f"layers:{arg}"
-        )
-    if kind == "skip":  # arg: the skipped layers (skip_layers resolves plain `skip` to a set)
-        kept = [i for i in range(model.cfg.n_layers) if i not in arg]
-        name = f"skip:{skip_spec(arg)}"
-        return drafters_lib.ModelDrafter(
-            model, settings["gamma"], temperature, top_p, generator, kept, name
-        )
-    if kind == "jacobi":
-        return drafters_lib.Jacobi(settings["gamma"], dev)
-    if kind == "lookahead":
-        return drafters_lib.Lookahead(
-            settings["window"], settings["ngram"], settings["guesses"], dev
-        )
-    if kind == "pass":
-        return pass_drafter(arg, settings["gamma"], settings["guesses"], model)
-    return drafters_lib.ModelDrafter(draft_model, settings["gamma"], temperature, top_p, generator)
+@dataclass
+class Build:
+    """What a drafter is built from once the model has loaded (load_drafter fills it)."""
+
+    arg: object  # parse_draft's: N of layers:N, the skipped layers of skip, pass's folder
+    settings: dict  # gamma, ngram, ...: the flags given over the kind's defaults
+    model: object  # the base model
+    heads: object  # the loaded heads, or None
+    tree: object  # their tree (tree.Tree), or None
+    draft_model: object  # --draft-model's, or None
+    temperature: float  # model drafters sample their drafts at it (0: greedy)
+    top_p: float
+    generator: object  # their generator
+
+
+def heads_or_plain(b):  # the heads' drafter; at --heads none (or none for this model): plain
+    if b.heads is None:
+        return drafters_lib.Plain(b.model.device)
+    return drafters_lib.HeadsDrafter(b.heads, b.tree)
+
+
+def lookup(b):
+    s = b.settings
+    return drafters_lib.Lookup(s["gamma"], s["ngram"], s["matches"], b.model.device)
+
+
+def heads_plus_lookup(b):
+    s = b.settings
+    heads = drafters_lib.HeadsDrafter(b.heads, b.tree)
+    return heads_and_lookup(heads, s["gamma"], s["ngram"], s["matches"], b.model.device)
+
+
+def first_layers(b):  # layers:N, the model's first N layers
+    gamma = b.settings["gamma"]
+    run = range(b.arg)
+    name = f"layers:{b.arg}"
+    return drafters_lib.ModelDrafter(b.model, gamma, b.temperature, b.top_p, b.generator, run, name)
+
+
+def skipped_layers(b):  # b.arg: the skipped layers (skip_layers resolves plain `skip` to a set)
+    gamma = b.settings["gamma"]
+    kept = [i for i in range(b.model.cfg.n_layers) if i not in b.arg]
+    name = f"skip:{skip_spec(b.arg)}"
+    return drafters_lib.ModelDrafter(
+        b.model, gamma, b.temperature, b.top_p, b.generator, kept, name
+    )
+
+
+def draft_model(b):
+    gamma = b.settings["gamma"]
+    return drafters_lib.ModelDrafter(b.draft_model, gamma, b.temperature, b.top_p, b.generator)
+
+
+def jacobi(b):
+    return drafters_lib.Jacobi(b.settings["gamma"], b.model.device)
+
+
+def lookahead(b):
+    s = b.settings
+    return drafters_lib.Lookahead(s["window"], s["ngram"], s["guesses"], b.model.device)
+
+
+def pass_tokens(b):
+    return pass_drafter(b.arg, b.settings["gamma"], b.settings["guesses"], b.model)
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """One --draft kind: how it is built, and the size flags it takes with their defaults."""
+
+    build: object  # Build -> the drafter (a drafters.Drafter)
+    defaults: dict  # its settings among --gamma, --ngram, --matches, --window and --guesses
+    parallel: bool = False  # the model drafts for itself at nodes it computes, never verifies
+
+
+# Every --draft kind; a new drafter is its class in specdec/drafters.py, a builder and a line here.
+DRAFTERS = {
+    "heads": DraftKind(heads_or_plain, {}),
+    "lookup": DraftKind(lookup, {"gamma": 10, "ngram": 3, "matches": 1}),
+    "heads+lookup": DraftKind(heads_plus_lookup, {}),  # takes lookup's flags (draft_settings)
+    "layers": DraftKind(first_layers, {"gamma": 4}),
+    "skip": DraftKind(skipped_layers, {"gamma": 4}),
+    "model": DraftKind(draft_model, {"gamma": 4}),
+    "jacobi": DraftKind(jacobi, {"gamma": 4}, parallel=True),
+    "lookahead": DraftKind(lookahead, {"window": 4, "ngram": 3, "guesses": 4}, parallel=True),
+    "pass": DraftKind(pass_tokens, {"gamma": 2, "guesses": 2}, parallel=True),
+}
+DRAFT_DEFAULTS = {kind: k.defaults for kind, k in DRAFTERS.items() if k.defaults}
+PARALLEL = tuple(kind for kind, k in DRAFTERS.items() if k.parallel)
+
+
+def make_drafter(kind, *build, **by_name):
+    """The drafter that --draft `kind` names, from Build's fields (in its order, or by name).
+    Model drafters sample their drafts at `temperature` (0: greedy)."""
+    return DRAFTERS[kind].build(Build(*build, **by_name))
 
 
 # --- generate.py's drafter, once the model has loaded ---------------------------------------------
@@ -686,7 +725,7 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
         check_sizes(kind, settings, "--")
     sampled = decoding["temperature"] > 0 and decoding["verify"] in ("auto", "sample")
     drafter = make_drafter(
-        kind=kind,
+        kind,
         arg=arg,
         settings=settings,
         model=model,
