@@ -70,7 +70,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 # Per-node verdicts become the accepted prefix of every root-to-leaf row of tree.retrieve.
 
 
-def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
+def check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
+    """A tree rule's inputs: logits (N, V) and tokens (N,), on the tree's device."""
     n = tree.num_nodes
     assert logits.dim() == 2 and logits.shape[0] == n, (
         f"logits must be (N={n}, V), not {tuple(logits.shape)}"
@@ -97,7 +98,7 @@ def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tens
 
 def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, int]:
     """Longest accepted path (ties: lowest last-node index); bonus = argmax after it."""
-    _check_shapes(logits, tokens, tree)
+    check_shapes(logits, tokens, tree)
     n = tree.num_nodes
     best = logits.argmax(-1)  # (N,)
     ok = tokens[1:] == best[tree.parent[1:]]  # (N-1,)
@@ -132,7 +133,7 @@ def typical(
             f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
             f"got {temperature}; use greedy below it"
         )
-    _check_shapes(logits, tokens, tree)
+    check_shapes(logits, tokens, tree)
     n, parent, rows = tree.num_nodes, tree.parent[1:], tree.retrieve  # N, (N-1,), (L, D)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V)
     entropy = torch.special.entr(logp.exp()).sum(-1)  # (N,) -sum p log p
@@ -171,7 +172,7 @@ def speculative(
     child c is emitted with probability q'(c), and any other token t only after c is rejected
     (probability 1 - q'(c)), then from the renormalised residual q'(t) / (1 - q'(c)); the product is
     q'(t) again, so by induction over the children every token is emitted with probability q(t)."""
-    _check_shapes(logits, tokens, tree)
+    check_shapes(logits, tokens, tree)
     probs = logits_to_probs(logits, temperature, top_p)  # (N, V) one batched call
     n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
     u = torch.rand(n - 1, device=probs.device, generator=generator)  # (N-1,) a draw for each child
