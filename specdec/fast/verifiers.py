@@ -6,8 +6,8 @@ the same name in verify.py, from the same draws of the generator, and is tested 
     greedy, typical: each candidate's accepted   every candidate's accepted length at once
         prefix in a Python loop, then max()          (cumprod), one argmax, one host transfer
     speculative: the walk reads q at each child  q at every child and the draws in one transfer;
-        from the device, zeroes the residual         the residual built on the device from the
-        token by token                               tree's index tensors, without a transfer
+        from the device, then zeroes the tokens      the residual built on the device from the
+        it rejected in the residual                  tree's index tensors, without a transfer
     leviathan: a loop over the drafts            the drafts compared at once
 
 Shapes: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
@@ -57,7 +57,9 @@ def typical(
     alpha: float = 0.3,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """The twin of verify.typical, tested equal: every candidate scored on the device."""
+    """The twin of verify.typical, tested equal: every candidate scored on the device. Its sums
+    of log p are float32's, the readable rule's Python floats: two candidates whose sums differ by
+    less than float32's rounding could be ordered differently (never seen in the tests)."""
     if verify.is_greedy(temperature):
         raise ValueError(
             f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = "
