@@ -15,7 +15,7 @@ tokens[nodes[1:]] followed by bonus (len(nodes) tokens) and keeps the KV entries
 
 Test: `python -m pytest -q tests/test_verify.py` (greedy against brute force, typical against its
 formula node by node, both sampling rules against the exact two-token joint distribution).
-Shapes: N tree nodes (root included), V vocab, L tree leaves, D max depth + 1, G drafts in a chain.
+Shapes: N tree nodes (root included), V vocab, G drafts in a chain.
 """
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 # --- choosing a path ----------------------------------------------------------------------------
-# Per-node verdicts become the accepted prefix of every root-to-leaf row of tree.retrieve.
+# A candidate is one root-to-leaf row of tree.retrieve. A rule says which drafted nodes pass its
+# test at their parent; each candidate keeps its prefix of passing nodes, and the rule picks one.
 
 
-def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
+def check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> None:
+    """A tree rule's inputs: logits (N, V) and tokens (N,), on the tree's device."""
     n = tree.num_nodes
     assert logits.dim() == 2 and logits.shape[0] == n, (
         f"logits must be (N={n}, V), not {tuple(logits.shape)}"
@@ -81,13 +83,18 @@ def _check_shapes(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> Non
     )
 
 
-def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ok (N-1,) per drafted node -> per row of tree.retrieve (L, D): accepted length, last node."""
-    ok = torch.cat([ok.new_ones(1), ok])  # (N,) the root always kept
-    ok_rows = ok[rows.clamp(min=0)] & (rows >= 0)  # (L, D)
-    length = ok_rows.long().cumprod(-1).sum(-1)  # (L,) >= 1: root is ok
-    last = rows.gather(1, (length - 1)[:, None]).squeeze(1)  # (L,)
-    return length, last
+def _accepted_prefixes(tree: Tree, passes: list[bool]) -> list[list[int]]:
+    """Each candidate's nodes from the root down to the first that does not pass, in leaf order.
+    The root is always kept: its token was emitted last step."""
+    prefixes = []
+    for row in tree.retrieve.tolist():  # node indices root..leaf, right-padded with -1
+        prefix = [0]
+        for node in row[1:]:
+            if node < 0 or not passes[node]:
+                break
+            prefix.append(node)
+        prefixes.append(prefix)
+    return prefixes
 
 
 # --- greedy -------------------------------------------------------------------------------------
@@ -96,15 +103,17 @@ def _accepted_prefixes(ok: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tens
 
 
 def greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, int]:
-    """Longest accepted path (ties: lowest last-node index); bonus = argmax after it."""
-    _check_shapes(logits, tokens, tree)
-    n = tree.num_nodes
-    best = logits.argmax(-1)  # (N,)
-    ok = tokens[1:] == best[tree.parent[1:]]  # (N-1,)
-    length, last = _accepted_prefixes(ok, tree.retrieve)  # (L,), (L,)
-    leaf = (length * n - last).argmax()  # () longest first, then lowest end index
-    accepted, bonus = torch.stack([length[leaf], best[last[leaf]]]).tolist()  # the one transfer
-    return tree.retrieve[leaf, :accepted], bonus  # (accepted,) root..end
+    """Longest accepted path (ties: lowest last-node index); bonus = argmax after it.
+
+    With distinct sibling tokens (top-k picks) this is a walk down from the root into the one child
+    that agrees; siblings that repeat a token can both agree, so the rule asks for the longest."""
+    check_shapes(logits, tokens, tree)
+    best = logits.argmax(-1).tolist()  # the base model's token after each node
+    token = tokens.tolist()
+    parent = tree.parent.tolist()
+    passes = [True] + [token[c] == best[parent[c]] for c in range(1, tree.num_nodes)]
+    path = max(_accepted_prefixes(tree, passes), key=lambda p: (len(p), -p[-1]))  # then lowest end
+    return torch.tensor(path, device=tokens.device), best[path[-1]]
 
 
 # --- typical acceptance -------------------------------------------------------------------------
@@ -122,7 +131,8 @@ def typical(
     alpha: float = 0.3,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Longest accepted path (ties: highest sum of log p); bonus ~ logits_to_probs at its end.
+    """Longest accepted path (ties: highest sum of log p, then the first candidate); bonus ~
+    logits_to_probs at its end.
 
     p = softmax(logits / temperature) without top-p; top_p only shapes the bonus. Temperature must
     be >= GREEDY_BELOW: as it goes to 0, p becomes one-hot, the threshold becomes eps and the rule
@@ -132,22 +142,21 @@ def typical(
             f"typical acceptance needs temperature > 0, at least GREEDY_BELOW = {GREEDY_BELOW}, "
             f"got {temperature}; use greedy below it"
         )
-    _check_shapes(logits, tokens, tree)
-    n, parent, rows = tree.num_nodes, tree.parent[1:], tree.retrieve  # N, (N-1,), (L, D)
+    check_shapes(logits, tokens, tree)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V)
     entropy = torch.special.entr(logp.exp()).sum(-1)  # (N,) -sum p log p
     threshold = (alpha * torch.exp(-entropy)).clamp(max=eps)  # (N,)
-    token_logp = torch.zeros(n, device=tokens.device)  # (N,) log p at the parent
-    token_logp[1:] = logp[parent, tokens[1:]]
-    ok = token_logp[1:].exp() > threshold[parent]  # (N-1,)
-    length, last = _accepted_prefixes(ok, rows)  # (L,), (L,)
-    kept = torch.arange(rows.shape[1], device=rows.device) < length[:, None]  # (L, D)
-    total = torch.where(kept, token_logp[rows.clamp(min=0)], 0.0).sum(-1)  # (L,)
-    total = total.masked_fill(length < length.max(), -torch.inf)  # only the longest compete
-    leaf = total.argmax()  # ()
-    bonus = sample(logits_to_probs(logits[last[leaf]], temperature, top_p), generator)
-    accepted, bonus = torch.stack([length[leaf], bonus]).tolist()  # the one transfer
-    return rows[leaf, :accepted], bonus  # (accepted,) root..end
+    parent = tree.parent.clamp(min=0)  # (N,) the root's -1 read as 0: the root is never tested
+    token_logp = logp[parent, tokens]  # (N,) log p of each node's token at its parent
+    passes = (token_logp.exp() > threshold[parent]).tolist()
+    score = token_logp.tolist()
+
+    def longest_then_likeliest(prefix):
+        return len(prefix), sum(score[node] for node in prefix[1:])
+
+    path = max(_accepted_prefixes(tree, passes), key=longest_then_likeliest)
+    bonus = sample(logits_to_probs(logits[path[-1]], temperature, top_p), generator)
+    return torch.tensor(path, device=tokens.device), int(bonus)
 
 
 # --- speculative sampling -----------------------------------------------------------------------
@@ -171,54 +180,31 @@ def speculative(
     child c is emitted with probability q'(c), and any other token t only after c is rejected
     (probability 1 - q'(c)), then from the renormalised residual q'(t) / (1 - q'(c)); the product is
     q'(t) again, so by induction over the children every token is emitted with probability q(t)."""
-    _check_shapes(logits, tokens, tree)
-    probs = logits_to_probs(logits, temperature, top_p)  # (N, V) one batched call
-    n, parent = tree.num_nodes, tree.parent[1:]  # (N-1,)
-    u = torch.rand(n - 1, device=probs.device, generator=generator)  # (N-1,) a draw for each child
-    # the walk needs only q(child's token) at its parent, and the draws: one transfer
-    walk = torch.stack([tokens[1:].float(), probs[parent, tokens[1:]], u])  # (3, N-1)
-    token, q, u = walk.tolist() if n > 1 else ([], [], [])
-    nodes, rejected = [0], []  # path; tokens zeroed at its end
+    check_shapes(logits, tokens, tree)
+    probs = logits_to_probs(logits, temperature, top_p)  # (N, V)
+    draws = torch.rand(tree.num_nodes - 1, device=probs.device, generator=generator)  # (N-1,)
+    u = [0.0] + draws.tolist()  # u[c]: child c's uniform draw; the root is not drafted
+    token = tokens.tolist()
+    nodes = [0]  # the accepted path
     while True:
-        accepted, mass = None, 1.0  # mass: what q' still holds
-        for c in tree.children[nodes[-1]]:
-            t = token[c - 1]
-            held = 0.0 if t in rejected else q[c - 1]  # a duplicate sibling was zeroed
-            if u[c - 1] * mass < held:  # u < q'(c) = held / mass
+        node = nodes[-1]
+        rejected = []  # the tokens of the children rejected here: zero in q'
+        mass = 1.0  # 1 - q(rejected tokens), so that q'(t) = q(t) / mass
+        accepted = None
+        for c in tree.children[node]:
+            held = 0.0 if token[c] in rejected else float(probs[node, token[c]])  # a repeat: 0
+            if u[c] * mass < held:  # u < q'(c)
                 accepted = c
                 break
-            rejected.append(t)
+            rejected.append(token[c])
             mass -= held
-            if mass <= 0:  # unreachable: a token holding all the mass has q' = 1 > u, accepted
-                rejected = []
-                break
         if accepted is None:
             break
         nodes.append(accepted)
-        rejected = []
-    end = nodes[-1]
-    residual = without_tried(probs[end], tokens, tree, end, len(rejected))  # (V,) q' at the end
-    bonus = int(sample(residual / residual.sum(), generator))
-    return path_to(tree, end, len(nodes)), bonus
-
-
-def without_tried(
-    q: torch.Tensor, tokens: torch.Tensor, tree: Tree, node: int, tried: int
-) -> torch.Tensor:
-    """q (V,) at `node` with the tokens of its first `tried` children (in rank order: the ones the
-    walk rejected) zeroed: the residual the bonus is drawn from, unnormalised. On the device, with
-    no transfer: the tree's index tensors say which children those are."""
-    parent, rank = tree.parent[1:], tree.rank[1:]  # (N-1,) each
-    siblings_before = ((parent[:, None] == parent) & (rank < rank[:, None])).sum(-1)  # (N-1,)
-    drop = ((parent == node) & (siblings_before < tried)).float()  # (N-1,) 1: tried
-    dropped = torch.zeros_like(q).scatter_reduce(0, tokens[1:], drop, "amax")  # (V,)
-    return q * (1 - dropped)
-
-
-def path_to(tree: Tree, node: int, length: int) -> torch.Tensor:
-    """The node indices from the root down to `node` (at depth length - 1), from a leaf's row."""
-    rows = tree.retrieve  # (L, D)
-    return rows[(rows[:, length - 1] == node).int().argmax(), :length]
+    residual = probs[nodes[-1]].clone()  # (V,) q at the end of the path, the rejected tokens zeroed
+    residual[rejected] = 0.0
+    bonus = sample(residual / residual.sum(), generator)
+    return torch.tensor(nodes, device=tokens.device), int(bonus)
 
 
 # --- speculative sampling of sampled drafts -----------------------------------------------------
@@ -253,11 +239,12 @@ def leviathan(
         f"draft_probs must be (G={G}, V), not {tuple(draft_probs.shape)}"
     )
     q = logits_to_probs(logits, temperature, top_p)  # (G+1, V)
-    x = tokens[1:, None]  # (G, 1)
-    qx, px = q[:-1].gather(1, x).squeeze(1), draft_probs.gather(1, x).squeeze(1)  # (G,), (G,)
     u = torch.rand(G, device=q.device, generator=generator)  # (G,) one draw a draft
-    ok = u * px < qx  # (G,) u < q/p; px > 0, x was sampled from p
-    n = int(ok.long().cumprod(0).sum())  # drafts accepted
+    n = 0  # drafts accepted
+    for i, x in enumerate(tokens[1:].tolist()):
+        if u[i] * draft_probs[i, x] >= q[i, x]:  # rejected: u >= q(x) / p(x), p(x) > 0
+            break
+        n += 1
     residual = q[G] if n == G else (q[n] - draft_probs[n]).clamp(min=0)  # (V,)
     if residual.sum() <= 0:  # q == p up to rounding: the rejection a rounding artefact, draw from q
         residual = q[n]

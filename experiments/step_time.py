@@ -27,7 +27,7 @@ from specdec import drafters as D  # noqa: E402
 from specdec.engines import decode  # noqa: E402
 from specdec.fast import kernels as K  # noqa: E402
 import model as M  # noqa: E402
-import verify as V  # noqa: E402
+from specdec.fast import verifiers as V  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--prompts", type=int, default=8)

@@ -3,8 +3,10 @@
 greedy and typical are compared with brute force over every root-to-node path of many random trees;
 speculative sampling (on a tree of top-k picks, and Leviathan's rule on a chain of sampled drafts)
 is checked to be lossless by comparing the empirical joint distribution of the first two emitted
-tokens with the exact one, and a deliberately broken residual rule must fail the same check. Run:
-`python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab.
+tokens with the exact one, and a deliberately broken residual rule must fail the same check. Each
+fast twin in specdec/fast/verifiers.py (what the decode engines run) must return the same (nodes,
+bonus) as its readable rule on many random trees, and take the same draws from the generator. Run:
+`python -m pytest -q tests/test_verify.py`. Shapes: N tree nodes, V vocab, G drafts in a chain.
 """
 
 import itertools
@@ -14,6 +16,7 @@ import random
 import pytest
 import torch
 
+from specdec.fast import verifiers as fast
 from tree import build, cartesian, chain
 from verify import GREEDY_BELOW, greedy, leviathan, logits_to_probs, sample, speculative, typical
 
@@ -448,3 +451,90 @@ def test_leviathan_accepts_a_draft_the_base_model_likes_more():
         logits, torch.tensor([0, 1, 2]), p, 0.5, 1.0, torch.Generator().manual_seed(0)
     )
     assert nodes.tolist() == [0, 1, 2] and bonus == 0
+
+
+# --- the fast twins -----------------------------------------------------------------------------
+# Same inputs, same seed: the same (nodes, bonus), and the generator left in the same state.
+
+
+def random_tokens(rng: random.Random, tree, vocab: int) -> torch.Tensor:
+    """Drafted tokens with repeats among siblings (vocab is small), as some drafters make."""
+    return torch.tensor([rng.randrange(vocab) for _ in range(tree.num_nodes)])  # (N,)
+
+
+def run_both(readable, twin, *args, seed: int, **kwargs):
+    """(nodes, bonus, generator state) of each rule on the same inputs, from the same seed."""
+    out = []
+    for rule in (readable, twin):
+        g = torch.Generator().manual_seed(seed)
+        nodes, bonus = rule(*args, generator=g, **kwargs)
+        assert nodes.dtype == torch.long and isinstance(bonus, int)
+        out.append((nodes.tolist(), bonus, g.get_state()))
+    return out
+
+
+def assert_same(out):
+    (nodes_a, bonus_a, state_a), (nodes_b, bonus_b, state_b) = out
+    assert (nodes_a, bonus_a) == (nodes_b, bonus_b)
+    assert torch.equal(state_a, state_b), "the twin took other draws from the generator"
+
+
+def test_fast_greedy_equals_readable():
+    rng, g = random.Random(2), torch.Generator().manual_seed(2)
+    for _ in range(300):
+        tree = build(random_paths(rng))
+        logits = torch.randn(tree.num_nodes, 3, generator=g)  # (N, V) 3 tokens: many agree
+        tokens = random_tokens(rng, tree, 3)
+        nodes, bonus = fast.greedy(logits, tokens, tree)
+        want_nodes, want_bonus = greedy(logits, tokens, tree)
+        assert nodes.tolist() == want_nodes.tolist() and bonus == want_bonus
+
+
+def test_fast_typical_equals_readable():
+    rng, g = random.Random(3), torch.Generator().manual_seed(3)
+    for trial in range(300):
+        tree = build(random_paths(rng))
+        temperature, top_p = rng.choice([0.5, 1.0, 2.0]), rng.choice([0.7, 1.0])
+        logits = 2 * torch.randn(tree.num_nodes, 4, generator=g)  # (N, V)
+        tokens = random_tokens(rng, tree, 4)
+        args = (logits, tokens, tree, temperature, top_p)
+        assert_same(run_both(typical, fast.typical, *args, seed=trial))
+    with pytest.raises(ValueError, match="temperature > 0"):
+        fast.typical(torch.zeros(2, 4), torch.tensor([0, 1]), build(chain(1)), 0.0, 1.0)
+
+
+def test_fast_speculative_equals_readable():
+    rng, g = random.Random(4), torch.Generator().manual_seed(4)
+    depths = []
+    for trial in range(300):
+        tree = build(random_paths(rng))
+        temperature, top_p = rng.choice([0.5, 1.0]), rng.choice([0.6, 1.0])
+        logits = 2 * torch.randn(tree.num_nodes, 4, generator=g)  # (N, V)
+        tokens = random_tokens(rng, tree, 4)
+        out = run_both(
+            speculative, fast.speculative, logits, tokens, tree, temperature, top_p, seed=trial
+        )
+        assert_same(out)
+        depths.append(len(out[0][0]) - 1)
+    assert max(depths) >= 3, "the random trees should exercise deep acceptances"
+
+
+def test_fast_leviathan_equals_readable():
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    accepted = []
+    for trial in range(300):
+        n_drafts = rng.randrange(5)
+        temperature, top_p = rng.choice([0.5, 1.0]), rng.choice([0.6, 1.0])
+        logits = 2 * torch.randn(n_drafts + 1, 4, generator=g)  # (G+1, V)
+        if rng.random() < 0.2:  # the draft is the base model itself: q == p, all accepted
+            probs = logits_to_probs(logits[:-1], temperature, top_p)  # (G, V)
+        else:
+            probs = torch.softmax(2 * torch.randn(n_drafts, 4, generator=g), -1)  # (G, V)
+        drafts = [int(sample(p, g)) for p in probs]
+        tokens = torch.tensor([0] + drafts)  # (G+1,)
+        out = run_both(
+            leviathan, fast.leviathan, logits, tokens, probs, temperature, top_p, seed=trial
+        )
+        assert_same(out)
+        accepted.append(len(out[0][0]) - 1)
+    assert 0 in accepted and 4 in accepted

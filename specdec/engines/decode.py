@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import drafters as drafters_lib
+from specdec.fast import verifiers as fast_verify
 import verify as verify_lib
 
 # --- what a reply is, and who verifies it -------------------------------------------------------
@@ -68,7 +69,8 @@ def acceptance_by_depth(accepted, max_depth):
 
 
 def choose_verifier(verify, temperature, top_p, generator):
-    """verifier(logits (n, V), tokens (n,), draft) -> (accepted nodes, bonus): its n candidates."""
+    """verifier(logits (n, V), tokens (n,), draft) -> (accepted nodes, bonus): its n candidates.
+    The rules are verify.py's, run as their fast twins (specdec/fast/verifiers.py)."""
     if verify not in verify_lib.VERIFIERS:
         raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
     if verify == "greedy" and not verify_lib.is_greedy(temperature):
@@ -76,17 +78,17 @@ def choose_verifier(verify, temperature, top_p, generator):
             f"verify='greedy' keeps only the argmax, so it needs temperature 0, got {temperature}"
         )
     if verify_lib.is_greedy(temperature):  # "greedy" (checked above), any verify at temperature 0
-        return lambda l, t, d: verify_lib.greedy(l, t, d.tree)
+        return lambda l, t, d: fast_verify.greedy(l, t, d.tree)
     if verify == "typical":
-        return lambda l, t, d: verify_lib.typical(
+        return lambda l, t, d: fast_verify.typical(
             l, t, d.tree, temperature, top_p, generator=generator
         )
 
     def sample(l, t, d):
         """Sampled drafts come with their p: Leviathan's rule; picked ones: the tree rule."""
         if d.probs is not None:
-            return verify_lib.leviathan(l, t, d.probs, temperature, top_p, generator)
-        return verify_lib.speculative(l, t, d.tree, temperature, top_p, generator)
+            return fast_verify.leviathan(l, t, d.probs, temperature, top_p, generator)
+        return fast_verify.speculative(l, t, d.tree, temperature, top_p, generator)
 
     return sample
 
