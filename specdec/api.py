@@ -127,6 +127,11 @@ def check_decoding(temperature, top_p, verify, seed):
         )
     cli.check_seed(seed)
     greedy = verify_lib.is_greedy(temperature)
+    if 0 < temperature and greedy:
+        cli.notice(
+            f"temperature={temperature!r} is below {verify_lib.GREEDY_BELOW}: decoding greedily, "
+            "as at 0"
+        )
     return dict(verify=verify, temperature=0.0 if greedy else float(temperature), top_p=top_p)
 
 
@@ -200,8 +205,9 @@ class Decoder:
 
     def encode(self, prompt, system, max_new_tokens, which, cap=False):
         """(ids, most new tokens) of a prompt (a string or messages), checked as generate.py's
-        encode_prompts does: max_new_tokens must fit the context after the prompt; None, or with
-        `cap` (a chat's), what the context leaves past MAX_NEW_TOKENS or it, with a notice."""
+        encode_prompts does: max_new_tokens (None: MAX_NEW_TOKENS) must fit the model's context
+        after the prompt. Where it does not, a number asked is refused; None, or a chat's (`cap`),
+        is cut to what fits, with a notice."""
         if isinstance(prompt, list):
             prompt = cli.check_messages(prompt, which)
         elif isinstance(prompt, str):

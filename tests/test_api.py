@@ -58,12 +58,13 @@ def heads_folder(folder, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=["lookup", "heads"])
+@pytest.fixture(scope="module", params=["lookup", "heads", "layers:1"])
 def sd(request, folder, heads_folder):
-    """The varied model, drafted by prompt lookup or by random hydra heads (a chain of 3)."""
-    if request.param == "lookup":
-        return specdec.load(folder, draft="lookup", dtype="fp32", threads=1)
-    return specdec.load(folder, heads=heads_folder, dtype="fp32", threads=1)
+    """The varied model, drafted by prompt lookup, by random hydra heads (a chain of 3) or by its
+    own first layer (whose drafts are sampled at a sampled reply's temperature)."""
+    if request.param == "heads":
+        return specdec.load(folder, heads=heads_folder, dtype="fp32", threads=1)
+    return specdec.load(folder, draft=request.param, dtype="fp32", threads=1)
 
 
 # --- the README's example -------------------------------------------------------------------------
@@ -146,6 +147,30 @@ def test_a_greedy_batch_is_its_prompts_one_at_a_time(sd):
 def test_a_seed_gives_the_same_sampled_reply(sd):
     runs = [sd.generate(PROMPTS[0], max_new_tokens=12, temperature=1.0, seed=s) for s in (3, 3, 4)]
     assert runs[0].ids == runs[1].ids != runs[2].ids
+
+
+@pytest.mark.parametrize("draft, temperature", [("heads", 0.0), ("layers:1", 1.0), ("lookup", 0.7)])
+def test_a_reply_is_generate_pys_for_the_same_flags(folder, draft, temperature, capsys):
+    """The same text as `python generate.py` with the keywords as flags, sampled too (a model's own
+    drafts sampled from the reply's generator, as generate.py's are)."""
+    sd = specdec.load(folder, draft=draft, dtype="fp32", threads=1)
+    r = sd.generate(PROMPTS[1], max_new_tokens=12, temperature=temperature, seed=3)
+    flags = [
+        "--model",
+        folder,
+        "--draft",
+        draft,
+        "--dtype",
+        "fp32",
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+    ]
+    flags += ["--prompt", PROMPTS[1], "--max-new-tokens", "12", "--temperature", str(temperature)]
+    capsys.readouterr()
+    assert generate.cli_main(flags) == 0
+    assert capsys.readouterr().out == r.text + "\n"
 
 
 # --- a chat ---------------------------------------------------------------------------------------
