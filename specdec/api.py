@@ -8,8 +8,8 @@
     Decoder.generate(prompt, ...) -> Reply       a string (in the chat template) or a list of
                                                  {"role", "content"} messages
     Decoder.generate_batch(prompts, ...)         many side by side (engine.py): [Reply]
-    Decoder.chat(system=...) -> Chat             Chat.send(text) -> Reply: the KV cache is kept
-                                                 between turns (decode.Conversation)
+    Decoder.chat(system=...) -> Chat             Chat.send(message) -> Reply: the KV cache is
+                                                 kept between turns (decode.Conversation)
     Reply                                        .text, .ids (no EOS), .stopped, .stats
     APIError                                     a bad argument (a ValueError), named with the fix
 
@@ -23,6 +23,7 @@ This file builds what generate.py's main builds; it never imports the scripts.
 Test: `python -m pytest -q tests/test_api.py`.
 """
 
+import contextlib
 import math
 import os
 import re
@@ -70,21 +71,17 @@ def in_keywords(message, values):
     return "".join(parts)
 
 
-class checked:
+@contextlib.contextmanager
+def checked(values):
     """`with checked(values):` a UsageError or ValueError raised inside comes out as one APIError
     in the keywords' words (values: the keywords as given)."""
-
-    def __init__(self, values):
-        self.values = {k: v for k, v in values.items() if isinstance(v, (str, int, float))}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, (cli.UsageError, ValueError)):
-            if not isinstance(e, APIError):
-                raise APIError(in_keywords(str(e), self.values)) from None
-        return False
+    try:
+        yield
+    except APIError:
+        raise
+    except (cli.UsageError, ValueError) as e:
+        given = {k: v for k, v in values.items() if isinstance(v, (str, int, float))}
+        raise APIError(in_keywords(str(e), given)) from None
 
 
 def whole(name, value, least):
@@ -225,9 +222,10 @@ class Decoder:
         context = self.model.cfg.max_seq_len
         room = context - len(ids)
         if room < 1:
+            fix = "reset() the chat to start afresh" if cap else "shorten it"
             raise APIError(
                 f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and "
-                "reply together); shorten it"
+                f"reply together); {fix}"
             )
         want = max_new_tokens or MAX_NEW_TOKENS
         if max_new_tokens is not None and max_new_tokens > room and not cap:
@@ -316,7 +314,8 @@ class Decoder:
         verify="auto",
         seed=0,
     ):
-        """A conversation (generate.py --chat): Chat.send(text) answers, keeping the KV cache."""
+        """A conversation (generate.py --chat): Chat.send(message) answers, keeping the KV cache;
+        each reply at most max_new_tokens, or what the context leaves."""
         with checked(locals()):
             if not self.tokenizer.chat_template:
                 raise APIError(
@@ -334,7 +333,9 @@ class Decoder:
 class Chat:
     """Messages answered by a decode.Conversation: every send() lays the whole conversation out
     with the chat template, and the cache keeps the longest prefix it shares with it, so a turn
-    forwards only what is new (its Reply's stats: prompt_tokens, forwarded)."""
+    forwards only what is new (its Reply's stats: prompt_tokens, forwarded). A conversation that
+    no longer fits the context is refused (reset() starts afresh), where generate.py --chat drops
+    its oldest turns."""
 
     def __init__(self, dec, system, max_new_tokens, decoding, seed):
         self.dec = dec
@@ -353,7 +354,9 @@ class Chat:
             if not isinstance(message, str) or not message.strip():
                 raise APIError(f"message={message!r}: needs some text")
             messages = self.messages + [{"role": "user", "content": message}]
-            ids, limit = self.dec.encode(messages, None, self.max_new_tokens, "message", cap=True)
+            ids, limit = self.dec.encode(
+                messages, None, self.max_new_tokens, "the conversation", cap=True
+            )
         r = self.conversation.reply(ids, limit, **self.decoding)
         forwarded = self.conversation.forwarded  # of the prompt's ids, those the cache lacked
         out = reply(
