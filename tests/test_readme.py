@@ -27,7 +27,8 @@ READMES = [
 def commands(text):
     """The shell commands in a README's code blocks and inline code: [(line, [words])]."""
     found = []
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    fenced = re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+    blocks = [code for lang, code in fenced if lang in ("", "bash", "sh")]
     inline = re.findall(r"(?<!`)`([^`\n]*(?:python|torchrun) [^`\n]*)`(?!`)", text)
     for chunk in blocks + inline:
         for line in chunk.replace("\\\n", " ").splitlines():

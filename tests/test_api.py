@@ -1,0 +1,311 @@
+"""The Python API (specdec/api.py): README.md's "From Python" example runs as written from a folder
+outside the repository, set up as the README says; a string, a message list and a batch each come
+back as text and ids without the EOS; a greedy batch is its prompts one at a time; a chat's second
+turn forwards only what its cache lacks, and answers as the one-shot reply does; a bad argument is
+one APIError (a ValueError) naming it; the keywords' defaults are generate.py's flags'.
+
+Most tests run a tiny random Llama saved as a model folder (fp32); the README's example runs the
+real default model. Test: `python -m pytest -q tests/test_api.py`.
+"""
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import generate
+import specdec
+from conftest import save_tiny_model
+from specdec import api
+from specdec.loading import checkpoint
+from test_generate import random_heads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["Hi", "Tell me a story.", "What is the capital of France?"]
+
+
+def varied_model(folder, **config):
+    """save_tiny_model's tiny Llama with its matrices redrawn at a scale that makes its greedy
+    replies vary from token to token (at its own scale it repeats one token)."""
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
+    save_tiny_model(folder, num_attention_heads=4, num_key_value_heads=2, **sizes, **config)
+    path = os.path.join(folder, "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    state = load_file(path)
+    for name, weight in state.items():
+        if weight.dim() == 2:  # the matrices; the norms' weights stay ones
+            state[name] = torch.randn(weight.shape, generator=g) * 0.3
+    save_file(state, path)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return varied_model(tmp_path_factory.mktemp("varied"))
+
+
+@pytest.fixture(scope="module")
+def heads_folder(folder, tmp_path_factory):
+    """Random hydra heads for the varied model, as train.py saves them."""
+    base, _ = checkpoint.load(folder, "cpu", torch.float32)
+    out = str(tmp_path_factory.mktemp("heads"))
+    checkpoint.save_heads(random_heads(base, "hydra"), out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["lookup", "heads", "layers:1"])
+def sd(request, folder, heads_folder):
+    """The varied model, drafted by prompt lookup, by random hydra heads (a chain of 3) or by its
+    own first layer (whose drafts are sampled at a sampled reply's temperature)."""
+    if request.param == "heads":
+        return specdec.load(folder, heads=heads_folder, dtype="fp32", threads=1)
+    return specdec.load(folder, draft=request.param, dtype="fp32", threads=1)
+
+
+# --- the README's example -------------------------------------------------------------------------
+
+
+def readme_example():
+    """(the PYTHONPATH the README sets, the script's name, the script) of "From Python"."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## From Python") :]
+    section = section[: section.index("\n## ")]
+    path, script = re.search(r"^PYTHONPATH=(\S+) python (\S+)$", section, re.M).groups()
+    blocks = re.findall(r"^```\w*\n(.*?)^```", section, re.S | re.M)
+    code = next(b for b in blocks if "import specdec" in b)
+    return path, script, code
+
+
+def test_the_readme_example_runs_from_outside_the_repository(tmp_path):
+    """Written to a file in a folder outside the repository and run there with PYTHONPATH the
+    repository's folder, where the README's names a placeholder; without it, specdec is not
+    found (the folder is outside)."""
+    path, script, code = readme_example()
+    assert "specdec" in path and os.path.relpath(tmp_path, ROOT).startswith(".." + os.sep)
+    (tmp_path / script).write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run(**more):
+        argv = [sys.executable, script]
+        return subprocess.run(argv, cwd=tmp_path, env=env | more, capture_output=True, text=True)
+
+    alone = run()
+    assert alone.returncode != 0 and "No module named 'specdec'" in alone.stderr
+    r = run(PYTHONPATH=ROOT)  # path's placeholder, /path/to/specdec, is this checkout
+    assert r.returncode == 0, r.stderr
+    assert "<|im_end|>" not in r.stdout and "Paris" in r.stdout
+    forwarded = int(r.stdout.splitlines()[-1])
+    assert 0 < forwarded < 40  # the second turn's: its prompt is the whole conversation, 61 tokens
+
+
+# --- replies: text and ids without EOS ------------------------------------------------------------
+
+
+def test_a_string_a_message_list_and_a_batch_come_back_without_eos(folder, tmp_path):
+    """A model whose EOS is a token its greedy reply makes: the reply stops there, and neither its
+    ids nor its text holds it, whether the prompt is a string, the same as messages, or in a
+    batch."""
+    plain = specdec.load(folder, heads="none", dtype="fp32", threads=1)
+    first = plain.generate(PROMPTS[1], max_new_tokens=12)
+    k = max(i for i, t in enumerate(first.ids) if t not in first.ids[:i])
+    eos = first.ids[k]  # its first appearance, k tokens in
+    eos_model = varied_model(tmp_path / "eos", eos_token_id=eos)  # the same weights
+    sd = specdec.load(eos_model, heads="none", dtype="fp32", threads=1)
+    assert eos in sd.eos_ids
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    replies = [sd.generate(PROMPTS[1], max_new_tokens=16), sd.generate(messages, max_new_tokens=16)]
+    replies += sd.generate_batch([PROMPTS[1], messages, PROMPTS[0]], max_new_tokens=16)
+    for r in replies[:4]:
+        assert r.stopped == "eos" and r.ids == first.ids[:k] and r.stats["new_tokens"] == k + 1
+        assert r.text == sd.tokenizer.decode(first.ids[:k], skip_special_tokens=True)
+    for r in replies:
+        assert not set(r.ids) & sd.eos_ids and isinstance(r.text, str) and str(r) == r.text
+        assert r.stopped in ("eos", "length")
+
+
+def test_a_reply_carries_its_statistics(sd):
+    r = sd.generate(PROMPTS[2], max_new_tokens=10)
+    assert r.stopped == "length" and len(r.ids) == r.stats["new_tokens"] == 10
+    assert r.stats["tau"] == 10 / r.stats["steps"] and r.stats["tokens_per_s"] > 0
+    assert len(r.stats["accepted_by_depth"]) == sd.drafter.max_depth
+    assert repr(sd).startswith("[tiny-random-llama on cpu, float32, ")
+
+
+def test_a_greedy_batch_is_its_prompts_one_at_a_time(sd):
+    alone = [sd.generate(p, max_new_tokens=16) for p in PROMPTS]
+    for batch_size in (1, 2, 8):
+        batch = sd.generate_batch(PROMPTS, batch_size=batch_size, max_new_tokens=16)
+        assert [r.ids for r in batch] == [r.ids for r in alone]
+        assert [r.text for r in batch] == [r.text for r in alone]
+
+
+def test_a_seed_gives_the_same_sampled_reply(sd):
+    runs = [sd.generate(PROMPTS[0], max_new_tokens=12, temperature=1.0, seed=s) for s in (3, 3, 4)]
+    assert runs[0].ids == runs[1].ids != runs[2].ids
+
+
+@pytest.mark.parametrize("draft, temperature", [("heads", 0.0), ("layers:1", 1.0), ("lookup", 0.7)])
+def test_a_reply_is_generate_pys_for_the_same_flags(folder, draft, temperature, capsys):
+    """The same text as `python generate.py` with the keywords as flags, sampled too (a model's own
+    drafts sampled from the reply's generator, as generate.py's are)."""
+    sd = specdec.load(folder, draft=draft, dtype="fp32", threads=1)
+    r = sd.generate(PROMPTS[1], max_new_tokens=12, temperature=temperature, seed=3)
+    flags = [
+        "--model",
+        folder,
+        "--draft",
+        draft,
+        "--dtype",
+        "fp32",
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+    ]
+    flags += ["--prompt", PROMPTS[1], "--max-new-tokens", "12", "--temperature", str(temperature)]
+    capsys.readouterr()
+    assert generate.cli_main(flags) == 0
+    assert capsys.readouterr().out == r.text + "\n"
+
+
+# --- a chat ---------------------------------------------------------------------------------------
+
+
+def test_a_chat_keeps_its_cache_and_answers_as_a_one_shot_reply(sd):
+    chat = sd.chat(system="Be brief.", max_new_tokens=8)
+    first = chat.send(PROMPTS[0])
+    second = chat.send(PROMPTS[1])
+    assert first.stats["forwarded"] == first.stats["prompt_tokens"]
+    assert 0 < second.stats["forwarded"] < second.stats["prompt_tokens"]
+    roles = ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in chat.messages] == roles
+    again = sd.generate(chat.messages[:-1], max_new_tokens=8)  # the one-shot reply, new cache
+    assert second.ids == again.ids
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "Be brief."}]
+
+
+# --- bad arguments --------------------------------------------------------------------------------
+
+BAD_LOADS = [
+    ("heads", dict(heads="hydar")),
+    ("heads", dict(heads=3)),
+    ("tree", dict(draft="lookup", tree="chain:2")),
+    ("draft", dict(draft="lookahed")),
+    ("draft", dict(draft="heads+lookup", heads="none")),
+    ("gamma", dict(draft="lookup", gamma=0)),
+    ("gamma", dict(draft="lookup", gamma="3")),
+    ("ngram", dict(draft="layers:2", ngram=2)),
+    ("dtype", dict(dtype="fp8")),
+    ("device", dict(device="tpu")),
+    ("quantize", dict(quantize="int3")),
+    ("threads", dict(threads=-1)),
+    ("cuda_graphs", dict(cuda_graphs="yes")),
+]
+
+
+def assert_one_error(e, name):
+    """One APIError, a ValueError, naming `name` in the keywords' words and nothing chained."""
+    assert isinstance(e, specdec.APIError) and isinstance(e, ValueError)
+    assert name in str(e) and "--" not in str(e) and "\n" not in str(e)
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+
+
+@pytest.mark.parametrize("name, kw", BAD_LOADS, ids=[str(kw) for _, kw in BAD_LOADS])
+def test_a_bad_load_argument_is_one_error_before_the_model_loads(name, kw, no_model):
+    with pytest.raises(specdec.APIError) as e:
+        specdec.load(**kw)
+    assert_one_error(e.value, name)
+
+
+def test_a_model_that_cannot_load_is_one_error():
+    with pytest.raises(specdec.APIError) as e:
+        specdec.load("/no/such/folder")
+    assert_one_error(e.value, "model '/no/such/folder'")
+
+
+BAD_CALLS = [
+    ("temperature", dict(temperature=-1)),
+    ("temperature", dict(temperature="hot")),
+    ("top_p", dict(top_p=2)),
+    ("verify", dict(verify="greedy", temperature=0.5)),
+    ("verify", dict(verify="best")),
+    ("seed", dict(seed=-1)),
+    ("max_new_tokens", dict(max_new_tokens=0)),
+    ("max_new_tokens", dict(max_new_tokens=10**6)),
+    ("prompt", dict(prompt=42)),
+    ("prompt", dict(prompt="   ")),
+    ("prompt", dict(prompt=[{"role": "bot", "content": "hi"}])),
+    (
+        "prompt",
+        dict(prompt=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]),
+    ),
+    ("system", dict(system=3)),
+]
+
+
+@pytest.mark.parametrize("name, kw", BAD_CALLS, ids=[str(kw) for _, kw in BAD_CALLS])
+def test_a_bad_generate_argument_is_one_error(sd, name, kw):
+    kw = {"prompt": PROMPTS[0]} | kw
+    with pytest.raises(specdec.APIError) as e:
+        sd.generate(**kw)
+    assert_one_error(e.value, name)
+
+
+def test_bad_batch_and_chat_arguments_are_one_error(sd):
+    for name, call in [
+        ("prompts", lambda: sd.generate_batch("Hi")),
+        ("prompts", lambda: sd.generate_batch([])),
+        ("prompts[1]", lambda: sd.generate_batch(["Hi", 7])),
+        ("batch_size", lambda: sd.generate_batch(["Hi"], batch_size=0)),
+        ("top_p", lambda: sd.chat(top_p=0)),
+        ("message", lambda: sd.chat().send("")),
+    ]:
+        with pytest.raises(specdec.APIError) as e:
+            call()
+        assert_one_error(e.value, name)
+
+
+def test_messages_are_put_in_the_keywords_words():
+    values = {"draft": "heads", "heads": "hydra", "top_p": 1.5}
+    said = api.in_keywords(
+        "--heads hydra: no hydra heads are shipped; train them with train.py --heads hydra --out "
+        "FOLDER, then pass --heads FOLDER; --draft heads+lookup; --top-p 1.5: must be in (0, 1]",
+        values,
+    )
+    assert said == (
+        "heads='hydra': no hydra heads are shipped; train them with train.py --heads hydra --out "
+        "FOLDER, then pass heads FOLDER; draft heads+lookup; top_p=1.5: must be in (0, 1]"
+    )
+
+
+# --- the keywords are the flags -------------------------------------------------------------------
+
+
+def test_the_keywords_defaults_are_generate_pys_flags():
+    """Each keyword of load(), generate() and chat() that names a flag has the flag's default;
+    generate_batch's batch_size is the API's own (8 rows: --batch-size 1 means one at a time)."""
+    parser = generate.build_parser()
+    for function in (api.load, api.Decoder.generate, api.Decoder.chat, api.Decoder.generate_batch):
+        for name, p in inspect.signature(function).parameters.items():
+            if p.default is inspect.Parameter.empty or name == "batch_size":
+                continue
+            assert p.default == parser.get_default(name), f"{function.__name__}: {name}"
+    assert api.MAX_NEW_TOKENS == generate.MAX_NEW_TOKENS
+    assert set(api.SIZES) == set(generate.SIZES)
+
+
+def test_importing_the_package_leaves_the_api_unloaded():
+    """specdec.cli (the convention, which imports nothing of the project) comes without api.py;
+    specdec.load brings it."""
+    code = (
+        "import sys, specdec.cli; assert 'specdec.api' not in sys.modules; "
+        "import specdec; specdec.load; assert 'specdec.api' in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
