@@ -24,6 +24,8 @@ from specdec.loading import checkpoint
 import model as model_lib
 from specdec.training import dataset as D
 import train as T
+from specdec.loading import catalog
+from specdec.training import resume
 from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
 from test_cli import check_one_line_error
 
@@ -176,8 +178,8 @@ def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
         ["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")]
     )
     with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
-        T.train(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
-    assert not os.path.exists(tmp_path / "h" / T.STATE)
+        T.train_heads(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+    assert not os.path.exists(tmp_path / "h" / resume.STATE)
 
 
 def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_model_dir):
@@ -231,7 +233,7 @@ def test_resume_with_other_flags_is_refused_or_noticed(
     ]
     code, _, err = run_train(capsys, *common)
     assert code == 0, err
-    state = (out / T.STATE).read_bytes()
+    state = (out / resume.STATE).read_bytes()
 
     real_load = checkpoint.load
     with monkeypatch.context() as mp:  # refused before the model loads
@@ -241,7 +243,7 @@ def test_resume_with_other_flags_is_refused_or_noticed(
             "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
             "start afresh with another --out",
         )
-    assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
+    assert checkpoint.load is real_load and (out / resume.STATE).read_bytes() == state
 
     # harmless: the new value is used
     code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)
@@ -257,12 +259,12 @@ def test_resume_with_other_flags_is_refused_or_noticed(
         err.strip().splitlines()[-1],
         "written for other heads or data (data: 30 conversations",
     )
-    assert (out / T.STATE).read_bytes() == state
+    assert (out / resume.STATE).read_bytes() == state
 
     code, _, err = run_train(capsys, *common, "--resume", "--epochs", 2)  # a finished run trains on
     assert code == 0 and "notice: --epochs 2 (checkpoint: 1): the new value is used" in err, err
     assert (
-        T.read_checkpoint(str(out))["step"]
+        resume.read_checkpoint(str(out))["step"]
         > torch.load(io.BytesIO(state), weights_only=True)["step"]
     )
 
@@ -293,7 +295,7 @@ def test_resume_does_not_depend_on_how_the_model_path_is_typed(capsys, monkeypat
                 assert "computing the features" not in err, err
 
     out = tmp_path / "heads"
-    state = (out / T.STATE).read_bytes()
+    state = (out / resume.STATE).read_bytes()
     common = ["--data", chats, "--work", tmp_path / "work", "--out", out, *TINY_RUN, "--resume"]
     other = save_tiny_model(tmp_path / "other", seed=1, _name_or_path="")
     code, _, err = run_train(capsys, "--model", other, *common)
@@ -306,7 +308,7 @@ def test_resume_does_not_depend_on_how_the_model_path_is_typed(capsys, monkeypat
     code, _, err = run_train(capsys, "--model", tuned, *common)
     last = err.strip().splitlines()[-1]
     check_one_line_error(code, last, "written for other heads or data", "base model weights")
-    assert (out / T.STATE).read_bytes() == state
+    assert (out / resume.STATE).read_bytes() == state
 
 
 def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(
@@ -353,6 +355,31 @@ def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(
     assert (out / "heads.safetensors").read_bytes() != before["heads.safetensors"]
 
 
+def test_resume_and_overwrite_together_are_refused(no_model, capsys, tmp_path):
+    """--resume continues the run in --out, --overwrite replaces it: both at once used to resume
+    silently."""
+    check_one_line_error(
+        *run_train(capsys, "--out", tmp_path, "--resume", "--overwrite")[::2],
+        "--resume --overwrite",
+        "give one of them",
+    )
+
+
+@pytest.mark.parametrize("kind", ["hydra", "hydra++/sub", "."])
+def test_out_inside_the_shipped_heads_is_refused_without_retrain_shipped(no_model, capsys, kind):
+    """The shipped heads are replaced only on purpose: an --out inside their folders is refused
+    before the model loads, --overwrite or not, and nothing there is touched."""
+    folder = os.path.normpath(os.path.join(catalog.SHIPPED, kind))
+    before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
+    for also in ([], ["--overwrite"]):
+        check_one_line_error(
+            *run_train(capsys, "--heads", "hydra", "--out", folder, *also)[::2],
+            f"--out {folder}: inside the shipped heads'",
+            "--retrain-shipped",
+        )
+    assert {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)} == before
+
+
 def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
     """--out holding files of its own (notes, a README) takes a run beside them; heads without a
     checkpoint (train.py's heads.json, no state.pt) are refused without offering --resume."""
@@ -369,8 +396,8 @@ def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
     heads.mkdir()
     (heads / "heads.json").write_text("{}")
     (heads / "notes.txt").write_text("mine")
-    for resume in ([], ["--resume"]):
-        code, _, err = run_train(capsys, *common, "--out", heads, *resume)
+    for also in ([], ["--resume"]):
+        code, _, err = run_train(capsys, *common, "--out", heads, *also)
         line = check_one_line_error(
             code, err, f"--out {heads}", "heads.json, which training would overwrite", "--overwrite"
         )
