@@ -530,6 +530,51 @@ class Template:
         return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
 
 
+class ChatML(Template):
+    """A stand-in chat template: <role>text| per turn ("|" ends a turn), one token per character."""
+
+    def __init__(self):
+        pass
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_a_reply_cut_short_is_not_trained_as_finished(default_model, tmp_path):
+    """chat's /save marks replies cut by --max-new-tokens or Ctrl-C ("cut": [i]): their text is
+    trained on, the end-of-turn the template closes them with is not (the model never said it);
+    replies not cut keep theirs. A "cut" that is not a list of assistant turns is named."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "A story?"},
+        {"role": "assistant", "content": "Once upon a"},
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(
+        json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages, "cut": [3]})
+    )
+    (ids, whole), (same, cut) = D.read_sharegpt(str(path), ChatML())
+    trained = lambda mask: "".join(chr(i) for i, m in zip(ids, mask) if m)
+    assert ids == same and trained(whole) == "Hello|Once upon a|"
+    assert trained(cut) == "Hello|Once upon a"
+    # the real template: <|im_end|> closes each reply; not the cut one
+    _, tokenizer = default_model
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (ids, whole), (_, cut) = D.read_sharegpt(str(path), tokenizer)
+    closing = [t for t, (w, c) in enumerate(zip(whole, cut)) if w != c]
+    assert ids[closing[0]] == end and all(not cut[t] for t in closing)
+    assert tokenizer.decode([i for i, m in zip(ids, cut) if m]).endswith("Once upon a")
+    assert sum(ids[t] == end and m for t, m in enumerate(cut)) == 1  # "Hello"'s, not the cut one's
+    for bad in ([2], [9], "3", [True]):
+        path.write_text(json.dumps({"messages": messages, "cut": bad}))
+        with pytest.raises(
+            ValueError, match=r"line 1: \"cut\": .* should list indices of assistant"
+        ):
+            D.read_sharegpt(str(path), ChatML())
+
+
 def refuse(messages):
     raise Exception("Conversation roles must alternate\nuser/assistant")
 
