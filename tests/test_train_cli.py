@@ -24,6 +24,7 @@ from specdec.loading import checkpoint
 import model as model_lib
 from specdec.training import dataset as D
 import train as T
+from specdec import terminal
 from specdec.loading import catalog
 from specdec.training import resume
 from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
@@ -378,6 +379,36 @@ def test_out_inside_the_shipped_heads_is_refused_without_retrain_shipped(no_mode
             "--retrain-shipped",
         )
     assert {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)} == before
+
+
+def test_the_shipped_heads_are_recognised_as_shipped():
+    """catalog.SHIPPED_WEIGHTS holds the digests of the heads shipped now: the banner names none of
+    them as retrained."""
+    for kind in catalog.SHIPPED_WEIGHTS:
+        folder = os.path.join(catalog.SHIPPED, kind)
+        assert not catalog.retrained(folder) and terminal.heads_source("heads", folder) == ""
+
+
+def test_retrain_shipped_trains_in_place_and_the_banner_says_so(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """With --retrain-shipped a shipped folder takes a run (here a stand-in for the shipped
+    folder), and the heads there are named on the banner as retrained, not the shipped ones."""
+    shipped = tmp_path / "weights"
+    folder = shipped / "hydra"
+    folder.mkdir(parents=True)
+    (folder / "heads.json").write_text("{}")
+    monkeypatch.setattr(catalog, "SHIPPED", str(shipped))
+    chats = conversations(tmp_path / "chats.jsonl")
+    common = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", folder]
+    check_one_line_error(
+        *run_train(capsys, *common, "--overwrite")[::2], "inside the shipped heads'"
+    )
+    code, _, err = run_train(capsys, *common, "--overwrite", "--retrain-shipped")
+    assert code == 0, err
+    assert catalog.retrained(str(folder))
+    banner = terminal.heads_source("heads", str(folder))
+    assert banner == f", retrained in {folder}, not the shipped heads"
 
 
 def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
