@@ -371,14 +371,22 @@ def test_out_inside_the_shipped_heads_is_refused_without_retrain_shipped(no_mode
     """The shipped heads are replaced only on purpose: an --out inside their folders is refused
     before the model loads, --overwrite or not, and nothing there is touched."""
     folder = os.path.normpath(os.path.join(catalog.SHIPPED, kind))
-    before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)}
+
+    def files():
+        return {
+            os.path.join(where, f): os.path.getmtime(os.path.join(where, f))
+            for where, _, names in os.walk(catalog.SHIPPED)
+            for f in names
+        }
+
+    before = files()
     for also in ([], ["--overwrite"]):
         check_one_line_error(
             *run_train(capsys, "--heads", "hydra", "--out", folder, *also)[::2],
             f"--out {folder}: inside the shipped heads'",
             "--retrain-shipped",
         )
-    assert {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder)} == before
+    assert files() == before and not os.path.exists(os.path.join(catalog.SHIPPED, "hydra++/sub"))
 
 
 def test_the_shipped_heads_are_recognised_as_shipped():

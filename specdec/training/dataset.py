@@ -956,7 +956,7 @@ def file_digest(path):
 
 def weights_digest(model):
     """A short digest of a model's weights: 256 values spread over each tensor, rounded to bf16 so
-    that the fp32 model and its bf16 copy (train.data_model) agree. It names the model by what it
+    that the fp32 model and its bf16 copy (prepare.data_model) agree. It names the model by what it
     computes, not by how --model was typed or where its folder is."""
     h = hashlib.sha256()
     for name, w in model.named_parameters():
