@@ -26,14 +26,15 @@ from specdec.loading import checkpoint  # noqa: E402
 from specdec.training import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
 from specdec.training import losses  # noqa: E402
-import train  # noqa: E402
+from specdec.training import batches  # noqa: E402
+from specdec.training.evaluate import evaluate  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 
 def measure(model, data, first_fresh, runs, seed=0):
     """(a line saying what was measured, {label: evaluate's report}) for (label, heads folder)
     pairs, all on the same held-out conversations."""
-    held_out, _ = train.split(len(data["offsets"]) - 1, seed)
+    held_out, _ = batches.split(len(data["offsets"]) - 1, seed)
     convs = sorted(c for c in held_out if c >= first_fresh)
     if not convs:
         fail(
@@ -56,7 +57,7 @@ def measure(model, data, first_fresh, runs, seed=0):
             None if heads.kept_ids is None else heads.kept_ids.cpu(), model.cfg.vocab_size
         )
         with torch.inference_mode():
-            reports[label] = train.evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
+            reports[label] = evaluate(heads, data, convs, to_kept, args, torch.device("cpu"))
         print(label, f"chain tau {reports[label]['chain_tau']:.3f}", flush=True)
     return what, reports
 

@@ -34,7 +34,8 @@ from specdec import cli  # noqa: E402
 from specdec.training import dataset  # noqa: E402
 from specdec.fast import kernels  # noqa: E402
 from specdec.training import losses  # noqa: E402
-import train  # noqa: E402
+from specdec.training import batches, prepare  # noqa: E402
+from specdec.training.evaluate import evaluate as evaluate_heads  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 LAYERS = (2, 15, 27)  # their inputs = the outputs of layers l - 1
@@ -50,9 +51,9 @@ DATA = os.path.join(
 def features(base):
     """A data dict as losses.collate reads, whose "hidden" is [h, x_2, x_15, x_27] (N, 4D)."""
     convs = dataset.read_conversations(DATA)
-    held, trained = train.split(len(convs), 0)
+    held, trained = batches.split(len(convs), 0)
     order = trained[:CONVS] + held[:HELD_OUT]
-    writer = train.data_model(base, "auto")
+    writer = prepare.data_model(base, "auto")
     caught = {}
     hooks = [
         writer.layers[l - 1].register_forward_hook(
@@ -126,7 +127,7 @@ def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
     peak = [g["lr"] for g in opt.param_groups]
     trained, held = list(range(CONVS)), list(range(CONVS, CONVS + HELD_OUT))
     args = type("Args", (), {"batch_tokens": 4096, "seed": 0})
-    evaluate = lambda: train.evaluate(
+    evaluate = lambda: evaluate_heads(
         model.eval(), data, held, to_kept, args, base.device, bf16=True
     )
     curve = [(0, evaluate())]
@@ -134,7 +135,7 @@ def run(arm, base, data, epochs, lr_heads=1e-4, lr_fuse=1e-3, eval_every=90):
     batches = [
         b
         for e in range(epochs)
-        for b in train.make_batches(data["offsets"].diff(), trained, 4096, 0, e)
+        for b in batches.make_batches(data["offsets"].diff(), trained, 4096, 0, e)
     ]
     forward, t0 = losses.TrainForward(model, "fused"), time.time()
     for step, convs_b in enumerate(batches, start=1):

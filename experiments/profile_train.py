@@ -28,7 +28,7 @@ from specdec.training import dataset  # noqa: E402
 import heads as heads_lib  # noqa: E402
 from specdec.fast import kernels  # noqa: E402
 from specdec.training import losses  # noqa: E402
-import train  # noqa: E402
+from specdec.training.batches import kept_vocabulary, make_batches, split  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
@@ -54,14 +54,14 @@ def square_peak(dtype, n=2048, repeats=5):
 def main(folder, kind):
     model, _ = checkpoint.load(checkpoint.DEFAULT, torch.device("cpu"), torch.float32)
     data = dataset.load_data(folder)
-    kept, to_kept, _ = train.kept_vocabulary(data, model.cfg.vocab_size, 8192)
+    kept, to_kept, _ = kept_vocabulary(data, model.cfg.vocab_size, 8192)
     torch.manual_seed(0)
     heads = heads_lib.build(heads_lib.HeadsConfig(kind=kind, num_heads=3), model, kept).train()
     opt = torch.optim.AdamW(
         [p for p in heads.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0
     )
-    _, train_convs = train.split(len(data["offsets"]) - 1, 0)
-    batches = train.make_batches(data["offsets"].diff(), train_convs, 4096, 0, 0)
+    _, train_convs = split(len(data["offsets"]) - 1, 0)
+    batches = make_batches(data["offsets"].diff(), train_convs, 4096, 0, 0)
     bf16 = kernels.pick_dtype("auto", "cpu", native=False) == torch.bfloat16
     forward = losses.TrainForward(heads)
     step = lambda batch: losses.train_step(forward, opt, batch, 1e-4, "teacher", bf16=bf16)

@@ -2,11 +2,12 @@
 evaluation prompts because those prompts differ from the self-distilled ones, or because bench.py
 decodes only the first 64 tokens of each answer, where the heads may do worse than further on?
 
-train.evaluate measures the chain tau over every position of every held-out answer (the 5% split
-train.py holds out). Here the same measurement is repeated with the assistant mask cut to a window
-of answer positions: a head counts at position t only if every token it and the heads before it
-predict lies in the window, so each window's tau is that of decoding steps inside it (the last K
-positions of a window, whose chain would reach past it, are left out). Writes a Markdown table.
+specdec/training/evaluate.py measures the chain tau over every position of every held-out answer
+(the 5% split train.py holds out). Here the same measurement is repeated with the assistant mask
+cut to a window of answer positions: a head counts at position t only if every token it and the
+heads before it predict lies in the window, so each window's tau is that of decoding steps inside
+it (the last K positions of a window, whose chain would reach past it, are left out).
+Writes a Markdown table.
 
     python experiments/tau_by_position.py /work/data/smollm2/self_distill results/tau-by-position.md
     \
@@ -26,7 +27,8 @@ import data_size  # noqa: E402
 from specdec.training import dataset  # noqa: E402
 from specdec.fast import kernels  # noqa: E402
 from specdec.training import losses  # noqa: E402
-import train  # noqa: E402
+from specdec.training import batches  # noqa: E402
+from specdec.training.evaluate import evaluate  # noqa: E402
 import tree as tree_lib  # noqa: E402
 from specdec import tuning  # noqa: E402
 from ablations import fail  # noqa: E402  one line on stderr, exit code 2
@@ -44,7 +46,7 @@ def answer_positions(loss):
 
 
 def measure(model, data, runs, seed=0, bf16=True):
-    held_out, _ = train.split(len(data["offsets"]) - 1, seed)
+    held_out, _ = batches.split(len(data["offsets"]) - 1, seed)
     loss = data["loss"]
     pos = answer_positions(loss)
     args = types.SimpleNamespace(batch_tokens=4096, seed=seed)
@@ -63,9 +65,7 @@ def measure(model, data, runs, seed=0, bf16=True):
         for a, b in WINDOWS:
             window = dict(data, loss=loss & (pos >= a) & (pos < b))
             with torch.inference_mode():
-                r = train.evaluate(
-                    heads, window, held_out, to_kept, args, torch.device("cpu"), bf16
-                )
+                r = evaluate(heads, window, held_out, to_kept, args, torch.device("cpu"), bf16)
             r["trees"] = [
                 tuning.expected_tau(r["rank_acceptance"], paths)
                 for paths in (shipped, tuning.sparse(r["rank_acceptance"], 64))
@@ -82,9 +82,9 @@ def table(n, rows):
         "|---|" + "---:|" * len(WINDOWS),
     ]
     lines = [
-        f"Held-out chain tau (train.evaluate, bf16 products) of the {n:,} conversations train.py "
-        "held out, "
-        "by the answer positions of the decoding step (top-1 per head in brackets).",
+        f"Held-out chain tau (train.py's evaluation, bf16 products) of the {n:,} conversations "
+        "train.py held out, by the answer positions of the decoding step (top-1 per head in "
+        "brackets).",
         "",
         *header,
     ]

@@ -49,10 +49,13 @@ def announce(dec, draft, *, device, quantize, threads, show):
 
 
 def heads_source(kind, name):
-    """For the banner: the folder heads come from, where it is the user's (not the shipped)."""
+    """For the banner: the folder heads come from, where it is the user's (not the shipped), or
+    where the shipped ones were retrained in place."""
     folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
-    if folder is None or catalog.shipped(folder):
+    if folder is None or catalog.shipped(folder) and not catalog.retrained(folder):
         return ""
+    if catalog.shipped(folder):
+        return f", retrained in {folder}, not the shipped heads"
     return f", heads from {folder}"
 
 

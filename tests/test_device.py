@@ -27,7 +27,8 @@ from specdec.engines import decode
 from specdec.engines import rows
 import heads as heads_lib
 from specdec.training import losses
-import train as T
+from specdec.training import batches
+from specdec.training.evaluate import evaluate
 import tree as tree_lib
 from conftest import tiny_config
 from specdec.training import dataset as D
@@ -119,7 +120,7 @@ def placed(module):
 
 
 def test_the_simulation_catches_what_cuda_refuses():
-    """The pattern of the crash in train.evaluate: host counters that device scalars are added
+    """The pattern of the crash in evaluate.evaluate: host counters that device scalars are added
     to."""
     with SimulatedDevice():
         x = torch.ones(3, device="cpu")  # on the device
@@ -156,20 +157,20 @@ def test_generate_keeps_to_the_device(small, kind):
 
 
 def test_training_step_and_evaluation_keep_to_the_device(features, tmp_path):
-    """train.evaluate added device counts into host counters: a crash at the first evaluation on
+    """evaluate.evaluate added device counts into host counters: a crash at the first evaluation on
     CUDA."""
     base, folder = features
     data, args = D.load_data(folder), args_for(tmp_path)
-    kept, to_kept, _ = T.kept_vocabulary(data, base.cfg.vocab_size, args.kept_tokens)
+    kept, to_kept, _ = batches.kept_vocabulary(data, base.cfg.vocab_size, args.kept_tokens)
     heads = placed(
         heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=2), placed(base), kept).train()
     )
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-3)
-    held_out, train_convs = T.split(len(data["offsets"]) - 1, 0)
+    held_out, train_convs = batches.split(len(data["offsets"]) - 1, 0)
     with SimulatedDevice():
         batch = losses.collate(data, train_convs[:4], to_kept, 2, base.device)
         losses.train_step(losses.TrainForward(heads), opt, batch, 1e-3, "teacher")
-        report = T.evaluate(heads.eval(), data, held_out, to_kept, args, base.device)
+        report = evaluate(heads.eval(), data, held_out, to_kept, args, base.device)
     assert report["chain_tau"] >= 1
 
 

@@ -4,7 +4,7 @@ random models, seeded).
 One test a pair: PackedLinear and nn.Linear, FastAttention and model.Attention (a decode step, a
 tree, a batch with a key mask, a prefill; Llama-, Qwen2- and Qwen3-like), FastMLP and model.MLP
 (SwiGLU, GeGLU), FastLMHead and heads.LMHead, the whole model fast and readable (fp32 to rounding,
-bf16 as close to fp32 as the readable path is), fused_batch_loss and losses.batch_loss (value and
+bf16 as close to fp32 as the readable path is), fused_batch_loss and train.batch_loss (value and
 both gradients). Also: use() swaps layers in place and back (same parameters, same state_dict); the
 loaders apply it; a kernel this build lacks falls back with one notice; off the CPU none of the fast
 paths is reached. kernels.c (bf16): its product (bf16 and int8 weights), attention and decoder layer
@@ -30,6 +30,7 @@ from specdec.fast import kernels
 from specdec.training import losses
 import model as model_lib
 from specdec.engines import rows
+import train
 import tree as tree_lib
 from conftest import tiny_config
 from specdec.fast.kernels import Kernels, block_native
@@ -583,7 +584,7 @@ def test_fast_kernels_match_readable_path_in_bf16(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["teacher", "next-token"])
 def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dtype):
-    """kernels.fused_batch_loss against losses.batch_loss over the logits of the same LM head
+    """kernels.fused_batch_loss against train.batch_loss over the logits of the same LM head
     (shared, or one per head), products in `dtype`: the value and the gradients of z and of the LM
     head."""
     # 600 rows (several blocks and a partial one), D = 24, over 300 tokens; some top-k ids not kept
@@ -617,7 +618,7 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
 
     for w in (weight, per_head):
         za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
-        want = losses.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
+        want = train.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
         (want * 3).backward()  # any upstream gradient
         zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
         got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)
@@ -661,7 +662,8 @@ def test_train_forward_gives_the_same_loss_and_gradients_readable_or_fused(tiny,
     loss, grads = {}, {}
     for impl in ("readable", "fused"):
         heads.zero_grad()
-        loss[impl] = losses.TrainForward(heads, impl)(batch, kind)
+        readable = train.batch_loss if impl == "readable" else None
+        loss[impl] = losses.TrainForward(heads, readable)(batch, kind)
         loss[impl].backward()
         grads[impl] = [p.grad for p in heads.parameters()]
     torch.testing.assert_close(loss["fused"], loss["readable"], atol=1e-6, rtol=1e-5)

@@ -30,6 +30,7 @@ from specdec.fast import kernels
 from specdec.training import losses
 from specdec.engines import rows
 import train as T
+from specdec.training import batches, distributed, prepare, resume
 from conftest import tiny_config, torchrun_env
 
 KINDS = ["medusa", "hydra", "hydra++"]
@@ -111,28 +112,29 @@ def args_for(out, *flags):
 
 def run(features, out, *flags):
     base, folder = features
-    return T.train(base, D.load_data(folder), str(out), args_for(out, *flags))
+    return T.train_heads(base, D.load_data(folder), str(out), args_for(out, *flags))
 
 
 def record_steps(monkeypatch, before=None):
-    """Wrap losses.train_step: record each batch's ids once the step is done; before(n, batch) runs
-    first at the n-th call (1-based) and may raise to stop training."""
-    real, done, calls = losses.train_step, [], [0]
+    """Wrap batches.Plan.batch, which the loop calls once a step: record each batch's ids;
+    before(n, batch) runs first at the n-th call (1-based), before the step, and may raise to stop
+    training (then the batch is not recorded)."""
+    real, done, calls = batches.Plan.batch, [], [0]
 
-    def step(forward, opt, batch, *a, **kw):
+    def batch_of(plan, step):
         calls[0] += 1
+        batch = real(plan, step)
         if before:
             before(calls[0], batch)
-        loss = real(forward, opt, batch, *a, **kw)
         done.append(batch["ids"].clone())
-        return loss
+        return batch
 
-    monkeypatch.setattr(T, "train_step", step)
+    monkeypatch.setattr(batches.Plan, "batch", batch_of)
     return done
 
 
 def checkpoint(out):
-    return torch.load(os.path.join(out, T.STATE), weights_only=True)
+    return torch.load(os.path.join(out, resume.STATE), weights_only=True)
 
 
 def assert_same_weights(a, b):
@@ -169,9 +171,9 @@ J = torch.tensor([0, 1, 2])  # head - 1
 
 
 def check_batch_loss(loss, want):
-    """The batch loss over Q's rows is `want`, as losses.batch_loss computes it and as the fused one
+    """The batch loss over Q's rows is `want`, as train.batch_loss computes it and as the fused one
     does with z = log q through an identity LM head, shared or one per head."""
-    got = losses.batch_loss(loss, Q.log(), J, TOP_IDS, TOP_P, TARGET).item()
+    got = T.batch_loss(loss, Q.log(), J, TOP_IDS, TOP_P, TARGET).item()
     assert math.isclose(got, want, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
         got = kernels.fused_batch_loss(loss, Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
@@ -186,7 +188,7 @@ def test_teacher_loss_by_hand():
     # row 2: r = 0, no residual term: -(0.75 ln 0.2 + 0.25 ln 0.3) = 1.2070784 + 0.3009932 =
     # 1.5080716
     want = torch.tensor([1.1378037, 0.7650677, 1.5080716])
-    assert torch.allclose(losses.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
+    assert torch.allclose(T.teacher_loss(Q.log(), TOP_IDS, TOP_P), want, atol=1e-6)
     # the batch loss is their mean: 3.4109430 / 3
     check_batch_loss("teacher", 1.1369810)
 
@@ -194,7 +196,7 @@ def test_teacher_loss_by_hand():
 def test_next_token_loss_by_hand():
     # -ln q(target): -ln 0.25 = 1.3862944; target -1 (not kept) counts 0; -ln 0.4 = 0.9162907
     want = torch.tensor([1.3862944, 0.0, 0.9162907])
-    assert torch.allclose(losses.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
+    assert torch.allclose(T.next_token_loss(Q.log(), TARGET), want, atol=1e-6)
     # weights 0.8^head: (0.8 * 1.3862944 + 0.64 * 0 + 0.512 * 0.9162907) / 3 = (1.1090355 +
     # 0.4691408) / 3
     check_batch_loss("next-token", 0.5260588)
@@ -207,12 +209,12 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
     # any split of the residual is optimal
     for q in ([0.6, 0.05, 0.3, 0.05], [0.6, 0.1, 0.3, 0.0001]):
         logits = torch.tensor([q]).log().requires_grad_()
-        losses.teacher_loss(logits, ids, p).sum().backward()
+        T.teacher_loss(logits, ids, p).sum().backward()
         assert logits.grad.abs().max() < 1e-4, logits.grad
     # renormalising over the top-k (q = 2/3, 1/3 on the two) is worse, and a gradient step leaves it
     renormalised = torch.tensor([[2 / 3, 1e-6, 1 / 3, 1e-6]]).log()
     best = torch.tensor([[0.6, 0.05, 0.3, 0.05]]).log()
-    assert losses.teacher_loss(renormalised, ids, p) > losses.teacher_loss(best, ids, p) + 0.1
+    assert T.teacher_loss(renormalised, ids, p) > T.teacher_loss(best, ids, p) + 0.1
     # a batch with no predictions (e.g. answers too short for any head) costs 0, not NaN
     none = (
         torch.zeros(0, dtype=torch.long),
@@ -220,7 +222,7 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
         torch.zeros(0, 2),
         torch.zeros(0, dtype=torch.long),
     )
-    assert losses.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
+    assert T.batch_loss("teacher", torch.zeros(0, 4), *none) == 0
     assert kernels.fused_batch_loss("teacher", torch.zeros(0, 4), torch.eye(4), *none) == 0
 
 
@@ -230,17 +232,64 @@ def test_teacher_loss_is_smallest_at_the_teachers_probabilities_with_the_residua
 def test_a_few_steps_lower_the_loss(features, kind, loss, impl):
     base, folder = features
     data = D.load_data(folder)
-    kept, to_kept, _ = T.kept_vocabulary(data, V, 32)
+    kept, to_kept, _ = batches.kept_vocabulary(data, V, 32)
     torch.manual_seed(0)
     heads = heads_lib.build(heads_lib.HeadsConfig(kind, num_heads=3), base, kept).train()
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     batch = losses.collate(data, list(range(6)), to_kept, 3, "cpu")
     assert batch["valid"].any(), "the batch must hold something to predict"
+    readable = {"fused": None, "readable": T.batch_loss}
     seen = [
-        losses.train_step(losses.TrainForward(heads, impl), opt, batch, 1e-2, loss)
+        losses.train_step(losses.TrainForward(heads, readable[impl]), opt, batch, 1e-2, loss)
         for _ in range(12)
     ]
     assert seen[-1] < 0.8 * seen[0], seen
+
+
+class Steps:
+    """A plan and a session for train.train by hand: the same batch every step, no noise; the
+    losses seen."""
+
+    def __init__(self, batch, total):
+        self.total, self.the_batch, self.seen = total, batch, []
+
+    def batch(self, step):
+        return self.the_batch
+
+    def noise(self, step):
+        return None
+
+    def after_step(self, step, loss, batch):
+        self.seen.append(loss)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_loops_step_is_losses_train_step(features, bf16):
+    """online.py's optimizer step (losses.train_step) and train.py's loop take the very same steps:
+    equal losses and bit-identical weights, fused and readable."""
+    base, folder = features
+    data = D.load_data(folder)
+    kept, to_kept, _ = batches.kept_vocabulary(data, V, 32)
+    batch = losses.collate(data, list(range(6)), to_kept, 3, "cpu")
+    total, recipe = 4, T.Recipe(loss="teacher", lr=1e-2, noise=0.0, bf16=bf16)
+    for readable in (None, T.batch_loss):
+        weights, seen = [], []
+        for how in ("loop", "train_step"):
+            torch.manual_seed(0)
+            heads = heads_lib.build(heads_lib.HeadsConfig("hydra++", num_heads=3), base, kept)
+            opt = torch.optim.AdamW(heads.train().parameters(), lr=1e-2)
+            forward = losses.TrainForward(heads, readable)
+            if how == "loop":
+                steps = Steps(batch, total)
+                assert T.train(forward, opt, steps, recipe, 0, steps) == total
+                seen.append(steps.seen)
+            else:
+                lrs = [T.learning_rate(s, total, 1e-2) for s in range(total)]
+                step = lambda lr: losses.train_step(forward, opt, batch, lr, "teacher", bf16=bf16)
+                seen.append([step(lr) for lr in lrs])
+            weights.append(heads.state_dict())
+        assert seen[0] == seen[1]
+        assert_same_weights(*weights)
 
 
 # --- checkpoints and resuming -------------------------------------------------------------------
@@ -315,7 +364,7 @@ def test_resume_continues_exactly(features, reference, tmp_path, monkeypatch, st
 
 def test_resume_refuses_a_checkpoint_of_other_heads(features, tmp_path):
     heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), features[0])
-    T.save_checkpoint(
+    resume.save_checkpoint(
         str(tmp_path),
         heads,
         torch.optim.AdamW(heads.parameters()),
@@ -330,10 +379,10 @@ def test_resume_refuses_a_checkpoint_of_another_number_of_processes(features, tm
     # the processes set a step's batches and the schedule's length: resuming with others would not
     # continue the run
     run(features, tmp_path, "--epochs", "1")
-    state = T.read_checkpoint(str(tmp_path))
+    state = resume.read_checkpoint(str(tmp_path))
     assert state["flags"]["processes"] == 1 and isinstance(state["flags"]["bf16_products"], bool)
     state["flags"]["processes"] = 4
-    torch.save(state, tmp_path / T.STATE)
+    torch.save(state, tmp_path / resume.STATE)
     with pytest.raises(ValueError, match=r"--processes 1 \(checkpoint: 4\)"):
         run(features, tmp_path, "--epochs", "1", "--resume")
 
@@ -481,6 +530,51 @@ class Template:
         return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
 
 
+class ChatML(Template):
+    """A stand-in chat template: <role>text| per turn ("|" ends a turn), one token per character."""
+
+    def __init__(self):
+        pass
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_a_reply_cut_short_is_not_trained_as_finished(default_model, tmp_path):
+    """chat's /save marks replies cut by --max-new-tokens or Ctrl-C ("cut": [i]): their text is
+    trained on, the end-of-turn the template closes them with is not (the model never said it);
+    replies not cut keep theirs. A "cut" that is not a list of assistant turns is named."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "A story?"},
+        {"role": "assistant", "content": "Once upon a"},
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(
+        json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages, "cut": [3]})
+    )
+    (ids, whole), (same, cut) = D.read_sharegpt(str(path), ChatML())
+    trained = lambda mask: "".join(chr(i) for i, m in zip(ids, mask) if m)
+    assert ids == same and trained(whole) == "Hello|Once upon a|"
+    assert trained(cut) == "Hello|Once upon a"
+    # the real template: <|im_end|> closes each reply; not the cut one
+    _, tokenizer = default_model
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (ids, whole), (_, cut) = D.read_sharegpt(str(path), tokenizer)
+    closing = [t for t, (w, c) in enumerate(zip(whole, cut)) if w != c]
+    assert ids[closing[0]] == end and all(not cut[t] for t in closing)
+    assert tokenizer.decode([i for i, m in zip(ids, cut) if m]).endswith("Once upon a")
+    assert sum(ids[t] == end and m for t, m in enumerate(cut)) == 1  # "Hello"'s, not the cut one's
+    for bad in ([2], [9], "3", [True]):
+        path.write_text(json.dumps({"messages": messages, "cut": bad}))
+        with pytest.raises(
+            ValueError, match=r"line 1: \"cut\": .* should list indices of assistant"
+        ):
+            D.read_sharegpt(str(path), ChatML())
+
+
 def refuse(messages):
     raise Exception("Conversation roles must alternate\nuser/assistant")
 
@@ -521,10 +615,10 @@ def test_a_chat_template_that_cannot_split_turns_is_reported_with_the_line(tmp_p
 
 def ddp_worker(rank, port, folder, out, results):
     torchrun_env(rank, port)
-    assert T.init_distributed("cpu")[:2] == (rank, 2)
+    assert distributed.init_distributed("cpu")[:2] == (rank, 2)
     mp = pytest.MonkeyPatch()
     done = record_steps(mp)
-    heads = T.train(tiny_base(), D.load_data(folder), out, args_for(out))
+    heads = T.train_heads(tiny_base(), D.load_data(folder), out, args_for(out))
     torch.save({"heads": heads.state_dict(), "done": done}, os.path.join(results, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -1029,7 +1123,7 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     # prepacked
     base = kernels.use(rows.Model(tiny_config()).eval().requires_grad_(False))
     fast = kernels.in_use(base)
-    writer = T.data_model(base, "bf16")
+    writer = prepare.data_model(base, "bf16")
     assert (
         writer.dtype == torch.bfloat16
         and base.dtype == torch.float32
@@ -1039,7 +1133,7 @@ def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     want, got = base(ids, torch.arange(5))[0], writer(ids, torch.arange(5))[0].float()
     assert torch.allclose(got, want, atol=0.05, rtol=0.05)
-    assert T.data_model(base, "fp32") is base
+    assert prepare.data_model(base, "fp32") is base
 
 
 def test_the_features_pass_reports_progress_without_a_terminal(capsys, tmp_path):

@@ -24,6 +24,9 @@ from specdec.loading import checkpoint
 from specdec.engines import rows
 from specdec.training import dataset as D
 import train as T
+from specdec import terminal
+from specdec.loading import catalog
+from specdec.training import resume
 from conftest import ctrl_c_after, save_tiny_model, tiny_config, torchrun_env
 from test_cli import check_one_line_error
 
@@ -176,8 +179,8 @@ def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
         ["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")]
     )
     with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
-        T.train(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
-    assert not os.path.exists(tmp_path / "h" / T.STATE)
+        T.train_heads(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+    assert not os.path.exists(tmp_path / "h" / resume.STATE)
 
 
 def test_features_cache_is_keyed_validated_and_rebuilt(capsys, tmp_path, tiny_model_dir):
@@ -231,7 +234,7 @@ def test_resume_with_other_flags_is_refused_or_noticed(
     ]
     code, _, err = run_train(capsys, *common)
     assert code == 0, err
-    state = (out / T.STATE).read_bytes()
+    state = (out / resume.STATE).read_bytes()
 
     real_load = checkpoint.load
     with monkeypatch.context() as mp:  # refused before the model loads
@@ -241,7 +244,7 @@ def test_resume_with_other_flags_is_refused_or_noticed(
             "written with other flags: --lr 0.01 (checkpoint: 0.001), --seed 3 (checkpoint: 0)",
             "start afresh with another --out",
         )
-    assert checkpoint.load is real_load and (out / T.STATE).read_bytes() == state
+    assert checkpoint.load is real_load and (out / resume.STATE).read_bytes() == state
 
     # harmless: the new value is used
     code, _, err = run_train(capsys, *common, "--resume", "--eval-every", 5)
@@ -257,12 +260,12 @@ def test_resume_with_other_flags_is_refused_or_noticed(
         err.strip().splitlines()[-1],
         "written for other heads or data (data: 30 conversations",
     )
-    assert (out / T.STATE).read_bytes() == state
+    assert (out / resume.STATE).read_bytes() == state
 
     code, _, err = run_train(capsys, *common, "--resume", "--epochs", 2)  # a finished run trains on
     assert code == 0 and "notice: --epochs 2 (checkpoint: 1): the new value is used" in err, err
     assert (
-        T.read_checkpoint(str(out))["step"]
+        resume.read_checkpoint(str(out))["step"]
         > torch.load(io.BytesIO(state), weights_only=True)["step"]
     )
 
@@ -293,7 +296,7 @@ def test_resume_does_not_depend_on_how_the_model_path_is_typed(capsys, monkeypat
                 assert "computing the features" not in err, err
 
     out = tmp_path / "heads"
-    state = (out / T.STATE).read_bytes()
+    state = (out / resume.STATE).read_bytes()
     common = ["--data", chats, "--work", tmp_path / "work", "--out", out, *TINY_RUN, "--resume"]
     other = save_tiny_model(tmp_path / "other", seed=1, _name_or_path="")
     code, _, err = run_train(capsys, "--model", other, *common)
@@ -306,7 +309,7 @@ def test_resume_does_not_depend_on_how_the_model_path_is_typed(capsys, monkeypat
     code, _, err = run_train(capsys, "--model", tuned, *common)
     last = err.strip().splitlines()[-1]
     check_one_line_error(code, last, "written for other heads or data", "base model weights")
-    assert (out / T.STATE).read_bytes() == state
+    assert (out / resume.STATE).read_bytes() == state
 
 
 def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(
@@ -353,6 +356,69 @@ def test_an_earlier_run_in_out_is_refused_unless_resume_or_overwrite(
     assert (out / "heads.safetensors").read_bytes() != before["heads.safetensors"]
 
 
+def test_resume_and_overwrite_together_are_refused(no_model, capsys, tmp_path):
+    """--resume continues the run in --out, --overwrite replaces it: both at once used to resume
+    silently."""
+    check_one_line_error(
+        *run_train(capsys, "--out", tmp_path, "--resume", "--overwrite")[::2],
+        "--resume --overwrite",
+        "give one of them",
+    )
+
+
+@pytest.mark.parametrize("kind", ["hydra", "hydra++/sub", "."])
+def test_out_inside_the_shipped_heads_is_refused_without_retrain_shipped(no_model, capsys, kind):
+    """The shipped heads are replaced only on purpose: an --out inside their folders is refused
+    before the model loads, --overwrite or not, and nothing there is touched."""
+    folder = os.path.normpath(os.path.join(catalog.SHIPPED, kind))
+
+    def files():
+        return {
+            os.path.join(where, f): os.path.getmtime(os.path.join(where, f))
+            for where, _, names in os.walk(catalog.SHIPPED)
+            for f in names
+        }
+
+    before = files()
+    for also in ([], ["--overwrite"]):
+        check_one_line_error(
+            *run_train(capsys, "--heads", "hydra", "--out", folder, *also)[::2],
+            f"--out {folder}: inside the shipped heads'",
+            "--retrain-shipped",
+        )
+    assert files() == before and not os.path.exists(os.path.join(catalog.SHIPPED, "hydra++/sub"))
+
+
+def test_the_shipped_heads_are_recognised_as_shipped():
+    """catalog.SHIPPED_WEIGHTS holds the digests of the heads shipped now: the banner names none of
+    them as retrained."""
+    for kind in catalog.SHIPPED_WEIGHTS:
+        folder = os.path.join(catalog.SHIPPED, kind)
+        assert not catalog.retrained(folder) and terminal.heads_source("heads", folder) == ""
+
+
+def test_retrain_shipped_trains_in_place_and_the_banner_says_so(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """With --retrain-shipped a shipped folder takes a run (here a stand-in for the shipped
+    folder), and the heads there are named on the banner as retrained, not the shipped ones."""
+    shipped = tmp_path / "weights"
+    folder = shipped / "hydra"
+    folder.mkdir(parents=True)
+    (folder / "heads.json").write_text("{}")
+    monkeypatch.setattr(catalog, "SHIPPED", str(shipped))
+    chats = conversations(tmp_path / "chats.jsonl")
+    common = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", folder]
+    check_one_line_error(
+        *run_train(capsys, *common, "--overwrite")[::2], "inside the shipped heads'"
+    )
+    code, _, err = run_train(capsys, *common, "--overwrite", "--retrain-shipped")
+    assert code == 0, err
+    assert catalog.retrained(str(folder))
+    banner = terminal.heads_source("heads", str(folder))
+    assert banner == f", retrained in {folder}, not the shipped heads"
+
+
 def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
     """--out holding files of its own (notes, a README) takes a run beside them; heads without a
     checkpoint (train.py's heads.json, no state.pt) are refused without offering --resume."""
@@ -369,8 +435,8 @@ def test_out_is_refused_only_for_a_runs_files(capsys, tmp_path, tiny_model_dir):
     heads.mkdir()
     (heads / "heads.json").write_text("{}")
     (heads / "notes.txt").write_text("mine")
-    for resume in ([], ["--resume"]):
-        code, _, err = run_train(capsys, *common, "--out", heads, *resume)
+    for also in ([], ["--resume"]):
+        code, _, err = run_train(capsys, *common, "--out", heads, *also)
         line = check_one_line_error(
             code, err, f"--out {heads}", "heads.json, which training would overwrite", "--overwrite"
         )

@@ -124,7 +124,7 @@ class Learner:
             self.master.prefix.requires_grad_(False)
         trainable = [p for p in self.master.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-        self.forward = losses.TrainForward(self.master, "readable")
+        self.forward = losses.TrainForward(self.master)
         self.to_kept = losses.to_kept_map(heads.kept_ids, heads.cfg.vocab_size).cpu()
         self.device = model.device
         self.lr = lr

@@ -33,7 +33,7 @@ train.py, tested equal to it (tests/test_kernels.py), and chosen in one place: u
     model.Transformer.run_layers: layer by layer    FastTransformer: kernels.c, all of them in one
                                                     call (stack_native)
     heads.LMHead (the frozen shared matrix)         FastLMHead: that matrix, prepacked
-    losses.batch_loss(kind, logits_of(heads, z, j))  fused_batch_loss: LM head and loss in blocks of
+    train.batch_loss(kind, logits_of(heads, z, j))   fused_batch_loss: LM head and loss in blocks of
                                                     rows
 
 use() swaps a layer's class to its twin in place (the same parameters, the same state_dict) and
@@ -1109,7 +1109,7 @@ def bucket(n, size):
 
 
 class FusedHeadLoss(torch.autograd.Function):
-    """sum_m scale_m * losses.teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one
+    """sum_m scale_m * train.teacher_loss(z_m W^T)_m: the heads' LM head and teacher_loss in one
     pass, the same numbers as autograd through the readable pair, with the gradient written out.
 
     Through autograd the (M, V') logits and their gradient are whole tensors, each written and read
@@ -1193,7 +1193,7 @@ class FusedHeadLoss(torch.autograd.Function):
 
 
 def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
-    """batch_loss(kind, logits_of(heads, z, j), j, top_ids, top_p, target)'s twin (losses.py), from
+    """batch_loss(kind, logits_of(heads, z, j), j, top_ids, top_p, target)'s twin (train.py), from
     the head states z (M, D) and the LM head's weight (V', D), or (K, V', D) one per head; j (M,)
     is head - 1; dtype is the products'. The next-token loss is the teacher loss with the data
     token as a teacher sure of it (p = 1), so both go through FusedHeadLoss, each row weighted as

@@ -20,6 +20,7 @@ export.py; it imports the teaching files, never the scripts.
 Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -55,6 +56,32 @@ JOINT_KINDS = (
 def shipped(folder):
     """Whether `folder` is SHIPPED or inside it: the heads that come with the repository."""
     return (os.path.abspath(folder) + os.sep).startswith(os.path.abspath(SHIPPED) + os.sep)
+
+
+# The first 16 hex digits of the sha256 of each shipped kind's heads.safetensors, as shipped
+# (tests/test_train_cli.py checks them): a shipped folder whose weights differ holds heads trained
+# since, in place (train.py --retrain-shipped), and the banner says so.
+SHIPPED_WEIGHTS = {
+    "medusa": "53eaa70dc556f320",
+    "hydra": "f7eb1ee44f959fdb",
+    "hydra++": "f7bbe927d28ff4bb",
+}
+
+
+def retrained(folder):
+    """Whether `folder` is a shipped kind's folder whose heads are no longer the ones shipped
+    (their weights' digest differs from SHIPPED_WEIGHTS, or they are gone)."""
+    want = SHIPPED_WEIGHTS.get(os.path.basename(os.path.normpath(folder)))
+    if want is None or not shipped(folder):
+        return False
+    digest = hashlib.sha256()
+    try:
+        with open(os.path.join(folder, checkpoint.HEADS_WEIGHTS), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return True
+    return digest.hexdigest()[:16] != want
 
 
 def find_heads(name, flag="--heads"):

@@ -72,7 +72,7 @@ class Recorder:
     def row(self, generator=None):  # start() makes the state
         return copy.copy(self)
 
-    def start(self, prompt, hidden, max_len, kept=0):
+    def start(self, prompt, hidden, max_len, cached=0):
         self.record = {"hidden": [hidden[0].half()], "top_ids": [], "top_p": []}  # (T, D)
         self.records.append(self.record)
         self.teach(self.model.lm_head(hidden[0, -1:]))  # (1, V): the first answer token's teacher
@@ -80,9 +80,9 @@ class Recorder:
     def draft(self, rows, roots):
         return self.plain.draft(rows, roots)
 
-    def accept(self, step):  # plain decoding: a step keeps its root, then emits the bonus
-        self.record["hidden"].append(step.hidden[0].half())  # (1, D)
-        self.teach(step.logits)  # (1, V)
+    def accept(self, accepted):  # plain decoding: a step keeps its root, then emits the bonus
+        self.record["hidden"].append(accepted.hidden[0].half())  # (1, D)
+        self.teach(accepted.logits)  # (1, V)
 
     def teach(self, logits):
         top = logits.float().topk(self.top_k, dim=-1)  # (1, k): normalised over the vocabulary
@@ -526,9 +526,24 @@ def messages_of(record, where):
     return messages
 
 
-def conversation_tokens(messages, tokenizer, where):
+def cut_replies(record, messages, where):
+    """The indices of the replies a record marks as cut short ("cut": [...], written by chat's
+    /save for replies stopped by --max-new-tokens or Ctrl-C), checked: each an assistant turn."""
+    cut = record.get("cut", [])
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not isinstance(cut, list) or not all(type(i) is int and i in replies for i in cut):
+        raise ValueError(
+            f'{where}: "cut": {json.dumps(cut)} should list indices of assistant turns '
+            f"({', '.join(map(str, replies)) or 'there are none'}); fix it or leave it out"
+        )
+    return set(cut)
+
+
+def conversation_tokens(messages, tokenizer, where, cut=()):
     """(ids, loss mask) of a conversation in the chat template; the mask marks the assistant's
-    tokens."""
+    tokens. cut: the indices of replies cut short (chat's /save marks them): the template closes
+    every reply with its end-of-turn tokens, but the model never said them there, so they are
+    left out of a cut reply's mask (all of the reply, where its text cannot be told from them)."""
     ids, loss = [], []
 
     def extend(upto, speaker_is_assistant, generation_prompt=False):
@@ -557,14 +572,27 @@ def conversation_tokens(messages, tokenizer, where):
         if m["role"] == "assistant" and i > 0:
             # the assistant's header is the prompt's, as in decoding
             extend(i, False, generation_prompt=True)
+        start = len(ids)
         extend(i + 1, m["role"] == "assistant")
+        if i in cut:
+            said = start  # where the reply's own text ends: none of it, unless it is found
+            if i > 0:
+                text = tokenizer.apply_chat_template(
+                    messages[:i], tokenize=False, add_generation_prompt=True
+                )
+                own = tokenizer(text + m["content"], add_special_tokens=False).input_ids
+                if ids[: len(own)] == own and len(own) >= start:
+                    said = len(own)
+            loss[said : len(ids)] = [False] * (len(ids) - said)
     return ids, loss
 
 
 def read_sharegpt(path, tokenizer, skip_bad=False):
     """[(ids, loss mask)] from a ShareGPT-style or OpenAI-style data file (JSONL or a JSON array).
-    The loss mask marks the assistant's tokens. Errors name the line; skip_bad leaves bad records
-    out and says how many, else the first one stops the run. Nothing is dropped silently."""
+    The loss mask marks the assistant's tokens, but not the end-of-turn of a reply the record
+    marks as cut short ("cut", as chat's /save writes it). Errors name the line; skip_bad leaves
+    bad records out and says how many, else the first one stops the run. Nothing is dropped
+    silently."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{path}: the model's tokenizer has no chat template, so conversations cannot be laid "
@@ -574,7 +602,9 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
     convs, bad = [], []
     for where, record in records(path):
         try:
-            convs.append(conversation_tokens(messages_of(record, where), tokenizer, where))
+            messages = messages_of(record, where)
+            cut = cut_replies(record, messages, where)
+            convs.append(conversation_tokens(messages, tokenizer, where, cut))
         except ValueError as e:
             if not skip_bad:
                 raise
@@ -926,7 +956,7 @@ def file_digest(path):
 
 def weights_digest(model):
     """A short digest of a model's weights: 256 values spread over each tensor, rounded to bf16 so
-    that the fp32 model and its bf16 copy (train.data_model) agree. It names the model by what it
+    that the fp32 model and its bf16 copy (prepare.data_model) agree. It names the model by what it
     computes, not by how --model was typed or where its folder is."""
     h = hashlib.sha256()
     for name, w in model.named_parameters():

@@ -43,7 +43,10 @@ from specdec.training import dataset
 from specdec.fast import kernels
 from specdec.training import losses
 import model as model_lib
-import train
+from specdec.training import prepare
+from specdec.training.batches import make_batches, split
+from specdec.training.evaluate import evaluate as evaluate_heads
+from specdec.training.session import StopFlag
 
 PROJECTIONS = (
     "self_attn.q_proj",
@@ -104,7 +107,7 @@ class Adapted(nn.Module):
         positions = torch.arange(T, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
         # causal; right padding is never seen
-        mask = model_lib.attention_mask(T, 0, None, None, x.device)
+        mask = model_lib.attention_mask(T, 0, None, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, None)
         return self.norm(x)  # (B, T, D)
@@ -260,7 +263,7 @@ def quality(base, sub):
 def evaluate(adapted, heads, base, data, held_out, to_kept, args):
     """Held-out chain tau and per-head top-1 of the heads on the adapted model, and its quality."""
     sub = final_hidden(adapted.eval(), data, held_out)
-    report = train.evaluate(
+    report = evaluate_heads(
         heads.eval(), sub, list(range(len(held_out))), to_kept, args, base.device
     )
     adapted.train(), heads.train()
@@ -302,10 +305,10 @@ def run(args):
         )
     convs = dataset.read_conversations(args.data)
     # train.py's split: --init's heads never saw held_out
-    held_out, train_convs = train.split(len(convs), args.seed)
+    held_out, train_convs = split(len(convs), args.seed)
     held_out, train_convs = held_out[: args.eval_conversations], train_convs[: args.conversations]
     first = base.cfg.n_layers - args.layers
-    writer = train.data_model(base, args.dtype)
+    writer = prepare.data_model(base, args.dtype)
     # the model by its weights, not by how --model was typed (dataset.weights_digest)
     key = {
         "weights": dataset.weights_digest(base),
@@ -361,9 +364,7 @@ def run(args):
     batches = [
         b
         for e in range(args.epochs)
-        for b in train.make_batches(
-            data["offsets"].diff(), trained, args.batch_tokens, args.seed, e
-        )
+        for b in make_batches(data["offsets"].diff(), trained, args.batch_tokens, args.seed, e)
     ]
     curve, t0 = (
         [
@@ -376,7 +377,7 @@ def run(args):
     )
     bf16 = kernels.pick_dtype(args.train_dtype, device.type, native=False) == torch.bfloat16
     base_lrs = [g["lr"] for g in opt.param_groups]
-    with train.StopFlag() as stop:
+    with StopFlag() as stop:
         for step, convs_b in enumerate(batches, start=1):
             batch = losses.collate(data, convs_b, to_kept, heads.cfg.num_heads, device)
             warm = min(1.0, step / 50) * 0.5 * (1 + math.cos(math.pi * step / len(batches)))

@@ -1,6 +1,7 @@
-"""The heads' training objective, shared by train.py (offline), joint.py (Medusa-2) and
-online.py (while serving): the losses, a batch of conversations collated for them, the heads run
-on it, and one optimizer step.
+"""What the heads' training objective reads, shared by train.py (offline), joint.py (Medusa-2) and
+online.py (while serving): a batch of conversations collated for it, the heads run on it (which
+positions, which targets), the batch's loss as one module (fused, or train.py's readable form), and
+the optimizer step of train.py's loop for the online learner.
 
 Tests: tests/test_train.py, tests/test_online.py. Shapes: B batch, T time, D hidden, K heads,
 M predictions, V' the heads' vocabulary, k teacher top-k.
@@ -13,62 +14,13 @@ from specdec.fast import kernels
 from specdec.fast.kernels import bucket
 
 
-# --- losses --------------------------------------------------------------------------------------
+# --- a batch, and the heads on it ----------------------------------------------------------------
 # Head j (1-based) at position t predicts token t+1+j. Its target is either the base model's own
 # distribution at position t+j (teacher loss, the default) or the data token itself (next-token
 # loss, Medusa-1, head weights 0.8^j). Only assistant tokens are predicted: at inference the heads
-# only ever draft the assistant's reply, so prompt tokens would teach them nothing they use.
-
-
-def teacher_loss(logits, top_ids, top_p):
-    """Cross-entropy against the teacher's top-k probabilities and its residual mass.
-    logits (M, V') of the heads; top_ids (M, k) the teacher's top-k in head-vocabulary ids (-1 where
-    the token is not kept); top_p (M, k) their probabilities. -> (M,)
-
-    Only the top k of the teacher's probabilities are stored; the rest, r = 1 - sum(top_p), is
-    spread over the other tokens in a way nobody recorded. So "any other token" is one more outcome:
-
-        L = - sum_i p_i log q_i  -  r log(1 - sum_i q_i)          (i over the teacher's top-k)
-
-    This is the exact cross-entropy once the other tokens are lumped together, and it is smallest
-    where the head gives each top-k token the teacher's probability and mass r to the rest. It is
-    preferred to renormalising p over the top-k (target p_i / sum(p)), which claims the teacher is
-    sure the next token is among its k when it is not: where the teacher hesitates (large r) the
-    head would be pushed hardest to crush every other token, learning overconfidence exactly where
-    drafts are rarely accepted, and its probabilities would stop meaning "chance the base model says
-    this" (which a confidence-based tree, or speculative sampling with the heads as the draft,
-    needs). Top-k tokens outside the heads' vocabulary (-1) are dropped from both sums: a head
-    cannot say them, so its best is then the teacher's distribution renormalised over the outcomes
-    it can say. 1 - sum q is clamped at 1e-6 (fp32 cancellation); it only matters if r < 1e-6, i.e.
-    r = 0 in fp16.
-    """
-    logq = logits.float().log_softmax(-1)  # (M, V')
-    kept = top_ids >= 0  # (M, k)
-    picked = logq.gather(1, top_ids.clamp(min=0)) * kept  # (M, k) log q_i, 0 if not kept
-    p = top_p.float() * kept  # (M, k)
-    rest_p = (1 - top_p.float().sum(-1)).clamp(min=0)  # (M,) teacher mass beyond its top-k
-    rest_q = 1 - (picked.exp() * kept).sum(-1)  # (M,) head mass beyond them
-    return -(p * picked).sum(-1) - rest_p * torch.log(rest_q.clamp(min=1e-6))
-
-
-def next_token_loss(logits, target):
-    """Cross-entropy against the data token (head-vocabulary id, -1 if not kept). -> (M,)"""
-    logq = logits.float().log_softmax(-1)
-    return -logq.gather(1, target.clamp(min=0)[:, None])[:, 0] * (target >= 0)
-
-
-def batch_loss(kind, logits, j, top_ids, top_p, target):
-    """The mean loss of a batch's M predictions, from the heads' logits (M, V') (logits_of); j (M,)
-    is head - 1. Teacher loss: every head alike; next-token loss: head j+1 weighted 0.8^(j+1)
-    (Medusa-1). A batch with no predictions gives 0. --loss-impl fused trains with its fast twin,
-    kernels.fused_batch_loss: the same values and gradients (tests/test_kernels.py)."""
-    M = max(len(logits), 1)
-    if kind == "teacher":
-        return teacher_loss(logits, top_ids, top_p).sum() / M
-    return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
-
-
-# --- a batch, and the heads on it ------------------------------------------------------------
+# only ever draft the assistant's reply, so prompt tokens would teach them nothing they use. The
+# losses themselves, in their readable form, are train.py's (teacher_loss, next_token_loss,
+# batch_loss); kernels.fused_batch_loss is their fast twin.
 
 
 def collate(data, convs, to_kept, K, device):
@@ -151,18 +103,21 @@ def logits_of(heads, z, j):
 class TrainForward(nn.Module):
     """A batch's loss as one module's forward. DistributedDataParallel averages the gradients only
     of what runs inside the forward of the module it wraps, and training uses more of the heads than
-    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train). loss_impl:
-    "readable" (the heads' LM head, then batch_loss) or "fused" (its fast twin)."""
+    their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
+    readable: None for kernels.fused_batch_loss (the LM head and the loss in blocks of rows), or
+    the readable batch loss it is the twin of, train.batch_loss, called on the heads' logits (the
+    same values and gradients: tests/test_kernels.py)."""
 
-    def __init__(self, heads, loss_impl="fused"):
+    def __init__(self, heads, readable=None):
         super().__init__()
-        self.heads, self.loss_impl = heads, loss_impl
+        self.heads, self.readable = heads, readable
 
     def forward(self, batch, loss_kind, noise=0.0, generator=None, dtype=torch.float32):
         """dtype: the fused loss's products (the readable one's follow autocast)."""
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
-        if self.loss_impl == "readable":
-            return batch_loss(loss_kind, logits_of(self.heads, z, j), j, top_ids, top_p, target)
+        if self.readable is not None:
+            logits = logits_of(self.heads, z, j)  # (M, V')
+            return self.readable(loss_kind, logits, j, top_ids, top_p, target)
         return kernels.fused_batch_loss(
             loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype
         )
@@ -181,7 +136,9 @@ def to_kept_map(kept, vocab_size):
 
 
 def train_step(forward, opt, batch, lr, loss_kind, noise=0.0, generator=None, bf16=False):
-    """One optimizer step on one collated batch; returns the loss. forward is TrainForward(heads),
+    """One optimizer step on one collated batch, as train.py's loop takes it (tests/test_train.py
+    holds the two equal); returns the loss. For the learners that cannot import an entry script
+    (online.py). forward is TrainForward(heads),
     possibly wrapped in DistributedDataParallel; bf16: its matrix products in bf16 (autocast), the
     loss in fp32. Raises FloatingPointError, with the weights untouched, if the loss or the gradient
     norm is not finite (under DDP the gradients, hence the norm, are averaged over ranks: a NaN on

@@ -32,7 +32,8 @@ from specdec.loading import checkpoint
 from specdec import cli
 from specdec.training import dataset
 from specdec.fast import kernels
-import train
+from specdec.training.batches import split
+from specdec.training.session import StopFlag
 
 
 def cuts_of(ids, loss, K, stride, offset):
@@ -111,7 +112,7 @@ def run(args):
     # the readable path: it has a backward
     kernels.use(model.requires_grad_(False), kernels.Kernels())
     convs = dataset.read_conversations(args.data)
-    held_out, trained = train.split(len(convs), args.seed)  # train.py's split
+    held_out, trained = split(len(convs), args.seed)  # train.py's split
     held_out, trained = (
         [convs[i] for i in held_out[: args.eval_conversations]],
         [convs[i] for i in trained[: args.conversations]],
@@ -140,7 +141,7 @@ def run(args):
         file=sys.stderr,
         flush=True,
     )
-    with train.StopFlag() as stop:
+    with StopFlag() as stop:
         for step in range(1, total + 1):
             batch = [trained[i] for i in order[(step - 1) * args.batch : step * args.batch]]
             parts = [

@@ -1,0 +1,106 @@
+"""The layout the design card asks for, held against the code: the lesson's seven files at the top,
+the machinery in one package that imports the lesson and never the other way round.
+
+    - the top level's .py files are exactly the seven: model, heads, tree, verify, train, generate
+      and bench;
+    - model.py and tree.py import no project file, verify.py at most tree.py, heads.py only
+      model.py; generate.py and train.py import the package only in their command-line section;
+    - no file of the package imports an entry script (generate, train, bench);
+    - one speculative step is one function of at most 60 lines (generate.step), the training loop
+      one of at most 80 (train.train), the lesson at most 1,400 lines in all.
+
+Test: `python -m pytest -q tests/test_layout.py`.
+"""
+
+import ast
+import inspect
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LESSON = {"model", "heads", "tree", "verify", "train", "generate", "bench"}
+MAY_IMPORT = {  # a lesson file: the other lesson files it may import above its command line
+    "model": set(),
+    "tree": set(),
+    "verify": {"tree"},
+    "heads": {"model"},
+    "generate": {"model", "heads", "tree", "verify"},
+    "train": {"model", "heads", "tree", "verify"},
+}
+COMMAND_LINE = "# --- command line"
+
+
+def project_imports(path):
+    """[(line, top-level name)] of every import of `path` naming the lesson or the package,
+    function-level ones included."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module.split(".")[0]]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n in LESSON | {"specdec"}]
+    return found
+
+
+def command_line_starts(path):
+    """The line of the file's `# --- command line ---` ruler, or past its end."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    return next((i + 1 for i, line in enumerate(lines) if line.startswith(COMMAND_LINE)), 10**9)
+
+
+def test_the_top_level_holds_the_seven_lesson_files():
+    top = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    assert top == LESSON
+
+
+def test_the_lesson_files_import_only_what_comes_before_them():
+    wrong = []
+    for name, allowed in MAY_IMPORT.items():
+        path = os.path.join(ROOT, f"{name}.py")
+        ruler = command_line_starts(path)
+        for line, imported in project_imports(path):
+            if line < ruler and imported not in allowed:
+                wrong.append(f"{name}.py:{line} imports {imported}")
+            if line > ruler and name in ("model", "tree", "verify", "heads"):
+                wrong.append(f"{name}.py:{line} imports {imported} (a library file)")
+    assert not wrong
+
+
+def test_the_package_never_imports_an_entry_script():
+    wrong = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "specdec")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                wrong += [
+                    f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+                    for line, name in project_imports(path)
+                    if name in ("generate", "train", "bench")
+                ]
+    assert not wrong
+
+
+def test_one_speculative_step_is_one_function_of_at_most_60_lines():
+    import generate
+
+    assert len(inspect.getsource(generate.step).splitlines()) <= 60
+
+
+def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
+    """model.py, heads.py, tree.py, verify.py, generate.py and train.py above their command lines:
+    the lesson a newcomer reads, a budget met by saying less (ruff formats every line)."""
+    import train
+
+    lesson = {
+        name: min(command_line_starts(os.path.join(ROOT, f"{name}.py")) - 1, lines(name))
+        for name in MAY_IMPORT
+    }
+    assert sum(lesson.values()) <= 1400, lesson
+    assert len(inspect.getsource(train.train).splitlines()) <= 80
+
+
+def lines(name):
+    return len(open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read().splitlines())
