@@ -50,6 +50,7 @@ draft and a verify step measured here; the choice is saved next to the heads, na
 device and dtype where it depends on them, and generate.py prefers it.
 """
 
+import specdec.ctrl_c  # first: a Ctrl-C while torch imports is one line, exit 130
 import json
 import math
 import os
@@ -864,6 +865,7 @@ def measure(methods, prompts, args, device):
                     outputs[name][i] = out
                     bar.update()
     except KeyboardInterrupt:
+        specdec.ctrl_c.handled()  # bench goes on: it reports what was measured
         bar.close()
         done = [i for i in range(len(prompts)) if all(seconds[m][i] for m in names)]
         raise Interrupted(

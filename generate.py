@@ -16,6 +16,7 @@ prompt after another, a batch, a chat) and main(). What is printed, and the chat
 terminal.py's.
 """
 
+import specdec.ctrl_c  # first: a Ctrl-C while torch imports is one line, exit 130
 import contextlib
 import math
 import sys
@@ -504,7 +505,9 @@ def check_batch_memory(model, drafter, encoded, batch_size):
 
 
 def open_output(path):
-    """--out, opened for writing (a nullcontext of None: no file)."""
+    """--out, opened for writing (a nullcontext of None: no file), only once the model is loaded:
+    a Ctrl-C before (even one whose exception a finalizer swallowed) leaves the old file whole."""
+    specdec.ctrl_c.check()
     if not path:
         return contextlib.nullcontext()
     try:

@@ -1,11 +1,13 @@
 """The convention every script follows: what a user typed, checked where it enters and reported
-in one line. It imports nothing of the project, so every file may use it.
+in one line. It imports nothing of the project but ctrl_c.py (which imports nothing), so every
+file may use it.
 
 The teaching files (tree, verify, decode, heads, drafters, model) raise plain errors
 (ValueError and its subclasses) and never print. The scripts parse their flags with Parser,
 check them with the functions here, and run through run(), which turns every mistake of the
 user's into one line on stderr, "error: <what> ...; <fix>", and exit code 2 (no traceback),
-Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
+Ctrl-C at any moment into one line and exit code 130 (ctrl_c.py), and a closed pipe into a quiet
+exit.
 
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
@@ -31,6 +33,8 @@ import tempfile
 import time
 
 import torch
+
+from specdec import ctrl_c
 
 MAX_SEED = 2**32 - 1  # train.py combines it with the step into one 64-bit seed
 
@@ -69,24 +73,34 @@ def error_line(e) -> str:
 
 def run(main, parser, argv=None, interrupted="[interrupted by Ctrl-C]") -> int:
     """A script's exit code: main(args)'s return value (None = 0). Bad input or data: one line on
-    stderr, exit 2; a diverged training (FloatingPointError): one line, exit 1; Ctrl-C: what is
-    already on stdout stays, then `interrupted` on stderr, exit 130. No traceback for any of
-    them."""
-    try:
-        return main(parser.parse_args(argv)) or 0
-    except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except (UsageError, ValueError, OSError) as e:  # the project's own errors are ValueErrors
-        print(error_line(e), file=sys.stderr)
-        return 2
-    except FloatingPointError as e:  # training diverged: not a mistake in the input
-        print(error_line(e), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    stderr, exit 2; a diverged training (FloatingPointError): one line, exit 1; Ctrl-C, at any
+    moment (ctrl_c.py: one whose exception third-party code swallowed too): what is already on
+    stdout stays, then `interrupted` (or interrupted(args), args None before they are parsed) on
+    stderr, exit 130. No traceback for any of them."""
+    args = None
+    with ctrl_c.counted():
+        try:
+            args = parser.parse_args(argv)
+            code = main(args) or 0
+            if code == 0:
+                ctrl_c.check()  # a press whose exception was lost: the work is not what was asked
+            return code
+        except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except (UsageError, ValueError, OSError) as e:  # the project's own errors are ValueErrors
+            if not ctrl_c.pressed:
+                print(error_line(e), file=sys.stderr)
+                return 2
+            why = interrupted(args) if callable(interrupted) else interrupted
+        except FloatingPointError as e:  # training diverged: not a mistake in the input
+            print(error_line(e), file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            why = interrupted(args) if callable(interrupted) else interrupted
         sys.stdout.flush()
-        print("\n" + interrupted, file=sys.stderr)
-        return 130
+        print("\n" + why, file=sys.stderr)
+        return ctrl_c.EXIT
 
 
 def notice(message):

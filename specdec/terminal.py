@@ -13,6 +13,7 @@ import time
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
+from specdec import ctrl_c
 from specdec.engines import decode
 from specdec.fast import graphs
 from specdec.fast import kernels
@@ -128,6 +129,7 @@ class Replies:
 
     def done(self, i, r):
         """Prompt i's reply, r, is final."""
+        ctrl_c.check()  # a Ctrl-C whose exception was lost: stop before writing more
         text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         if self.whole:
             print(f"[{self.ids[i]}] {text}")
@@ -240,6 +242,7 @@ class Chat:
             try:
                 line = read_message(interactive)
             except KeyboardInterrupt:  # at the prompt: a fresh one
+                ctrl_c.handled()
                 print(file=sys.stderr)
                 continue
             if line is None:
@@ -354,6 +357,7 @@ class Chat:
         try:
             r = self.conversation.reply(ids, limit, on_tokens=on_tokens, **self.decoding)
         except KeyboardInterrupt:  # what was streamed stays, as the user saw it
+            ctrl_c.handled()
             print()
             text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
             if text:

