@@ -1329,6 +1329,7 @@ def main(args):
         cli.use_threads(args.threads)
     dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
+    cli.check_exact(args.exact, args.quantize, device)
     rows = read_eval(args.prompts, args.limit) if mode in READ_BY["prompts"] else []
     if mode is None and max(args.batch_size) > len(rows):
         cli.notice(

@@ -197,7 +197,8 @@ def add_decoding_flags(p):
         "--seed",
         type=int,
         default=0,
-        help="sampling's seed: same seed, flags and machine -> same output",
+        help="sampling's seed: the same seed, flags and machine give the same output, at the same "
+        "--batch-size (a batch seeds each prompt's generator apart)",
     )
 
 
@@ -355,10 +356,15 @@ def check_online(args, kind):
         if args.online_save:
             raise cli.UsageError("--online-save writes the heads --online adapts; add --online")
         return
-    if kind not in ("heads", "heads+lookup") or args.heads == "none":
+    if kind not in ("heads", "heads+lookup"):
         raise cli.UsageError(
-            f"--online trains draft heads; --draft {args.draft} with --heads {args.heads} has "
-            "none: use --draft heads or heads+lookup with heads"
+            f"--online trains draft heads, and --draft {args.draft} drafts without them; use "
+            "--draft heads or heads+lookup"
+        )
+    if args.heads == "none":
+        raise cli.UsageError(
+            "--online trains draft heads, and --heads none loads none; give --heads (hydra++, "
+            "medusa, hydra or a heads folder)"
         )
     if not (math.isfinite(args.online_lr) and args.online_lr > 0):
         raise cli.UsageError(f"--online-lr {args.online_lr}: must be a number > 0, such as 1e-4")
@@ -386,6 +392,7 @@ def check_args(args, parser):
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
+    cli.check_exact(args.exact, args.quantize, device)
     if args.tree != "auto":
         catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
     catalog.find_heads(args.heads)
@@ -435,7 +442,7 @@ def read_prompts(args):
     talks = [pid for pid, prompt, _ in prompts if isinstance(prompt, list)]
     if args.raw and talks:
         raise cli.UsageError(
-            f"--raw: --prompts {args.prompts} holds conversations (id {talks[0]}: a "
+            f"--raw: --prompts {args.prompts} holds conversations (id {cli.quoted(talks[0])}: a "
             '{"messages": [...]} line), which only the chat template lays out; drop --raw'
         )
     return prompts
@@ -464,7 +471,7 @@ def encode_prompts(prompts, tokenizer, *, system, raw, max_new_tokens, context, 
     encoded = []
     for pid, text, _ in prompts:
         ids = checkpoint.encode(tokenizer, text, system, raw)
-        which = "the prompt" if one else f"prompt {pid}"
+        which = "the prompt" if one else f"prompt {cli.quoted(pid)}"
         room = context - len(ids)
         if room < 1:
             raise cli.UsageError(
@@ -664,15 +671,17 @@ def tidy_main(args):
         cli.remove_empty(made)
 
 
+def interrupted(args):
+    """The line after Ctrl-C (args: None before the flags are parsed)."""
+    shown = args is not None and (args.chat or not args.quiet)  # --quiet: no text was shown
+    kept = "; the text above is what was generated so far" if shown else ""
+    return f"[interrupted by Ctrl-C{kept}]"
+
+
 def cli_main(argv=None) -> int:
     """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit
     130."""
-    return cli.run(
-        tidy_main,
-        build_parser(),
-        argv,
-        "[interrupted by Ctrl-C; the text above is what was generated so far]",
-    )
+    return cli.run(tidy_main, build_parser(), argv, interrupted)
 
 
 if __name__ == "__main__":

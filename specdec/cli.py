@@ -14,10 +14,12 @@ exit.
     plural(n, word)                                  "1 message", "2 messages"
     pick_device, DTYPES, check_seed                  the machine and randomness (kernels.pick_dtype
                                                      turns --dtype into one of DTYPES)
+    check_quantize, check_exact                      --quantize and --exact on this device
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, new_file, writable_folder,        paths, checked before the work
         empty_folder
-    check_text, check_counts, read_prompts           text, numbers and prompt files
+    check_text, check_counts, read_prompts           text, numbers and prompt files; quoted(id):
+                                                     a prompt's id in a message
     check_messages                                   a {"messages": [...]} conversation
     cache_root()                                     the folder for what is made once per machine
 
@@ -145,6 +147,22 @@ def check_quantize(quantize, device):
     if quantize == "fp16" and torch.device(device).type != "cpu":
         raise UsageError(
             f"--quantize fp16: a CPU kernel; on {device} use --dtype fp16 instead (or --device cpu)"
+        )
+
+
+def check_exact(exact, quantize, device):
+    """--exact: exact.py's Triton kernels compute the model's own weights on a CUDA GPU. A CPU runs
+    them only in Triton's interpreter, which is for the tests (minutes a token): refused, saying
+    what keeps replies exact there."""
+    if not exact:
+        return
+    if quantize != "none":
+        raise UsageError(f"--exact computes bf16 weights, not --quantize {quantize}; drop one")
+    if torch.device(device).type != "cuda":
+        raise UsageError(
+            f"--exact: exact.py's kernels run on a CUDA GPU, not on {device} (Triton's interpreter "
+            "runs them on a CPU for the tests only, minutes a token); drop --exact: on a CPU, "
+            "bf16 through kernels.c and fp32 keep speculative replies equal to plain decoding's"
         )
 
 
@@ -372,6 +390,12 @@ def prompt_labels(obj, n, where):
     if isinstance(pid, str):
         check_text(pid, f'{where}, "id"')
     return pid, check_text(category, f'{where}, "category"')
+
+
+def quoted(pid):
+    """A prompt's id as messages name it: a string in quotes ('long' would read as a word), a
+    number (a line's) as it is."""
+    return repr(pid) if isinstance(pid, str) else str(pid)
 
 
 def read_prompts(path):

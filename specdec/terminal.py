@@ -112,6 +112,38 @@ def online_line(learner, seconds):
     return line + "]"
 
 
+# why a forward ran outside the static step, in a user's words (GraphedForward.fallbacks' reasons)
+OUTSIDE = {
+    "last_only": ("prompt prefill", "prompt prefills"),
+    "layers": ("draft by the model's own layers", "drafts by the model's own layers"),
+    "extra": ("draft by learned [LA] tokens", "drafts by learned [LA] tokens"),
+    "cache outside the buffers": (
+        "forward on a cache of its own",
+        "forwards on caches of their own",
+    ),
+}
+
+
+def graphs_line(g):
+    """What --cuda-graphs did (g: a graphs.GraphedForward), said for a user: the steps replayed
+    from CUDA graphs (or run at static shapes where there are none), and the forwards that ran
+    outside them, by what they were."""
+    steps = cli.plural(g.replays, "step")
+    shapes = cli.plural(len(g.shapes), "shape")
+    if g.enabled:
+        captured = sum(s.graph is not None for s in g.shapes.values())
+        line = f"cuda graphs: {steps} replayed ({captured} of {shapes} captured)"
+    else:
+        line = f"static steps, cuda graphs off: {steps} ({shapes})"
+    outside = []
+    for why, n in g.fallbacks.most_common():
+        one, many = OUTSIDE.get(why, (why, why))
+        outside.append(f"{n} {one if n == 1 else many}")
+    if outside:
+        line += "; outside them: " + ", ".join(outside)
+    return f"[{line}]"
+
+
 class Replies:
     """What each finished reply leaves, streamed or batched alike: its text printed whole (with
     --batch-size), its statistics line, its --out line and --online's turn to learn; then the
@@ -161,7 +193,7 @@ class Replies:
         if self.learner:
             print(online_line(self.learner, seconds), file=sys.stderr)
         if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
-            print(f"[{self.model.summary()}]", file=sys.stderr)
+            print(graphs_line(self.model), file=sys.stderr)
 
 
 # --- --chat: a conversation at the terminal -------------------------------------------------------

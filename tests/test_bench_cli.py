@@ -696,15 +696,15 @@ def test_an_online_method_reports_its_updates_in_words(capsys, tmp_path, tiny_mo
     "triton, interpreted, argv, words",
     [
         (True, True, ["--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
-        (False, True, [], "--exact: exact kernels need triton (pip install triton)"),
-        (True, False, [], "--exact: exact kernels run on a CUDA device, or on the CPU under"),
+        (False, True, [], "--exact: exact.py's kernels run on a CUDA GPU, not on cpu"),
+        (True, False, [], "--exact: exact.py's kernels run on a CUDA GPU, not on cpu"),
     ],
 )
 def test_exact_is_refused_where_its_kernels_cannot_run(
     no_model, capsys, monkeypatch, triton, interpreted, argv, words
 ):
-    """--exact needs triton and a CUDA device (or Triton's interpreter): one line, before the model
-    loads."""
+    """--exact needs triton and a CUDA device (Triton's interpreter is for the tests, even where it
+    is on): one line, before the model loads."""
     monkeypatch.setattr(exact, "triton", exact.triton if triton else None)
     monkeypatch.setattr(exact, "INTERPRETED", interpreted)
     code, _, err = run_bench(capsys, "--exact", "--device", "cpu", *argv)

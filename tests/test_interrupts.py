@@ -10,6 +10,7 @@ each); the rest run the scripts in-process.
 Test: `python -m pytest -q tests/test_interrupts.py`.
 """
 
+import collections
 import json
 import os
 import signal
@@ -20,7 +21,8 @@ import generate as G
 from specdec import ctrl_c
 from specdec.engines import decode
 from conftest import ctrl_c_after
-from test_cli import run_cli
+from test_bench_cli import run_bench
+from test_cli import check_one_line_error, run_cli
 
 OLD = '{"id": "kept", "text": "a reply the user keeps"}\n'
 
@@ -161,3 +163,85 @@ def test_a_chat_that_caught_ctrl_c_ends_with_exit_0(capsys, tiny_model_dir, monk
     code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--chat", "--max-new-tokens", 4)
     assert code == 0, err
     assert "[stopped" in err and "interrupted" not in err
+
+
+# --- --exact on a CPU, and the words around the rest ---------------------------------------------
+
+
+def test_exact_on_a_cpu_is_refused_saying_the_interpreter_is_for_tests(no_model, capsys):
+    """Not a hint to set TRITON_INTERPRET=1, which runs the kernels minutes a token."""
+    line = check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--exact", "--device", "cpu")[::2],
+        "--exact: exact.py's kernels run on a CUDA GPU, not on cpu",
+        "for the tests only",
+        "drop --exact",
+    )
+    assert "TRITON_INTERPRET" not in line
+    check_one_line_error(
+        *run_bench(capsys, "--exact", "--device", "cpu")[::2], "run on a CUDA GPU, not on cpu"
+    )
+
+
+@pytest.mark.parametrize("quiet, words", [(True, "[interrupted by Ctrl-C]"), (False, "so far]")])
+def test_the_interrupt_line_speaks_of_text_only_where_text_was_shown(
+    capsys, tiny_model_dir, monkeypatch, quiet, words
+):
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode, "generate", interrupted)
+    argv = ["--model", tiny_model_dir, "--prompt", "hi"] + ["--quiet"] * quiet
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 130 and err.strip().endswith(words), err
+
+
+def test_a_prompt_id_is_quoted_in_messages(capsys, tmp_path, tiny_model_dir):
+    """`prompt long has 9031 tokens` read as English; `prompt 'long' has` names the id."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt": "word " * 600}) + "\n")
+    check_one_line_error(
+        *run_cli(capsys, "--model", tiny_model_dir, "--prompts", prompts)[::2], "prompt 'long' has"
+    )
+
+
+def test_the_graphs_footer_is_in_a_users_words(capsys, tiny_model_dir):
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", 4,
+        "--heads", "none", "--cuda-graphs", "on",
+    )  # fmt: skip
+    assert code == 0, err
+    footer = [line for line in err.splitlines() if "cuda graphs off" in line and "steps" in line]
+    assert footer == [
+        "[static steps, cuda graphs off: 3 steps (1 shape); outside them: 1 prompt prefill]"
+    ], err
+    assert "last_only" not in err and "eager" not in err
+
+
+def test_graphs_line_names_each_reason_for_a_user():
+    class Graphed:  # a GraphedForward's counters, on a GPU
+        enabled = True
+        replays = 1
+        shapes = {1: type("Shape", (), {"graph": object()})()}
+        fallbacks = collections.Counter({"last_only": 2, "layers": 1})
+
+    assert G.terminal.graphs_line(Graphed()) == (
+        "[cuda graphs: 1 step replayed (1 of 1 shape captured); outside them: 2 prompt prefills, "
+        "1 draft by the model's own layers]"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--heads", "none"], "--online trains draft heads, and --heads none loads none"),
+        (["--draft", "lookup"], "--online trains draft heads, and --draft lookup drafts without"),
+    ],
+)
+def test_online_without_heads_says_why_in_words(no_model, capsys, argv, words):
+    line = check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--online", *argv)[::2], words)
+    assert "has none" not in line
+
+
+def test_the_seed_help_says_at_the_same_batch_size():
+    seed = next(a for a in G.build_parser()._actions if a.dest == "seed")
+    assert "at the same --batch-size" in seed.help
