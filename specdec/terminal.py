@@ -5,6 +5,7 @@ chat terminal (--chat), which answers with decode.py's Conversation.
 stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -179,10 +180,24 @@ class Replies:
                 "seconds": round(r.seconds, 4),
                 "stopped": r.stopped,
             }
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
+            self.write(json.dumps(record) + "\n", self.ids[i])
         if self.learner:  # between replies: the next ones draft with what this one taught
             self.learner.reply_done()
+
+    def write(self, line, pid):
+        """One --out line, on disk before the next reply; a failure (a full disk) names the flag,
+        the file and the reply."""
+        try:
+            self.out.write(line)
+            self.out.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):  # what is left in its buffer cannot be written
+                self.out.close()
+            raise cli.UsageError(
+                f"--out {self.out.name}: writing the reply to prompt {cli.quoted(pid)} failed "
+                f"({e.strerror or e}); the replies before it are in the file; free some space or "
+                "give an --out in another folder"
+            ) from None
 
     def report(self, seconds):
         """After `seconds` of decoding: the totals (of more than one prompt), what --online did,

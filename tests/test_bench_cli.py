@@ -235,7 +235,9 @@ def test_model_config_json_damaged(capsys, tmp_path):
     )
 
 
-def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir):
+def test_ctrl_c_prints_what_was_measured_and_writes_it_marked_partial(tmp_path, tiny_model_dir):
+    """Exit 130, the tables of the prompts every method ran, and --json and --plots of them, marked
+    partial."""
     code, out, err = ctrl_c_after(
         [
             "bench.py",
@@ -255,6 +257,8 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir)
             "fp32",
             "--json",
             tmp_path / "bench.json",
+            "--plots",
+            tmp_path / "plots",
         ],
         "[bench] measuring",
         1.5,
@@ -262,8 +266,12 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir)
     assert code == 130, err
     assert "Traceback" not in err
     assert "| plain |" in out and "prompts: 3" in out
-    assert "interrupted by Ctrl-C: the tables cover the 3 of 3 prompts" in err
-    assert not os.path.exists(tmp_path / "bench.json")
+    assert "interrupted by Ctrl-C: the results cover the 3 of 3 prompts" in err
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["partial"].startswith("interrupted by Ctrl-C: the results cover the 3 of 3")
+    assert list(record["methods"]) == ["plain"] and record["machine"]["prompts"] == 3
+    assert os.path.isfile(tmp_path / "plots" / "speedup.png")
+    assert "marked partial" in err
 
 
 def test_kernels_table_times_both_paths(capsys, tiny_model_dir):

@@ -11,17 +11,20 @@ Test: `python -m pytest -q tests/test_interrupts.py`.
 """
 
 import collections
+import errno
+import io
 import json
 import os
 import signal
 
 import pytest
 
+import bench as B
 import generate as G
 from specdec import ctrl_c
 from specdec.engines import decode
 from conftest import ctrl_c_after
-from test_bench_cli import run_bench
+from test_bench_cli import run_bench, short_run
 from test_cli import check_one_line_error, run_cli
 
 OLD = '{"id": "kept", "text": "a reply the user keeps"}\n'
@@ -163,6 +166,106 @@ def test_a_chat_that_caught_ctrl_c_ends_with_exit_0(capsys, tiny_model_dir, monk
     code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--chat", "--max-new-tokens", 4)
     assert code == 0, err
     assert "[stopped" in err and "interrupted" not in err
+
+
+# --- bench.py: Ctrl-C keeps --json and --plots of what was measured ------------------------------
+# Ctrl-C while one prompt at a time is measured: test_bench_cli's
+# test_ctrl_c_prints_what_was_measured_and_writes_it_marked_partial.
+
+
+def test_ctrl_c_while_measuring_batch_sizes_keeps_the_sizes_done(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """Stopped after --batch-size's first size: the one-at-a-time results and that size are in
+    --json, marked partial, and the exit code is 130."""
+    real = B.batch_rows
+
+    def first_size_only(methods, prompts, sizes, args, device, res):
+        real(methods, prompts, sizes[:1], args, device, res)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "batch_rows", first_size_only)
+    record = tmp_path / "bench.json"
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir, limit=3), "--methods", "plain",
+        "--batch-size", "2,3", "--json", record,
+    )  # fmt: skip
+    assert code == 130, err
+    written = json.loads(record.read_text())
+    assert "while measuring --batch-size" in written["partial"]
+    assert list(written["batched"]["plain"]) == ["2"] and written["methods"]["plain"]
+    assert "| plain | 2 |" in out
+
+
+def test_a_whole_run_says_it_is_not_partial(capsys, tmp_path, tiny_model_dir):
+    record = tmp_path / "bench.json"
+    code, _, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--json", record
+    )
+    assert code == 0, err
+    assert json.loads(record.read_text())["partial"] is None
+    assert not os.path.exists(f"{record}.tmp")
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+
+class Full(io.StringIO):
+    """A file on a full disk: the first `room` writes fit, the next fails with ENOSPC."""
+
+    def __init__(self, name, room):
+        super().__init__()
+        self.name = name
+        self.room = room
+
+    def write(self, text):
+        if self.room == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return super().write(text)
+
+
+def test_a_full_disk_under_out_names_the_flag_the_file_and_the_reply(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    out = str(tmp_path / "replies.jsonl")
+    monkeypatch.setattr(G, "open", lambda path, *a, **k: Full(path, room=1), raising=False)
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out,
+        "--max-new-tokens", 3, "--quiet",
+    )  # fmt: skip
+    last = err.strip().splitlines()[-1]  # after the replies' statistics lines
+    assert code == 2 and "Traceback" not in err, err
+    assert last.startswith(
+        f"error: --out {out}: writing the reply to prompt 'p1' failed (No space left on device)"
+    ), last
+    assert "the replies before it are in the file" in last
+
+
+def test_a_full_disk_under_json_names_the_flag_and_keeps_the_old_file(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    record = tmp_path / "bench.json"
+    record.write_text('{"old": true}')
+    real = open
+    monkeypatch.setattr(
+        B,
+        "open",
+        lambda path, *a, **k: Full(path, 0) if str(path).endswith(".tmp") else real(path, *a, **k),
+        raising=False,
+    )
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--json", record,
+        "--overwrite",
+    )  # fmt: skip
+    assert code == 2 and "| plain |" in out
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"error: --json {record}: cannot write it (No space left on device)")
+    )
+    assert record.read_text() == '{"old": true}'
 
 
 # --- --exact on a CPU, and the words around the rest ---------------------------------------------
