@@ -43,13 +43,16 @@ tau = new tokens / forward passes of the base model (the prefill included, so pl
 The command line (tests/test_bench_cli.py) follows cli.py's convention; --json and --plots are
 checked before the run (an existing --json file is kept unless --overwrite); --kernels and the
 --tune-* modes run one at a time, instead of the benchmark; Ctrl-C prints the tables of what was
-measured so far and exits 130.
+measured so far, writes --json and --plots for the prompts every method finished (marked
+partial) and exits 130.
 --tune-tree and --tune-layers pick the heads' tree and the N and gamma of 'layers' for this
 machine: expected tau (from held-out calibration, or measured acceptance) over the time of a
 draft and a verify step measured here; the choice is saved next to the heads, named for the
 device and dtype where it depends on them, and generate.py prefers it.
 """
 
+import specdec.ctrl_c  # first: a Ctrl-C while torch imports is one line, exit 130
+import contextlib
 import json
 import math
 import os
@@ -65,6 +68,7 @@ from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
 from specdec import drafters
+from specdec import terminal
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
@@ -864,6 +868,7 @@ def measure(methods, prompts, args, device):
                     outputs[name][i] = out
                     bar.update()
     except KeyboardInterrupt:
+        specdec.ctrl_c.handled()  # bench goes on: it reports what was measured
         bar.close()
         done = [i for i in range(len(prompts)) if all(seconds[m][i] for m in names)]
         raise Interrupted(
@@ -880,9 +885,20 @@ def measure_batched(methods, prompts, sizes, args, device):
     that ends taking the next prompt. Per method and B: total tokens/s (new tokens over the wall
     time, the median of the repeats), mean per-sequence tokens/s (a row's tokens over the time
     from its prefill until it ended), the time of a step (the wall time over the base
-    model's forward passes) and the replies, to compare with the one-at-a-time ones."""
-    ids = [ids for _, _, ids in prompts]
+    model's forward passes) and the replies, to compare with the one-at-a-time ones. Returns them,
+    and whether Ctrl-C stopped the measuring (then: the sizes measured before it)."""
     res = {}
+    try:
+        batch_rows(methods, prompts, sizes, args, device, res)
+    except KeyboardInterrupt:
+        specdec.ctrl_c.handled()  # bench goes on: it reports what was measured
+        return res, True
+    return res, False
+
+
+def batch_rows(methods, prompts, sizes, args, device, res):
+    """measure_batched's measuring, into res as each method and size is done."""
+    ids = [ids for _, _, ids in prompts]
     for name, m in methods.items():
         if m.batch is None:
             continue
@@ -904,7 +920,6 @@ def measure_batched(methods, prompts, sizes, args, device):
                 "step_ms": 1000 * seconds / forwards,
                 "replies": [r.tokens for r in out],
             }
-    return res
 
 
 def batched_table(res, batched, mach):
@@ -929,7 +944,14 @@ def batched_table(res, batched, mach):
     return "\n".join(lines)
 
 
-def plot_batched(res, batched, mach, folder):
+def plot_title(mach, partial):
+    """The machine, and a plot's mark when Ctrl-C cut the run short."""
+    return f"{mach['hardware']}, {mach['dtype']}" + (
+        "\npartial: stopped by Ctrl-C" if partial else ""
+    )
+
+
+def plot_batched(res, batched, mach, folder, partial=None):
     """Total tokens/s against the batch size, a line per method (batch.png)."""
     if (plt := plotting()) is None:
         return
@@ -942,7 +964,7 @@ def plot_batched(res, batched, mach, folder):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (rows decoded at once)")
     ax.set_ylabel("total tokens/s")
-    ax.set_title(f"{mach['hardware']}, {mach['dtype']}", fontsize=9)
+    ax.set_title(plot_title(mach, partial), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "batch.png"), dpi=120)
@@ -1065,7 +1087,7 @@ def tables(res, mach):
     return "\n".join(lines)
 
 
-def plot_bench(res, mach, folder):
+def plot_bench(res, mach, folder, partial=None):
     if (plt := plotting()) is None:
         return
     os.makedirs(folder, exist_ok=True)
@@ -1089,7 +1111,7 @@ def plot_bench(res, mach, folder):
         [i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=30, ha="right"
     )
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title(f"{mach['hardware']}, {mach['dtype']}", fontsize=9)
+    ax.set_title(plot_title(mach, partial), fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "speedup.png"), dpi=120)
@@ -1103,6 +1125,7 @@ def plot_bench(res, mach, folder):
     ax.set_xlabel("depth (draft head)")
     ax.set_ylabel("fraction of steps accepting this deep")
     ax.set_ylim(0, 1)
+    ax.set_title(plot_title(mach, partial), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "acceptance.png"), dpi=120)
@@ -1327,6 +1350,7 @@ def main(args):
         cli.use_threads(args.threads)
     dtype = kernels_lib.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
+    cli.check_exact(args.exact, args.quantize, device)
     rows = read_eval(args.prompts, args.limit) if mode in READ_BY["prompts"] else []
     if mode is None and max(args.batch_size) > len(rows):
         cli.notice(
@@ -1422,31 +1446,71 @@ def main(args):
             res[name]["online"] = online_cost(m.learns.learner, res[name]["seconds"])
             print(f"[bench] {name}: {online_summary(res[name]['online'])}", file=sys.stderr)
     for g in (graphed or {}).values():  # what was replayed, and every forward that was not
-        print(f"[bench] {g.model.cfg.name}: {g.summary()}", file=sys.stderr)
+        print(f"[bench] {g.model.cfg.name}: {terminal.graphs_line(g)}", file=sys.stderr)
+    partial = None  # what Ctrl-C left out, in words: --json and --plots say so
     if interrupted:
-        print(
-            f"[bench] interrupted by Ctrl-C: the tables cover the {len(prompts)} of {total} "
-            "prompts that every method "
-            "ran, over the repeats done so far; --json and --plots were not written",
-            file=sys.stderr,
+        partial = (
+            f"interrupted by Ctrl-C: the results cover the {len(prompts)} of {total} prompts that "
+            "every method ran, over the repeats done so far"
         )
-        return 130
+        print(f"[bench] {partial}", file=sys.stderr)
     batched = {}
     sizes = [B for B in args.batch_size if B > 1]
-    if sizes:
-        batched = measure_batched(methods, prompts, sizes, args, device)
+    if sizes and not interrupted:
+        batched, stopped = measure_batched(methods, prompts, sizes, args, device)
         for name, by_size in batched.items():
             for b in by_size.values():
                 b["same"] = b.pop("replies") == [out[0] for out in outs[name]]
-        print("\n" + batched_table(res, batched, mach))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": mach, "methods": res, "batched": batched}, f, indent=1)
-    if args.plots:
-        plot_bench(res, mach, args.plots)
         if batched:
-            plot_batched(res, batched, mach, args.plots)
-    return 0
+            print("\n" + batched_table(res, batched, mach))
+        if stopped:
+            done = sum(len(by_size) for by_size in batched.values())
+            pairs = len(sizes) * sum(m.batch is not None for m in methods.values())
+            partial = (
+                "interrupted by Ctrl-C while measuring --batch-size: the results cover every "
+                f"prompt one at a time, and {done} of the {pairs} batched (method, size) pairs"
+            )
+            print(f"[bench] {partial}", file=sys.stderr)
+    write_records(args, mach, res, batched, partial)
+    return 130 if partial else 0
+
+
+def write_records(args, mach, res, batched, partial):
+    """--json and --plots, of what was measured; `partial`: what a Ctrl-C left out, in words (None
+    for a whole run), in the JSON's "partial" and the plots' titles."""
+    if args.json:
+        record = {"machine": mach, "methods": res, "batched": batched, "partial": partial}
+        write_json(args.json, record)
+    if args.plots:
+        try:
+            plot_bench(res, mach, args.plots, partial)
+            if batched:
+                plot_batched(res, batched, mach, args.plots, partial)
+        except OSError as e:
+            raise cli.UsageError(
+                f"--plots {args.plots}: cannot write the plots ({e.strerror or e}); free some "
+                "space or give another folder"
+            ) from None
+    if partial and (args.json or args.plots):
+        written = " and ".join(f for f in (args.json, args.plots) if f)
+        print(f"[bench] {written}: of what was measured, marked partial", file=sys.stderr)
+
+
+def write_json(path, record):
+    """--json, whole or not at all (a temporary file renamed over it): a run stopped while writing
+    leaves the old file; a failure (a full disk) names the flag and the file."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise cli.UsageError(
+            f"--json {path}: cannot write it ({e.strerror or e}); the tables above hold the "
+            "results; free some space or give a --json in another folder"
+        ) from None
 
 
 def cli_main(argv=None) -> int:

@@ -24,6 +24,7 @@ every drafter of specdec/drafters.py, a chat that keeps its cache), tested token
 Shapes: N tree nodes, T prompt tokens, D hidden, V vocabulary.
 """
 
+import specdec.ctrl_c  # the command line's, imported first: Ctrl-C while torch loads is one line
 from dataclasses import dataclass
 
 import torch
@@ -315,7 +316,8 @@ def add_decoding_flags(p):
         "--seed",
         type=int,
         default=0,
-        help="sampling's seed: same seed, flags and machine -> same output",
+        help="sampling's seed: the same seed, flags and machine give the same output, at the same "
+        "--batch-size (a batch seeds each prompt's generator apart)",
     )
 
 
@@ -473,10 +475,15 @@ def check_online(args, kind):
         if args.online_save:
             raise cli.UsageError("--online-save writes the heads --online adapts; add --online")
         return
-    if kind not in ("heads", "heads+lookup") or args.heads == "none":
+    if kind not in ("heads", "heads+lookup"):
         raise cli.UsageError(
-            f"--online trains draft heads; --draft {args.draft} with --heads {args.heads} has "
-            "none: use --draft heads or heads+lookup with heads"
+            f"--online trains draft heads, and --draft {args.draft} drafts without them; use "
+            "--draft heads or heads+lookup"
+        )
+    if args.heads == "none":
+        raise cli.UsageError(
+            "--online trains draft heads, and --heads none loads none; give --heads (hydra++, "
+            "medusa, hydra or a heads folder)"
         )
     if not (math.isfinite(args.online_lr) and args.online_lr > 0):
         raise cli.UsageError(f"--online-lr {args.online_lr}: must be a number > 0, such as 1e-4")
@@ -504,6 +511,7 @@ def check_args(args, parser):
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
+    cli.check_exact(args.exact, args.quantize, device)
     if args.tree != "auto":
         catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
     catalog.find_heads(args.heads)
@@ -553,7 +561,7 @@ def read_prompts(args):
     talks = [pid for pid, prompt, _ in prompts if isinstance(prompt, list)]
     if args.raw and talks:
         raise cli.UsageError(
-            f"--raw: --prompts {args.prompts} holds conversations (id {talks[0]}: a "
+            f"--raw: --prompts {args.prompts} holds conversations (id {cli.quoted(talks[0])}: a "
             '{"messages": [...]} line), which only the chat template lays out; drop --raw'
         )
     return prompts
@@ -582,7 +590,7 @@ def encode_prompts(prompts, tokenizer, *, system, raw, max_new_tokens, context, 
     encoded = []
     for pid, text, _ in prompts:
         ids = checkpoint.encode(tokenizer, text, system, raw)
-        which = "the prompt" if one else f"prompt {pid}"
+        which = "the prompt" if one else f"prompt {cli.quoted(pid)}"
         room = context - len(ids)
         if room < 1:
             raise cli.UsageError(
@@ -623,7 +631,9 @@ def check_batch_memory(model, drafter, encoded, batch_size):
 
 
 def open_output(path):
-    """--out, opened for writing (a nullcontext of None: no file)."""
+    """--out, opened for writing (a nullcontext of None: no file), only once the model is loaded:
+    a Ctrl-C before (even one whose exception a finalizer swallowed) leaves the old file whole."""
+    specdec.ctrl_c.check()
     if not path:
         return contextlib.nullcontext()
     try:
@@ -780,15 +790,17 @@ def tidy_main(args):
         cli.remove_empty(made)
 
 
+def interrupted(args):
+    """The line after Ctrl-C (args: None before the flags are parsed)."""
+    shown = args is not None and (args.chat or not args.quiet)  # --quiet: no text was shown
+    kept = "; the text above is what was generated so far" if shown else ""
+    return f"[interrupted by Ctrl-C{kept}]"
+
+
 def cli_main(argv=None) -> int:
     """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit
     130."""
-    return cli.run(
-        tidy_main,
-        build_parser(),
-        argv,
-        "[interrupted by Ctrl-C; the text above is what was generated so far]",
-    )
+    return cli.run(tidy_main, build_parser(), argv, interrupted)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,25 @@
 """The convention every script follows: what a user typed, checked where it enters and reported
-in one line. It imports nothing of the project, so every file may use it.
+in one line. It imports nothing of the project but ctrl_c.py (which imports nothing), so every
+file may use it.
 
 The teaching files (tree, verify, decode, heads, drafters, model) raise plain errors
 (ValueError and its subclasses) and never print. The scripts parse their flags with Parser,
 check them with the functions here, and run through run(), which turns every mistake of the
 user's into one line on stderr, "error: <what> ...; <fix>", and exit code 2 (no traceback),
-Ctrl-C into exit code 130, and a closed pipe into a quiet exit.
+Ctrl-C at any moment into one line and exit code 130 (ctrl_c.py), and a closed pipe into a quiet
+exit.
 
     UsageError, Parser, run(main, parser, argv)      the convention
     notice(message)                                  a remark on stderr (stdout holds only results)
     plural(n, word)                                  "1 message", "2 messages"
     pick_device, DTYPES, check_seed                  the machine and randomness (kernels.pick_dtype
                                                      turns --dtype into one of DTYPES)
+    check_quantize, check_exact                      --quantize and --exact on this device
     threads_flag, use_threads                        --threads: the cores other work leaves idle
     writable_file, new_file, writable_folder,        paths, checked before the work
         empty_folder
-    check_text, check_counts, read_prompts           text, numbers and prompt files
+    check_text, check_counts, read_prompts           text, numbers and prompt files; quoted(id):
+                                                     a prompt's id in a message
     check_messages                                   a {"messages": [...]} conversation
     cache_root()                                     the folder for what is made once per machine
 
@@ -31,6 +35,8 @@ import tempfile
 import time
 
 import torch
+
+from specdec import ctrl_c
 
 MAX_SEED = 2**32 - 1  # train.py combines it with the step into one 64-bit seed
 
@@ -69,24 +75,34 @@ def error_line(e) -> str:
 
 def run(main, parser, argv=None, interrupted="[interrupted by Ctrl-C]") -> int:
     """A script's exit code: main(args)'s return value (None = 0). Bad input or data: one line on
-    stderr, exit 2; a diverged training (FloatingPointError): one line, exit 1; Ctrl-C: what is
-    already on stdout stays, then `interrupted` on stderr, exit 130. No traceback for any of
-    them."""
-    try:
-        return main(parser.parse_args(argv)) or 0
-    except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except (UsageError, ValueError, OSError) as e:  # the project's own errors are ValueErrors
-        print(error_line(e), file=sys.stderr)
-        return 2
-    except FloatingPointError as e:  # training diverged: not a mistake in the input
-        print(error_line(e), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    stderr, exit 2; a diverged training (FloatingPointError): one line, exit 1; Ctrl-C, at any
+    moment (ctrl_c.py: one whose exception third-party code swallowed too): what is already on
+    stdout stays, then `interrupted` (or interrupted(args), args None before they are parsed) on
+    stderr, exit 130. No traceback for any of them."""
+    args = None
+    with ctrl_c.counted():
+        try:
+            args = parser.parse_args(argv)
+            code = main(args) or 0
+            if code == 0:
+                ctrl_c.check()  # a press whose exception was lost: the work is not what was asked
+            return code
+        except BrokenPipeError:  # the reader went away (generate.py ... | head): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except (UsageError, ValueError, OSError) as e:  # the project's own errors are ValueErrors
+            if not ctrl_c.pressed:
+                print(error_line(e), file=sys.stderr)
+                return 2
+            why = interrupted(args) if callable(interrupted) else interrupted
+        except FloatingPointError as e:  # training diverged: not a mistake in the input
+            print(error_line(e), file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            why = interrupted(args) if callable(interrupted) else interrupted
         sys.stdout.flush()
-        print("\n" + interrupted, file=sys.stderr)
-        return 130
+        print("\n" + why, file=sys.stderr)
+        return ctrl_c.EXIT
 
 
 def notice(message):
@@ -131,6 +147,22 @@ def check_quantize(quantize, device):
     if quantize == "fp16" and torch.device(device).type != "cpu":
         raise UsageError(
             f"--quantize fp16: a CPU kernel; on {device} use --dtype fp16 instead (or --device cpu)"
+        )
+
+
+def check_exact(exact, quantize, device):
+    """--exact: exact.py's Triton kernels compute the model's own weights on a CUDA GPU. A CPU runs
+    them only in Triton's interpreter, which is for the tests (minutes a token): refused, saying
+    what keeps replies exact there."""
+    if not exact:
+        return
+    if quantize != "none":
+        raise UsageError(f"--exact computes bf16 weights, not --quantize {quantize}; drop one")
+    if torch.device(device).type != "cuda":
+        raise UsageError(
+            f"--exact: exact.py's kernels run on a CUDA GPU, not on {device} (Triton's interpreter "
+            "runs them on a CPU for the tests only, minutes a token); drop --exact: on a CPU, "
+            "bf16 through kernels.c and fp32 keep speculative replies equal to plain decoding's"
         )
 
 
@@ -358,6 +390,12 @@ def prompt_labels(obj, n, where):
     if isinstance(pid, str):
         check_text(pid, f'{where}, "id"')
     return pid, check_text(category, f'{where}, "category"')
+
+
+def quoted(pid):
+    """A prompt's id as messages name it: a string in quotes ('long' would read as a word), a
+    number (a line's) as it is."""
+    return repr(pid) if isinstance(pid, str) else str(pid)
 
 
 def read_prompts(path):

@@ -5,6 +5,7 @@ chat terminal (--chat), which answers with decode.py's Conversation.
 stdout gets the generated text alone, as it is produced; remarks and statistics go to stderr.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ import time
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
+from specdec import ctrl_c
 from specdec.engines import decode
 from specdec.fast import graphs
 from specdec.fast import kernels
@@ -114,6 +116,38 @@ def online_line(learner, seconds):
     return line + "]"
 
 
+# why a forward ran outside the static step, in a user's words (GraphedForward.fallbacks' reasons)
+OUTSIDE = {
+    "last_only": ("prompt prefill", "prompt prefills"),
+    "layers": ("draft by the model's own layers", "drafts by the model's own layers"),
+    "extra": ("draft by learned [LA] tokens", "drafts by learned [LA] tokens"),
+    "cache outside the buffers": (
+        "forward on a cache of its own",
+        "forwards on caches of their own",
+    ),
+}
+
+
+def graphs_line(g):
+    """What --cuda-graphs did (g: a graphs.GraphedForward), said for a user: the steps replayed
+    from CUDA graphs (or run at static shapes where there are none), and the forwards that ran
+    outside them, by what they were."""
+    steps = cli.plural(g.replays, "step")
+    shapes = cli.plural(len(g.shapes), "shape")
+    if g.enabled:
+        captured = sum(s.graph is not None for s in g.shapes.values())
+        line = f"cuda graphs: {steps} replayed ({captured} of {shapes} captured)"
+    else:
+        line = f"static steps, cuda graphs off: {steps} ({shapes})"
+    outside = []
+    for why, n in g.fallbacks.most_common():
+        one, many = OUTSIDE.get(why, (why, why))
+        outside.append(f"{n} {one if n == 1 else many}")
+    if outside:
+        line += "; outside them: " + ", ".join(outside)
+    return f"[{line}]"
+
+
 class Replies:
     """What each finished reply leaves, streamed or batched alike: its text printed whole (with
     --batch-size), its statistics line, its --out line and --online's turn to learn; then the
@@ -131,6 +165,7 @@ class Replies:
 
     def done(self, i, r):
         """Prompt i's reply, r, is final."""
+        ctrl_c.check()  # a Ctrl-C whose exception was lost: stop before writing more
         text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         if self.whole:
             print(f"[{self.ids[i]}] {text}")
@@ -148,10 +183,24 @@ class Replies:
                 "seconds": round(r.seconds, 4),
                 "stopped": r.stopped,
             }
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
+            self.write(json.dumps(record) + "\n", self.ids[i])
         if self.learner:  # between replies: the next ones draft with what this one taught
             self.learner.reply_done()
+
+    def write(self, line, pid):
+        """One --out line, on disk before the next reply; a failure (a full disk) names the flag,
+        the file and the reply."""
+        try:
+            self.out.write(line)
+            self.out.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):  # what is left in its buffer cannot be written
+                self.out.close()
+            raise cli.UsageError(
+                f"--out {self.out.name}: writing the reply to prompt {cli.quoted(pid)} failed "
+                f"({e.strerror or e}); the replies before it are in the file; free some space or "
+                "give an --out in another folder"
+            ) from None
 
     def report(self, seconds):
         """After `seconds` of decoding: the totals (of more than one prompt), what --online did,
@@ -162,7 +211,7 @@ class Replies:
         if self.learner:
             print(online_line(self.learner, seconds), file=sys.stderr)
         if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
-            print(f"[{self.model.summary()}]", file=sys.stderr)
+            print(graphs_line(self.model), file=sys.stderr)
 
 
 # --- --chat: a conversation at the terminal -------------------------------------------------------
@@ -243,6 +292,7 @@ class Chat:
             try:
                 line = read_message(interactive)
             except KeyboardInterrupt:  # at the prompt: a fresh one
+                ctrl_c.handled()
                 print(file=sys.stderr)
                 continue
             if line is None:
@@ -357,6 +407,7 @@ class Chat:
         try:
             r = self.conversation.reply(ids, limit, on_tokens=on_tokens, **self.decoding)
         except KeyboardInterrupt:  # what was streamed stays, as the user saw it
+            ctrl_c.handled()
             print()
             text = self.tokenizer.decode(printer.ids, skip_special_tokens=True)
             if text:

@@ -235,7 +235,9 @@ def test_model_config_json_damaged(capsys, tmp_path):
     )
 
 
-def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir):
+def test_ctrl_c_prints_what_was_measured_and_writes_it_marked_partial(tmp_path, tiny_model_dir):
+    """Exit 130, the tables of the prompts every method ran, and --json and --plots of them, marked
+    partial."""
     code, out, err = ctrl_c_after(
         [
             "bench.py",
@@ -255,6 +257,8 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir)
             "fp32",
             "--json",
             tmp_path / "bench.json",
+            "--plots",
+            tmp_path / "plots",
         ],
         "[bench] measuring",
         1.5,
@@ -262,8 +266,12 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(tmp_path, tiny_model_dir)
     assert code == 130, err
     assert "Traceback" not in err
     assert "| plain |" in out and "prompts: 3" in out
-    assert "interrupted by Ctrl-C: the tables cover the 3 of 3 prompts" in err
-    assert not os.path.exists(tmp_path / "bench.json")
+    assert "interrupted by Ctrl-C: the results cover the 3 of 3 prompts" in err
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["partial"].startswith("interrupted by Ctrl-C: the results cover the 3 of 3")
+    assert list(record["methods"]) == ["plain"] and record["machine"]["prompts"] == 3
+    assert os.path.isfile(tmp_path / "plots" / "speedup.png")
+    assert "marked partial" in err
 
 
 def test_kernels_table_times_both_paths(capsys, tiny_model_dir):
@@ -696,15 +704,15 @@ def test_an_online_method_reports_its_updates_in_words(capsys, tmp_path, tiny_mo
     "triton, interpreted, argv, words",
     [
         (True, True, ["--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
-        (False, True, [], "--exact: exact kernels need triton (pip install triton)"),
-        (True, False, [], "--exact: exact kernels run on a CUDA device, or on the CPU under"),
+        (False, True, [], "--exact: exact.py's kernels run on a CUDA GPU, not on cpu"),
+        (True, False, [], "--exact: exact.py's kernels run on a CUDA GPU, not on cpu"),
     ],
 )
 def test_exact_is_refused_where_its_kernels_cannot_run(
     no_model, capsys, monkeypatch, triton, interpreted, argv, words
 ):
-    """--exact needs triton and a CUDA device (or Triton's interpreter): one line, before the model
-    loads."""
+    """--exact needs triton and a CUDA device (Triton's interpreter is for the tests, even where it
+    is on): one line, before the model loads."""
     monkeypatch.setattr(exact, "triton", exact.triton if triton else None)
     monkeypatch.setattr(exact, "INTERPRETED", interpreted)
     code, _, err = run_bench(capsys, "--exact", "--device", "cpu", *argv)

@@ -79,7 +79,7 @@ def test_cuda_graphs_on_a_cpu_runs_the_static_step_and_the_footer_counts_it(
     )
     assert code == 0 and "| lookup |" in out, err
     assert "--cuda-graphs on: cpu has no CUDA graphs" in err and "differs" not in err
-    footer = [line for line in err.splitlines() if "static steps (cuda graphs off)" in line]
-    assert len(footer) == 1 and "eager:" in footer[0] and "last_only" in footer[0], err
+    footer = [line for line in err.splitlines() if "static steps, cuda graphs off" in line]
+    assert len(footer) == 1 and "outside them: " in footer[0] and "prompt prefill" in footer[0], err
     code, out, err = run_bench(capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain")
     assert code == 0 and "static steps" not in err and "cuda graphs" not in err  # auto: off

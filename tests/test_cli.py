@@ -356,7 +356,7 @@ def test_prompts_file_names_the_prompt_that_is_too_long(loaded, capsys, tmp_path
         + json.dumps({"prompt": "hi " * 9000, "id": "b"})
         + "\n"
     )
-    check_one_line_error(*run_cli(capsys, "--prompts", file)[::2], "prompt b has")
+    check_one_line_error(*run_cli(capsys, "--prompts", file)[::2], "prompt 'b' has")
 
 
 def test_unusual_prompts_work(loaded, capsys):
@@ -1290,15 +1290,15 @@ def test_cuda_graphs_on_a_cpu_runs_the_static_step_with_the_same_reply(
     code, static, err = run_cli(capsys, *argv, "--cuda-graphs", "on")
     assert code == 0, err
     assert static == readable
-    assert "has no CUDA graphs" in err and "static steps (cuda graphs off): " in err
-    assert "eager: 1 (last_only 1)" in err, err
+    assert "has no CUDA graphs" in err and "static steps, cuda graphs off: " in err
+    assert "outside them: 1 prompt prefill]" in err, err
 
 
 @pytest.mark.parametrize(
     "argv, words",
     [
         (["--quantize", "int8"], "--exact computes bf16 weights, not --quantize int8"),
-        (["--device", "cpu"], "--exact: exact kernels need triton"),
+        (["--device", "cpu"], "--exact: exact.py's kernels run on a CUDA GPU, not on cpu"),
     ],
 )
 def test_exact_is_refused_before_the_model_loads(no_model, capsys, monkeypatch, argv, words):
@@ -1321,5 +1321,5 @@ def test_a_conversation_in_prompts_is_checked_before_the_model_loads(no_model, c
     )
     file.write_text(json.dumps({"messages": empty["messages"][:1], "id": "c"}) + "\n")
     check_one_line_error(
-        *run_cli(capsys, "--prompts", file, "--raw")[::2], "--raw", "(id c", "drop --raw"
+        *run_cli(capsys, "--prompts", file, "--raw")[::2], "--raw", "(id 'c'", "drop --raw"
     )

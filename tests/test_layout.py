@@ -9,6 +9,9 @@ the machinery in one package that imports the lesson and never the other way rou
     - one speculative step is one function of at most 60 lines (generate.step), the training loop
       one of at most 80 (train.train), the lesson at most 1,400 lines in all.
 
+An entry script may import specdec.ctrl_c first, above its lesson: a Ctrl-C while torch imports
+can be caught nowhere else.
+
 Test: `python -m pytest -q tests/test_layout.py`.
 """
 
@@ -27,6 +30,9 @@ MAY_IMPORT = {  # a lesson file: the other lesson files it may import above its 
     "train": {"model", "heads", "tree", "verify"},
 }
 COMMAND_LINE = "# --- command line"
+# an entry script's first import, the one the lesson's top may hold: the command line's Ctrl-C
+# handler, installed before torch imports (seconds in which Ctrl-C would print a traceback)
+FIRST = "specdec.ctrl_c"
 
 
 def project_imports(path):
@@ -36,7 +42,7 @@ def project_imports(path):
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [a.name.split(".")[0] for a in node.names]
+            names = [a.name.split(".")[0] for a in node.names if a.name != FIRST]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names = [node.module.split(".")[0]]
         else:

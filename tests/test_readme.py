@@ -138,3 +138,20 @@ def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
     draft = types.SimpleNamespace(kind="heads", heads="auto")
     line = terminal.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
     assert line == shown
+
+
+def test_the_readmes_generate_commands_run_in_order(tmp_path, monkeypatch):
+    """Run one after another in one folder, as a reader runs them, each of README.md's generate.py
+    commands passes the checks: none refuses an --out file an earlier one wrote."""
+    generate = importlib.import_module("generate")
+    monkeypatch.chdir(tmp_path)
+    for folder in made_by_the_readmes():
+        os.makedirs(folder, exist_ok=True)
+    parser = generate.build_parser()
+    for readme, line, words in GENERATE:
+        if readme != "README.md":
+            continue
+        args = parser.parse_args(script_and_argv(words)[1])
+        generate.check_args(args, parser)  # a UsageError names the command's --out
+        if args.out:
+            open(args.out, "w").close()  # what the command writes

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec import cli
+from specdec import ctrl_c
 from specdec.fast import kernels
 from specdec.cli import UsageError, cache_root
 from heads import HeadsConfig, HeadsError, build
@@ -512,6 +513,9 @@ def load(name_or_path=DEFAULT, device="cpu", dtype=torch.float32):
             f"{folder}: its tokenizer cannot be read ({' '.join(str(e).split())[:160]}); "
             "copy the model's tokenizer files next to its config.json"
         ) from None
+    # a Ctrl-C during the load whose KeyboardInterrupt a finalizer swallowed (the tokenizer's
+    # objects are freed as it loads): the script stops here, not after its work (ctrl_c.py)
+    ctrl_c.check()
     return kernels.use(model), tokenizer
 
 

@@ -1,0 +1,350 @@
+"""Ctrl-C at every moment, and the last ways a run loses the user's work (issue 65): one line on
+stderr and exit code 130 while torch imports and while the model loads, the old --out file whole;
+a press whose KeyboardInterrupt a finalizer swallowed still stops the run; bench.py writes --json
+and --plots of what it measured, marked partial; a full disk is named with its flag and file; and
+the words a user reads around them.
+
+The Ctrl-C sweep runs `python generate.py` in subprocesses on a tiny random model (a few seconds
+each); the rest run the scripts in-process.
+
+Test: `python -m pytest -q tests/test_interrupts.py`.
+"""
+
+import collections
+import errno
+import io
+import json
+import os
+import signal
+
+import pytest
+
+import bench as B
+import generate as G
+from specdec import ctrl_c
+from specdec.engines import decode
+from conftest import ctrl_c_after
+from test_bench_cli import run_bench, short_run
+from test_cli import check_one_line_error, run_cli
+
+OLD = '{"id": "kept", "text": "a reply the user keeps"}\n'
+
+
+def write_prompts(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"p{i}", "prompt": f"Count to {i + 3}."}) + "\n")
+    return path
+
+
+# --- Ctrl-C while the script starts and while the model loads ------------------------------------
+
+
+def interrupted_run(tiny_model_dir, tmp_path, marker, delay, importtime=False):
+    """generate.py on the tiny model, 8 prompts into an --out that holds OLD (--overwrite), Ctrl-C
+    `delay` seconds after a stderr line holding `marker`. Returns (exit code, stderr without
+    -X importtime's lines, whether the model had loaded: its banner printed, --out then open)."""
+    out = tmp_path / "kept.jsonl"
+    out.write_text(OLD)
+    argv = ["-X", "importtime"] if importtime else []
+    argv += [
+        "generate.py",
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        write_prompts(tmp_path / "p.jsonl", 8),
+    ]
+    argv += [
+        "--batch-size",
+        16,
+        "--out",
+        out,
+        "--overwrite",
+        "--max-new-tokens",
+        400,
+        "--dtype",
+        "fp32",
+    ]
+    code, _, err = ctrl_c_after(argv, marker, delay)
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    loaded = any(line.startswith("[tiny-random-llama on cpu") for line in lines)
+    if not loaded:
+        assert out.read_text() == OLD, f"--out replaced by a run stopped while it loaded: {err}"
+    return code, lines, loaded
+
+
+def check_stopped(code, lines):
+    """Exit 130, no traceback and no "Exception ignored", and the interrupt's line last."""
+    text = "\n".join(lines)
+    assert code == 130, text
+    assert "Traceback" not in text and "Exception ignored" not in text, text
+    assert lines[-1].startswith("[interrupted by Ctrl-C"), text
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_ctrl_c_while_torch_imports_is_one_line(tiny_model_dir, tmp_path, delay):
+    """From the script's first import (specdec.ctrl_c, before torch) on, Ctrl-C is one line and
+    exit 130: not Python's forty-line traceback from inside torch's import."""
+    code, lines, loaded = interrupted_run(
+        tiny_model_dir, tmp_path, "| specdec.ctrl_c", delay, importtime=True
+    )
+    check_stopped(code, lines)
+    assert not loaded
+    assert [line for line in lines if line.strip()] == [lines[-1]], lines  # the one line
+
+
+def test_ctrl_c_at_any_moment_of_the_load_stops_the_run_and_keeps_the_old_out(
+    tiny_model_dir, tmp_path
+):
+    """SIGINT at many moments from just before the model loads (the --batch-size notice) to after:
+    each run exits 130 with one line, and one stopped before its model loaded leaves the --out
+    file it would have replaced as it was."""
+    during = 0
+    for delay in (0.0, 0.3, 0.8, 1.5, 2.5):
+        code, lines, loaded = interrupted_run(
+            tiny_model_dir, tmp_path, "--batch-size 16: there are only 8 prompts", delay
+        )
+        check_stopped(code, lines)
+        during += not loaded
+    assert during >= 1  # the first, at least, landed inside the load
+
+
+class Finalized:
+    """An object whose finalizer runs while Ctrl-C arrives, as a tokenizer's may while it loads:
+    Python raises KeyboardInterrupt inside __del__, where it is printed and dropped."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here, between two bytecodes of the finalizer
+            pass
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_during_the_load_still_stops_the_run(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """The issue's case, made certain: the KeyboardInterrupt is lost in a finalizer while the
+    tokenizer loads; the run stops when the load returns (exit 130, one line), --out untouched."""
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def loads_and_frees(*args, **kw):
+        tokenizer = real(*args, **kw)
+        Finalized()  # freed at once: its __del__ runs as Ctrl-C comes
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loads_and_frees)
+    out = tmp_path / "kept.jsonl"
+    out.write_text(OLD)
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    code, stdout, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out, "--overwrite",
+        "--max-new-tokens", 4, "--quiet",
+    )  # fmt: skip
+    assert code == 130, err
+    assert len(err.strip().splitlines()) == 1, err  # no "Exception ignored in ..." either
+    assert err.strip().startswith("[interrupted by Ctrl-C"), err
+    assert out.read_text() == OLD and stdout == ""
+    assert ctrl_c.pressed == 1
+
+
+def test_a_chat_that_caught_ctrl_c_ends_with_exit_0(capsys, tiny_model_dir, monkeypatch):
+    """The chat's Ctrl-C stops a reply and the conversation goes on: handled, it does not make
+    the end of the chat an interruption."""
+    import sys
+
+    lines = iter(["hi", None])
+    real = decode.Conversation.reply
+
+    def stopped(self, *args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the reply
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(decode.Conversation, "reply", stopped)
+    monkeypatch.setattr(G.terminal, "read_message", lambda interactive: next(lines))
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
+    code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--chat", "--max-new-tokens", 4)
+    assert code == 0, err
+    assert "[stopped" in err and "interrupted" not in err
+
+
+# --- bench.py: Ctrl-C keeps --json and --plots of what was measured ------------------------------
+# Ctrl-C while one prompt at a time is measured: test_bench_cli's
+# test_ctrl_c_prints_what_was_measured_and_writes_it_marked_partial.
+
+
+def test_ctrl_c_while_measuring_batch_sizes_keeps_the_sizes_done(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    """Stopped after --batch-size's first size: the one-at-a-time results and that size are in
+    --json, marked partial, and the exit code is 130."""
+    real = B.batch_rows
+
+    def first_size_only(methods, prompts, sizes, args, device, res):
+        real(methods, prompts, sizes[:1], args, device, res)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "batch_rows", first_size_only)
+    record = tmp_path / "bench.json"
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir, limit=3), "--methods", "plain",
+        "--batch-size", "2,3", "--json", record,
+    )  # fmt: skip
+    assert code == 130, err
+    written = json.loads(record.read_text())
+    assert "while measuring --batch-size" in written["partial"]
+    assert list(written["batched"]["plain"]) == ["2"] and written["methods"]["plain"]
+    assert "| plain | 2 |" in out
+
+
+def test_a_whole_run_says_it_is_not_partial(capsys, tmp_path, tiny_model_dir):
+    record = tmp_path / "bench.json"
+    code, _, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--json", record
+    )
+    assert code == 0, err
+    assert json.loads(record.read_text())["partial"] is None
+    assert not os.path.exists(f"{record}.tmp")
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+
+class Full(io.StringIO):
+    """A file on a full disk: the first `room` writes fit, the next fails with ENOSPC."""
+
+    def __init__(self, name, room):
+        super().__init__()
+        self.name = name
+        self.room = room
+
+    def write(self, text):
+        if self.room == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return super().write(text)
+
+
+def test_a_full_disk_under_out_names_the_flag_the_file_and_the_reply(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    out = str(tmp_path / "replies.jsonl")
+    monkeypatch.setattr(G, "open", lambda path, *a, **k: Full(path, room=1), raising=False)
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out,
+        "--max-new-tokens", 3, "--quiet",
+    )  # fmt: skip
+    last = err.strip().splitlines()[-1]  # after the replies' statistics lines
+    assert code == 2 and "Traceback" not in err, err
+    assert last.startswith(
+        f"error: --out {out}: writing the reply to prompt 'p1' failed (No space left on device)"
+    ), last
+    assert "the replies before it are in the file" in last
+
+
+def test_a_full_disk_under_json_names_the_flag_and_keeps_the_old_file(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    record = tmp_path / "bench.json"
+    record.write_text('{"old": true}')
+    real = open
+    monkeypatch.setattr(
+        B,
+        "open",
+        lambda path, *a, **k: Full(path, 0) if str(path).endswith(".tmp") else real(path, *a, **k),
+        raising=False,
+    )
+    code, out, err = run_bench(
+        capsys, *short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--json", record,
+        "--overwrite",
+    )  # fmt: skip
+    assert code == 2 and "| plain |" in out
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"error: --json {record}: cannot write it (No space left on device)")
+    )
+    assert record.read_text() == '{"old": true}'
+
+
+# --- --exact on a CPU, and the words around the rest ---------------------------------------------
+
+
+def test_exact_on_a_cpu_is_refused_saying_the_interpreter_is_for_tests(no_model, capsys):
+    """Not a hint to set TRITON_INTERPRET=1, which runs the kernels minutes a token."""
+    line = check_one_line_error(
+        *run_cli(capsys, "--prompt", "hi", "--exact", "--device", "cpu")[::2],
+        "--exact: exact.py's kernels run on a CUDA GPU, not on cpu",
+        "for the tests only",
+        "drop --exact",
+    )
+    assert "TRITON_INTERPRET" not in line
+    check_one_line_error(
+        *run_bench(capsys, "--exact", "--device", "cpu")[::2], "run on a CUDA GPU, not on cpu"
+    )
+
+
+@pytest.mark.parametrize("quiet, words", [(True, "[interrupted by Ctrl-C]"), (False, "so far]")])
+def test_the_interrupt_line_speaks_of_text_only_where_text_was_shown(
+    capsys, tiny_model_dir, monkeypatch, quiet, words
+):
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode, "generate", interrupted)
+    argv = ["--model", tiny_model_dir, "--prompt", "hi"] + ["--quiet"] * quiet
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 130 and err.strip().endswith(words), err
+
+
+def test_a_prompt_id_is_quoted_in_messages(capsys, tmp_path, tiny_model_dir):
+    """`prompt long has 9031 tokens` read as English; `prompt 'long' has` names the id."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt": "word " * 600}) + "\n")
+    check_one_line_error(
+        *run_cli(capsys, "--model", tiny_model_dir, "--prompts", prompts)[::2], "prompt 'long' has"
+    )
+
+
+def test_the_graphs_footer_is_in_a_users_words(capsys, tiny_model_dir):
+    code, _, err = run_cli(
+        capsys, "--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", 4,
+        "--heads", "none", "--cuda-graphs", "on",
+    )  # fmt: skip
+    assert code == 0, err
+    footer = [line for line in err.splitlines() if "cuda graphs off" in line and "steps" in line]
+    assert footer == [
+        "[static steps, cuda graphs off: 3 steps (1 shape); outside them: 1 prompt prefill]"
+    ], err
+    assert "last_only" not in err and "eager" not in err
+
+
+def test_graphs_line_names_each_reason_for_a_user():
+    class Graphed:  # a GraphedForward's counters, on a GPU
+        enabled = True
+        replays = 1
+        shapes = {1: type("Shape", (), {"graph": object()})()}
+        fallbacks = collections.Counter({"last_only": 2, "layers": 1})
+
+    assert G.terminal.graphs_line(Graphed()) == (
+        "[cuda graphs: 1 step replayed (1 of 1 shape captured); outside them: 2 prompt prefills, "
+        "1 draft by the model's own layers]"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--heads", "none"], "--online trains draft heads, and --heads none loads none"),
+        (["--draft", "lookup"], "--online trains draft heads, and --draft lookup drafts without"),
+    ],
+)
+def test_online_without_heads_says_why_in_words(no_model, capsys, argv, words):
+    line = check_one_line_error(*run_cli(capsys, "--prompt", "hi", "--online", *argv)[::2], words)
+    assert "has none" not in line
+
+
+def test_the_seed_help_says_at_the_same_batch_size():
+    seed = next(a for a in G.build_parser()._actions if a.dest == "seed")
+    assert "at the same --batch-size" in seed.help
