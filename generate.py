@@ -450,22 +450,12 @@ def check_chat_flags(args):
 
 def check_sampling_flags(args):
     """A temperature, a nucleus and a seed that sampling can use, and a rule that fits them."""
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise cli.UsageError(
-            f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)"
-        )
+    catalog.check_sampling(args.temperature, args.top_p, args.verify, args.seed)
     if 0 < args.temperature and verify_lib.is_greedy(args.temperature):
         cli.notice(
             f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: decoding "
             "greedily, as at 0"
         )
-    if not 0 < args.top_p <= 1:
-        raise cli.UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.verify == "greedy" and not verify_lib.is_greedy(args.temperature):
-        raise cli.UsageError(
-            "--verify greedy decodes at temperature 0; drop --temperature or use --verify sample"
-        )
-    cli.check_seed(args.seed)
 
 
 def check_online(args, kind):

@@ -24,7 +24,6 @@ Test: `python -m pytest -q tests/test_api.py`.
 """
 
 import contextlib
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -108,21 +107,14 @@ def text(name, value, choices=None):
 
 
 def check_decoding(temperature, top_p, verify, seed):
-    """generate.py's check_sampling_flags, for keywords -> decode.generate's verify, temperature
+    """catalog.check_sampling, for keywords -> decode.generate's verify, temperature
     and top_p (a temperature below verify.GREEDY_BELOW is greedy, as at 0)."""
     number("temperature", temperature)
     number("top_p", top_p)
     text("verify", verify, verify_lib.VERIFIERS)
     whole("seed", seed, 0)
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise APIError(f"temperature={temperature!r}: must be a number >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
-        raise APIError(f"top_p={top_p!r}: must be in (0, 1]")
-    if verify == "greedy" and not verify_lib.is_greedy(temperature):
-        raise APIError(
-            "verify='greedy' decodes at temperature 0; drop temperature or use verify='sample'"
-        )
-    cli.check_seed(seed)
+    with checked(dict(temperature=temperature, top_p=top_p, verify=verify, seed=seed)):
+        catalog.check_sampling(temperature, top_p, verify, seed)
     greedy = verify_lib.is_greedy(temperature)
     if 0 < temperature and greedy:
         cli.notice(

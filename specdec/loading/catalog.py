@@ -22,6 +22,7 @@ Test: `python -m pytest -q tests/test_cli.py tests/test_generate.py`.
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -37,7 +38,8 @@ import heads as heads_lib
 from specdec.fast import kernels
 from specdec.engines import online
 import tree as tree_lib
-from specdec.cli import UsageError, empty_folder, notice, plural
+import verify as verify_lib
+from specdec.cli import UsageError, check_seed, empty_folder, notice, plural
 
 # the repository, two folders above this file
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -683,6 +685,23 @@ def make_drafter(kind, *build, **by_name):
     """The drafter that --draft `kind` names, from Build's fields (in its order, or by name).
     Model drafters sample their drafts at `temperature` (0: greedy)."""
     return DRAFTERS[kind].build(Build(*build, **by_name))
+
+
+# --- decoding: --temperature, --top-p, --verify and --seed ---------------------------------------
+
+
+def check_sampling(temperature, top_p, verify, seed):
+    """A temperature, a nucleus and a seed that sampling can use, and a rule that fits them: the
+    command line's check, and the API's (in its keywords' words)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature {temperature}: must be a number >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p {top_p}: must be in (0, 1]")
+    if verify == "greedy" and not verify_lib.is_greedy(temperature):
+        raise UsageError(
+            "--verify greedy decodes at temperature 0; drop --temperature or use --verify sample"
+        )
+    check_seed(seed)
 
 
 # --- generate.py's drafter, once the model has loaded ---------------------------------------------
