@@ -74,7 +74,7 @@ from specdec.engines import engine
 from specdec.fast import graphs
 import heads as heads_lib
 from specdec.fast import kernels as kernels_lib
-from specdec.engines import online
+from specdec.training import online
 from specdec import tuning
 from specdec.tuning import (
     distance_to_floor,

@@ -156,7 +156,7 @@ from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
 from specdec.fast import kernels
-from specdec.engines import online
+from specdec.training import online
 from specdec import terminal
 
 MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
@@ -737,7 +737,7 @@ def main(args):
         draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
     )
     learning = {k: getattr(args, f"online_{k}") for k in online.DEFAULTS} if args.online else None
-    drafter, learner = catalog.learn_online(drafter, model, learning)
+    drafter, learner = online.learn(drafter, model, learning)
     encoded = encode_prompts(
         prompts,
         tokenizer,

@@ -9,7 +9,7 @@ forward pass that takes an explicit tree attention mask.
 The arithmetic is all here, in plain PyTorch: RMSNorm, rotary embeddings (plain, linear and Llama-3
 scaling), grouped-query attention (Qwen2's q/k/v biases, Qwen3's q/k norms), SwiGLU or GeGLU MLP,
 tied or untied LM head; the loader folds other families' constants into the weights. This file
-holds one sequence; the engines' forward over many rows (specdec/engines/rows.py) subclasses it
+holds one sequence; the engines' forward over many rows (specdec/rows.py) subclasses it
 and the fast paths (specdec/fast/) are twins of its layers. Test: `python -m pytest -q
 tests/test_model.py tests/test_families.py` (parity with transformers).
 

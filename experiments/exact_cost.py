@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specdec.fast import kernels  # noqa: E402
 import model as model_lib  # noqa: E402
-from specdec.engines import rows
+from specdec import rows
 
 SMOLLM2 = dict(  # SmolLM2-135M's shapes (weights/ holds the real ones)
     vocab_size=49152,

@@ -40,7 +40,7 @@ from specdec.engines import engine  # noqa: E402
 from specdec.fast import graphs  # noqa: E402
 import heads as heads_lib  # noqa: E402
 from specdec.fast import kernels  # noqa: E402
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib  # noqa: E402
 
 # the default model's config.json, as transformers writes it (its weights are not needed)

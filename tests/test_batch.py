@@ -11,7 +11,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import kernels
-from specdec.engines import rows
+from specdec import rows
 import test_kernels
 import tree as tree_lib
 from conftest import tiny_config, draft_one

@@ -27,7 +27,7 @@ import generate as G
 from specdec import terminal
 import heads as heads_lib
 from specdec.fast import kernels
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 from conftest import tiny_config
 

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from specdec.loading import catalog
 from specdec import drafters
 from specdec.engines import decode
-from specdec.engines import rows
+from specdec import rows
 import heads as heads_lib
 from specdec.training import losses
 from specdec.training import batches

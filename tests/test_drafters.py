@@ -22,7 +22,7 @@ from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 import verify as verify_lib
 from conftest import tiny_config, draft_one

@@ -24,7 +24,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.fast import kernels
 import model as model_lib
-from specdec.engines import rows
+from specdec import rows
 from conftest import tiny_config
 
 CUDA = torch.cuda.is_available()
@@ -305,7 +305,8 @@ def test_on_the_cpu_without_the_interpreter_use_says_so(monkeypatch):
 # Each kernel compiled for an H100 (sm_90) as triton would on one, in a process without the
 # interpreter: the GPU's branch (tensor cores) is built and checked off a GPU too.
 COMPILE = """
-import triton, exact
+import triton
+from specdec.fast import exact
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 

@@ -15,7 +15,7 @@ from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
 from specdec.fast import kernels
-from specdec.engines import rows
+from specdec import rows
 import generate as G
 import model as model_lib
 import tree as tree_lib

@@ -16,7 +16,7 @@ from specdec import drafters
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 from conftest import tiny_config
 from test_batch import EOS, LIMITS, PROMPTS

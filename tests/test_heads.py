@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model  # noqa: E402
-from specdec.engines import rows
+from specdec import rows
 from specdec.loading.checkpoint import load_heads, save_heads  # noqa: E402
 from heads import HeadsConfig, HeadsError, build  # noqa: E402
 

@@ -16,7 +16,7 @@ from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
 from specdec.training import joint
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 from conftest import save_tiny_model, tiny_config
 from test_cli import check_one_line_error

@@ -29,7 +29,7 @@ import heads as heads_lib
 from specdec.fast import kernels
 from specdec.training import losses
 import model as model_lib
-from specdec.engines import rows
+from specdec import rows
 import train
 import tree as tree_lib
 from conftest import tiny_config

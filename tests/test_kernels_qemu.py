@@ -21,7 +21,7 @@ import torch
 
 from specdec.fast import kernels
 import model as model_lib
-from specdec.engines import rows as rows_lib
+from specdec import rows as rows_lib
 from conftest import tiny_config
 from specdec.fast.kernels import Kernels
 from test_kernels import close_as_readable, spread_norms

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.loading import checkpoint
 from specdec.fast import kernels
 import model as model_lib
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 from conftest import TINY_LLAMA, tiny_config
 
@@ -57,7 +57,7 @@ def hf_twin(cfg, rope_scaling=None, tie=False, cls=model_lib.Transformer):
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("cls", [model_lib.Transformer, rows.Model], ids=["lesson", "rows"])
 def test_parity_tiny(rope_scaling, tie, cls):
-    """model.py's forward, and the engines' (specdec/engines/rows.py), match transformers."""
+    """model.py's forward, and the engines' (specdec/rows.py), match transformers."""
     hf, ours = hf_twin(
         tiny_config(rope_theta=500000.0 if rope_scaling else 10000.0), rope_scaling, tie, cls
     )

@@ -19,8 +19,8 @@ from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
 import heads as heads_lib
-from specdec.engines import rows
-from specdec.engines import online
+from specdec import rows
+from specdec.training import online
 import tree as tree_lib
 from conftest import tiny_config
 from test_cli import check_one_line_error, run_cli

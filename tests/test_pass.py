@@ -15,7 +15,7 @@ from specdec.cli import plural
 from specdec.loading import checkpoint
 from specdec import drafters as D
 from specdec.engines import decode
-from specdec.engines import rows
+from specdec import rows
 from specdec.training import pass_tokens
 from conftest import save_tiny_model, tiny_config, draft_one
 from test_bench_cli import run_bench, short_run

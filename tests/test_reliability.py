@@ -20,7 +20,7 @@ from specdec.loading import checkpoint
 from specdec import drafters
 from specdec.engines import decode
 import heads as heads_lib
-from specdec.engines import rows
+from specdec import rows
 import tree as tree_lib
 from conftest import tiny_config
 

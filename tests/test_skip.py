@@ -19,7 +19,7 @@ from specdec.loading import catalog
 from specdec import cli
 from specdec import drafters as D
 from specdec.engines import decode
-from specdec.engines import rows
+from specdec import rows
 from specdec import tuning
 from conftest import save_tiny_model, tiny_config
 from test_bench_cli import prompts_file, run_bench

@@ -28,7 +28,7 @@ from specdec.training import dataset as D
 import heads as heads_lib
 from specdec.fast import kernels
 from specdec.training import losses
-from specdec.engines import rows
+from specdec import rows
 import train as T
 from specdec.training import batches, distributed, prepare, resume
 from conftest import tiny_config, torchrun_env

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specdec.loading import checkpoint
-from specdec.engines import rows
+from specdec import rows
 from specdec.training import dataset as D
 import train as T
 from specdec import terminal

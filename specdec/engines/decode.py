@@ -4,7 +4,7 @@ rows and every drafter. Read generate.py first: this is its twin, tested equal t
     prefill(model, cache, prompts)        one forward over the prompts: each one's last logits
     step(model, cache, drafter, rows)     one speculative step for every row of the cache:
         the drafter fills a tree of candidates after each row's last token    (specdec.drafters)
-        -> one forward of the base model over every tree, tree masks    (specdec.engines.rows)
+        -> one forward of the base model over every tree, tree masks    (specdec.rows)
         -> each row's verifier picks its longest acceptable path + a bonus     (verify.py)
         -> the accepted nodes' KV entries are kept, the rest is garbage        (RowsCache.keep)
         -> each row's drafter is told what was kept and what the model computed (drafter.accept)

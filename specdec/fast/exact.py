@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from specdec.fast import kernels
 import model
-from specdec.engines import rows
+from specdec import rows
 
 try:
     import triton

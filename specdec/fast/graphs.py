@@ -42,7 +42,7 @@ import weakref
 import torch
 
 import model as model_lib
-from specdec.engines import rows
+from specdec import rows
 
 # --- the static step -------------------------------------------------------------------------
 # model.Transformer.forward for a cached step, at the shapes of its inputs whatever the lengths.

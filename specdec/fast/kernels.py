@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from specdec import cli
 import heads
 import model
-from specdec.engines import rows
+from specdec import rows
 
 
 # --- choosing ------------------------------------------------------------------------------------

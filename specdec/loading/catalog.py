@@ -12,8 +12,8 @@ export.py; it imports the teaching files, never the scripts.
     parse_skip, skip_spec, check_skip, tuned_skip   --draft skip[:LAYERS]: the layers it skips
     skip_set                                     the tuned skip set, else a default one
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
-    load_drafter, learn_online, save_online      generate.py's drafter, --online's learner and
-    check_online_save                            the folder it saves to
+    load_drafter                                 generate.py's drafter
+    check_online_save, save_online               where --online's adapted heads are saved
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
     check_exact, load_model, cuda_graphs         --quantize, --exact and --cuda-graphs: the step
 
@@ -36,7 +36,6 @@ from specdec.fast import exact
 from specdec.fast import graphs
 import heads as heads_lib
 from specdec.fast import kernels
-from specdec.engines import online
 import tree as tree_lib
 import verify as verify_lib
 from specdec.cli import UsageError, check_seed, empty_folder, notice, plural
@@ -788,22 +787,6 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
             f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
         )
     return drafter
-
-
-def learn_online(drafter, model, settings):
-    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
-    (settings: online.Learner's lr, buffer, every and steps; None without --online: the drafter
-    as it is, and no learner)."""
-    if settings is None:
-        return drafter, None
-    inner = drafter.heads if isinstance(drafter, drafters_lib.HeadsPlusLookup) else drafter
-    if not isinstance(inner, drafters_lib.HeadsDrafter):
-        raise UsageError(
-            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
-            "pass --heads FOLDER"
-        )
-    learner = online.Learner(inner.heads, model, **settings)
-    return online.OnlineHeads(drafter, learner), learner
 
 
 def check_online_save(folder):

@@ -37,7 +37,7 @@ from specdec.fast import kernels
 from specdec.cli import UsageError, cache_root
 from heads import HeadsConfig, HeadsError, build
 from model import Config, Rope, lm_head_fingerprint
-from specdec.engines.rows import Model
+from specdec.rows import Model
 
 # architectures model.py computes exactly (model_type in config.json): Llama and Mistral as they
 # are,

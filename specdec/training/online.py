@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 import heads as heads_lib
+from specdec import cli, drafters
 from specdec.fast import kernels
 from specdec.training import losses
 
@@ -209,3 +210,19 @@ class OnlineHeads:
     def accept(self, accepted):
         self.inner.accept(accepted)
         self.record.add(accepted.ids, accepted.hidden, accepted.logits[accepted.nodes])
+
+
+def learn(drafter, model, settings):
+    """--online: the drafter, wrapped to record what every step commits, and its heads' learner
+    (settings: online.Learner's lr, buffer, every and steps; None without --online: the drafter
+    as it is, and no learner)."""
+    if settings is None:
+        return drafter, None
+    inner = drafter.heads if isinstance(drafter, drafters.HeadsPlusLookup) else drafter
+    if not isinstance(inner, drafters.HeadsDrafter):
+        raise cli.UsageError(
+            f"--online: no heads are shipped for {model.cfg.name}; train them with train.py and "
+            "pass --heads FOLDER"
+        )
+    learner = Learner(inner.heads, model, **settings)
+    return OnlineHeads(drafter, learner), learner
