@@ -245,6 +245,13 @@ def build_parser():
         help="with --tune-tree: try trees of 1..N non-root nodes",
     )
     p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="with --tune-tree: also choose the tree for batches of 2, 4, ... up to this many rows "
+        "(a sub-tree of the tuned one, down to plain decoding), which --batch-size then follows",
+    )
+    p.add_argument(
         "--prefix-len",
         type=int,
         default=200,
@@ -310,6 +317,7 @@ class Method:
     # or None: it does not batch
     batch: Callable | None = None
     learns: object = None  # an Online method: measure() resets it before every repeat
+    nodes_at: Callable | None = None  # rows at once -> the nodes of the tree drafted a step
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -802,13 +810,17 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                         f"{name}: skipped (no {kind} heads for this model in {args.heads_dir})"
                     )
                     continue
-                loaded[kind] = heads, catalog.load_tree("auto", heads, folder, args.quantize), base
-            heads, tree, base = loaded[kind]
+                tree = catalog.load_tree("auto", heads, folder, args.quantize)
+                trees = catalog.batch_trees(folder, base, args.quantize)
+                loaded[kind] = heads, tree, trees, base
+            heads, tree, trees, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
                 d = catalog.heads_and_lookup(
                     d, look["gamma"], look["ngram"], look["matches"], device
                 )
+            # more rows at once: the trees by batch size that --tune-tree chose, as generate.py's
+            by_batch = drafters.HeadsByBatch(heads, trees) if trees and not variant else d
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
@@ -817,12 +829,13 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 greedy=verify == "greedy",
                 depth=d.max_depth,
                 adapted=base is not model,
-                batch=ours_batched(fast(base), d, verify, temperature, eos),
+                batch=ours_batched(fast(base), by_batch, verify, temperature, eos),
+                nodes_at=by_batch.tree_for if by_batch is not d else lambda rows: d,
             )
             if not variant:
                 notes.append(
                     f"{name}: {folder}, tree of {cli.plural(tree.num_nodes, 'node')}, "
-                    f"depth {tree.max_depth}"
+                    f"depth {tree.max_depth}" + (f"; {by_batch.name}" if by_batch is not d else "")
                 )
     return methods, notes
 
@@ -918,6 +931,7 @@ def batch_rows(methods, prompts, sizes, args, device, res):
                     len(r.tokens) / max(r.seconds, 1e-9) for r in out
                 ),
                 "step_ms": 1000 * seconds / forwards,
+                "tree_nodes": m.nodes_at(B).max_nodes if m.nodes_at else None,
                 "replies": [r.tokens for r in out],
             }
 
@@ -927,17 +941,18 @@ def batched_table(res, batched, mach):
     lines = [
         machine_line(mach),
         "",
-        "| method | batch | total tokens/s | mean per-sequence tokens/s | step ms | "
+        "| method | batch | tree nodes | total tokens/s | mean per-sequence tokens/s | step ms | "
         "same replies as batch 1 |",
-        "|---|---:|---:|---:|---:|:---:|",
+        "|---|---:|---:|---:|---:|---:|:---:|",
     ]
     for name, by_size in batched.items():
         r = res[name]
         alone = statistics.mean(p["new_tokens"] / max(p["seconds"], 1e-9) for p in r["per_prompt"])
-        lines.append(f"| {name} | 1 | {r['tokens_per_s']:.1f} | {alone:.1f} | - | - |")
+        lines.append(f"| {name} | 1 | - | {r['tokens_per_s']:.1f} | {alone:.1f} | - | - |")
         for B, b in by_size.items():
+            nodes = b.get("tree_nodes") or "-"
             lines.append(
-                f"| {name} | {B} | {b['tokens_per_s']:.1f} | "
+                f"| {name} | {B} | {nodes} | {b['tokens_per_s']:.1f} | "
                 f"{b['per_sequence_tokens_per_s']:.1f} | {b['step_ms']:.1f} | "
                 f"{'yes' if b['same'] else 'NO'} |"
             )
@@ -1176,6 +1191,7 @@ READ_BY = {
     "max_new_tokens": (None, "tune_layers", "tune_skip", "tune_parallel"),
     "heads": ("tune_tree",),
     "max_budget": ("tune_tree",),
+    "max_batch": ("tune_tree",),
     "prefix_len": TUNERS,
     "tune_repeats": TUNERS,
     "max_gamma": ("tune_layers", "tune_skip"),
@@ -1225,12 +1241,19 @@ def check_args(args):
     default = build_parser().get_default
     given = [name for name in READ_BY if getattr(args, name) != default(name)]
     if (
-        min(args.max_new_tokens, args.repeats, args.max_budget, args.tune_repeats, args.prefix_len)
+        min(
+            args.max_new_tokens,
+            args.repeats,
+            args.max_budget,
+            args.max_batch,
+            args.tune_repeats,
+            args.prefix_len,
+        )
         < 1
     ):
         raise cli.UsageError(
-            "--max-new-tokens, --repeats, --max-budget, --tune-repeats and --prefix-len must be "
-            "at least 1"
+            "--max-new-tokens, --repeats, --max-budget, --max-batch, --tune-repeats and "
+            "--prefix-len must be at least 1"
         )
     args.batch_size = batch_sizes(args.batch_size)
     named_methods(args.methods)

@@ -734,7 +734,13 @@ def main(args):
     eos = checkpoint.eos_ids(model, tokenizer)
     decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
     drafter = catalog.load_drafter(
-        draft, model, tokenizer, quantize=args.quantize, decoding=decoding, generator=generator
+        draft,
+        model,
+        tokenizer,
+        quantize=args.quantize,
+        decoding=decoding,
+        generator=generator,
+        batch_size=args.batch_size,
     )
     learning = {k: getattr(args, f"online_{k}") for k in online.DEFAULTS} if args.online else None
     drafter, learner = online.learn(drafter, model, learning)

@@ -256,9 +256,34 @@ class HeadsDrafter:
         return [Draft(t, self.tree, self.mask, self.depth, self.source) for t in tokens]
 
     def accept(self, accepted):
-        self.h = self.heads.context(accepted.hidden, accepted.positions, self.cache)[
-            :, -1
-        ]  # (1, D)
+        h = self.heads.context(accepted.hidden, accepted.positions, self.cache)  # (1, n, D)
+        self.h = h[:, -1]  # (1, D)
+
+
+class HeadsByBatch(HeadsDrafter):
+    """Heads whose tree follows the batch: trees {B: tree.Tree} by the number of live rows, each
+    used from its B up to the next (bench.py --tune-tree chooses them: at each batch size the
+    nested sub-tree of the tuned tree that is expected to accept the most tokens a second, down to
+    the root alone, plain decoding). Whatever the tree, accept() moves the draft state on over
+    every token kept (Hydra++'s prefix layer too), so a row drafts again as soon as a smaller batch
+    lets it. Each row drafts the same tree; greedy rows stay token-identical to plain decoding."""
+
+    def __init__(self, heads, trees: dict):
+        assert 1 in trees, f"trees by batch size need one for batch 1, got {sorted(trees)}"
+        self.by_batch = {B: HeadsDrafter(heads, t) for B, t in sorted(trees.items())}
+        super().__init__(heads, trees[1])  # row(), start() and accept() as HeadsDrafter's
+        self.max_nodes = max(t.num_nodes for t in trees.values())
+        self.max_depth = max(t.max_depth for t in trees.values())
+        self.legend = ["base model"] + [f"head {d}" for d in range(1, self.max_depth + 1)]
+        sizes = [f"{B}: {plural(d.max_nodes, 'node')}" for B, d in self.by_batch.items()]
+        self.name = f"heads: {heads.cfg.kind}, tree by batch size ({', '.join(sizes)})"
+
+    def tree_for(self, rows: int) -> HeadsDrafter:
+        """The heads' drafter of the tree used at `rows` live rows."""
+        return self.by_batch[max(B for B in self.by_batch if B <= max(rows, 1))]
+
+    def draft(self, rows, roots):
+        return self.tree_for(len(rows)).draft(rows, roots)
 
 
 # --- plain decoding -----------------------------------------------------------------------------

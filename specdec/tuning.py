@@ -542,6 +542,10 @@ def tune_tree(args, model, prompts, device):
             f"plain decoding is faster for these heads here (the best tree is expected at "
             f"{speedup:.2f}x); use --heads none"
         )
+    quant = kernels_lib.in_use(model).quant
+    budgets = tune_budgets(args, model, heads, h, roots, prefix, acc, rows[: best["budget"] + 1])
+    if budgets:
+        save_budgets(budgets, catalog.tuned_tree_file(folder, device, model.dtype, "budget", quant))
     if args.json:
         keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
         write_json(
@@ -551,6 +555,7 @@ def tune_tree(args, model, prompts, device):
                 "trees": [{k: r[k] for k in keys} for r in rows],
                 "chosen": best["budget"],
                 "expected_speedup": speedup,
+                "by_batch": budgets,
             },
         )
     if args.plots and (plt := plotting()) is not None:
@@ -570,6 +575,77 @@ def tune_tree(args, model, prompts, device):
         fig.tight_layout()
         fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
         print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
+
+
+# --- the tree by batch size ----------------------------------------------------------------------
+# A tree's nodes cost little while a step's tokens are few; B rows of N nodes are B*N tokens, and
+# past a few the step is no longer free. So each batch size gets its own nested sub-tree of the
+# tuned tree (sparse's first n nodes): the one expected to accept the most tokens a second over
+# all B rows, B * expected tau / (step + draft), the root alone (plain decoding) included.
+
+
+def batch_sizes(most):
+    """2, 4, 8, ... up to `most`: the batch sizes whose tree is chosen (1's is the tuned tree)."""
+    return [2**i for i in range(1, most.bit_length()) if 2**i <= most]
+
+
+def tune_budgets(args, model, heads, h, roots, prefix, acc, batch1):
+    """{B: {budget, paths, expected_tau, step_ms, tokens_per_s, expected_speedup}} for B = 1 (the
+    rows measured alone, `batch1`: budgets 0..the tuned tree's) and each of batch_sizes(
+    --max-batch), each B's step timed here over B rows that hold `prefix`. {} for --max-batch 1."""
+    if args.max_batch < 2:
+        return {}
+    device = model.device
+    chosen = {1: batch1}
+    for B in batch_sizes(args.max_batch):
+        cache = model.new_cache(len(prefix) + len(batch1), batch=B)
+        positions = torch.arange(len(prefix), device=device)
+        model(torch.tensor([prefix] * B, device=device), positions, None, cache, last_only=True)
+        cache.keep(*[range(len(prefix))] * B)
+        hB, rootsB = h.expand(B, -1), roots.expand(B)  # (B, D), (B,): every row alike
+        sizes = []
+        for r in batch1:
+            t = tree_lib.build(r["paths"]).to(device)
+            plan = drafters.draft_plan(t)
+            fill = drafters.fill_trees
+            draft = lambda t=t, plan=plan: fill(heads, hB, rootsB, plan, t.num_nodes)  # (B, N)
+            tokens = draft() if r["budget"] else rootsB[:, None]  # (B, N)
+            mask = t.mask.expand(B, -1, -1) if r["budget"] else None  # (B, N, N)
+            pos = cache.length + t.depth.expand(B, -1)  # (B, N)
+            step = lambda tokens=tokens, pos=pos, mask=mask: model(tokens, pos, mask, cache)
+            step(), step()  # warm-up
+            tree_of = {k: r[k] for k in ("budget", "paths", "expected_tau")}
+            sizes.append(tree_of | {"step": step, "draft": draft if r["budget"] else None})
+        for r in sizes:
+            r["step_s"], r["draft_s"] = [], []
+        for _ in range(args.tune_repeats):  # interleaved, as tune_tree's
+            for r in sizes:
+                r["step_s"].append(timed(r["step"], device))
+                r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
+        for r in sizes:
+            r["step_ms"] = statistics.median(r["step_s"]) * 1e3
+            r["draft_ms"] = statistics.median(r["draft_s"]) * 1e3
+            r["tokens_per_s"] = B * r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
+        chosen[B] = sizes
+    keys = ("budget", "paths", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
+    table = {}
+    print("\n| batch | nodes + root | expected tau | step ms | expected tokens/s | over plain |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for B, sizes in chosen.items():
+        best = smallest_within(sizes, TREE_TIE)
+        gain = best["tokens_per_s"] / sizes[0]["tokens_per_s"]
+        table[B] = {k: best[k] for k in keys} | {"expected_speedup": gain}
+        print(
+            f"| {B} | {best['budget']} | {best['expected_tau']:.2f} | {best['step_ms']:.1f} | "
+            f"{best['tokens_per_s']:.1f} | {gain:.2f}x |"
+        )
+    return table
+
+
+def save_budgets(table, file):
+    """The trees by batch size, as catalog.batch_trees reads them for --batch-size."""
+    write_json(file, {"by_batch": {str(B): row for B, row in table.items()}})
+    print(f"trees by batch size saved: {file}")
 
 
 # --- layers tuning --------------------------------------------------------------------------------

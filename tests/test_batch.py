@@ -299,3 +299,68 @@ def test_rows_that_end_past_their_limit_leave_room_for_the_rest(echo, name, size
     assert [r.tokens for r in batch] == [[0] * n for n in limits]
     if name == "repeat":
         assert batch[0].accepted == [4, 2], "row 0 keeps 2 drafts past its limit"
+
+
+# --- the tree follows the batch ----------------------------------------------------------------
+
+
+def by_batch(model, kind="hydra++"):
+    """Random heads whose tree shrinks with the live rows: a bushy tree alone, a chain of one at 2
+    or 3 rows, the root alone (plain decoding) from 4."""
+    trees = {1: tree_lib.cartesian([3, 2, 2]), 2: tree_lib.chain(1), 4: []}
+    heads = random_heads(model, kind)
+    return drafters.HeadsByBatch(heads, {B: tree_lib.build(p) for B, p in trees.items()})
+
+
+def test_heads_by_batch_draft_the_tree_of_the_live_rows(small):
+    d = by_batch(small)
+    rows = [d.row() for _ in range(5)]
+    hidden = torch.randn(1, 4, small.cfg.dim)
+    for r in rows:
+        r.start([1, 2, 3, 4], hidden, 64)
+    sizes = [len(d.draft(rows[:n], [5] * n)[0].tokens) for n in range(1, 6)]
+    assert sizes == [1 + 3 + 6 + 12, 2, 2, 1, 1]
+    assert d.max_nodes == 22 and d.max_depth == 3 and "tree by batch size" in d.name
+
+
+@pytest.mark.parametrize("kind", ["hydra", "hydra++"])
+def test_a_greedy_batch_whose_tree_follows_it_is_each_prompt_decoded_alone(small, kind):
+    """Six prompts through 4 rows: at first every row decodes plainly, then, as rows end, the rest
+    draft again, a chain at 2 or 3 rows and the bushy tree alone; each row is still its prompt
+    decoded alone."""
+    alone = [decode.generate(small, p, n, eos_ids=EOS) for p, n in zip(PROMPTS, LIMITS)]
+    d = by_batch(small, kind)
+    sizes = []  # (live rows, nodes) of every step
+    draft = d.draft
+
+    def recorded(rows, roots):
+        drafts = draft(rows, roots)
+        sizes.append((len(rows), len(drafts[0].tokens)))
+        return drafts
+
+    d.draft = recorded
+    batch = engine.generate_batch(small, PROMPTS, LIMITS, d, eos_ids=EOS, batch_size=4)
+    assert [r.tokens for r in batch] == [r.tokens for r in alone]
+    assert {(4, 1), (2, 2), (1, 22)} <= set(sizes) <= {(4, 1), (3, 2), (2, 2), (1, 22)}
+
+
+def test_the_draft_state_follows_every_kept_token_while_the_batch_drafts_nothing(small):
+    """Hydra++ decoding plainly (a batch of 4 drafts the root alone) still feeds every kept token
+    through its prefix layer: its draft state is the one computed afresh over the whole text."""
+    d = by_batch(small)
+    rows = [d.row() for _ in range(4)]
+    prompt = [1, 2, 3, 4, 5]
+    _, hidden = small(torch.tensor([prompt]), torch.arange(5))
+    for r in rows:
+        r.start(prompt, hidden, 64)
+    text = list(prompt)
+    for _ in range(6):  # a plain step of every row: the root kept, its state moved on
+        (draft, *_) = d.draft(rows, [7] * 4)
+        assert len(draft.tokens) == 1
+        _, h = small(torch.tensor([text + [7]]), torch.arange(len(text) + 1))
+        for r in rows:
+            r.accept(drafters.Accepted([7], h[:, -1:], torch.tensor([len(text)]), nodes=[0]))
+        text.append(7)
+    _, hidden = small(torch.tensor([text]), torch.arange(len(text)))
+    fresh = d.heads.context(hidden, torch.arange(len(text)), d.heads.new_cache(64))[:, -1]
+    torch.testing.assert_close(rows[0].h, fresh, atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 
+from specdec import drafters
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
@@ -354,6 +355,46 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
         "notice: plain decoding is faster for these heads here (the best tree is "
         "expected at 0.51x); use --heads none"
     ], err
+
+
+def step_ms_by_tokens(fn, device):
+    """A fake clock for --tune-tree: a step is free up to 4 tokens, then 1/4 ms a token; drafting
+    costs nothing (its closure holds a tree, a step's its tokens)."""
+    tokens = (fn.__defaults__ or [None])[0]
+    return 0.001 * max(1, tokens.numel() / 4) if torch.is_tensor(tokens) else 0.0
+
+
+def test_tune_tree_chooses_a_tree_for_each_batch_size_and_a_batch_follows_it(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """Where a step is free up to 4 tokens, a tree of 3 nodes pays alone, one node at 2 rows (4
+    tokens) and none at 4 (plain decoding): --tune-tree saves that table beside the tree, and a
+    --batch-size run of the heads drafts the tree of its live rows."""
+    folder = saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
+    (folder / "eval.json").write_text(json.dumps({"rank_acceptance": [[0.9, 0.5], [0.8, 0.4]]}))
+    monkeypatch.setattr(tuning, "timed", step_ms_by_tokens)
+    monkeypatch.setattr(tuning, "distance_to_floor", lambda model, device: {})
+    code, out, err = run_bench(
+        capsys,
+        *["--tune-tree", "--model", tiny_model_dir, "--heads", folder, "--heads-dir", tmp_path],
+        *["--prompts", prompts_file(tmp_path), "--max-budget", 3, "--max-batch", 4],
+        *["--tune-repeats", 1, "--dtype", "fp32"],
+    )
+    assert code == 0, err
+    saved = json.loads(
+        pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32, "budget")).read_text()
+    )
+    assert {B: row["budget"] for B, row in saved["by_batch"].items()} == {"1": 3, "2": 1, "4": 0}
+    assert "| 2 | 1 | 1.90 |" in out
+    model, tokenizer = checkpoint.load(tiny_model_dir)
+    flags = catalog.draft_flags("heads", {}, str(folder), "auto", None)
+    decoding = dict(verify="auto", temperature=0.0, top_p=1.0)
+    load = lambda size: catalog.load_drafter(
+        flags, model, tokenizer, quantize="none", decoding=decoding, generator=None, batch_size=size
+    )
+    assert type(load(1)) is drafters.HeadsDrafter and load(1).max_nodes == 4
+    assert load(4).name == "heads: hydra++, tree by batch size (1: 4 nodes, 2: 2 nodes, 4: 1 node)"
+    assert load(4).by_batch[4].max_nodes == 1
 
 
 def test_heads_folders_as_train_writes_them(capsys, tmp_path, tiny_model_dir):

@@ -178,6 +178,29 @@ def load_heads(name, model):
 # --- trees: --tree, and the tuned files beside the heads ------------------------------------------
 
 
+def batch_trees(folder, model, quant="none"):
+    """{B: tree.Tree}: the trees by batch size that bench.py --tune-tree chose for this machine
+    and saved beside the heads (budget-DEVICE-DTYPE.json), each used from B rows on; None where
+    it did not."""
+    files = [
+        tuned_tree_file(folder, model.device, model.dtype, "budget", q) for q in (quant, "none")
+    ]
+    file = next((f for f in files if os.path.exists(f)), None)
+    if file is None:
+        return None
+    try:
+        with open(file) as f:
+            table = json.load(f)["by_batch"]
+        return {
+            int(B): tree_lib.build([tuple(p) for p in row["paths"]]) for B, row in table.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(
+            f"{file}: not a table of trees by batch size ({e}); run bench.py --tune-tree again, "
+            "or delete it"
+        ) from None
+
+
 def parse_tree(spec):
     """--tree spec -> paths (tree.parse: data only, nothing in it is ever evaluated)."""
     try:
@@ -728,9 +751,10 @@ def skip_layers(model, settings, given):
     return skipped, settings | {"gamma": gamma} | given
 
 
-def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
+def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batch_size=1):
     """The drafter DraftFlags `draft` names, once the model is loaded: heads and their tree (tuned
-    for --quantize), a draft model, checked against the model. Its drafts are sampled, from
+    for --quantize; for --batch-size > 1 the trees by batch size where they were tuned, unless a
+    --tree is given), a draft model, checked against the model. Its drafts are sampled, from
     `generator`, where the verification rule needs them (Leviathan's), else greedy."""
     kind = draft.kind
     arg = draft.arg
@@ -781,6 +805,10 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator):
         top_p=decoding["top_p"],
         generator=generator,
     )
+    by_batch = batch_size > 1 and kind == "heads" and heads is not None and draft.tree == "auto"
+    trees = batch_trees(folder, model, quantize) if by_batch else None
+    if trees:
+        drafter = drafters_lib.HeadsByBatch(heads, trees)
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise UsageError(
             f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
