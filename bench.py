@@ -820,7 +820,9 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                     d, look["gamma"], look["ngram"], look["matches"], device
                 )
             # more rows at once: the trees by batch size that --tune-tree chose, as generate.py's
-            by_batch = drafters.HeadsByBatch(heads, trees) if trees and not variant else d
+            by_batch = d
+            if trees and not variant:  # alone, a row drafts `tree`, as generate.py's
+                by_batch = drafters.HeadsByBatch(heads, trees | {1: tree})
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
@@ -830,7 +832,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 depth=d.max_depth,
                 adapted=base is not model,
                 batch=ours_batched(fast(base), by_batch, verify, temperature, eos),
-                nodes_at=by_batch.tree_for if by_batch is not d else lambda rows: d,
+                nodes_at=by_batch.tree_for if by_batch is not d else lambda rows, d=d: d,
             )
             if not variant:
                 notes.append(

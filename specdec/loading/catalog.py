@@ -807,8 +807,8 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
     )
     by_batch = batch_size > 1 and kind == "heads" and heads is not None and draft.tree == "auto"
     trees = batch_trees(folder, model, quantize) if by_batch else None
-    if trees:
-        drafter = drafters_lib.HeadsByBatch(heads, trees)
+    if trees:  # alone, a row drafts the tree the banner names, as at --batch-size 1
+        drafter = drafters_lib.HeadsByBatch(heads, trees | {1: tree})
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise UsageError(
             f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
