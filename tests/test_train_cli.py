@@ -543,7 +543,15 @@ def test_a_model_that_writes_no_usable_prompt_stops_with_one_line(
     # the random model never ends a prompt: without the guard the data stage would loop for ever
     monkeypatch.setattr(D, "DRY_PROMPTS", 8)
     code, _, err = run_train(
-        capsys, "--model", tiny_model_dir, "--work", tmp_path, "--gen-batch", 4
+        capsys,
+        "--model",
+        tiny_model_dir,
+        "--work",
+        tmp_path,
+        "--gen-batch",
+        4,
+        "--max-prompt-tokens",
+        16,
     )
     check_one_line_error(
         code,
