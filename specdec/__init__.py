@@ -1,24 +1,16 @@
-"""specdec: the machinery of speculative decoding with draft heads, and its Python API (api.py).
+"""specdec: the machinery of speculative decoding with draft heads, beside the lesson's seven files
+at the top of the repository (model.py, heads.py, tree.py, verify.py, generate.py, train.py,
+bench.py), which it imports and never the other way round.
 
-    import specdec
-    sd = specdec.load()                          # the default model and its shipped hydra++ heads
-    print(sd.generate("Give me three tips for staying focused while studying.").text)
+    engines/     decode.py: generate.py's ladder for many rows and every drafter, and the chat;
+                 engine.py: many prompts at once
+    rows.py      model.py's forward over rows of their own lengths
+    drafters.py  the Drafter protocol and every drafter beyond the heads
+    fast/        the fast paths, each the tested twin of a readable function
+    loading/     models, heads and tokenizers (checkpoint.py); what a user may name (catalog.py)
+    training/    what surrounds train.py's loop, Medusa-2, PaSS's tokens, online learning
+    api.py       the Python API: from specdec.api import load (README.md, "From Python")
+    cli.py, ctrl_c.py, terminal.py, tuning.py, export.py   the command line and its tools
 
-From outside the repository, put its folder (the one holding generate.py) on Python's path:
-PYTHONPATH=/path/to/specdec (README.md, "From Python").
-
-The API's names are read from api.py when first asked for, not when the package is imported: a
-script that needs only cli.py (the convention, which imports nothing of the project) does not load
-the model code with it.
+Importing the package imports nothing: specdec.ctrl_c must load before torch does.
 """
-
-API = ("load", "Decoder", "Reply", "Chat", "APIError")  # specdec.load, ..., from api.py
-__all__ = list(API)
-
-
-def __getattr__(name):  # called for a name the package does not hold yet (PEP 562)
-    if name in API:
-        from specdec import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

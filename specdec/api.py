@@ -1,7 +1,7 @@
 """The package's face: a model, its drafter and the decode loop from a script of your own.
 
-    import specdec
-    sd = specdec.load()                          # the default model and its shipped hydra++ heads
+    from specdec.api import load
+    sd = load()                                  # the default model and its shipped hydra++ heads
     print(sd.generate("Give me three tips for staying focused while studying.").text)
 
     load(model, draft=, heads=, tree=, ...)      generate.py's flags as keywords -> a Decoder

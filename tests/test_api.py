@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
-import specdec
 from conftest import save_tiny_model
 from specdec import api
 from specdec.loading import checkpoint
@@ -63,8 +62,8 @@ def sd(request, folder, heads_folder):
     """The varied model, drafted by prompt lookup, by random hydra heads (a chain of 3) or by its
     own first layer (whose drafts are sampled at a sampled reply's temperature)."""
     if request.param == "heads":
-        return specdec.load(folder, heads=heads_folder, dtype="fp32", threads=1)
-    return specdec.load(folder, draft=request.param, dtype="fp32", threads=1)
+        return api.load(folder, heads=heads_folder, dtype="fp32", threads=1)
+    return api.load(folder, draft=request.param, dtype="fp32", threads=1)
 
 
 # --- the README's example -------------------------------------------------------------------------
@@ -77,7 +76,7 @@ def readme_example():
     section = section[: section.index("\n## ")]
     path, script = re.search(r"^PYTHONPATH=(\S+) python (\S+)$", section, re.M).groups()
     blocks = re.findall(r"^```\w*\n(.*?)^```", section, re.S | re.M)
-    code = next(b for b in blocks if "import specdec" in b)
+    code = next(b for b in blocks if "from specdec.api import load" in b)
     return path, script, code
 
 
@@ -110,12 +109,12 @@ def test_a_string_a_message_list_and_a_batch_come_back_without_eos(folder, tmp_p
     """A model whose EOS is a token its greedy reply makes: the reply stops there, and neither its
     ids nor its text holds it, whether the prompt is a string, the same as messages, or in a
     batch."""
-    plain = specdec.load(folder, heads="none", dtype="fp32", threads=1)
+    plain = api.load(folder, heads="none", dtype="fp32", threads=1)
     first = plain.generate(PROMPTS[1], max_new_tokens=12)
     k = max(i for i, t in enumerate(first.ids) if t not in first.ids[:i])
     eos = first.ids[k]  # its first appearance, k tokens in
     eos_model = varied_model(tmp_path / "eos", eos_token_id=eos)  # the same weights
-    sd = specdec.load(eos_model, heads="none", dtype="fp32", threads=1)
+    sd = api.load(eos_model, heads="none", dtype="fp32", threads=1)
     assert eos in sd.eos_ids
     messages = [{"role": "user", "content": PROMPTS[1]}]
     replies = [sd.generate(PROMPTS[1], max_new_tokens=16), sd.generate(messages, max_new_tokens=16)]
@@ -153,7 +152,7 @@ def test_a_seed_gives_the_same_sampled_reply(sd):
 def test_a_reply_is_generate_pys_for_the_same_flags(folder, draft, temperature, capsys):
     """The same text as `python generate.py` with the keywords as flags, sampled too (a model's own
     drafts sampled from the reply's generator, as generate.py's are)."""
-    sd = specdec.load(folder, draft=draft, dtype="fp32", threads=1)
+    sd = api.load(folder, draft=draft, dtype="fp32", threads=1)
     r = sd.generate(PROMPTS[1], max_new_tokens=12, temperature=temperature, seed=3)
     flags = [
         "--model",
@@ -211,21 +210,21 @@ BAD_LOADS = [
 
 def assert_one_error(e, name):
     """One APIError, a ValueError, naming `name` in the keywords' words and nothing chained."""
-    assert isinstance(e, specdec.APIError) and isinstance(e, ValueError)
+    assert isinstance(e, api.APIError) and isinstance(e, ValueError)
     assert name in str(e) and "--" not in str(e) and "\n" not in str(e)
     assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
 
 
 @pytest.mark.parametrize("name, kw", BAD_LOADS, ids=[str(kw) for _, kw in BAD_LOADS])
 def test_a_bad_load_argument_is_one_error_before_the_model_loads(name, kw, no_model):
-    with pytest.raises(specdec.APIError) as e:
-        specdec.load(**kw)
+    with pytest.raises(api.APIError) as e:
+        api.load(**kw)
     assert_one_error(e.value, name)
 
 
 def test_a_model_that_cannot_load_is_one_error():
-    with pytest.raises(specdec.APIError) as e:
-        specdec.load("/no/such/folder")
+    with pytest.raises(api.APIError) as e:
+        api.load("/no/such/folder")
     assert_one_error(e.value, "model '/no/such/folder'")
 
 
@@ -252,7 +251,7 @@ BAD_CALLS = [
 @pytest.mark.parametrize("name, kw", BAD_CALLS, ids=[str(kw) for _, kw in BAD_CALLS])
 def test_a_bad_generate_argument_is_one_error(sd, name, kw):
     kw = {"prompt": PROMPTS[0]} | kw
-    with pytest.raises(specdec.APIError) as e:
+    with pytest.raises(api.APIError) as e:
         sd.generate(**kw)
     assert_one_error(e.value, name)
 
@@ -266,7 +265,7 @@ def test_bad_batch_and_chat_arguments_are_one_error(sd):
         ("top_p", lambda: sd.chat(top_p=0)),
         ("message", lambda: sd.chat().send("")),
     ]:
-        with pytest.raises(specdec.APIError) as e:
+        with pytest.raises(api.APIError) as e:
             call()
         assert_one_error(e.value, name)
 
@@ -300,12 +299,12 @@ def test_the_keywords_defaults_are_generate_pys_flags():
     assert set(api.SIZES) == set(generate.SIZES)
 
 
-def test_importing_the_package_leaves_the_api_unloaded():
-    """specdec.cli (the convention, which imports nothing of the project) comes without api.py;
-    specdec.load brings it."""
+def test_importing_the_package_imports_nothing():
+    """specdec.ctrl_c, an entry script's first import, loads neither torch nor the API: the
+    package's __init__.py holds its table of contents and no code."""
     code = (
-        "import sys, specdec.cli; assert 'specdec.api' not in sys.modules; "
-        "import specdec; specdec.load; assert 'specdec.api' in sys.modules"
+        "import sys, specdec.ctrl_c; assert 'torch' not in sys.modules; "
+        "import specdec.cli; assert 'specdec.api' not in sys.modules"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
