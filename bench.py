@@ -811,7 +811,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                     )
                     continue
                 tree = catalog.load_tree("auto", heads, folder, args.quantize)
-                trees = catalog.batch_trees(folder, base, args.quantize)
+                trees = catalog.batch_trees(folder, base, tree, args.quantize)
                 loaded[kind] = heads, tree, trees, base
             heads, tree, trees, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
@@ -821,8 +821,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 )
             # more rows at once: the trees by batch size that --tune-tree chose, as generate.py's
             by_batch = d
-            if trees and not variant:  # alone, a row drafts `tree`, as generate.py's
-                by_batch = drafters.HeadsByBatch(heads, trees | {1: tree})
+            if trees and not variant:
+                by_batch = drafters.HeadsByBatch(heads, trees)
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(

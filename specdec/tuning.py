@@ -444,6 +444,22 @@ def save_tree(paths, file, expected_speedup):
 
 
 @torch.inference_mode()
+def time_trees(trees, repeats, device, rows):
+    """Time each tree's step and draft (its "step" and "draft" functions; no draft: the root
+    alone), interleaved so that a burst of machine noise hits every size alike; the medians in ms
+    and the expected tokens/s of `rows` rows drafting it, into each tree's dict."""
+    for t in trees:
+        t["step_s"], t["draft_s"] = [], []
+    for _ in range(repeats):
+        for t in trees:
+            t["step_s"].append(timed(t["step"], device))
+            t["draft_s"].append(timed(t["draft"], device) if t["draft"] else 0.0)
+    for t in trees:
+        t["step_ms"] = statistics.median(t["step_s"]) * 1e3
+        t["draft_ms"] = statistics.median(t["draft_s"]) * 1e3
+        t["tokens_per_s"] = rows * t["expected_tau"] / (t["step_ms"] + t["draft_ms"]) * 1e3
+
+
 def tune_tree(args, model, prompts, device):
     folder = (
         catalog.heads_folder(args.heads_dir, args.heads)
@@ -493,21 +509,9 @@ def tune_tree(args, model, prompts, device):
                 "paths": paths,
                 "step": step,
                 "draft": draft if budget else None,
-                "step_s": [],
-                "draft_s": [],
             }
         )
-    # interleaved: a burst of machine noise hits every size alike
-    for _ in range(args.tune_repeats):
-        for r in rows:
-            r["step_s"].append(timed(r["step"], device))
-            r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
-    for r in rows:
-        r["step_ms"], r["draft_ms"] = (
-            statistics.median(r["step_s"]) * 1e3,
-            statistics.median(r["draft_s"]) * 1e3,
-        )
-        r["tokens_per_s"] = r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
+    time_trees(rows, args.tune_repeats, device, rows=1)
     best = smallest_within(rows[1:], TREE_TIE)
     mach = machine(
         device,
@@ -616,16 +620,7 @@ def tune_budgets(args, model, heads, h, roots, prefix, acc, batch1):
             step(), step()  # warm-up
             tree_of = {k: r[k] for k in ("budget", "paths", "expected_tau")}
             sizes.append(tree_of | {"step": step, "draft": draft if r["budget"] else None})
-        for r in sizes:
-            r["step_s"], r["draft_s"] = [], []
-        for _ in range(args.tune_repeats):  # interleaved, as tune_tree's
-            for r in sizes:
-                r["step_s"].append(timed(r["step"], device))
-                r["draft_s"].append(timed(r["draft"], device) if r["draft"] else 0.0)
-        for r in sizes:
-            r["step_ms"] = statistics.median(r["step_s"]) * 1e3
-            r["draft_ms"] = statistics.median(r["draft_s"]) * 1e3
-            r["tokens_per_s"] = B * r["expected_tau"] / (r["step_ms"] + r["draft_ms"]) * 1e3
+        time_trees(sizes, args.tune_repeats, device, rows=B)
         chosen[B] = sizes
     keys = ("budget", "paths", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
     table = {}

@@ -178,10 +178,10 @@ def load_heads(name, model):
 # --- trees: --tree, and the tuned files beside the heads ------------------------------------------
 
 
-def batch_trees(folder, model, quant="none"):
+def batch_trees(folder, model, tree, quant="none"):
     """{B: tree.Tree}: the trees by batch size that bench.py --tune-tree chose for this machine
-    and saved beside the heads (budget-DEVICE-DTYPE.json), each used from B rows on; None where
-    it did not."""
+    and saved beside the heads (budget-DEVICE-DTYPE.json), each used from B rows on, and `tree`
+    (the heads' tree, the banner's) for a row alone; None where it chose none."""
     files = [
         tuned_tree_file(folder, model.device, model.dtype, "budget", q) for q in (quant, "none")
     ]
@@ -191,7 +191,7 @@ def batch_trees(folder, model, quant="none"):
     try:
         with open(file) as f:
             table = json.load(f)["by_batch"]
-        return {
+        trees = {
             int(B): tree_lib.build([tuple(p) for p in row["paths"]]) for B, row in table.items()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -199,6 +199,7 @@ def batch_trees(folder, model, quant="none"):
             f"{file}: not a table of trees by batch size ({e}); run bench.py --tune-tree again, "
             "or delete it"
         ) from None
+    return trees | {1: tree}  # alone, a row drafts the banner's tree, as at --batch-size 1
 
 
 def parse_tree(spec):
@@ -806,9 +807,9 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
         generator=generator,
     )
     by_batch = batch_size > 1 and kind == "heads" and heads is not None and draft.tree == "auto"
-    trees = batch_trees(folder, model, quantize) if by_batch else None
-    if trees:  # alone, a row drafts the tree the banner names, as at --batch-size 1
-        drafter = drafters_lib.HeadsByBatch(heads, trees | {1: tree})
+    trees = batch_trees(folder, model, tree, quantize) if by_batch else None
+    if trees:
+        drafter = drafters_lib.HeadsByBatch(heads, trees)
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise UsageError(
             f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
