@@ -6,13 +6,16 @@ subclasses, never as arguments of the lesson's:
 
     model = Model(cfg)                      # specdec.loading.checkpoint.load() makes these
     cache = model.new_cache(max_len, batch=B)              # a RowsCache: a length per row
-    logits, hidden = model(tokens, positions, mask, cache, last_only=False, layers=None, extra=None)
+    logits, hidden = model(tokens, positions, mask, cache, last_only=False, layers=None, extra=None,
+                           sizes=None)
     cache.keep(idx_0, ..., idx_B-1)         # each row's accepted entries
 
 rows of different lengths (the batch engine: each row sees its own prefix, not the gap after it),
 a prefill's logits at the last position only (`last_only`), a forward through some of the layers
 (`layers`: self-speculative drafting) and embeddings of ids past the vocabulary (`extra`: PaSS's
-[LA] tokens). With one row, none of those, it computes what model.Transformer.forward computes
+[LA] tokens), and rows whose trees are smaller than the largest (`sizes`: the padding after a
+row's own tokens is computed where the fast path cannot skip it, never read). With one row, none
+of those, it computes what model.Transformer.forward computes
 (tests/test_model.py). The fast paths (specdec.fast) are twins of this class's layers.
 Shapes: B rows, T new tokens, S cache slots, D hidden, Hkv key/value heads, Dh head size."""
 
@@ -103,6 +106,14 @@ class RowsCache(model.KVCache):
 # --- the forward over rows ------------------------------------------------------------
 
 
+def packed(sizes, T):
+    """The tokens that matter of B rows of T: row b's first sizes[b], as flat indices b T + t, in
+    order -> (M,) int32 (what kernels.c's `at` reads)."""
+    return torch.tensor(
+        [b * T + t for b, n in enumerate(sizes) for t in range(n)], dtype=torch.int32
+    )
+
+
 def attention_mask(T, start, mask, key_mask, device):
     """The (B|1, 1, T, start+T) bool mask: each new token sees the cached prefix (but the slots
     key_mask (B, start+T) hides) and, among the new tokens, what `mask` (T, T) or (B, T, T) allows
@@ -142,7 +153,15 @@ class Model(model.Transformer):
         return torch.where((tokens >= V)[..., None], added, known)
 
     def forward(
-        self, tokens, positions, mask=None, cache=None, last_only=False, layers=None, extra=None
+        self,
+        tokens,
+        positions,
+        mask=None,
+        cache=None,
+        last_only=False,
+        layers=None,
+        extra=None,
+        sizes=None,
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
@@ -150,7 +169,9 @@ class Model(model.Transformer):
         Returns logits (B, T, V) and the final post-norm hidden states (B, T, D) that draft heads
         read; last_only: logits at the last position only (B, 1, V), for a long prompt's prefill.
         layers: run only these (indices in order: self-speculative drafting; see run_layers). extra:
-        embeddings of ids past the vocabulary (embed())."""
+        embeddings of ids past the vocabulary (embed()). sizes: row b's first sizes[b] tokens are
+        its own, the rest padding whose logits and hidden states nobody reads (left out of the LM
+        head; a fast path leaves them out of the layers: garbage there)."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
@@ -159,14 +180,21 @@ class Model(model.Transformer):
         key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
-        x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers)
+        x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers, sizes)
         hidden = self.norm(x)  # (B, T, D)
+        if sizes is not None and not last_only and sum(sizes) < B * T:  # the padding left out
+            at = packed(sizes, T).to(tokens.device).long()  # (M,)
+            own = self.lm_head(hidden.flatten(0, 1)[at])  # (M, V)
+            logits = own.new_zeros(B * T, own.shape[-1])
+            logits[at] = own
+            return logits.view(B, T, -1), hidden  # (B, T, V), (B, T, D)
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
         return logits, hidden
 
-    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None, sizes=None):
         """x (B, T, D) through the decoder layers, all or forward's `layers`: the i-th layer run
-        reads and extends cache.k[i], cache.v[i] from slot `start` (None: no cache)."""
+        reads and extends cache.k[i], cache.v[i] from slot `start` (None: no cache). sizes: as
+        forward's; every token is computed here."""
         run = self.layers if layers is None else [self.layers[i] for i in layers]
         for i, layer in enumerate(run):  # i: the layer's place in the cache
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None

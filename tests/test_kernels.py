@@ -417,6 +417,46 @@ def test_kernels_c_runs_the_layers_in_one_call_with_the_bits_of_one_by_one(nativ
         assert torch.equal(a, b)
 
 
+def test_kernels_c_leaves_a_smaller_trees_padding_out_with_the_bits_of_the_padded_forward(
+    native_path,
+):
+    """rows.Model.forward's sizes: rows whose trees are smaller than the largest are packed side by
+    side in kernels.c (the padding is not computed); every row's own tokens get the logits and
+    hidden states, and write the keys and values, of the padded forward, bit for bit."""
+    torch.manual_seed(0)
+    tiny = rows.Model(tiny_config(n_layers=2)).eval().requires_grad_(False)
+    tiny = kernels.use(tiny.to(torch.bfloat16), C)
+    g = torch.Generator().manual_seed(3)
+    sizes, T = [4, 1, 2], 4
+    tokens = torch.randint(0, 64, (3, T), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    masks = torch.stack([tree] * 3)  # (B, T, T): each row's own tree, padding seeing itself
+    masks[1:, :, :] &= torch.eye(T, dtype=torch.bool) | torch.ones(T, T, dtype=torch.bool).tril()
+
+    def step(sizes):
+        cache = tiny.new_cache(16, batch=3)
+        with torch.inference_mode():
+            tiny(
+                torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(1)),
+                torch.arange(6),
+                None,
+                cache,
+            )
+            cache.keep(*[range(6), range(4), range(5)])
+            positions = torch.tensor(cache.lengths)[:, None] + torch.tensor([0, 1, 1, 2])
+            logits, hidden = tiny(tokens, positions, masks, cache, sizes=sizes)
+        return logits, hidden, cache
+
+    padded, packed = step(None), step(sizes)
+    assert not torch.equal(packed[1][1, 1:], padded[1][1, 1:]), "the padding was computed"
+    for b, n in enumerate(sizes):
+        assert torch.equal(packed[0][b, :n], padded[0][b, :n])
+        assert torch.equal(packed[1][b, :n], padded[1][b, :n])
+        slots = slice(6, 6 + n)  # where every row's new entries went
+        assert torch.equal(packed[2].k[:, b, :, slots], padded[2].k[:, b, :, slots])
+        assert torch.equal(packed[2].v[:, b, :, slots], padded[2].v[:, b, :, slots])
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @needs_packing

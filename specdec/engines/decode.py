@@ -168,7 +168,9 @@ def step(model, cache, drafter, rows):
         positions = cache.length + depth  # (1, N)
     else:  # a batch's come from the host (on a GPU: one copy a step)
         positions = torch.tensor(cache.lengths, device=depth.device)[:, None] + depth  # (B, N)
-    logits, hidden = model(tokens, positions, mask, cache, extra=extra)  # (B, N, V), (B, N, D)
+    sizes = [len(d.tokens) for d in drafts]  # a row's tree smaller than the largest: its padding
+    sizes = sizes if min(sizes) < tokens.shape[1] else None  # is left out where it can be
+    logits, hidden = model(tokens, positions, mask, cache, extra=extra, sizes=sizes)  # (B, N, V)
     steps = []
     for b, (row, d) in enumerate(zip(rows, drafts)):
         if row is None:

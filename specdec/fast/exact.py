@@ -379,10 +379,10 @@ class ExactTransformer(rows.Model):
     """model.Transformer whose layers get the forward's mask as a Visible, sorted once for all
     of them (not once a layer)."""
 
-    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None, sizes=None):
         B, T, _ = x.shape
         seen = visible_keys(attn_mask, B, T, start + T, x.device)  # start is 0 without a cache
-        return super().run_layers(x, cos, sin, seen, cache, start, layers)  # (B, T, D)
+        return super().run_layers(x, cos, sin, seen, cache, start, layers, sizes)  # (B, T, D)
 
 
 TWINS = {

@@ -269,12 +269,20 @@ class GraphedForward:
         return None
 
     def __call__(
-        self, tokens, positions, mask=None, cache=None, last_only=False, layers=None, extra=None
+        self,
+        tokens,
+        positions,
+        mask=None,
+        cache=None,
+        last_only=False,
+        layers=None,
+        extra=None,
+        sizes=None,
     ):
         why = self.why_eager(cache, last_only, layers, extra)
         if why:
             self.fallbacks[why] += 1
-            out = self.model(tokens, positions, mask, cache, last_only, layers, extra)
+            out = self.model(tokens, positions, mask, cache, last_only, layers, extra, sizes)
         else:
             B, N = tokens.shape
             start = cache.length

@@ -488,18 +488,17 @@ static inline void weigh(const bf16 *vj, int n, float weight, V *even, V *odd) {
   *odd = vfma(vset(weight), od, *odd);
 }
 
-/* query t of head h: y[t, h] (row stride H Dh), over its n visible keys, in order (keys). p:
+/* One query of head h: qt (Dh) against its n visible keys, in order (keys), into yt (Dh). p:
    scratch for n + VL floats. Scores: dot2 of q with VL keys at a time, summed across lanes by sums(). Values: each pair of
    a value row's numbers split into its first (even dimension) and second (odd), accumulated apart
    and put back in order at the end. Every sum runs over the visible keys in their order, so a
    query's result does not depend on the others. */
-static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv, long head,
-                       const int *keys, int n, float scale, bf16 *y, int h, int t, float *p) {
+static void attend_one(const bf16 *qt, int H, int Dh, const bf16 *k, const bf16 *v, int Hkv, long head,
+                       const int *keys, int n, float scale, bf16 *yt, int h, float *p) {
   enum { CHUNKS = 256 / (2 * VL) };                      /* 2 VL numbers of a head (Dh <= 256) */
   int g = h / (H / Hkv), chunks = (Dh + 2 * VL - 1) / (2 * VL);
   const bf16 *kh = k + g * head, *vh = v + g * head;
   P qv[CHUNKS];
-  const bf16 *qt = q + ((long)h * T + t) * Dh;
   for (int c = 0; c < chunks; c++) qv[c] = pairs(qt + 2 * VL * c, Dh - 2 * VL * c);
   V top = vset(-INFINITY);
   for (int j0 = 0; j0 < n; j0 += VL) {                    /* scores, VL keys at a time */
@@ -529,18 +528,20 @@ static void attend_one(const bf16 *q, int H, int T, int Dh, const bf16 *k, const
     for (; j + 1 < n; j += 2)                             /* two sums, alternate keys: twice as many in flight */
       for (int a = 0; a < 2; a++) weigh(vc + (long)keys[j + a] * Dh, kept, p[j + a], &even[a], &odd[a]);
     if (j < n) weigh(vc + (long)keys[j] * Dh, kept, p[j], &even[0], &odd[0]);
-    store_halves(y + ((long)t * H + h) * Dh + 2 * VL * c, kept,
+    store_halves(yt + 2 * VL * c, kept,
                  vmul(vadd(even[0], even[1]), inv), vmul(vadd(odd[0], odd[1]), inv));
   }
 }
 
-/* For each of B batch rows: y (B, T, H, Dh) = softmax(q k^T * scale + mask) v for q (B, H, T, Dh);
-   row b's k, v (Hkv, S, Dh) start `row` elements after row b - 1's, with `head` elements between
-   heads (a cache's view); query head h reads key/value head h / (H/Hkv). mask (B, T, S) bytes,
-   1 = visible, or NULL: causal (query t sees keys up to S - T + t). Dh even, at most 256.
-   Returns 0, or -1 where the scratch memory is not to be had. */
-int attend_bf16(const bf16 *q, int B, int H, int T, int Dh, const bf16 *k, const bf16 *v, int Hkv,
-                int S, long row, long head, const uint8_t *mask, float scale, bf16 *y) {
+/* M queries of H heads: y (M, H, Dh) = softmax(q k^T * scale + mask) v for q (M, H, Dh). Query m
+   is row b's new token t (at[m] = b T + t; at NULL: m itself, M = B T): it reads row b's k, v
+   (Hkv, S, Dh), which start `row` elements after row b - 1's, with `head` elements between heads
+   (a cache's view); query head h reads key/value head h / (H/Hkv). mask (M, S) bytes, 1 =
+   visible, or NULL: causal (query t sees keys up to S - T + t). Dh even, at most 256. Returns 0,
+   or -1 where the scratch memory is not to be had. */
+int attend_bf16(const bf16 *q, int M, const int *at, int H, int T, int Dh, const bf16 *k,
+                const bf16 *v, int Hkv, int S, long row, long head, const uint8_t *mask, float scale,
+                bf16 *y) {
   int failed = 0;
   #pragma omp parallel
   {
@@ -552,18 +553,18 @@ int attend_bf16(const bf16 *q, int B, int H, int T, int Dh, const bf16 *k, const
     }
     int listed = -1, n = 0;                               /* the query whose visible keys are listed */
     #pragma omp for schedule(static)
-    for (int i = 0; i < B * T * H; i++) {
-      int bt = i / H, b = bt / T, t = bt % T, h = i % H;
+    for (int i = 0; i < M * H; i++) {
+      int m = i / H, h = i % H, bt = at ? at[m] : m, b = bt / T, t = bt % T;
       if (!keys || !p) continue;
-      if (bt != listed) {                                 /* row b's query t: its visible keys, in order */
-        const uint8_t *seen = mask ? mask + (long)bt * S : NULL;
+      if (m != listed) {                                  /* query m: its visible keys, in order */
+        const uint8_t *seen = mask ? mask + (long)m * S : NULL;
         n = 0;
         for (int s = 0; s < S; s++)
           if (seen ? seen[s] : s <= S - T + t) keys[n++] = s;
-        listed = bt;
+        listed = m;
       }
-      attend_one(q + (long)b * H * T * Dh, H, T, Dh, k + b * row, v + b * row, Hkv, head, keys, n,
-                 scale, y + (long)b * T * H * Dh, h, t, p);
+      attend_one(q + ((long)m * H + h) * Dh, H, Dh, k + b * row, v + b * row, Hkv, head, keys, n,
+                 scale, y + ((long)m * H + h) * Dh, h, p);
     }
     free(keys);
     free(p);
@@ -646,15 +647,16 @@ typedef struct {
   const float *sqkv, *so, *sgu, *sdown;
 } Layer;
 
-/* out (B, T, D) = the layer L applied to x (B, T, D): B batch rows of T new tokens each. cos, sin
-   (B, T, Dh): each token's rotary. Row b's cache starts `row` elements after row b - 1's, its
-   Hkv heads `head` elements apart, rows of Dh; the new keys and values go to its slots
-   start..start+T. mask (B, T, start + T) bytes or NULL (causal). Returns 0, or -1 where scratch
-   memory is not to be had. */
-int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, const bf16 *sin,
-               bf16 *k_cache, bf16 *v_cache, long row, long head, int start, const uint8_t *mask,
-               bf16 *out) {
-  const int D = L->D, H = L->H, Hkv = L->Hkv, Dh = L->Dh, F = L->F, M = B * T;
+/* out (M, D) = the layer L applied to x (M, D): M new tokens of B batch rows, T slots a row. Token
+   m is row b's new token t, at[m] = b T + t (at NULL: m itself, M = B T: B rows of T tokens); a
+   row's tokens need not fill its T slots (a smaller tree beside a larger one costs only its own).
+   cos, sin (M, Dh): each token's rotary. Row b's cache starts `row` elements after row b - 1's, its
+   Hkv heads `head` elements apart, rows of Dh; new token t goes to slot start + t. mask (M, start +
+   T) bytes or NULL (causal). Returns 0, or -1 where scratch memory is not to be had. */
+int block_bf16(const Layer *L, const bf16 *x, int M, const int *at, int T, const bf16 *cos,
+               const bf16 *sin, bf16 *k_cache, bf16 *v_cache, long row, long head, int start,
+               const uint8_t *mask, bf16 *out) {
+  const int D = L->D, H = L->H, Hkv = L->Hkv, Dh = L->Dh, F = L->F;
   const int Q = (H + 2 * Hkv) * Dh, S = start + T;
   bf16 *h = malloc(sizeof(bf16) * M * D), *qkv = malloc(sizeof(bf16) * M * Q);
   bf16 *q = malloc(sizeof(bf16) * M * H * Dh), *y = malloc(sizeof(bf16) * M * H * Dh);
@@ -667,14 +669,14 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
   if (!failed) {
     /* rotary; k and v into the cache */
     #pragma omp parallel for schedule(static) if (M > 1)
-    for (int bt = 0; bt < M; bt++) {
-      int b = bt / T, t = bt % T;
-      const bf16 *r = qkv + (long)bt * Q, *ct = cos + (long)bt * Dh, *st = sin + (long)bt * Dh;
+    for (int m = 0; m < M; m++) {
+      int bt = at ? at[m] : m, b = bt / T, t = bt % T;
+      const bf16 *r = qkv + (long)m * Q, *ct = cos + (long)m * Dh, *st = sin + (long)m * Dh;
       bf16 *kb = k_cache + b * row, *vb = v_cache + b * row;
       bf16 normed[256];                                         /* a q or k head after its norm */
       for (int i = 0; i < H; i++) {
         if (L->qnorm) rms_norm(r + i * Dh, 1, Dh, L->qnorm, L->eps, normed);
-        rope_row(L->qnorm ? normed : r + i * Dh, ct, st, Dh, q + (((long)b * H + i) * T + t) * Dh);
+        rope_row(L->qnorm ? normed : r + i * Dh, ct, st, Dh, q + ((long)m * H + i) * Dh);
       }
       for (int i = 0; i < Hkv; i++) {
         long slot = i * head + (long)(start + t) * Dh;
@@ -683,7 +685,7 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
         memcpy(vb + slot, r + (H + Hkv + i) * Dh, sizeof(bf16) * Dh);
       }
     }
-    failed = attend_bf16(q, B, H, T, Dh, k_cache, v_cache, Hkv, S, row, head, mask,
+    failed = attend_bf16(q, M, at, H, T, Dh, k_cache, v_cache, Hkv, S, row, head, mask,
                          1.f / sqrtf((float)Dh), y);
   }
   if (!failed) failed = linear_bf16(y, M, H * Dh, L->wo, L->so, D, NULL, x, out); /* x + o_proj */
@@ -700,15 +702,15 @@ int block_bf16(const Layer *L, const bf16 *x, int B, int T, const bf16 *cos, con
   return failed ? -1 : 0;
 }
 
-/* The decoder layers L[0..n) in turn, in place: x (B, T, D) becomes the last one's output (a
-   layer's x and out may be one buffer: x is read before out is written, element by element).
-   Layer l's cache starts `layer` elements after layer l - 1's; the rest as block_bf16's. */
-int stack_bf16(const Layer *L, int n, bf16 *x, int B, int T, const bf16 *cos, const bf16 *sin,
-               bf16 *k_cache, bf16 *v_cache, long layer, long row, long head, int start,
-               const uint8_t *mask) {
+/* The decoder layers L[0..n) in turn, in place: x (M, D) becomes the last one's output (a layer's
+   x and out may be one buffer: x is read before out is written, element by element). Layer l's
+   cache starts `layer` elements after layer l - 1's; the rest as block_bf16's. */
+int stack_bf16(const Layer *L, int n, bf16 *x, int M, const int *at, int T, const bf16 *cos,
+               const bf16 *sin, bf16 *k_cache, bf16 *v_cache, long layer, long row, long head,
+               int start, const uint8_t *mask) {
   for (int l = 0; l < n; l++)
-    if (block_bf16(L + l, x, B, T, cos, sin, k_cache + l * layer, v_cache + l * layer, row, head,
-                   start, mask, x))
+    if (block_bf16(L + l, x, M, at, T, cos, sin, k_cache + l * layer, v_cache + l * layer, row,
+                   head, start, mask, x))
       return -1;
   return 0;
 }

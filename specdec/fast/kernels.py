@@ -322,12 +322,12 @@ def native():
     lib.kernels_isa.argtypes, lib.kernels_isa.restype = [], ctypes.c_char_p
     assert lib.kernels_isa().decode() == path, f"{built} is not kernels.c's {path} path"
     lib.linear_bf16.argtypes, lib.linear_bf16.restype = [p, i, i, p, p, i, p, p, p], i
-    lib.attend_bf16.argtypes = [p, i, i, i, i, p, p, i, i, ctypes.c_long, ctypes.c_long, p, f, p]
-    lib.attend_bf16.restype = i
-    lib.block_bf16.argtypes = [p, p, i, i, p, p, p, p, ctypes.c_long, ctypes.c_long, i, p, p]
-    lib.block_bf16.restype = i
     long = ctypes.c_long
-    lib.stack_bf16.argtypes = [p, i, p, i, i, p, p, p, p, long, long, long, i, p]
+    lib.attend_bf16.argtypes = [p, i, p, i, i, i, p, p, i, i, long, long, p, f, p]
+    lib.attend_bf16.restype = i
+    lib.block_bf16.argtypes = [p, p, i, p, i, p, p, p, p, long, long, i, p, p]
+    lib.block_bf16.restype = i
+    lib.stack_bf16.argtypes = [p, i, p, i, p, i, p, p, p, p, long, long, long, i, p]
     lib.stack_bf16.restype = i
     return lib, None
 
@@ -627,13 +627,14 @@ def attend_native(q, k, v, mask):
     assert k.stride() == v.stride() and k.stride()[2:] == (Dh, 1), (
         "k and v: rows of Dh side by side, as the cache holds them"
     )
-    q = q.contiguous()
+    q = q.transpose(1, 2).contiguous()  # (B, T, H, Dh): query m = b T + t, its heads together
     # (B, T, S) bool: one byte each
     visible = None if mask is None else mask.expand(B, 1, T, S).reshape(B, T, S).contiguous()
     y = torch.empty(B, T, H, Dh, dtype=q.dtype)  # (B, T, H, Dh)
     failed = native_library().attend_bf16(
         address(q),
-        B,
+        B * T,
+        None,
         H,
         T,
         Dh,
@@ -852,7 +853,8 @@ def block_native(block, x, cos, sin, mask, kv):
     failed = native_library().block_bf16(
         ctypes.byref(block.native_layer),
         address(x),
-        B,
+        B * T,
+        None,
         T,
         address(cos),
         address(sin),
@@ -939,14 +941,14 @@ class FastTransformer(rows.Model):
         self.kernels = kernels
         self.native_stack = {}  # the layers run (indices) -> their NativeLayers, or None
 
-    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None):
+    def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None, sizes=None):
         if self.kernels.native and cache is not None and not torch.is_grad_enabled():
             run = tuple(range(len(self.layers)) if layers is None else layers)
             stack = self.stack(run)  # None where kernels.c does not take every layer of the run
             kv = (cache.k[0], cache.v[0], start)  # the first layer's cache, as block_native's
             if stack is not None and native_block_takes(self.layers[run[0]], x, kv):
-                return stack_native(stack, x, cos, sin, attn_mask, cache, start)  # (B, T, D)
-        return super().run_layers(x, cos, sin, attn_mask, cache, start, layers)
+                return stack_native(stack, x, cos, sin, attn_mask, cache, start, sizes)
+        return super().run_layers(x, cos, sin, attn_mask, cache, start, layers, sizes)
 
     def stack(self, run):
         """The layers `run` as an array of NativeLayers where block_native takes each, none with a
@@ -964,19 +966,31 @@ class FastTransformer(rows.Model):
         return self.native_stack[run]
 
 
-def stack_native(stack, x, cos, sin, mask, cache, start):
+def stack_native(stack, x, cos, sin, mask, cache, start, sizes=None):
     """Transformer.run_layers through kernels.c's stack_bf16: every layer of `stack` (an array of
-    NativeLayer) in one call, in place on a copy of x (B, T, D); cos, sin, mask as block_native's;
-    layer i of the stack reads and extends cache.k[i], cache.v[i] -> (B, T, D)."""
-    B, T, _ = x.shape
+    NativeLayer) in one call on a copy of x (B, T, D); cos, sin, mask as block_native's; layer i of
+    the stack reads and extends cache.k[i], cache.v[i] -> (B, T, D). sizes: row b's first sizes[b]
+    tokens alone are computed (rows.Model.forward's), packed side by side; the others' outputs are
+    their inputs."""
+    B, T, D = x.shape
     k, v = cache.k, cache.v
-    x = x.clone(memory_format=torch.contiguous_format)  # (B, T, D): the layers write it in place
     cos, sin, mask = per_row(B, T, start, cos, sin, mask)
+    at = None if sizes is None or sum(sizes) == B * T else rows.packed(sizes, T)  # (M,) int32
+    if at is None:
+        x = x.clone(memory_format=torch.contiguous_format)  # (B, T, D): written in place
+        M = B * T
+    else:  # each token's rotary and mask, the padding's left out
+        M, flat = len(at), at.long()
+        x, out = x.reshape(B * T, D)[flat], x.clone()  # (M, D), (B, T, D)
+        cos = cos.reshape(B * T, -1)[flat]  # (M, Dh)
+        sin = sin.reshape(B * T, -1)[flat]
+        mask = None if mask is None else mask.reshape(B * T, -1)[flat]  # (M, S)
     failed = native_library().stack_bf16(
         stack,
         len(stack),
         address(x),
-        B,
+        M,
+        address(at),
         T,
         address(cos),
         address(sin),
@@ -990,7 +1004,10 @@ def stack_native(stack, x, cos, sin, mask, cache, start):
     )
     if failed:
         raise MemoryError("the decoder layers in kernels.c: no scratch memory")
-    return x
+    if at is None:
+        return x
+    out.view(B * T, D)[flat] = x
+    return out
 
 
 class FastLMHead(heads.LMHead):
