@@ -6,6 +6,9 @@ protocol below, the one the loop and the engines rely on):
 
     HeadsDrafter(heads, tree)                      Medusa / Hydra heads fill a fixed tree, depth by
                                                    depth (generate.py's fill_tree, for many rows)
+    HeadsByBatch(heads, trees)                     ... a tree by the number of rows decoding
+    HeadsShared(heads, tree, budgets, depths)      ... one budget of nodes a step for all the rows,
+                                                   given to the nodes the heads are surest of
     Plain(device)                                  drafts nothing: plain decoding, the root alone
     Lookup(gamma, ngram, matches, device)          prompt lookup: copy what followed the last n
                                                    tokens earlier in the text
@@ -23,14 +26,17 @@ tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth,
 
 import copy
 import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+import model as model_lib
 import tree as tree_lib
 import verify as verify_lib
+from specdec import rows as rows_lib
 from specdec.cli import plural
 
 # --- the draft: a tree and its tokens -----------------------------------------------------------
@@ -284,6 +290,216 @@ class HeadsByBatch(HeadsDrafter):
 
     def draft(self, rows, roots):
         return self.tree_for(len(rows)).draft(rows, roots)
+
+
+# --- one budget shared by the batch --------------------------------------------------------------
+# B rows of one tree are B times its nodes: past a few tokens a step is no longer free, and most of
+# those nodes are guesses the heads themselves doubt. So the batch gets one budget of E nodes past
+# the roots, and they go to the nodes whose paths the heads are most confident of, in any row: the
+# product of the heads' probabilities along the path (a child is never more likely than its
+# parent, so the E best nodes always form trees). A row whose heads are sure drafts a deep chain,
+# an unsure one its root alone (Tetris; adaptive verification in DSpark).
+
+
+def fill_scored(heads, h, roots, plan, num_nodes):
+    """fill_trees, and how sure the heads are of each node: tokens (B, N) as fill_trees's, and
+    log-confidence (B, N) fp32, the sum of the log-probabilities the heads gave the tokens on the
+    node's path (the root's 0)."""
+    B = len(roots)
+    tokens = roots[:, None].repeat(1, num_nodes)  # (B, N)
+    confidence = torch.zeros(B, num_nodes, device=h.device)  # (B, N) log-probabilities
+    for d, at in enumerate(plan, start=1):
+        P = len(at.paths)
+        z = heads.head(d, h, tokens[:, at.paths].flatten(0, 1))  # (B*P | B, D)
+        logits = heads.project(z, d)  # (B*P | B, V')
+        top = logits.topk(at.k, dim=-1).indices  # (B*P | B, k): fill_trees's picks
+        logits = logits.float()
+        logp = logits.gather(-1, top) - logits.logsumexp(-1, keepdim=True)  # (B*P | B, k)
+        top = heads.full_ids(top).view(B, -1, at.k).expand(-1, P, -1)  # (B, P, k) base ids
+        logp = logp.view(B, -1, at.k).expand(-1, P, -1)  # (B, P, k)
+        tokens[:, at.nodes] = top[:, at.row, at.rank]
+        parents = at.paths[at.row, -1]  # (n,) each node's parent
+        confidence[:, at.nodes] = confidence[:, parents] + logp[:, at.row, at.rank]
+    return tokens, confidence
+
+
+class RowView(model_lib.KVCache):
+    """Slot `slot` of a page's rows.RowsCache as a model.KVCache of its own: a row's one-sequence
+    calls (heads.context at its start) read and write it in place."""
+
+    def __init__(self, page, slot):
+        self.page, self.slot = page, slot
+        self.k = page.cache.k[:, slot : slot + 1]  # (1, 1, Hkv, S, Dh): views
+        self.v = page.cache.v[:, slot : slot + 1]
+        self.length, self.max_len = 0, page.cache.max_len
+
+
+@dataclass
+class Page:
+    cache: rows_lib.RowsCache  # (1 layer, size rows, ...)
+    owners: list  # per slot: a weak reference to the row drafting there, or None (free)
+
+    def live(self):
+        return [(s, o()) for s, o in enumerate(self.owners) if o is not None and o() is not None]
+
+    def fits(self, members):
+        """Whether one forward over the members' new tokens stays within the page's slots."""
+        start = max(row.cache.length for _, row in self.live())
+        return start + max(r.hidden.shape[1] for r in members) <= self.cache.max_len
+
+    def forward(self, prefix, members):
+        """Hydra++'s prefix layer (heads.PrefixMLP) over each member's new hidden states (1, n, D)
+        at its positions, in one call for the page's rows: their entries kept in their slots, as
+        PrefixMLP.forward keeps a row's -> each member's last output (D,)."""
+        cache, size = self.cache, len(self.owners)
+        cache.lengths = [0] * size
+        for s, row in self.live():  # every live row's length: the new tokens go past them all
+            cache.lengths[s] = row.cache.length
+        T = max(r.hidden.shape[1] for r in members)
+        x = members[0].hidden.new_zeros(size, T, members[0].hidden.shape[-1])  # (size, T, D)
+        positions = torch.zeros(size, T, dtype=torch.long, device=x.device)  # (size, T)
+        new = [0] * size
+        for r in members:
+            s, n = r.cache.slot, r.hidden.shape[1]
+            x[s, :n], positions[s, :n], new[s] = r.hidden[0], r.positions, n
+        start = cache.length
+        cos, sin = prefix.rope(positions, x.dtype)  # (size, 1, T, Dh)
+        mask = rows_lib.attention_mask(T, start, None, cache.key_mask(T), x.device)
+        y = prefix.norm(prefix.block(x, cos, sin, mask, (cache.k[0], cache.v[0], start)))
+        cache.keep(*[range(n) for n in new])
+        for r in members:
+            r.cache.length = cache.lengths[r.cache.slot]
+        return [y[r.cache.slot, r.hidden.shape[1] - 1] for r in members]
+
+
+class Pages:
+    """Hydra++'s prefix-layer caches of a batch's rows side by side, `size` rows a page (one
+    rows.RowsCache), so that one call catches up the rows of a page. A row takes a free slot at its
+    start; the slot is free again once the row is gone (a weak reference) or starts anew."""
+
+    def __init__(self, heads, size=16):
+        self.heads, self.size, self.pages = heads, size, []
+
+    def take(self, row, max_len) -> RowView:
+        for page in self.pages:  # the row's old slot first: it starts anew
+            page.owners = [None if o is not None and o() is row else o for o in page.owners]
+        for page in self.pages:
+            if page.cache.max_len >= max_len:
+                for s, owner in enumerate(page.owners):
+                    if owner is None or owner() is None:
+                        page.owners[s] = weakref.ref(row)
+                        return RowView(page, s)
+        w = self.heads.prefix.norm.weight
+        cache = rows_lib.RowsCache(self.heads.prefix.cfg, self.size, max_len, w.device, w.dtype)
+        self.pages.append(Page(cache, [weakref.ref(row)] + [None] * (self.size - 1)))
+        return RowView(self.pages[-1], 0)
+
+    def grouped(self, rows):
+        """[(page, its rows among `rows`)]."""
+        by = {}
+        for r in rows:
+            by.setdefault(id(r.cache.page), (r.cache.page, []))[1].append(r)
+        return list(by.values())
+
+
+class HeadsShared(HeadsDrafter):
+    """Heads whose batch shares one budget: budgets {B: E}, E nodes past the roots for a step of B
+    live rows (from its B up to the next; bench.py --tune-tree chooses them), given to the nodes of
+    `tree` (every row's candidates; depths {B: d}: its nodes down to depth d alone, fewer heads to
+    run) the heads are most confident of, whichever rows they are in. At
+    E = 0 nothing is drafted: the step is plain decoding. The draft state still follows every kept
+    token: accept() queues what the step kept and the next draft catches up on all of it in one
+    call, so a row drafts as it would have when the budget comes back. Lossless whatever the split:
+    each row's draft is a tree the verifiers check like any other."""
+
+    def __init__(self, heads, tree, budgets: dict, depths: dict | None = None):
+        assert 1 in budgets, f"budgets by batch size need one for batch 1, got {sorted(budgets)}"
+        super().__init__(heads, tree)
+        self.budgets = dict(sorted(budgets.items()))
+        self.depths = {B: (depths or {}).get(B, tree.max_depth) for B in self.budgets}
+        # nodes are in order of depth: the tree's first upto[d] nodes are those down to depth d
+        self.upto = [int((tree.depth <= d).sum()) for d in range(tree.max_depth + 1)]
+        self.kept = {}  # the nodes a row drafts (a tuple) -> (Draft fields, their index tensor)
+        self.heads_prefix = getattr(heads, "prefix", None) is not None  # Hydra++'s prefix layer
+        self.pages = Pages(heads) if self.heads_prefix else None
+        sizes = ", ".join(f"{B}: {E}" for B, E in self.budgets.items())  # rows: nodes
+        self.name = (
+            f"heads: {heads.cfg.kind}, tree: {plural(tree.num_nodes, 'node')}, shared by a batch "
+            f"(nodes past the roots by batch size: {sizes})"
+        )
+
+    def budget(self, rows: int) -> tuple:
+        """(E, d): a step of `rows` live rows drafts E nodes past the roots, down to depth d."""
+        B = max(B for B in self.budgets if B <= max(rows, 1))
+        d = min(self.depths[B], self.tree.max_depth)
+        return min(self.budgets[B], rows * (self.upto[d] - 1)), d
+
+    def start(self, prompt, hidden, max_len, cached=0):
+        if cached:  # the last sequence goes on: its state holds all of it first
+            self.catch_up([self])
+            if self.cache is not None:
+                self.cache.length = cached
+        else:  # Hydra++: the prefix layer's cache is a row of a page the batch shares
+            self.cache = self.pages.take(self, max_len) if self.heads_prefix else None
+        self.pending = []  # (hidden (1, n, D), positions (n,)) kept since the last draft
+        positions = torch.arange(cached, len(prompt), device=hidden.device)
+        self.h = self.heads.context(hidden, positions, self.cache)[:, -1]  # (1, D)
+
+    def accept(self, accepted):
+        self.pending.append((accepted.hidden, accepted.positions))
+
+    def catch_up(self, rows):
+        """The draft state of each row over every token it kept since the last draft: Hydra++'s
+        prefix layer runs once for the rows of a page (Pages), not once a row."""
+        waiting = [r for r in rows if r.pending]
+        for r in waiting:
+            r.hidden = torch.cat([h for h, _ in r.pending], dim=1)  # (1, n, D)
+            r.positions = torch.cat([p for _, p in r.pending])  # (n,)
+            r.pending = []
+        if not self.heads_prefix:  # Medusa, Hydra: the last hidden state itself
+            for r in waiting:
+                r.h = r.hidden[:, -1]
+            return
+        for page, members in self.pages.grouped(waiting):
+            if len(members) > 1 and page.fits(members):
+                for r, y in zip(members, page.forward(self.heads.prefix, members)):
+                    r.h = y[None]  # (1, D)
+                continue
+            for r in members:  # alone, or past the page's slots: one call each
+                r.h = self.heads.context(r.hidden, r.positions, r.cache)[:, -1]  # (1, D)
+
+    def draft(self, rows, roots):
+        if not rows:
+            return []
+        E, depth = self.budget(len(rows))
+        N = self.upto[depth]
+        device = self.tree.depth.device
+        if E == 0:  # plain decoding: the roots alone
+            return [self.keep(torch.tensor([r], device=device), (0,)) for r in roots]
+        self.catch_up(rows)
+        h = torch.cat([r.h for r in rows])  # (B, D)
+        roots = torch.tensor(roots, device=device)  # (B,)
+        tokens, confidence = fill_scored(self.heads, h, roots, self.plan[:depth], N)  # (B, N)
+        self.confidence = confidence  # (tuning reads it)
+        # the E surest nodes past the roots; ties in node order, so a parent comes before its child
+        best = torch.sort(confidence[:, 1:].flatten(), descending=True, stable=True).indices[:E]
+        nodes = [[0] for _ in rows]
+        for i in sorted(best.tolist()):
+            nodes[i // (N - 1)].append(i % (N - 1) + 1)
+        return [self.keep(t, tuple(n)) for t, n in zip(tokens, nodes)]
+
+    def keep(self, tokens, nodes):
+        """The Draft of the candidates `nodes` (indices into the tree, the root first) of a row's
+        filled tree `tokens` (N,)."""
+        if nodes not in self.kept:
+            t = tree_lib.build([self.tree.paths[i - 1] for i in nodes[1:]]).to(
+                self.tree.depth.device
+            )
+            mask = t.mask if t.num_nodes > 1 else None
+            index = torch.tensor(nodes, device=t.depth.device)
+            self.kept[nodes] = (t, mask, t.depth, t.depth.tolist(), index)
+        t, mask, depth, source, index = self.kept[nodes]
+        return Draft(tokens[index], t, mask, depth, source)
 
 
 # --- plain decoding -----------------------------------------------------------------------------

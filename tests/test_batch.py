@@ -41,6 +41,8 @@ def make_drafter(name, model, matches=3):
     if name == "heads+lookup":
         heads = drafters.HeadsDrafter(random_heads(model, "hydra++"), tree)
         return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
+    if name == "hydra++-shared":  # 5 nodes past the roots shared by 2 to 4 rows
+        return drafters.HeadsShared(random_heads(model, "hydra++"), tree, {1: 21, 2: 5})
     if name == "layers":
         return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
     if name == "jacobi":
@@ -200,16 +202,22 @@ def small_through_kernels_c():
     return kernels.use(bf16.to(torch.bfloat16), test_kernels.C)
 
 
-@pytest.mark.parametrize("name", ["plain", "hydra++"])
+@pytest.mark.parametrize("name", ["plain", "hydra++", "hydra++-shared", "heads+lookup"])
 def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, native_path):
     """kernels.c's layers take the rows of a batch in one call (each row's cache, positions and gap
-    its own) and compute every row alone: in bf16 too, a row of a greedy batch is its prompt's
-    reply alone, token for token."""
+    its own; a row's tree smaller than its mates' without their padding) and compute every row
+    alone: in bf16 too, a row of a greedy batch is its prompt's reply alone, token for token."""
     bf16 = small_through_kernels_c()
-    calls = []
+    calls, packed = [], []
     real = kernels.stack_native
+
+    def recorded(s, x, *a):
+        calls.append(len(x))
+        packed.append(len(a) > 5 and a[5] is not None)  # sizes: some rows' padding left out
+        return real(s, x, *a)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "stack_native", lambda s, x, *a: calls.append(len(x)) or real(s, x, *a))
+        mp.setattr(kernels, "stack_native", recorded)
         alone = [
             decode.generate(bf16, p, n, make_drafter(name, bf16), eos_ids=EOS)
             for p, n in zip(PROMPTS, LIMITS)
@@ -217,6 +225,7 @@ def test_a_bf16_batch_through_kernels_c_is_each_prompt_decoded_alone(name, nativ
         batch = engine.generate_batch(bf16, PROMPTS, LIMITS, make_drafter(name, bf16), eos_ids=EOS)
     assert [b.tokens for b in batch] == [a.tokens for a in alone]
     assert max(calls) > 1, "no batch of several rows went through kernels.c's layers"
+    assert any(packed) == (name in ("hydra++-shared", "heads+lookup")), "ragged rows packed"
 
 
 def rows_drafted_together_and_alone(base, kind):
@@ -364,3 +373,92 @@ def test_the_draft_state_follows_every_kept_token_while_the_batch_drafts_nothing
     _, hidden = small(torch.tensor([text]), torch.arange(len(text)))
     fresh = d.heads.context(hidden, torch.arange(len(text)), d.heads.new_cache(64))[:, -1]
     torch.testing.assert_close(rows[0].h, fresh, atol=1e-5, rtol=1e-5)
+
+
+# --- one budget shared by the batch --------------------------------------------------------------
+
+
+def shared(model, kind="hydra++", budgets=None):
+    """Random heads whose batch shares a budget: the whole bushy tree alone, 3 nodes past the roots
+    at 2 or 3 rows, none (plain decoding) from 4."""
+    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
+    budgets = budgets or {1: 21, 2: 3, 4: 0}
+    return drafters.HeadsShared(random_heads(model, kind), tree, budgets)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_a_shared_budget_goes_to_the_surest_nodes_of_every_row(small, kind):
+    """E nodes past the roots in all, each row's a tree of the candidates, and no node left out
+    that the heads were surer of than one taken."""
+    d = shared(small, kind, {1: 21, 2: 5})
+    rows = [d.row() for _ in range(3)]
+    for i, r in enumerate(rows):
+        r.start([1, 2, 3, 4 + i], torch.randn(1, 4, small.cfg.dim), 64)
+    h = torch.cat([r.h for r in rows])
+    tokens, confidence = drafters.fill_scored(d.heads, h, torch.tensor([5, 6, 7]), d.plan, 22)
+    drafts = d.draft(rows, [5, 6, 7])
+    assert sum(len(x.tokens) - 1 for x in drafts) == 5
+    taken = []
+    for b, x in enumerate(drafts):
+        index = [d.tree.paths.index(p) + 1 for p in x.tree.paths]
+        assert torch.equal(x.tokens, tokens[b, [0] + index]), "a row's own candidates"
+        assert all(p[:-1] == () or p[:-1] in x.tree.paths for p in x.tree.paths), "a tree"
+        taken += [(b, i) for i in index]
+    left = [(b, i) for b in range(3) for i in range(1, 22) if (b, i) not in taken]
+    assert min(confidence[b, i] for b, i in taken) >= max(confidence[b, i] for b, i in left)
+
+
+@pytest.mark.parametrize("kind", ["hydra", "hydra++"])
+def test_a_greedy_batch_sharing_a_budget_is_each_prompt_decoded_alone(small, kind, monkeypatch):
+    """Six prompts through 4 rows: at first every row decodes plainly (budget 0), then, as rows
+    end, 3 nodes shared by the 2 or 3 left and the whole tree alone; each row is still its prompt
+    decoded alone, and Hydra++'s rows catch up in one call of the prefix layer."""
+    alone = [decode.generate(small, p, n, eos_ids=EOS) for p, n in zip(PROMPTS, LIMITS)]
+    d = shared(small, kind)
+    sizes, pages = [], []  # (live rows, nodes past the roots) of every step; rows a page call
+    draft = d.draft
+
+    def recorded(rows, roots):
+        drafts = draft(rows, roots)
+        sizes.append((len(rows), sum(len(x.tokens) - 1 for x in drafts)))
+        return drafts
+
+    d.draft = recorded
+    forward = drafters.Page.forward
+    monkeypatch.setattr(
+        drafters.Page, "forward", lambda page, p, m: pages.append(len(m)) or forward(page, p, m)
+    )
+    batch = engine.generate_batch(small, PROMPTS, LIMITS, d, eos_ids=EOS, batch_size=4)
+    assert [r.tokens for r in batch] == [r.tokens for r in alone]
+    assert {(4, 0), (2, 3), (1, 21)} <= set(sizes) <= {(4, 0), (3, 3), (2, 3), (1, 21)}
+    assert (max(pages, default=0) > 1) == (kind == "hydra++"), "rows caught up in one call"
+
+
+def test_after_a_stretch_at_budget_0_a_row_drafts_what_it_would_have_never_stopping(small):
+    """Two rows keep the same tokens: one drafts every step (its state follows them one by one),
+    the other drafts nothing for 6 steps (a batch at budget 0), then catches up in one call: both
+    then draft the same tree, so the row accepts what it would have had speculation never
+    stopped."""
+    d = shared(small, budgets={1: 21, 4: 0})
+    prompt = [1, 2, 3, 4, 5]
+    _, hidden = small(torch.tensor([prompt]), torch.arange(5))
+    going, stopped = d.row(), d.row()
+    going.start(prompt, hidden, 64)
+    stopped.start(prompt, hidden, 64)
+    idle = [d.row() for _ in range(3)]  # the batch mates that hold the budget at 0
+    for r in idle:
+        r.start(prompt, hidden, 64)
+    text = list(prompt)
+    for t in range(6):
+        kept = [(7 + t) % 12, 3]  # the root and a draft kept by each row
+        assert all(len(x.tokens) == 1 for x in d.draft([stopped] + idle, [kept[0]] * 4))
+        d.draft([going], [kept[0]])
+        _, h = small(torch.tensor([text + kept]), torch.arange(len(text) + 2))
+        positions = torch.arange(len(text), len(text) + 2)
+        for r in (going, stopped, *idle):
+            r.accept(drafters.Accepted(kept, h[:, -2:], positions, nodes=[0, 1]))
+        text += kept
+    (after,) = d.draft([stopped], [9])
+    (never,) = d.draft([going], [9])
+    assert torch.equal(after.tokens, never.tokens) and after.tree.paths == never.tree.paths
+    torch.testing.assert_close(stopped.h, going.h, atol=1e-5, rtol=1e-5)
