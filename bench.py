@@ -96,6 +96,7 @@ QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", 
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)
 # heads that learn across the prompts in their order (online.py, generate.py --online's defaults)
 ONLINE = tuple(f"{kind}-online" for kind in heads_lib.KINDS)
+BATCH_ONLY = ("hydra++-uniform",)  # hydra++ but at batch sizes: every row the same tree
 METHODS = (
     "plain",
     "hf",
@@ -111,6 +112,7 @@ METHODS = (
     "hydra++-sample",
     "lookup",
     "hydra++-lookup",
+    "hydra++-uniform",
     "layers",
     "skip",
     "draft-model",
@@ -147,8 +149,9 @@ def build_parser():
         default="1",
         help="also decode the prompts this many at a time, or at each of a comma list of sizes "
         "(engine.generate_batch: a row that ends takes the next prompt) with the methods that "
-        "batch (plain, the heads, lookup, hydra++-lookup): total and mean per-sequence tokens/s "
-        "and the time of a step beside the one-at-a-time row",
+        "batch (plain, the heads, lookup, hydra++-lookup; hydra++ shares the budget --tune-tree "
+        "chose among the rows, hydra++-uniform gives every row the same tree): total and mean "
+        "per-sequence tokens/s and the time of a step beside the one-at-a-time row",
     )
     p.add_argument(
         "--repeats",
@@ -252,6 +255,13 @@ def build_parser():
         "(a sub-tree of the tuned one, down to plain decoding), which --batch-size then follows",
     )
     p.add_argument(
+        "--shared-candidates",
+        type=int,
+        default=2,
+        help="with --tune-tree: at each batch size, decode this many of the budgets the batch "
+        "shares that the model ranks best, and plain decoding, for real, and keep the fastest",
+    )
+    p.add_argument(
         "--prefix-len",
         type=int,
         default=200,
@@ -317,7 +327,8 @@ class Method:
     # or None: it does not batch
     batch: Callable | None = None
     learns: object = None  # an Online method: measure() resets it before every repeat
-    nodes_at: Callable | None = None  # rows at once -> the nodes of the tree drafted a step
+    nodes_at: Callable | None = None  # rows at once -> the nodes a step drafts (or shares)
+    predicted: dict | None = None  # rows at once -> --tune-tree's expected speedup over plain
 
 
 def ours(model, drafter, verify, temperature, eos):
@@ -626,7 +637,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
         wanted = [
             m
             for m in METHODS
-            if m not in QUANTIZED + ONLINE
+            if m not in QUANTIZED + ONLINE + BATCH_ONLY
             and (m not in LLAMA_CPP or m in llama_cpp_available(args))
             and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
@@ -812,17 +823,23 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                     continue
                 tree = catalog.load_tree("auto", heads, folder, args.quantize)
                 trees = catalog.batch_trees(folder, base, tree, args.quantize)
-                loaded[kind] = heads, tree, trees, base
-            heads, tree, trees, base = loaded[kind]
+                shared = catalog.shared_budgets(folder, base, args.quantize)
+                loaded[kind] = heads, tree, trees, shared, base
+            heads, tree, trees, shared, base = loaded[kind]
             d = drafters.HeadsDrafter(heads, tree)
             if variant == "lookup":  # heads and lookup in one tree, verified greedily
                 d = catalog.heads_and_lookup(
                     d, look["gamma"], look["ngram"], look["matches"], device
                 )
-            # more rows at once: the trees by batch size that --tune-tree chose, as generate.py's
-            by_batch = d
-            if trees and not variant:
+            # more rows at once: the budget the batch shares (-uniform: every row the same tree
+            # by batch size), as --tune-tree chose them, as generate.py's
+            by_batch, nodes_at, predicted = d, lambda rows, d=d: d.max_nodes, None
+            if shared and not variant:
+                by_batch, predicted = drafters.HeadsShared(heads, *shared[:3]), shared[3]
+                nodes_at = lambda rows, b=by_batch: f"{b.budget(rows)[0]} shared"  # noqa: E731
+            elif trees and variant in ("", "uniform"):
                 by_batch = drafters.HeadsByBatch(heads, trees)
+                nodes_at = lambda rows, b=by_batch: b.tree_for(rows).max_nodes  # noqa: E731
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
@@ -832,7 +849,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 depth=d.max_depth,
                 adapted=base is not model,
                 batch=ours_batched(fast(base), by_batch, verify, temperature, eos),
-                nodes_at=by_batch.tree_for if by_batch is not d else lambda rows, d=d: d,
+                nodes_at=nodes_at,
+                predicted=predicted,
             )
             if not variant:
                 notes.append(
@@ -912,49 +930,68 @@ def measure_batched(methods, prompts, sizes, args, device):
 
 
 def batch_rows(methods, prompts, sizes, args, device, res):
-    """measure_batched's measuring, into res as each method and size is done."""
+    """measure_batched's measuring, into res as each size is done: at each batch size the methods
+    take turns, --repeats rounds (the median counts), so a slow spell of the machine hits them
+    alike."""
     ids = [ids for _, _, ids in prompts]
-    for name, m in methods.items():
-        if m.batch is None:
-            continue
+    batching = {name: m for name, m in methods.items() if m.batch is not None}
+    for m in batching.values():
         m.batch(ids[: sizes[0]], min(16, args.max_new_tokens), args.seed, sizes[0])  # warm
-        for B in sizes:
-            times = []
-            for _ in range(args.repeats):
+    for B in sizes:
+        times, outs = {name: [] for name in batching}, {}
+        for _ in range(args.repeats):
+            for name, m in batching.items():
                 sync(device)
                 t0 = time.perf_counter()
-                out, forwards = m.batch(ids, args.max_new_tokens, args.seed, B)
+                outs[name] = m.batch(ids, args.max_new_tokens, args.seed, B)
                 sync(device)
-                times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
+                times[name].append(time.perf_counter() - t0)
+        for name, m in batching.items():
+            (out, forwards), seconds = outs[name], statistics.median(times[name])
             res.setdefault(name, {})[B] = {
                 "tokens_per_s": sum(len(r.tokens) for r in out) / max(seconds, 1e-9),
                 "per_sequence_tokens_per_s": statistics.mean(
                     len(r.tokens) / max(r.seconds, 1e-9) for r in out
                 ),
                 "step_ms": 1000 * seconds / forwards,
-                "tree_nodes": m.nodes_at(B).max_nodes if m.nodes_at else None,
+                "tree_nodes": m.nodes_at(B) if m.nodes_at else None,
+                "predicted": predicted_at(m.predicted, B),
                 "replies": [r.tokens for r in out],
             }
 
 
+def predicted_at(table, rows):
+    """--tune-tree's expected speedup at `rows` rows (its entry for the most rows up to them)."""
+    if not table:
+        return None
+    return table[max(B for B in table if B <= rows)]
+
+
 def batched_table(res, batched, mach):
-    """Beside each method's one-at-a-time row, its row at each batch size."""
+    """Beside each method's one-at-a-time row, its row at each batch size: what it drafts a step
+    (tree nodes, or nodes past the roots shared by the batch), and its tokens/s over plain's at
+    the same batch size, measured and as --tune-tree predicted it."""
     lines = [
         machine_line(mach),
         "",
-        "| method | batch | tree nodes | total tokens/s | mean per-sequence tokens/s | step ms | "
-        "same replies as batch 1 |",
-        "|---|---:|---:|---:|---:|---:|:---:|",
+        "| method | batch | tree nodes | total tokens/s | over plain | predicted | "
+        "mean per-sequence tokens/s | step ms | same replies as batch 1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
+    plain = batched.get("plain", {})
     for name, by_size in batched.items():
         r = res[name]
         alone = statistics.mean(p["new_tokens"] / max(p["seconds"], 1e-9) for p in r["per_prompt"])
-        lines.append(f"| {name} | 1 | - | {r['tokens_per_s']:.1f} | {alone:.1f} | - | - |")
+        gain = f"{r['tokens_per_s'] / res['plain']['tokens_per_s']:.2f}x" if "plain" in res else "-"
+        lines.append(
+            f"| {name} | 1 | - | {r['tokens_per_s']:.1f} | {gain} | - | {alone:.1f} | - | - |"
+        )
         for B, b in by_size.items():
             nodes = b.get("tree_nodes") or "-"
+            over = f"{b['tokens_per_s'] / plain[B]['tokens_per_s']:.2f}x" if B in plain else "-"
+            predicted = f"{b['predicted']:.2f}x" if b.get("predicted") else "-"
             lines.append(
-                f"| {name} | {B} | {nodes} | {b['tokens_per_s']:.1f} | "
+                f"| {name} | {B} | {nodes} | {b['tokens_per_s']:.1f} | {over} | {predicted} | "
                 f"{b['per_sequence_tokens_per_s']:.1f} | {b['step_ms']:.1f} | "
                 f"{'yes' if b['same'] else 'NO'} |"
             )
@@ -1194,6 +1231,7 @@ READ_BY = {
     "heads": ("tune_tree",),
     "max_budget": ("tune_tree",),
     "max_batch": ("tune_tree",),
+    "shared_candidates": ("tune_tree",),
     "prefix_len": TUNERS,
     "tune_repeats": TUNERS,
     "max_gamma": ("tune_layers", "tune_skip"),
@@ -1250,12 +1288,13 @@ def check_args(args):
             args.max_batch,
             args.tune_repeats,
             args.prefix_len,
+            args.shared_candidates,
         )
         < 1
     ):
         raise cli.UsageError(
-            "--max-new-tokens, --repeats, --max-budget, --max-batch, --tune-repeats and "
-            "--prefix-len must be at least 1"
+            "--max-new-tokens, --repeats, --max-budget, --max-batch, --tune-repeats, "
+            "--prefix-len and --shared-candidates must be at least 1"
         )
     args.batch_size = batch_sizes(args.batch_size)
     named_methods(args.methods)
@@ -1389,7 +1428,7 @@ def main(args):
     if args.kernels:
         return kernel_table(model, device)
     if args.tune_tree:
-        return tune_tree(args, model, prompts, device)
+        return tune_tree(args, model, prompts, device, eos)
     if args.tune_layers:
         return tune_layers(args, model, prompts, device, eos)
     if args.tune_skip:

@@ -198,7 +198,9 @@ def add_prompt_flags(p):
         default=1,
         help="with --prompts: decode this many side by side, one forward for all, any --draft; "
         "each reply is printed whole as it ends, marked with its id, and sampled from its own "
-        "generator, seeded --seed + its line's index",
+        "generator, seeded --seed + its line's index. Heads share the budget of nodes that "
+        "bench.py --tune-tree chose for this machine and the rows still decoding (--tree: that "
+        "tree each)",
     )
     p.add_argument("--system", help="system message (default: the template's own)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

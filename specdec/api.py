@@ -180,10 +180,12 @@ class Decoder:
     """A loaded model and drafter (load()'s): generate, generate_batch, chat. print() shows the
     banner generate.py prints."""
 
-    def __init__(self, model, tokenizer, drafter, forward, draft, machine):
+    def __init__(self, model, tokenizer, drafter, forward, draft, machine, batch_drafter=None):
         self.model = model  # model.Transformer (the drafters read it)
         self.tokenizer = tokenizer
         self.drafter = drafter  # drafters.py's, as --draft, --heads and --tree built it
+        # generate_batch's: the budget the rows share (catalog.for_batches), as --batch-size's
+        self.batch_drafter = batch_drafter or drafter
         self.forward = forward  # what the loop calls: the model, or its graphs.GraphedForward
         self.eos_ids = checkpoint.eos_ids(model, tokenizer)  # the tokens that end a reply
         self.draft = draft  # catalog.DraftFlags: what draft, heads and tree named
@@ -288,7 +290,7 @@ class Decoder:
             self.forward,
             [ids for ids, _ in encoded],
             [limit for _, limit in encoded],
-            sampled_drafter(self.drafter, decoding, generators[0]),
+            sampled_drafter(self.batch_drafter, decoding, generators[0]),
             generators=generators,
             eos_ids=self.eos_ids,
             batch_size=batch_size,
@@ -421,4 +423,5 @@ def load(
     # the loop's forward; the drafters keep the readable model
     forward = graphs.GraphedForward(net) if catalog.cuda_graphs(cuda_graphs, device) else net
     machine = dict(device=device, quantize=quantize, threads=threads)
-    return Decoder(net, tokenizer, drafter, forward, found, machine)
+    batch_drafter = catalog.for_batches(drafter, found, net, quantize)
+    return Decoder(net, tokenizer, drafter, forward, found, machine, batch_drafter)

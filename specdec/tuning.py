@@ -55,6 +55,7 @@ from specdec.loading import checkpoint
 from specdec import cli
 from specdec import drafters
 from specdec.engines import decode
+from specdec.engines import engine
 import heads as heads_lib
 from specdec.fast import kernels as kernels_lib
 import model as model_lib
@@ -421,10 +422,11 @@ def kernel_table(model, device):
 TREE_TIE = 0.01
 
 
-def smallest_within(rows, tie):
-    """The first row (the smallest tree) whose expected tokens/s is within `tie` of the best."""
-    top = max(r["tokens_per_s"] for r in rows)
-    return next(r for r in rows if r["tokens_per_s"] >= (1 - tie) * top)
+def smallest_within(rows, tie, key="tokens_per_s"):
+    """The first row (the smallest tree) whose expected tokens/s (`key`) is within `tie` of the
+    best."""
+    top = max(r[key] for r in rows)
+    return next(r for r in rows if r[key] >= (1 - tie) * top)
 
 
 def save_tree(paths, file, expected_speedup):
@@ -457,10 +459,10 @@ def time_trees(trees, repeats, device, rows):
     for t in trees:
         t["step_ms"] = statistics.median(t["step_s"]) * 1e3
         t["draft_ms"] = statistics.median(t["draft_s"]) * 1e3
-        t["tokens_per_s"] = rows * t["expected_tau"] / (t["step_ms"] + t["draft_ms"]) * 1e3
+        t["tokens_per_s"] = rows * t["expected_tau"] / max(t["step_ms"] + t["draft_ms"], 1e-9) * 1e3
 
 
-def tune_tree(args, model, prompts, device):
+def tune_tree(args, model, prompts, device, eos=()):
     folder = (
         catalog.heads_folder(args.heads_dir, args.heads)
         if args.heads in heads_lib.KINDS
@@ -549,7 +551,10 @@ def tune_tree(args, model, prompts, device):
     quant = kernels_lib.in_use(model).quant
     budgets = tune_budgets(args, model, heads, h, roots, prefix, acc, rows[: best["budget"] + 1])
     if budgets:
-        save_budgets(budgets, catalog.tuned_tree_file(folder, device, model.dtype, "budget", quant))
+        pool = tree_lib.build(best["paths"])
+        shared = tune_shared(args, model, heads, pool, prompts, prefix, eos)
+        file = catalog.tuned_tree_file(folder, device, model.dtype, "budget", quant)
+        save_budgets(budgets, file, {"pool": best["paths"], "by_batch": shared})
     if args.json:
         keys = ("budget", "depth", "expected_tau", "step_ms", "draft_ms", "tokens_per_s")
         write_json(
@@ -560,6 +565,7 @@ def tune_tree(args, model, prompts, device):
                 "chosen": best["budget"],
                 "expected_speedup": speedup,
                 "by_batch": budgets,
+                "shared": shared if budgets else None,
             },
         )
     if args.plots and (plt := plotting()) is not None:
@@ -637,10 +643,187 @@ def tune_budgets(args, model, heads, h, roots, prefix, acc, batch1):
     return table
 
 
-def save_budgets(table, file):
-    """The trees by batch size, as catalog.batch_trees reads them for --batch-size."""
-    write_json(file, {"by_batch": {str(B): row for B, row in table.items()}})
+def save_budgets(table, file, shared=None):
+    """The trees by batch size, and the budgets shared by a batch, as catalog.batch_trees and
+    catalog.shared_budgets read them for --batch-size."""
+    data = {"by_batch": {str(B): row for B, row in table.items()}}
+    if shared:
+        data["shared"] = shared | {"by_batch": {str(B): r for B, r in shared["by_batch"].items()}}
+    write_json(file, data)
     print(f"trees by batch size saved: {file}")
+
+
+# --- one budget shared by the batch --------------------------------------------------------------
+# drafters.HeadsShared gives a step of B rows E nodes past the roots, to the surest nodes of every
+# row's tree. For each B the E expected to accept the most tokens a second: (B + accepted(E)) /
+# (forward(B rows, B + E tokens) + draft + the rest of a step), the draft (the heads over every
+# row, the prefix layer's catch-up included) only where E > 0, the rest (verifying, keeping) as a
+# plain step's. accepted(E) is counted, not modelled: the heads draft the
+# whole tree for every row of a greedy batch (every node verified), and for each step the E surest
+# nodes of B rows are taken as HeadsShared takes them; a row accepts its verified path as far as
+# the nodes taken reach down it (greedy verification accepts the same path of any sub-tree).
+
+
+def shared_log(model, heads, pool, prompts, eos, rows=16, new=96):
+    """[(log-confidence of every node (N,), the nodes accepted)] per row and step, in step order,
+    of `rows` prompts (spread over the list: its categories) decoded greedily side by side, each
+    row drafting the whole of `pool`."""
+    log = []
+
+    class Logged(drafters.HeadsShared):
+        def draft(self, rows, roots):
+            out = super().draft(rows, roots)
+            for row, c in zip(rows, self.confidence.tolist()):
+                row.confidence = c
+            return out
+
+        def accept(self, accepted):
+            log.append((self.confidence, accepted.nodes))
+            super().accept(accepted)
+
+    d = Logged(heads, pool, {1: rows * pool.num_nodes})
+    ids = [p for _, _, p in prompts][:: max(1, len(prompts) // rows)][:rows]
+    engine.generate_batch(model, ids, [new] * len(ids), d, eos_ids=eos)
+    return log
+
+
+def accepted_shared(log, B, E, n):
+    """Mean tokens accepted a step of B rows (consecutive rows of the log) sharing E of the first n
+    nodes of each row's tree."""
+    total, steps = 0, 0
+    for g in range(0, len(log) - B + 1, B):
+        group = log[g : g + B]
+        nodes = [
+            (c, r, i) for r, (conf, _) in enumerate(group) for i, c in enumerate(conf[:n]) if i
+        ]
+        taken = {(r, i) for _, r, i in sorted(nodes, key=lambda x: -x[0])[:E]}
+        for r, (_, path) in enumerate(group):
+            total += next((k for k, i in enumerate(path[1:]) if (r, i) not in taken), len(path) - 1)
+        steps += 1
+    return total / max(steps, 1)
+
+
+def tune_shared(args, model, heads, pool, prompts, prefix, eos):
+    """{B: {extra, depth, expected_accepted, step_ms, draft_ms, rest_ms, tokens_per_s, measured,
+    expected_speedup}} for B = 1 and batch_sizes(--max-batch): the nodes past the roots a step of B
+    rows shares, down to 0 (plain decoding), and the depth of `pool` they are drawn from (fewer
+    heads run). The model below ranks every budget; the few it ranks best and plain decoding are
+    then decoded for real (decode_budgets), and the fastest is chosen: its gain over plain decoding
+    there is the expected speedup."""
+    device = model.device
+    log = shared_log(model, heads, pool, prompts, eos)
+    N = pool.num_nodes
+    upto = [int((pool.depth <= d).sum()) for d in range(pool.max_depth + 1)]
+    table = {}
+    print(
+        "\n| batch | nodes past the roots | depth | expected accepted | step ms | draft ms | "
+        "rest of a step ms | expected over plain | decoded over plain |"
+        "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for B in [1] + batch_sizes(args.max_batch):
+        cache = model.new_cache(len(prefix) + N, batch=B)
+        positions = torch.arange(len(prefix), device=device)
+        _, hidden = model(
+            torch.tensor([prefix] * B, device=device), positions, None, cache, last_only=True
+        )
+        cache.keep(*[range(len(prefix))] * B)
+        last = (hidden[:1, -1:], positions[-1:])  # a kept token for every row to catch up on
+        steps, drafts = {}, {}
+        for depth in range(1, pool.max_depth + 1):
+            d = drafters.HeadsShared(heads, pool, {1: B * N}, {1: depth})
+            rows = [d.row() for _ in range(B)]
+            for r, h in zip(rows, hidden):
+                r.start(prefix, h[None], len(prefix) + N + 1)
+
+            def draft(rows=rows, d=d):
+                for r in rows:
+                    r.cache.length, r.pending = len(prefix) - 1, [last]
+                d.draft(rows, [prefix[-1]] * B)
+
+            draft()
+            drafts[depth] = draft
+        sizes = []
+        for E in range(0, min(B * (N - 1), 3 * B) + 1, max(1, B // 4)):
+            if E not in steps:  # one forward of B rows sharing E nodes, spread over the rows
+                n = [1 + E // B + (b < E % B) for b in range(B)]
+                T = max(n)
+                tokens = torch.tensor([prefix[-1]] * B, device=device)[:, None].repeat(1, T)
+                mask = pool.mask[:T, :T].to(device).expand(B, -1, -1) if T > 1 else None
+                pos = cache.length + pool.depth[:T].to(device).expand(B, -1)
+                sized = n if min(n) < T else None
+                steps[E] = lambda tokens=tokens, pos=pos, mask=mask, s=sized: model(
+                    tokens, pos, mask, cache, sizes=s
+                )
+                steps[E](), steps[E]()
+            for depth in range(1, pool.max_depth + 1) if E else [0]:
+                if E > B * (upto[depth] - 1):
+                    continue
+                tau = B + (accepted_shared(log, B, E, upto[depth]) if E else 0)
+                sizes.append(
+                    {"extra": E, "depth": depth, "expected_tau": tau, "step": steps[E]}
+                    | {"draft": drafts[depth] if E else None}
+                )
+        # what a step costs past its forward whatever it drafts (verifying each row, keeping its
+        # entries): a plain step of the B rows, its forward taken off. Every step pays it, so
+        # fewer steps save it too.
+        plain = drafters.Plain(device)
+        greedy = decode.choose_verifier("greedy", 0.0, 1.0, None)
+        plain_rows = [decode.Row(plain, greedy, prefix[-1]) for _ in range(B)]
+        lengths = list(cache.lengths)
+
+        def plain_step():
+            decode.step(model, cache, plain, plain_rows)
+            cache.lengths = list(lengths)
+
+        plain_step()
+        rest = {"expected_tau": B, "step": plain_step, "draft": None}
+        time_trees(sizes + [rest], args.tune_repeats, device, rows=1)
+        rest_ms = max(0.0, rest["step_ms"] - sizes[0]["step_ms"])
+        for r in sizes:  # tokens_per_s: all B rows' tokens a second
+            r["rest_ms"] = rest_ms
+            ms = max(r["step_ms"] + r["draft_ms"] + rest_ms, 1e-9)
+            r["tokens_per_s"] = r["expected_tau"] / ms * 1e3
+        # the model's few best, and plain decoding, decoded for real: the one that is fastest
+        ranked = sorted(sizes[1:], key=lambda r: -r["tokens_per_s"])[: args.shared_candidates]
+        decoded = decode_budgets(model, heads, pool, [sizes[0]] + ranked, prompts, B, eos, args)
+        best = smallest_within(sorted(decoded, key=lambda r: r["extra"]), TREE_TIE, "measured")
+        gain = best["measured"] / sizes[0]["measured"]
+        keys = ("extra", "depth", "step_ms", "draft_ms", "rest_ms", "tokens_per_s", "measured")
+        table[B] = {k: best[k] for k in keys}
+        table[B] |= {"expected_accepted": best["expected_tau"] - B, "expected_speedup": gain}
+        print(
+            f"| {B} | {best['extra']} | {best['depth']} | {best['expected_tau'] - B:.2f} | "
+            f"{best['step_ms']:.1f} | {best['draft_ms']:.1f} | {rest_ms:.1f} | "
+            f"{best['tokens_per_s'] / sizes[0]['tokens_per_s']:.2f}x | {gain:.2f}x |"
+        )
+    return table
+
+
+def decode_budgets(model, heads, pool, budgets, prompts, B, eos, args):
+    """Each budget's tokens/s decoding max(B, 8) prompts (spread over the list: its categories), B
+    side by side, 48 new tokens each, after a run that warms it up, the budgets interleaved
+    --tune-repeats // 2 times (the median), into "measured"."""
+    ids = [p for _, _, p in prompts][:: max(1, len(prompts) // max(B, 8))][: max(B, 8)]
+
+    def run(d):
+        return engine.generate_batch(model, ids, [48] * len(ids), d, eos_ids=eos, batch_size=B)
+
+    for r in budgets:
+        r["runs"] = []
+        r["drafter"] = drafters.HeadsShared(heads, pool, {1: r["extra"]}, {1: r["depth"] or 1})
+        run(r["drafter"])  # its sub-trees built, its pages laid out
+    for _ in range(max(1, args.tune_repeats // 2)):
+        for r in budgets:
+            sync(model.device)
+            started = time.perf_counter()
+            out = run(r["drafter"])
+            sync(model.device)
+            seconds = time.perf_counter() - started
+            r["runs"].append(sum(len(o.tokens) for o in out) / seconds)
+    for r in budgets:
+        r["measured"] = statistics.median(r.pop("runs"))
+        del r["drafter"]
+    return budgets
 
 
 # --- layers tuning --------------------------------------------------------------------------------

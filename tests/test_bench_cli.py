@@ -359,21 +359,34 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
 
 def step_ms_by_tokens(fn, device):
     """A fake clock for --tune-tree: a step is free up to 4 tokens, then 1/4 ms a token; drafting
-    costs nothing (its closure holds a tree, a step's its tokens)."""
-    tokens = (fn.__defaults__ or [None])[0]
-    return 0.001 * max(1, tokens.numel() / 4) if torch.is_tensor(tokens) else 0.0
+    costs nothing (its closure holds a tree, a step's its tokens, and the rows' sizes where some
+    rows' padding is left out)."""
+    tokens, *rest = fn.__defaults__ or [None]
+    if not torch.is_tensor(tokens):
+        return 0.0
+    n = sum(rest[-1]) if rest and isinstance(rest[-1], list) else tokens.numel()
+    return 0.001 * max(1, n / 4)
 
 
 def test_tune_tree_chooses_a_tree_for_each_batch_size_and_a_batch_follows_it(
     capsys, monkeypatch, tmp_path, tiny_model_dir
 ):
     """Where a step is free up to 4 tokens, a tree of 3 nodes pays alone, one node at 2 rows (4
-    tokens) and none at 4 (plain decoding): --tune-tree saves that table beside the tree, and a
-    --batch-size run of the heads drafts the tree of its live rows."""
+    tokens) and none at 4 (plain decoding): --tune-tree saves that table beside the tree, and the
+    budget 4 rows share (none: a node past 4 tokens costs more than it can bring), and a
+    --batch-size run of the heads shares the budget of its live rows."""
     folder = saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
     (folder / "eval.json").write_text(json.dumps({"rank_acceptance": [[0.9, 0.5], [0.8, 0.4]]}))
     monkeypatch.setattr(tuning, "timed", step_ms_by_tokens)
     monkeypatch.setattr(tuning, "distance_to_floor", lambda model, device: {})
+    decoded = []  # the budgets decoded for real: their tokens/s on the fake clock, as the model's
+    real = tuning.decode_budgets
+
+    def decode_budgets(model, heads, pool, budgets, prompts, B, eos, args):
+        decoded.append((B, real(model, heads, pool, budgets, prompts, B, eos, args)))
+        return [r | {"measured": r["tokens_per_s"]} for r in budgets]
+
+    monkeypatch.setattr(tuning, "decode_budgets", decode_budgets)
     code, out, err = run_bench(
         capsys,
         *["--tune-tree", "--model", tiny_model_dir, "--heads", folder, "--heads-dir", tmp_path],
@@ -393,6 +406,17 @@ def test_tune_tree_chooses_a_tree_for_each_batch_size_and_a_batch_follows_it(
         flags, model, tokenizer, quantize="none", decoding=decoding, generator=None, batch_size=size
     )
     assert type(load(1)) is drafters.HeadsDrafter and load(1).max_nodes == 4
+    shared = {int(B): row["extra"] for B, row in saved["shared"]["by_batch"].items()}
+    assert sorted(shared) == [1, 2, 4] and shared[4] == 0
+    assert [B for B, _ in decoded] == [1, 2, 4], "each batch size's best budgets decoded"
+    for _, rows in decoded:  # plain decoding and the 2 budgets ranked best, each measured
+        assert rows[0]["extra"] == 0 and len(rows) <= 3 and all(r["measured"] > 0 for r in rows)
+    assert type(load(4)) is drafters.HeadsShared and load(4).budgets == shared
+    assert load(4).budget(4)[0] == 0 and "shared by a batch" in load(4).name
+    del saved["shared"]  # tuned before budgets were shared: every row the tree of the batch size
+    pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32, "budget")).write_text(
+        json.dumps(saved)
+    )
     assert load(4).name == "heads: hydra++, tree by batch size (1: 4 nodes, 2: 2 nodes, 4: 1 node)"
     assert load(4).by_batch[4].max_nodes == 1
 

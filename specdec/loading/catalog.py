@@ -202,6 +202,35 @@ def batch_trees(folder, model, tree, quant="none"):
     return trees | {1: tree}  # alone, a row drafts the banner's tree, as at --batch-size 1
 
 
+def shared_budgets(folder, model, quant="none"):
+    """(the tree every row draws its candidates from, {B: nodes past the roots}, {B: the depth they
+    are drawn down to}, {B: expected speedup}): the budgets a batch shares that bench.py
+    --tune-tree chose for this machine (budget-DEVICE-DTYPE.json's "shared"), each used from B rows
+    on; None where it chose none."""
+    files = [
+        tuned_tree_file(folder, model.device, model.dtype, "budget", q) for q in (quant, "none")
+    ]
+    file = next((f for f in files if os.path.exists(f)), None)
+    if file is None:
+        return None
+    try:
+        with open(file) as f:
+            shared = json.load(f).get("shared")
+        if shared is None:
+            return None
+        pool = tree_lib.build([tuple(p) for p in shared["pool"]])
+        rows = {int(B): row for B, row in shared["by_batch"].items()}
+        budgets = {B: int(row["extra"]) for B, row in rows.items()}
+        depths = {B: int(row.get("depth", pool.max_depth)) for B, row in rows.items()}
+        assert 1 in budgets and all(E >= 0 for E in budgets.values()), "budgets from batch 1, >= 0"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
+        raise UsageError(
+            f"{file}: not a table of budgets by batch size ({e}); run bench.py --tune-tree again, "
+            "or delete it"
+        ) from None
+    return pool, budgets, depths, {B: row.get("expected_speedup") for B, row in rows.items()}
+
+
 def parse_tree(spec):
     """--tree spec -> paths (tree.parse: data only, nothing in it is ever evaluated)."""
     try:
@@ -754,9 +783,10 @@ def skip_layers(model, settings, given):
 
 def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batch_size=1):
     """The drafter DraftFlags `draft` names, once the model is loaded: heads and their tree (tuned
-    for --quantize; for --batch-size > 1 the trees by batch size where they were tuned, unless a
-    --tree is given), a draft model, checked against the model. Its drafts are sampled, from
-    `generator`, where the verification rule needs them (Leviathan's), else greedy."""
+    for --quantize; for --batch-size > 1 the budget a batch shares, else the trees by batch size,
+    where they were tuned, unless a --tree is given), a draft model, checked against the model.
+    Its drafts are sampled, from `generator`, where the verification rule needs them (Leviathan's),
+    else greedy."""
     kind = draft.kind
     arg = draft.arg
     settings = draft.settings
@@ -806,16 +836,29 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
         top_p=decoding["top_p"],
         generator=generator,
     )
-    by_batch = batch_size > 1 and kind == "heads" and heads is not None and draft.tree == "auto"
-    trees = batch_trees(folder, model, tree, quantize) if by_batch else None
-    if trees:
-        drafter = drafters_lib.HeadsByBatch(heads, trees)
+    if batch_size > 1:
+        drafter = for_batches(drafter, draft, model, quantize)
     if drafter.max_nodes > tree_lib.MAX_NODES:
         raise UsageError(
             f"--draft {draft.spec}: trees of up to {drafter.max_nodes} nodes, over "
             f"MAX_NODES={tree_lib.MAX_NODES}; use a smaller --tree or --gamma"
         )
     return drafter
+
+
+def for_batches(drafter, draft, model, quantize):
+    """What drafts for many rows at once where `drafter` drafts for one: heads whose --tree is
+    auto share one budget a step among the rows, as bench.py --tune-tree chose it for this
+    machine (else every row drafts the tree it chose for the batch size); any other drafter as it
+    is."""
+    if type(drafter) is not drafters_lib.HeadsDrafter or draft.tree != "auto":
+        return drafter
+    folder = find_heads(draft.heads)
+    shared = shared_budgets(folder, model, quantize)
+    if shared:  # one budget a step, given to the surest nodes of every row
+        return drafters_lib.HeadsShared(drafter.heads, *shared[:3])
+    trees = batch_trees(folder, model, drafter.tree, quantize)
+    return drafters_lib.HeadsByBatch(drafter.heads, trees) if trees else drafter
 
 
 def check_online_save(folder):
