@@ -1,6 +1,7 @@
 """The Python API (specdec/api.py): README.md's "From Python" example runs as written from a folder
 outside the repository, set up as the README says; a string, a message list and a batch each come
-back as text and ids without the EOS; a greedy batch is its prompts one at a time; a chat's second
+back as text and ids without the EOS; a greedy batch is its prompts one at a time, sharing the
+budget tuned for the machine where there is one; a chat's second
 turn forwards only what its cache lacks, and answers as the one-shot reply does; a bad argument is
 one APIError (a ValueError) naming it; the keywords' defaults are generate.py's flags'.
 
@@ -9,8 +10,10 @@ real default model. Test: `python -m pytest -q tests/test_api.py`.
 """
 
 import inspect
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -21,6 +24,8 @@ from safetensors.torch import load_file, save_file
 import generate
 from conftest import save_tiny_model
 from specdec import api
+from specdec import drafters
+from specdec.loading import catalog
 from specdec.loading import checkpoint
 from test_generate import random_heads
 
@@ -308,3 +313,23 @@ def test_importing_the_package_imports_nothing():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_batch_shares_the_budget_tuned_for_the_machine(folder, heads_folder, tmp_path):
+    """Heads with a budget the batch shares (bench.py --tune-tree's table): generate_batch drafts
+    with it, as generate.py --batch-size does, and its replies are still the ones alone."""
+    heads = shutil.copytree(heads_folder, tmp_path / "heads")
+    base, _ = checkpoint.load(folder, "cpu", torch.float32)
+    table = {"pool": [[0], [0, 0], [0, 0, 0]], "by_batch": {"1": {"extra": 3}, "2": {"extra": 2}}}
+    file = catalog.tuned_tree_file(str(heads), "cpu", torch.float32, "budget")
+    with open(file, "w") as f:
+        json.dump({"by_batch": {"1": {"paths": [[0]]}}, "shared": table}, f)
+    sd = api.load(folder, heads=str(heads), dtype="fp32", threads=1)
+    assert type(sd.drafter) is drafters.HeadsDrafter
+    assert type(sd.batch_drafter) is drafters.HeadsShared and sd.batch_drafter.budgets == {
+        1: 3,
+        2: 2,
+    }
+    alone = [sd.generate(p, max_new_tokens=16) for p in PROMPTS]
+    batch = sd.generate_batch(PROMPTS, batch_size=3, max_new_tokens=16)
+    assert [r.ids for r in batch] == [r.ids for r in alone]

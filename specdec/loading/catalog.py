@@ -178,14 +178,19 @@ def load_heads(name, model):
 # --- trees: --tree, and the tuned files beside the heads ------------------------------------------
 
 
-def batch_trees(folder, model, tree, quant="none"):
-    """{B: tree.Tree}: the trees by batch size that bench.py --tune-tree chose for this machine
-    and saved beside the heads (budget-DEVICE-DTYPE.json), each used from B rows on, and `tree`
-    (the heads' tree, the banner's) for a row alone; None where it chose none."""
+def budget_file(folder, model, quant):
+    """budget-DEVICE-DTYPE.json beside the heads (--quantize's, else the model's own), or None."""
     files = [
         tuned_tree_file(folder, model.device, model.dtype, "budget", q) for q in (quant, "none")
     ]
-    file = next((f for f in files if os.path.exists(f)), None)
+    return next((f for f in files if os.path.exists(f)), None)
+
+
+def batch_trees(folder, model, tree, quant="none"):
+    """{B: tree.Tree}: the trees by batch size that bench.py --tune-tree chose for this machine
+    and saved beside the heads (budget_file), each used from B rows on, and `tree` (the heads'
+    tree, the banner's) for a row alone; None where it chose none."""
+    file = budget_file(folder, model, quant)
     if file is None:
         return None
     try:
@@ -205,12 +210,9 @@ def batch_trees(folder, model, tree, quant="none"):
 def shared_budgets(folder, model, quant="none"):
     """(the tree every row draws its candidates from, {B: nodes past the roots}, {B: the depth they
     are drawn down to}, {B: expected speedup}): the budgets a batch shares that bench.py
-    --tune-tree chose for this machine (budget-DEVICE-DTYPE.json's "shared"), each used from B rows
-    on; None where it chose none."""
-    files = [
-        tuned_tree_file(folder, model.device, model.dtype, "budget", q) for q in (quant, "none")
-    ]
-    file = next((f for f in files if os.path.exists(f)), None)
+    --tune-tree chose for this machine (budget_file's "shared"), each used from B rows on; None
+    where it chose none."""
+    file = budget_file(folder, model, quant)
     if file is None:
         return None
     try:
