@@ -837,6 +837,12 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
             if shared and not variant:
                 by_batch, predicted = drafters.HeadsShared(heads, *shared[:3]), shared[3]
                 nodes_at = lambda rows, b=by_batch: f"{b.budget(rows)[0]} shared"  # noqa: E731
+            elif shared and variant == "lookup":  # the heads' budget shared, lookup's nodes beside
+                b = drafters.HeadsShared(heads, *shared[:3])
+                by_batch = catalog.heads_and_lookup(
+                    b, look["gamma"], look["ngram"], look["matches"], device
+                )
+                nodes_at = lambda rows, b=b: f"{b.budget(rows)[0]} shared + lookup"  # noqa: E731
             elif trees and variant in ("", "uniform"):
                 by_batch = drafters.HeadsByBatch(heads, trees)
                 nodes_at = lambda rows, b=by_batch: b.tree_for(rows).max_nodes  # noqa: E731

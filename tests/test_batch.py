@@ -43,6 +43,9 @@ def make_drafter(name, model, matches=3):
         return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
     if name == "hydra++-shared":  # 5 nodes past the roots shared by 2 to 4 rows
         return drafters.HeadsShared(random_heads(model, "hydra++"), tree, {1: 21, 2: 5})
+    if name == "heads+lookup-shared":  # lookup's nodes beside 4 of the heads' shared by the rows
+        heads = drafters.HeadsShared(random_heads(model, "hydra++"), tree, {1: 21, 2: 4})
+        return catalog.heads_and_lookup(heads, 4, 3, 1, "cpu")
     if name == "layers":
         return drafters.ModelDrafter(model, 3, 0.0, 1.0, None, layers=[0])
     if name == "jacobi":
@@ -432,6 +435,16 @@ def test_a_greedy_batch_sharing_a_budget_is_each_prompt_decoded_alone(small, kin
     assert [r.tokens for r in batch] == [r.tokens for r in alone]
     assert {(4, 0), (2, 3), (1, 21)} <= set(sizes) <= {(4, 0), (3, 3), (2, 3), (1, 21)}
     assert (max(pages, default=0) > 1) == (kind == "hydra++"), "rows caught up in one call"
+
+
+def test_heads_sharing_a_budget_beside_lookup_keep_each_rows_tokens(small):
+    """heads+lookup in a batch: lookup's nodes beside the heads' shared budget (catalog.for_batches
+    builds it so); each row is still its prompt decoded alone, token for token."""
+    alone = [decode.generate(small, p, n, eos_ids=EOS) for p, n in zip(PROMPTS, LIMITS)]
+    d = make_drafter("heads+lookup-shared", small)
+    batch = engine.generate_batch(small, PROMPTS, LIMITS, d, eos_ids=EOS, batch_size=4)
+    assert [r.tokens for r in batch] == [r.tokens for r in alone]
+    assert sum(sum(r.accepted) for r in batch) > 0 and type(d.heads) is drafters.HeadsShared
 
 
 def test_after_a_stretch_at_budget_0_a_row_drafts_what_it_would_have_never_stopping(small):

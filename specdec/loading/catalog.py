@@ -851,8 +851,15 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
 def for_batches(drafter, draft, model, quantize):
     """What drafts for many rows at once where `drafter` drafts for one: heads whose --tree is
     auto share one budget a step among the rows, as bench.py --tune-tree chose it for this
-    machine (else every row drafts the tree it chose for the batch size); any other drafter as it
-    is."""
+    machine (else every row drafts the tree it chose for the batch size), lookup's nodes beside
+    them for heads+lookup; any other drafter as it is."""
+    if isinstance(drafter, drafters_lib.HeadsPlusLookup):
+        heads = for_batches(drafter.heads, draft, model, quantize)
+        if heads is drafter.heads:
+            return drafter
+        return drafters_lib.HeadsPlusLookup(
+            heads, drafter.lookup, drafter.shapes.device, floor=drafter.floor
+        )
     if type(drafter) is not drafters_lib.HeadsDrafter or draft.tree != "auto":
         return drafter
     folder = find_heads(draft.heads)
