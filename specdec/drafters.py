@@ -406,11 +406,11 @@ class HeadsShared(HeadsDrafter):
     """Heads whose batch shares one budget: budgets {B: E}, E nodes past the roots for a step of B
     live rows (from its B up to the next; bench.py --tune-tree chooses them), given to the nodes of
     `tree` (every row's candidates; depths {B: d}: its nodes down to depth d alone, fewer heads to
-    run) the heads are most confident of, whichever rows they are in. At
-    E = 0 nothing is drafted: the step is plain decoding. The draft state still follows every kept
-    token: accept() queues what the step kept and the next draft catches up on all of it in one
-    call, so a row drafts as it would have when the budget comes back. Lossless whatever the split:
-    each row's draft is a tree the verifiers check like any other."""
+    run) the heads are most confident of, whichever rows they are in. At E = 0 nothing is drafted:
+    the step is plain decoding. The draft state still follows every kept token: accept() queues
+    what the step kept and the next draft catches up on all of it in one call, so a row drafts as
+    it would have when the budget comes back. Lossless whatever the split: each row's draft is a
+    tree the verifiers check like any other."""
 
     def __init__(self, heads, tree, budgets: dict, depths: dict | None = None):
         assert 1 in budgets, f"budgets by batch size need one for batch 1, got {sorted(budgets)}"
