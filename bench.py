@@ -831,21 +831,14 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 d = catalog.heads_and_lookup(
                     d, look["gamma"], look["ngram"], look["matches"], device
                 )
-            # more rows at once: the budget the batch shares (-uniform: every row the same tree
-            # by batch size), as --tune-tree chose them, as generate.py's
-            by_batch, nodes_at, predicted = d, lambda rows, d=d: d.max_nodes, None
-            if shared and not variant:
-                by_batch, predicted = drafters.HeadsShared(heads, *shared[:3]), shared[3]
-                nodes_at = lambda rows, b=by_batch: f"{b.budget(rows)[0]} shared"  # noqa: E731
-            elif shared and variant == "lookup":  # the heads' budget shared, lookup's nodes beside
-                b = drafters.HeadsShared(heads, *shared[:3])
-                by_batch = catalog.heads_and_lookup(
-                    b, look["gamma"], look["ngram"], look["matches"], device
-                )
-                nodes_at = lambda rows, b=b: f"{b.budget(rows)[0]} shared + lookup"  # noqa: E731
-            elif trees and variant in ("", "uniform"):
+            # more rows at once: the budget the batch shares, as generate.py's (-uniform: every
+            # row the tree --tune-tree chose for its batch size)
+            by_batch = d
+            if variant in ("", "lookup"):
+                by_batch = catalog.batch_drafter(d, folder, base, args.quantize)
+            elif variant == "uniform" and trees:
                 by_batch = drafters.HeadsByBatch(heads, trees)
-                nodes_at = lambda rows, b=by_batch: b.tree_for(rows).max_nodes  # noqa: E731
+            shared_only = type(by_batch) is drafters.HeadsShared  # --tune-tree predicted it
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = Method(
@@ -855,8 +848,8 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 depth=d.max_depth,
                 adapted=base is not model,
                 batch=ours_batched(fast(base), by_batch, verify, temperature, eos),
-                nodes_at=nodes_at,
-                predicted=predicted,
+                nodes_at=drafted_at(by_batch),
+                predicted=shared[3] if shared_only else None,
             )
             if not variant:
                 notes.append(
@@ -864,6 +857,21 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                     f"depth {tree.max_depth}" + (f"; {by_batch.name}" if by_batch is not d else "")
                 )
     return methods, notes
+
+
+def drafted_at(d):
+    """rows at once -> what `d` drafts a step at that many rows, for the batch table: its tree's
+    nodes, or the nodes past the roots its rows share (with lookup's beside them)."""
+
+    def at(rows):
+        heads = d.heads if isinstance(d, drafters.HeadsPlusLookup) else d
+        if isinstance(heads, drafters.HeadsShared):
+            return f"{heads.budget(rows)[0]} shared" + (" + lookup" if heads is not d else "")
+        if isinstance(d, drafters.HeadsByBatch):
+            return d.tree_for(rows).max_nodes
+        return d.max_nodes
+
+    return at
 
 
 # --- measuring ------------------------------------------------------------------------------------

@@ -345,31 +345,31 @@ class Page:
     def fits(self, members):
         """Whether one forward over the members' new tokens stays within the page's slots."""
         start = max(row.cache.length for _, row in self.live())
-        return start + max(r.hidden.shape[1] for r in members) <= self.cache.max_len
+        return start + max(hidden.shape[1] for _, hidden, _ in members) <= self.cache.max_len
 
     def forward(self, prefix, members):
-        """Hydra++'s prefix layer (heads.PrefixMLP) over each member's new hidden states (1, n, D)
-        at its positions, in one call for the page's rows: their entries kept in their slots, as
-        PrefixMLP.forward keeps a row's -> each member's last output (D,)."""
+        """Hydra++'s prefix layer (heads.PrefixMLP) over each member's (row, new hidden states
+        (1, n, D), their positions (n,)), in one call for the page's rows: their entries kept in
+        their slots, as PrefixMLP.forward keeps a row's -> each member's last output (D,)."""
         cache, size = self.cache, len(self.owners)
         cache.lengths = [0] * size
         for s, row in self.live():  # every live row's length: the new tokens go past them all
             cache.lengths[s] = row.cache.length
-        T = max(r.hidden.shape[1] for r in members)
-        x = members[0].hidden.new_zeros(size, T, members[0].hidden.shape[-1])  # (size, T, D)
+        T = max(hidden.shape[1] for _, hidden, _ in members)
+        x = members[0][1].new_zeros(size, T, members[0][1].shape[-1])  # (size, T, D)
         positions = torch.zeros(size, T, dtype=torch.long, device=x.device)  # (size, T)
         new = [0] * size
-        for r in members:
-            s, n = r.cache.slot, r.hidden.shape[1]
-            x[s, :n], positions[s, :n], new[s] = r.hidden[0], r.positions, n
+        for r, hidden, at in members:
+            s, n = r.cache.slot, hidden.shape[1]
+            x[s, :n], positions[s, :n], new[s] = hidden[0], at, n
         start = cache.length
         cos, sin = prefix.rope(positions, x.dtype)  # (size, 1, T, Dh)
         mask = rows_lib.attention_mask(T, start, None, cache.key_mask(T), x.device)
         y = prefix.norm(prefix.block(x, cos, sin, mask, (cache.k[0], cache.v[0], start)))
         cache.keep(*[range(n) for n in new])
-        for r in members:
+        for r, _, _ in members:
             r.cache.length = cache.lengths[r.cache.slot]
-        return [y[r.cache.slot, r.hidden.shape[1] - 1] for r in members]
+        return [y[r.cache.slot, new[r.cache.slot] - 1] for r, _, _ in members]
 
 
 class Pages:
@@ -394,11 +394,12 @@ class Pages:
         self.pages.append(Page(cache, [weakref.ref(row)] + [None] * (self.size - 1)))
         return RowView(self.pages[-1], 0)
 
-    def grouped(self, rows):
-        """[(page, its rows among `rows`)]."""
+    def grouped(self, waiting):
+        """[(page, its rows' entries among `waiting`)]: entries (row, ...) by the row's page."""
         by = {}
-        for r in rows:
-            by.setdefault(id(r.cache.page), (r.cache.page, []))[1].append(r)
+        for entry in waiting:
+            page = entry[0].cache.page
+            by.setdefault(id(page), (page, []))[1].append(entry)
         return list(by.values())
 
 
@@ -451,22 +452,23 @@ class HeadsShared(HeadsDrafter):
     def catch_up(self, rows):
         """The draft state of each row over every token it kept since the last draft: Hydra++'s
         prefix layer runs once for the rows of a page (Pages), not once a row."""
-        waiting = [r for r in rows if r.pending]
-        for r in waiting:
-            r.hidden = torch.cat([h for h, _ in r.pending], dim=1)  # (1, n, D)
-            r.positions = torch.cat([p for _, p in r.pending])  # (n,)
-            r.pending = []
+        waiting = []  # (row, its kept hidden states (1, n, D), their positions (n,))
+        for r in rows:
+            if r.pending:
+                hidden = torch.cat([h for h, _ in r.pending], dim=1)
+                waiting.append((r, hidden, torch.cat([p for _, p in r.pending])))
+                r.pending = []
         if not self.heads_prefix:  # Medusa, Hydra: the last hidden state itself
-            for r in waiting:
-                r.h = r.hidden[:, -1]
+            for r, hidden, _ in waiting:
+                r.h = hidden[:, -1]
             return
         for page, members in self.pages.grouped(waiting):
             if len(members) > 1 and page.fits(members):
-                for r, y in zip(members, page.forward(self.heads.prefix, members)):
+                for (r, _, _), y in zip(members, page.forward(self.heads.prefix, members)):
                     r.h = y[None]  # (1, D)
                 continue
-            for r in members:  # alone, or past the page's slots: one call each
-                r.h = self.heads.context(r.hidden, r.positions, r.cache)[:, -1]  # (1, D)
+            for r, hidden, positions in members:  # alone, or past the page's slots: one call each
+                r.h = self.heads.context(hidden, positions, r.cache)[:, -1]  # (1, D)
 
     def draft(self, rows, roots):
         if not rows:

@@ -849,20 +849,27 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
 
 
 def for_batches(drafter, draft, model, quantize):
-    """What drafts for many rows at once where `drafter` drafts for one: heads whose --tree is
-    auto share one budget a step among the rows, as bench.py --tune-tree chose it for this
-    machine (else every row drafts the tree it chose for the batch size), lookup's nodes beside
-    them for heads+lookup; any other drafter as it is."""
+    """What drafts for many rows at once where `drafter`, built from DraftFlags `draft`, drafts for
+    one: batch_drafter's where the heads' --tree is auto (a --tree given: that tree every row)."""
+    if draft.tree != "auto" or draft.heads == "none":
+        return drafter
+    return batch_drafter(drafter, find_heads(draft.heads), model, quantize)
+
+
+def batch_drafter(drafter, folder, model, quantize):
+    """What drafts for many rows at once where `drafter` drafts for one: heads (from `folder`)
+    share one budget a step among the rows, as bench.py --tune-tree chose it for this machine
+    (else every row drafts the tree it chose for the batch size), lookup's nodes beside them for
+    heads+lookup; any other drafter as it is."""
     if isinstance(drafter, drafters_lib.HeadsPlusLookup):
-        heads = for_batches(drafter.heads, draft, model, quantize)
+        heads = batch_drafter(drafter.heads, folder, model, quantize)
         if heads is drafter.heads:
             return drafter
         return drafters_lib.HeadsPlusLookup(
             heads, drafter.lookup, drafter.shapes.device, floor=drafter.floor
         )
-    if type(drafter) is not drafters_lib.HeadsDrafter or draft.tree != "auto":
+    if type(drafter) is not drafters_lib.HeadsDrafter:
         return drafter
-    folder = find_heads(draft.heads)
     shared = shared_budgets(folder, model, quantize)
     if shared:  # one budget a step, given to the surest nodes of every row
         return drafters_lib.HeadsShared(drafter.heads, *shared[:3])
