@@ -349,27 +349,31 @@ class Page:
 
     def forward(self, prefix, members):
         """Hydra++'s prefix layer (heads.PrefixMLP) over each member's (row, new hidden states
-        (1, n, D), their positions (n,)), in one call for the page's rows: their entries kept in
+        (1, n, D), their positions (n,)), in one call for the page's slots from the first member's
+        to the last's (a batch of 4 rows costs 4 slots, not the page's): their entries kept in
         their slots, as PrefixMLP.forward keeps a row's -> each member's last output (D,)."""
-        cache, size = self.cache, len(self.owners)
-        cache.lengths = [0] * size
+        lo = min(r.cache.slot for r, _, _ in members)
+        hi = max(r.cache.slot for r, _, _ in members) + 1
+        cache = self.cache.view(lo, hi)
+        cache.lengths = [0] * (hi - lo)
         for s, row in self.live():  # every live row's length: the new tokens go past them all
-            cache.lengths[s] = row.cache.length
+            if lo <= s < hi:
+                cache.lengths[s - lo] = row.cache.length
         T = max(hidden.shape[1] for _, hidden, _ in members)
-        x = members[0][1].new_zeros(size, T, members[0][1].shape[-1])  # (size, T, D)
-        positions = torch.zeros(size, T, dtype=torch.long, device=x.device)  # (size, T)
-        new = [0] * size
+        x = members[0][1].new_zeros(hi - lo, T, members[0][1].shape[-1])  # (slots, T, D)
+        positions = torch.zeros(hi - lo, T, dtype=torch.long, device=x.device)  # (slots, T)
+        new = [0] * (hi - lo)
         for r, hidden, at in members:
-            s, n = r.cache.slot, hidden.shape[1]
+            s, n = r.cache.slot - lo, hidden.shape[1]
             x[s, :n], positions[s, :n], new[s] = hidden[0], at, n
         start = cache.length
-        cos, sin = prefix.rope(positions, x.dtype)  # (size, 1, T, Dh)
+        cos, sin = prefix.rope(positions, x.dtype)  # (slots, 1, T, Dh)
         mask = rows_lib.attention_mask(T, start, None, cache.key_mask(T), x.device)
         y = prefix.norm(prefix.block(x, cos, sin, mask, (cache.k[0], cache.v[0], start)))
         cache.keep(*[range(n) for n in new])
         for r, _, _ in members:
-            r.cache.length = cache.lengths[r.cache.slot]
-        return [y[r.cache.slot, new[r.cache.slot] - 1] for r, _, _ in members]
+            r.cache.length = cache.lengths[r.cache.slot - lo]
+        return [y[r.cache.slot - lo, new[r.cache.slot - lo] - 1] for r, _, _ in members]
 
 
 class Pages:

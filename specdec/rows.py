@@ -86,6 +86,14 @@ class RowsCache(model.KVCache):
             self.v[:, b, :, :n] = other.v[:, j, :, :n]
             self.lengths[b] = n
 
+    def view(self, lo, hi):
+        """Rows [lo, hi) as a RowsCache of their own: k, v are views (what a forward or keep()
+        writes there lands here), the lengths a copy."""
+        rows = RowsCache.__new__(RowsCache)
+        rows.k, rows.v = self.k[:, lo:hi], self.v[:, lo:hi]
+        rows.lengths, rows.max_len = self.lengths[lo:hi], self.max_len
+        return rows
+
     def select_rows(self, rows):
         """Keep only these rows (indices): a batch drops its ended sequences, which stop costing."""
         self.k = self.k[:, rows]

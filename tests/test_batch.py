@@ -475,3 +475,35 @@ def test_after_a_stretch_at_budget_0_a_row_drafts_what_it_would_have_never_stopp
     (never,) = d.draft([going], [9])
     assert torch.equal(after.tokens, never.tokens) and after.tree.paths == never.tree.paths
     torch.testing.assert_close(stopped.h, going.h, atol=1e-5, rtol=1e-5)
+
+
+def test_a_page_computes_the_slots_from_its_first_member_to_its_last(small):
+    """Six rows on a page of 16, two of them (slots 1 and 3) catching up: the prefix layer runs
+    over slots 1..3 alone; each member's state is its row's run alone, and the live row between
+    them (slot 2) keeps its cached entries."""
+    d = shared(small)
+    rows = [d.row() for _ in range(6)]
+    for i, r in enumerate(rows):
+        prompt = [1, 2, 3, 4 + i][: 2 + i % 3]
+        _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
+        r.start(prompt, hidden, 64)
+    page = rows[0].cache.page
+    assert len(page.owners) == 16 and [r.cache.slot for r in rows] == list(range(6))
+    L1, L3 = rows[1].cache.length, rows[3].cache.length  # 3 and 2: row 2's 4 is the longest
+    lone = d.heads.new_cache(64)  # slot 3's row caught up alone, from the same start
+    lone.k[:, 0, :, :L3] = page.cache.k[:, 3, :, :L3]
+    lone.v[:, 0, :, :L3] = page.cache.v[:, 3, :, :L3]
+    lone.length = L3
+    before = page.cache.k[:, 2, :, :4].clone()
+    seen = []
+    block = d.heads.prefix.block
+    block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    new = [torch.randn(1, n, small.cfg.dim) for n in (2, 1)]
+    for r, h, L in zip((rows[1], rows[3]), new, (L1, L3)):
+        r.accept(drafters.Accepted([5] * h.shape[1], h, torch.arange(L, L + h.shape[1]), [0]))
+    d.catch_up([rows[1], rows[3]])
+    assert seen == [3], "slots 1, 2 and 3 only"
+    assert (rows[1].cache.length, rows[3].cache.length) == (L1 + 2, L3 + 1)
+    assert torch.equal(page.cache.k[:, 2, :, :4], before), "the row between them untouched"
+    alone = d.heads.context(new[1], torch.arange(L3, L3 + 1), lone)[:, -1]
+    torch.testing.assert_close(rows[3].h, alone, atol=1e-5, rtol=1e-5)
