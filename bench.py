@@ -328,6 +328,7 @@ class Method:
     batch: Callable | None = None
     learns: object = None  # an Online method: measure() resets it before every repeat
     nodes_at: Callable | None = None  # rows at once -> the nodes a step drafts (or shares)
+    max_nodes: int = 1  # the most nodes a row's draft holds in a batch (graph keys prepared to it)
     predicted: dict | None = None  # rows at once -> --tune-tree's expected speedup over plain
 
 
@@ -705,6 +706,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 greedy=True,
                 depth=d.max_depth,
                 batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
+                max_nodes=d.max_nodes,
             )
             notes.append(d.name)
         elif name == "layers":
@@ -849,6 +851,7 @@ def build_methods(args, model, tokenizer, eos, device, dtype, longest=None, grap
                 adapted=base is not model,
                 batch=ours_batched(fast(base), by_batch, verify, temperature, eos),
                 nodes_at=drafted_at(by_batch),
+                max_nodes=by_batch.max_nodes,
                 predicted=shared[3] if shared_only else None,
             )
             if not variant:
@@ -1458,6 +1461,9 @@ def main(args):
     methods, notes = build_methods(args, model, tokenizer, eos, device, dtype, longest, graphed)
     for g in (graphed or {}).values():  # buffers for the longest reply, a tree and the most rows
         g.new_cache(longest + 256, batch=max(args.batch_size))  # now: never regrown mid-measure
+        if max(args.batch_size) > 1:  # every key the batches step at, captured before timing
+            nodes = max(m.max_nodes for m in methods.values() if m.batch is not None)
+            g.prepare_batches(max(args.batch_size), nodes, longest + 256)
     for note in notes:
         print(f"[bench] {note}", file=sys.stderr)
     print(

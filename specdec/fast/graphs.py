@@ -8,6 +8,7 @@ the reference; this is its tested twin (tests/test_graphs.py), used in its place
     cache.keep(*paths)                          # KVCache's, unchanged
     model.summary()   # 'cuda graphs: 3 shapes captured, 120 replays; eager: 5 (last_only 5)'
     model.prepare(B, N, max_len)                # optional: capture every length bucket now
+    model.prepare_batches(B, N, max_len)        # ... and every key of a batch of up to B rows
     graphs.wanted("auto", device)               # a --cuda-graphs flag: on CUDA, True
 
 Why: eager PyTorch launches hundreds of small kernels a step; a 135M model on an H100 waits for
@@ -324,6 +325,16 @@ class GraphedForward:
             positions = start + torch.arange(nodes, device=tokens.device)  # (N,)
             shape.load(tokens, positions, None, [start] * batch, start)
             self.capture(shape)
+
+    def prepare_batches(self, batch, nodes, max_len):
+        """prepare() every key a batch engine of up to `batch` rows steps at, each row drafting up
+        to `nodes` nodes: every row count (a batch drains to one row at its end), every power of
+        two of nodes (a shared budget's rows change size every step), every length bucket up to
+        max_len. A benchmark calls it before timing: no step of the run captures."""
+        self.new_cache(max_len, batch)  # the buffers for all of them, allocated once
+        for b in range(1, batch + 1):
+            for n in sorted({node_slots(k) for k in range(1, nodes + 1)}):
+                self.prepare(b, n, max_len)
 
     @torch.inference_mode()
     def step(self, shape, tokens, positions, mask, lengths, start):
