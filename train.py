@@ -29,6 +29,7 @@ Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes:
 K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
 """
 
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import math
 from dataclasses import dataclass
 

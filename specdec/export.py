@@ -26,6 +26,7 @@ tests/test_export.py`.
 Shapes: D hidden, K heads, V vocabulary, V' the heads' vocabulary (V, or the kept tokens).
 """
 
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import json
 import os
 import shlex

@@ -93,6 +93,20 @@ def test_ctrl_c_while_torch_imports_is_one_line(tiny_model_dir, tmp_path, delay)
     assert [line for line in lines if line.strip()] == [lines[-1]], lines  # the one line
 
 
+@pytest.mark.parametrize(
+    "script",
+    [["train.py"], ["bench.py"], ["-m", "specdec.export"], ["-m", "specdec.training.joint"]],
+)
+def test_every_entry_script_imports_the_ctrl_c_handler_before_torch(script):
+    """train.py, bench.py and the package's own commands (python -m ...) too: Ctrl-C as torch
+    imports is the one line and exit 130, never torch's traceback."""
+    argv = ["-X", "importtime", *script, "--help"]
+    code, _, err = ctrl_c_after(argv, "| specdec.ctrl_c", 0.0)
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    check_stopped(code, lines)
+    assert [line for line in lines if line.strip()] == [lines[-1]], lines
+
+
 def test_ctrl_c_at_any_moment_of_the_load_stops_the_run_and_keeps_the_old_out(
     tiny_model_dir, tmp_path
 ):

@@ -19,6 +19,7 @@ five likeliest first tokens of a reply.
 Test: `python -m pytest -q tests/test_model.py tests/test_heads.py tests/test_families.py`.
 """
 
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import hashlib
 import json
 import math

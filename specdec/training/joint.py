@@ -25,6 +25,7 @@ one. Greedy speculative decoding is lossless against the adapted model (tests/te
 Test: `python -m pytest -q tests/test_joint.py`. Shapes: B batch, T time, D hidden, r LoRA rank.
 """
 
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import hashlib
 import json
 import math

@@ -21,6 +21,7 @@ Test: `python -m pytest -q tests/test_pass.py`. Shapes: T tokens, M cuts, K [LA]
 vocabulary.
 """
 
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import math
 import sys
 import time
