@@ -2,6 +2,7 @@
 for command-line tests, a tripwire for model loading and a folder that cannot be written."""
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -11,11 +12,20 @@ from specdec.loading import checkpoint
 import model as model_lib
 from specdec import rows
 
+
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
 # exact.py's Triton kernels run in Triton's interpreter where there is no GPU: triton reads this as
 # it decorates them, so it is set before any test imports exact (bench.py imports it too)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    """Ctrl-C's tests press it in this process and in the scripts it starts. A shell that starts
+    pytest as a background job without job control hands it SIGINT ignored, which every child
+    inherits: Python's own handler back, as a run in a terminal has it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +166,6 @@ def ctrl_c_after(argv, marker, seconds, sig=None):
     """Run `python argv...` from the repository root as a user would, wait for a stderr line holding
     `marker`, let it work `seconds` more, press Ctrl-C (or send `sig`). Returns (exit code, stdout,
     stderr)."""
-    import signal
     import subprocess
     import sys
     import threading
