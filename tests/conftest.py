@@ -12,7 +12,6 @@ from specdec.loading import checkpoint
 import model as model_lib
 from specdec import rows
 
-
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids contention overhead
 # exact.py's Triton kernels run in Triton's interpreter where there is no GPU: triton reads this as
 # it decorates them, so it is set before any test imports exact (bench.py imports it too)

@@ -320,18 +320,22 @@ def test_a_batch_sharing_a_budget_steps_only_at_keys_prepared_before_it(small):
         shape.graph = FakeGraph(fast, shape)
 
     fast.capture = capture
-    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
-    shared = lambda: drafters.HeadsShared(heads, tree, {1: 21, 2: 5, 4: 2})  # noqa: E731
     heads = random_heads(small, "hydra++")
+    tree = tree_lib.build(tree_lib.cartesian([3, 2, 2]))
+    budgets = {1: 21, 2: 5, 4: 2}  # nodes past the roots by live rows: they move as rows end
     longest = max(len(p) + n for p, n in zip(PROMPTS, LIMITS)) + tree.num_nodes  # the engine's
     fast.prepare_batches(4, tree.num_nodes, longest)
     prepared = len(captured)
     nodes = (1, 2, 4, 8, 16, 32)  # up to the tree's 22 nodes, as steps round them
     keys = {(b, n, S) for b in range(1, 5) for n in nodes for S in fast.buckets}
     assert captured == sorted(captured) and set(captured) == {k for k in keys if k[2] >= k[1]}
-    eager = engine.generate_batch(small, PROMPTS, LIMITS, shared(), eos_ids=EOS, batch_size=4)
-    static = engine.generate_batch(fast, PROMPTS, LIMITS, shared(), eos_ids=EOS, batch_size=4)
-    assert [r.tokens for r in static] == [r.tokens for r in eager]
+
+    def replies(model):  # the prompts through 4 rows sharing the budget
+        d = drafters.HeadsShared(heads, tree, budgets)
+        batch = engine.generate_batch(model, PROMPTS, LIMITS, d, eos_ids=EOS, batch_size=4)
+        return [r.tokens for r in batch]
+
+    assert replies(fast) == replies(small)
     assert len(captured) == prepared, f"captured while decoding: {captured[prepared:]}"
     assert fast.replays > 0 and not fast.fallbacks.get("cache outside the buffers")
 
