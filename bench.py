@@ -955,7 +955,8 @@ def batch_rows(methods, prompts, sizes, args, device, res):
     for m in batching.values():
         m.batch(ids[: sizes[0]], min(16, args.max_new_tokens), args.seed, sizes[0])  # warm
     for B in sizes:
-        times, outs = {name: [] for name in batching}, {}
+        times = {name: [] for name in batching}  # seconds of each repeat
+        outs = {}
         for _ in range(args.repeats):
             for name, m in batching.items():
                 sync(device)

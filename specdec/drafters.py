@@ -331,7 +331,8 @@ class RowView(model_lib.KVCache):
         self.page, self.slot = page, slot
         self.k = page.cache.k[:, slot : slot + 1]  # (1, 1, Hkv, S, Dh): views
         self.v = page.cache.v[:, slot : slot + 1]
-        self.length, self.max_len = 0, page.cache.max_len
+        self.length = 0
+        self.max_len = page.cache.max_len
 
 
 @dataclass
@@ -364,7 +365,8 @@ class Page:
         positions = torch.zeros(hi - lo, T, dtype=torch.long, device=x.device)  # (slots, T)
         new = [0] * (hi - lo)
         for r, hidden, at in members:
-            s, n = r.cache.slot - lo, hidden.shape[1]
+            s = r.cache.slot - lo
+            n = hidden.shape[1]
             x[s, :n], positions[s, :n], new[s] = hidden[0], at, n
         start = cache.length
         cos, sin = prefix.rope(positions, x.dtype)  # (slots, 1, T, Dh)
@@ -382,7 +384,8 @@ class Pages:
     start; the slot is free again once the row is gone (a weak reference) or starts anew."""
 
     def __init__(self, heads, size=16):
-        self.heads, self.size, self.pages = heads, size, []
+        self.heads, self.size = heads, size
+        self.pages = []
 
     def take(self, row, max_len) -> RowView:
         for page in self.pages:  # the row's old slot first: it starts anew

@@ -91,7 +91,8 @@ class RowsCache(model.KVCache):
         writes there lands here), the lengths a copy."""
         rows = RowsCache.__new__(RowsCache)
         rows.k, rows.v = self.k[:, lo:hi], self.v[:, lo:hi]
-        rows.lengths, rows.max_len = self.lengths[lo:hi], self.max_len
+        rows.lengths = self.lengths[lo:hi]
+        rows.max_len = self.max_len
         return rows
 
     def select_rows(self, rows):

@@ -737,7 +737,8 @@ def tune_shared(args, model, heads, pool, prompts, prefix, eos):
 
             def draft(rows=rows, d=d):
                 for r in rows:
-                    r.cache.length, r.pending = len(prefix) - 1, [last]
+                    r.cache.length = len(prefix) - 1
+                    r.pending = [last]
                 d.draft(rows, [prefix[-1]] * B)
 
             draft()
@@ -754,14 +755,21 @@ def tune_shared(args, model, heads, pool, prompts, prefix, eos):
                 steps[E] = lambda tokens=tokens, pos=pos, mask=mask, s=sized: model(
                     tokens, pos, mask, cache, sizes=s
                 )
-                steps[E](), steps[E]()
+                for _ in range(2):  # warm
+                    steps[E]()
             for depth in range(1, pool.max_depth + 1) if E else [0]:
                 if E > B * (upto[depth] - 1):
                     continue
                 tau = B + (accepted_shared(log, B, E, upto[depth]) if E else 0)
+                drafting = drafts[depth] if E else None
                 sizes.append(
-                    {"extra": E, "depth": depth, "expected_tau": tau, "step": steps[E]}
-                    | {"draft": drafts[depth] if E else None}
+                    {
+                        "extra": E,
+                        "depth": depth,
+                        "expected_tau": tau,
+                        "step": steps[E],
+                        "draft": drafting,
+                    }
                 )
         # what a step costs past its forward whatever it drafts (verifying each row, keeping its
         # entries): a plain step of the B rows, its forward taken off. Every step pays it, so

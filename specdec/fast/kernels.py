@@ -981,7 +981,8 @@ def stack_native(stack, x, cos, sin, mask, cache, start, sizes=None):
         M = B * T
     else:  # each token's rotary and mask, the padding's left out
         M, flat = len(at), at.long()
-        x, out = x.reshape(B * T, D)[flat], x.clone()  # (M, D), (B, T, D)
+        out = x.clone()  # (B, T, D): the padding keeps its input
+        x = x.reshape(B * T, D)[flat]  # (M, D)
         cos = cos.reshape(B * T, -1)[flat]  # (M, Dh)
         sin = sin.reshape(B * T, -1)[flat]
         mask = None if mask is None else mask.reshape(B * T, -1)[flat]  # (M, S)
