@@ -19,12 +19,15 @@ Below the lesson, the command line (its flags, checks and modes):
     python generate.py --prompts eval/prompts.jsonl --batch-size 4 --out replies.jsonl
     python generate.py --chat                          # talk; the KV cache is kept between turns
 
-It runs the package's twin of this ladder (specdec/engines/decode.py: many rows in one forward,
-every drafter of specdec/drafters.py, a chat that keeps its cache), tested token-identical to it.
+What you read is what runs: one prompt, with heads or without, goes through generate() below.
+A batch, a chat and the other drafters run the package's twin of this ladder
+(specdec/engines/decode.py: many rows in one forward, drafters that bring computed-only nodes, a
+cache kept between turns), tested token-identical to it.
 Shapes: N tree nodes, T prompt tokens, D hidden, V vocabulary.
 """
 
-import specdec.ctrl_c  # the command line's, imported first: Ctrl-C while torch loads is one line
+import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -51,15 +54,16 @@ def prefill(model, cache, prompt):
 
 def fill_tree(heads, h, root, tree):
     """h (1, D) the heads' draft state, root the last emitted token -> tokens (N,) of the tree's
-    nodes, node 0 the root."""
+    nodes, node 0 the root. One call of head d drafts for every parent at depth d - 1."""
     tokens = torch.full((tree.num_nodes,), root, device=tree.parent.device)  # (N,)
     for d, nodes in enumerate(tree.by_depth, start=1):
-        for parent in tree.parent[nodes].unique().tolist():
-            children = nodes[tree.parent[nodes] == parent]  # (c,) in rank order
-            path = tokens[tree.mask[parent]][None]  # (1, d) the tokens from the root to the parent
-            z = heads.head(d, h, path)  # (1, D) Medusa's head reads h alone, Hydra's also the path
-            top = heads.project(z, d).topk(len(children)).indices[0]  # (c,) likeliest first
-            tokens[children] = heads.full_ids(top)[tree.rank[children]]
+        parents, under = tree.parent[nodes].unique(return_inverse=True)  # (P,), each node's parent
+        P = len(parents)
+        paths = tokens.expand(P, -1)[tree.mask[parents]].view(P, d)  # (P, d) root..each parent
+        z = heads.head(d, h, paths)  # (P, D); Medusa's head reads h alone: (1, D)
+        k = int(tree.rank[nodes].max()) + 1  # the deepest rank asked for under any parent
+        top = heads.full_ids(heads.project(z, d).topk(k).indices)  # (P | 1, k) likeliest first
+        tokens[nodes] = top.expand(P, -1)[under, tree.rank[nodes]]
     return tokens
 
 
@@ -97,8 +101,12 @@ def step(model, cache, heads, tree, verifier, seq):
 
 def choose_verifier(temperature, top_p, generator, verify="auto"):
     """verify.py's rule for these settings, as verifier(logits, tokens, tree) -> (nodes, bonus)."""
-    if verify_lib.is_greedy(temperature):
+    if verify not in verify_lib.VERIFIERS:
+        raise ValueError(f"verify={verify!r}: use one of {', '.join(verify_lib.VERIFIERS)}")
+    if verify_lib.is_greedy(temperature):  # at temperature 0 every rule is greedy's
         return verify_lib.greedy
+    if verify == "greedy":
+        raise ValueError(f"verify='greedy' needs temperature 0, got {temperature}")
     if verify == "typical":  # lossy: Medusa's typical acceptance
         return lambda l, t, tree: verify_lib.typical(
             l, t, tree, temperature, top_p, generator=generator
@@ -118,11 +126,17 @@ def generate(
     generator=None,
     verify="auto",
     eos_ids=(),
+    on_tokens=None,
 ):
     """Up to max_new_tokens ids after `prompt` (a list of ids), ending at the first of eos_ids
-    (kept), drafted by `heads` on `tree` (tree.py's; heads None: plain decoding). -> (the new ids,
-    the base model's forward passes, the prefill included)."""
-    tree = (tree if heads is not None else tree_lib.build([])).to(model.device)
+    (kept), drafted by `heads` on `tree` (tree.py's; None: a chain as deep as the heads; heads None:
+    plain decoding). on_tokens(ids) is called with the ids each step emits, as they come. -> (the
+    new ids, the base model's forward passes, the prefill included)."""
+    if heads is None:
+        tree = tree_lib.build([])  # the root alone
+    elif tree is None:
+        tree = tree_lib.build(tree_lib.chain(heads.cfg.num_heads))
+    tree = tree.to(model.device)
     cache = model.new_cache(len(prompt) + max_new_tokens + tree.num_nodes)  # room for a last tree
     logits, hidden = prefill(model, cache, prompt)  # (V,), (1, T, D)
     probs = verify_lib.logits_to_probs(logits.float(), temperature, top_p)  # (V,)
@@ -132,676 +146,34 @@ def generate(
         positions = torch.arange(len(prompt), device=model.device)  # (T,)
         seq.h = heads.context(hidden, positions, seq.head_cache)[:, -1]  # (1, D)
     verifier = choose_verifier(temperature, top_p, generator, verify)
-    new, forwards = [seq.root], 1
-    while len(new) < max_new_tokens and not set(new) & set(eos_ids):
-        new += step(model, cache, heads, tree, verifier, seq)
+    new, forwards, emitted = [], 1, [seq.root]  # the prefill emits the first token
+    while True:
+        emitted = emitted[: max_new_tokens - len(new)]  # the limit can cut a step short
+        ends = [i + 1 for i, t in enumerate(emitted) if t in eos_ids]
+        emitted = emitted[: ends[0]] if ends else emitted  # EOS is kept, what follows it is not
+        new += emitted
+        if on_tokens:
+            on_tokens(emitted)
+        if ends or len(new) == max_new_tokens:
+            return new, forwards
+        emitted = step(model, cache, heads, tree, verifier, seq)
         forwards += 1
-    ends = [i + 1 for i, t in enumerate(new) if t in eos_ids]  # just after the first EOS
-    return new[: min(ends + [max_new_tokens])], forwards
 
 
 # --- command line ---------------------------------------------------------------------------------
-# The flags, the checks that need no model (before one loads: a typo costs a second, not a load),
-# the modes, and main(), which turns the flags into plain values once.
-
-import contextlib
-import math
-import sys
-import time
-
-from specdec.loading import catalog
-from specdec.loading import checkpoint
-from specdec import cli
-from specdec.engines import decode
-from specdec.engines import engine
-from specdec.fast import graphs
-from specdec.fast import kernels
-from specdec.training import online
-from specdec import terminal
-
-MAX_NEW_TOKENS = 256  # --max-new-tokens unless given
-
-
-def defaults(key):
-    """'lookup 3, lookahead 3': a drafter setting's defaults, for its flag's help."""
-    return ", ".join(f"{k} {v[key]}" for k, v in catalog.DRAFT_DEFAULTS.items() if key in v)
-
-
-def add_prompt_flags(p):
-    """What to say, and where the replies go."""
-    p.add_argument("--prompt", help="the user message (wrapped in the model's chat template)")
-    p.add_argument(
-        "--prompts",
-        help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of --prompt; a line '
-        '{"messages": [{"role": ..., "content": ...}, ...]} is a conversation whose last '
-        "message, the user's, is answered",
-    )
-    p.add_argument(
-        "--out",
-        help="with --prompts: one JSON line per reply, naming its prompt's id, written as it ends "
-        "(with --batch-size, in the order they end); a new file, unless --overwrite",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an existing --out file (else refused: decoding would empty it)",
-    )
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="talk: type a message, the reply streams; the KV cache is kept between turns, so each "
-        "forwards only what is new (/help lists the commands, Ctrl-D ends)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=1,
-        help="with --prompts: decode this many side by side, one forward for all, any --draft; "
-        "each reply is printed whole as it ends, marked with its id, and sampled from its own "
-        "generator, seeded --seed + its line's index. Heads share the budget of nodes that "
-        "bench.py --tune-tree chose for this machine and the rows still decoding (--tree: that "
-        "tree each)",
-    )
-    p.add_argument("--system", help="system message (default: the template's own)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-
-
-def add_drafter_flags(p):
-    """The model, and who drafts for it."""
-    p.add_argument("--model", default=checkpoint.DEFAULT, help=checkpoint.MODEL_HELP)
-    p.add_argument(
-        "--draft",
-        default="heads",
-        help="who proposes the tokens the model verifies: heads (--heads; none = plain decoding) "
-        "| lookup (prompt lookup: what followed the last n tokens earlier in prompt or reply) | "
-        "heads+lookup (both, one tree) | layers:N (the model's first N layers) | skip[:LAYERS] "
-        "(the model without LAYERS, numbered from 0, e.g. skip:2,5,9-12; plain skip: what "
-        "bench.py --tune-skip saved for this machine) | model (--draft-model) | jacobi (Jacobi "
-        "decoding: last step's own outputs as guesses) | lookahead (lookahead decoding: n-grams "
-        "from a window of Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped "
-        "or pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
-        "unless flags set them, jacobi, lookahead and pass take what bench.py --tune-parallel "
-        "saved for this machine",
-    )
-    p.add_argument(
-        "--heads",
-        default="auto",
-        help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
-        "the default model) | a heads folder (train.py's or joint.py's; joint.py's medusa-2 and "
-        "hydra++-2 adapt the model's last layers, merged in at load); auto = hydra++ if shipped "
-        "for this model, else none",
-    )
-    p.add_argument(
-        "--tree",
-        default="auto",
-        help='with heads: chain:N | cartesian:4,3,2 | a JSON file {"paths": [[0], [0, 1], ...]}, '
-        "at most as deep as the heads; auto = the tree beside the heads (bench.py --tune-tree's "
-        "tree-DEVICE-DTYPE.json for this device, CPU path and dtype, else tree.json), else a "
-        "chain as deep as the heads",
-    )
-    p.add_argument(
-        "--draft-model",
-        help="with --draft model: a Llama-family folder or hub id sharing --model's tokenizer",
-    )
-
-
-# the drafters' size flags, each a whole number; unless given, the drafter's own (DRAFT_DEFAULTS)
-SIZES = {
-    "gamma": "tokens drafted a step by lookup, layers:N, skip, model, jacobi (its m guesses) and "
-    "pass (its K [LA] tokens)",
-    "ngram": "lookup: match the last n tokens, n from this down to 1; lookahead: the n-grams' "
-    "length N, first token included, = the window's levels + 1",
-    "matches": "lookup: propose this many distinct continuations, a tree when > 1",
-    "window": "lookahead: W, the Jacobi trajectories computed a step",
-    "guesses": "lookahead: G, the most n-grams from its pool verified a step; pass: the first "
-    "[LA] token's G likeliest tokens, verified side by side",
-}
-
-
-def add_draft_size_flags(p):
-    """How much the drafters propose a step; each drafter's defaults unless given."""
-    for name, what in SIZES.items():
-        p.add_argument(f"--{name}", type=int, help=f"{what}; unless given: {defaults(name)}")
-
-
-def add_online_flags(p):
-    """Online speculative decoding (online.py): the heads learn between replies."""
-    p.add_argument(
-        "--online",
-        action="store_true",
-        help="with heads: between replies, train them on the base model's distribution at every "
-        "token committed so far, to draft the next replies better; the base model and its "
-        "output are unchanged",
-    )
-    for name, kind, what in (
-        ("lr", float, "AdamW's rate"),
-        ("buffer", int, "train on the last this many replies"),
-        ("every", int, "update the heads after every this many replies"),
-        ("steps", int, "optimizer steps an update"),
-    ):
-        p.add_argument(
-            f"--online-{name}", type=kind, default=online.DEFAULTS[name], help=f"--online: {what}"
-        )
-    p.add_argument(
-        "--online-save",
-        metavar="FOLDER",
-        help="--online: write the adapted heads here at the end or at Ctrl-C (load them with "
-        "--heads FOLDER); a new or empty folder, not in the shipped heads'",
-    )
-
-
-def add_decoding_flags(p):
-    """How each token is chosen and verified."""
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help="generate at most this many tokens, within the model's context with the prompt "
-        f"(default: {MAX_NEW_TOKENS}, or what the context leaves, with a notice)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help=f"0 = greedy, else sample at this temperature; below {verify_lib.GREEDY_BELOW} it is "
-        "greedy too (the probabilities are one-hot there, and overflow far below)",
-    )
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument(
-        "--verify",
-        default="auto",
-        choices=verify_lib.VERIFIERS,
-        help="greedy (lossless at T=0) | typical (lossy) | sample (lossless speculative sampling: "
-        "the tree rule, or Leviathan's for layers:N's and model's sampled drafts); auto = greedy "
-        "at T=0, else sample. At T=0 all three give greedy's exact output",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="sampling's seed: the same seed, flags and machine give the same output, at the same "
-        "--batch-size (a batch seeds each prompt's generator apart)",
-    )
-
-
-def add_machine_flags(p):
-    """Where it runs, and in what numbers."""
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument(
-        "--cuda-graphs",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="replay the base model's step from CUDA graphs (graphs.py; auto: on CUDA); forwards "
-        "run eagerly instead are counted and named after the reply",
-    )
-    p.add_argument(
-        "--exact",
-        action="store_true",
-        help="the base model on exact.py's kernels, each row computed alone: bf16 speculative "
-        "replies equal plain decoding's on a GPU too (needs triton and CUDA)",
-    )
-    cli.threads_flag(p)
-    p.add_argument(
-        "--quantize",
-        default="none",
-        choices=cli.QUANTIZE,
-        help="the base model's linear layers on fp16 weights multiplied in fp32 (CPU, fbgemm: "
-        "faster for one row), weight-only int8 (a scale per output channel) or int4 (a scale and "
-        "zero per 32 inputs: fewer bytes a step); heads and KV cache unchanged",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
-        "(AVX-512 BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32; fp32 under "
-        "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
-    )
-
-
-def add_output_flags(p):
-    """What is printed."""
-    p.add_argument(
-        "--show",
-        action="store_true",
-        help="colour each token by who proposed it (a drafter, or the base model); only on a "
-        "terminal",
-    )
-    p.add_argument(
-        "--quiet",
-        action="store_true",
-        help="do not stream text (statistics only); with --chat: no statistics line",
-    )
-
-
-def build_parser():
-    p = cli.Parser(description=__doc__.split("\n\n")[0].strip())
-    add_prompt_flags(p)  # what to say
-    add_drafter_flags(p)  # the model and the drafter
-    add_draft_size_flags(p)  # how much it drafts
-    add_online_flags(p)  # online speculative decoding
-    add_decoding_flags(p)  # decoding
-    add_machine_flags(p)  # the machine
-    add_output_flags(p)  # output
-    return p
-
-
-# the checks before a model loads
-
-
-def flags_without_effect(args, parser):
-    """One remark for each flag set away from its default that the chosen mode ignores."""
-
-    def changed(name):
-        return getattr(args, name) != parser.get_default(name)
-
-    ignored = []
-    if verify_lib.is_greedy(args.temperature):
-        for name in ("top_p", "seed"):
-            if changed(name):
-                flag = "--" + name.replace("_", "-")
-                ignored.append(f"{flag} has no effect at --temperature 0 (greedy decoding)")
-        if args.verify in ("sample", "typical"):
-            ignored.append(
-                f"--verify {args.verify} at --temperature 0 is greedy verification (same output)"
-            )
-    if args.heads == "none" and args.draft == "heads" and changed("verify"):
-        ignored.append("--verify has no effect without a drafter (--heads none)")
-    if args.raw and args.system is not None:
-        ignored.append("--system has no effect with --raw (no chat template)")
-    if args.overwrite and not args.out:
-        ignored.append("--overwrite has no effect without --out")
-    if args.show and args.batch_size > 1:
-        ignored.append("--show has no effect with --batch-size (replies are printed whole, plain)")
-    elif args.show and args.quiet and not args.chat:
-        ignored.append("--show has no effect with --quiet (no text is printed)")
-    elif args.show and not sys.stdout.isatty():
-        ignored.append(
-            "--show colours only a terminal; stdout is not one, so the text is written plain"
-        )
-    return ignored
-
-
-def check_prompt_flags(args):
-    """Something to answer, in one way; text that can be encoded; a length that can be made."""
-    if args.chat:
-        check_chat_flags(args)
-    elif args.prompt is None and args.prompts is None:
-        raise cli.UsageError('give a --prompt "...", a --prompts FILE.jsonl, or --chat')
-    if args.prompt is not None and args.prompts is not None:
-        raise cli.UsageError("give either --prompt or --prompts, not both")
-    if args.prompt is not None and not args.prompt.strip():
-        raise cli.UsageError("the prompt is empty; pass some text with --prompt")
-    for flag in ("prompt", "system"):
-        if getattr(args, flag) is not None:
-            cli.check_text(getattr(args, flag), f"--{flag}")
-    cli.check_counts(args, "max_new_tokens", "batch_size")
-
-
-def check_chat_flags(args):
-    """--chat reads its messages from the terminal and writes its replies there."""
-    for flag in ("prompt", "prompts", "out"):
-        if getattr(args, flag) is not None:
-            raise cli.UsageError(
-                "--chat reads the messages from the terminal (or stdin, a line each) and streams "
-                f"the replies; drop --{flag}, or drop --chat"
-            )
-    if args.raw:
-        raise cli.UsageError("--chat lays the conversation out with the chat template; drop --raw")
-    if args.batch_size != 1:
-        raise cli.UsageError("--chat answers one conversation; drop --batch-size")
-
-
-def check_sampling_flags(args):
-    """A temperature, a nucleus and a seed that sampling can use, and a rule that fits them."""
-    catalog.check_sampling(args.temperature, args.top_p, args.verify, args.seed)
-    if 0 < args.temperature and verify_lib.is_greedy(args.temperature):
-        cli.notice(
-            f"--temperature {args.temperature} is below {verify_lib.GREEDY_BELOW}: decoding "
-            "greedily, as at 0"
-        )
-
-
-def check_online(args, kind):
-    """--online needs heads to train; its numbers are positive; --online-save is a new or empty
-    folder."""
-    if not args.online:
-        if args.online_save:
-            raise cli.UsageError("--online-save writes the heads --online adapts; add --online")
-        return
-    if kind not in ("heads", "heads+lookup"):
-        raise cli.UsageError(
-            f"--online trains draft heads, and --draft {args.draft} drafts without them; use "
-            "--draft heads or heads+lookup"
-        )
-    if args.heads == "none":
-        raise cli.UsageError(
-            "--online trains draft heads, and --heads none loads none; give --heads (hydra++, "
-            "medusa, hydra or a heads folder)"
-        )
-    if not (math.isfinite(args.online_lr) and args.online_lr > 0):
-        raise cli.UsageError(f"--online-lr {args.online_lr}: must be a number > 0, such as 1e-4")
-    cli.check_counts(args, "online_buffer", "online_every", "online_steps")
-    if args.quantize != "none":
-        cli.notice(
-            f"--online with --quantize {args.quantize}: the heads learn the {args.quantize} "
-            "model's distribution, the one that verifies here"
-        )
-    if args.online_save:
-        catalog.check_online_save(args.online_save)
-
-
-def check_args(args, parser):
-    """The checks that need no model, then a remark for each flag without effect. Returns the
-    --draft to load."""
-    check_prompt_flags(args)
-    check_sampling_flags(args)
-    given = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
-    draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
-    if args.out:
-        replaced = "decoding would empty it"
-        cli.new_file("--out", args.out, "replies.jsonl", args.prompts, args.overwrite, replaced)
-    check_online(args, draft.kind)
-    device = cli.pick_device(args.device)
-    kernels.pick_dtype(args.dtype, device, args.quantize)
-    cli.check_quantize(args.quantize, device)
-    cli.check_exact(args.exact, args.quantize, device)
-    if args.tree != "auto":
-        catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
-    catalog.find_heads(args.heads)
-    for message in flags_without_effect(args, parser):
-        cli.notice(message)
-    return draft
-
-
-# the model and the prompts, from the checked flags (the drafter: catalog.load_drafter)
-
-
-@dataclass
-class Decoder:
-    """What main builds for a mode to run."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    drafter: object  # drafters.py's, wrapped by online.OnlineHeads with --online
-    learner: object  # --online's online.Learner, or None
-    decoding: dict  # decode.generate's verify, temperature, top_p and eos_ids
-    generator: torch.Generator  # seeded --seed (a batch seeds one for each prompt)
-
-
-def load_model(name, *, device, dtype, quantize, chat, exact_kernels):
-    """catalog.load_model's model and tokenizer, refused for --chat without a chat template."""
-    model, tokenizer = catalog.load_model(name, device, dtype, quantize, exact_kernels)
-    if chat and not tokenizer.chat_template:
-        raise cli.UsageError(
-            f"--chat: {name} has no chat template (tokenizer_config.json's chat_template) to lay "
-            "a conversation out; use a chat model, or --prompt with --raw"
-        )
-    if quantize == "fp16" and not kernels.fp16_rows_alone():
-        cli.notice(
-            "fbgemm's fp16 product on this CPU (no AVX-512) rounds a row differently with other "
-            "rows beside it: greedy speculative output may part from plain greedy output on fp16 "
-            "weights; --quantize none keeps them identical"
-        )
-    return model, tokenizer
-
-
-def read_prompts(args):
-    """[(id, prompt, category)]: --prompts' lines, or --prompt alone; none with --chat. A
-    conversation needs the chat template: refused with --raw before the model loads."""
-    if args.chat:  # the messages come from the terminal
-        return []
-    prompts = cli.read_prompts(args.prompts) if args.prompts else [(0, args.prompt, "all")]
-    talks = [pid for pid, prompt, _ in prompts if isinstance(prompt, list)]
-    if args.raw and talks:
-        raise cli.UsageError(
-            f"--raw: --prompts {args.prompts} holds conversations (id {cli.quoted(talks[0])}: a "
-            '{"messages": [...]} line), which only the chat template lays out; drop --raw'
-        )
-    return prompts
-
-
-def batch_rows(batch_size, prompts):
-    """--batch-size, at most the number of prompts (said in a notice)."""
-    if batch_size <= max(len(prompts), 1):
-        return batch_size
-    cli.notice(
-        f"--batch-size {batch_size}: there {'are' if len(prompts) > 1 else 'is'} only "
-        f"{cli.plural(len(prompts), 'prompt')}; decoding {len(prompts)} at a time"
-    )
-    return len(prompts)
-
-
-def encode_prompts(prompts, tokenizer, *, system, raw, max_new_tokens, context, one=True):
-    """[(id, token ids, most new tokens)] of the prompts: `max_new_tokens` where given (it must fit
-    the model's context after the prompt), else MAX_NEW_TOKENS or what the context leaves. `one`:
-    the --prompt, not a --prompts file (for the messages)."""
-    if not raw and not tokenizer.chat_template:
-        cli.notice(
-            "the model's tokenizer has no chat template: the prompt is given as plain text (as "
-            "with --raw)"
-        )
-    encoded = []
-    for pid, text, _ in prompts:
-        ids = checkpoint.encode(tokenizer, text, system, raw)
-        which = "the prompt" if one else f"prompt {cli.quoted(pid)}"
-        room = context - len(ids)
-        if room < 1:
-            raise cli.UsageError(
-                f"{which} has {len(ids)} tokens, the model's context holds {context} (prompt and "
-                "reply together); shorten it"
-            )
-        if max_new_tokens is not None and max_new_tokens > room:
-            raise cli.UsageError(
-                f"--max-new-tokens {max_new_tokens}: {which} ({len(ids)} tokens) leaves room for "
-                f"{room} in the model's context of {context}; ask for at most {room}"
-            )
-        if max_new_tokens is None and MAX_NEW_TOKENS > room:
-            cli.notice(
-                f"{which} ({len(ids)} tokens) leaves room for {room} new tokens in the model's "
-                f"context of {context}: generating at most {room}"
-            )
-        encoded.append((pid, ids, max_new_tokens or min(MAX_NEW_TOKENS, room)))
-    return encoded
-
-
-def check_batch_memory(model, drafter, encoded, batch_size):
-    """--batch-size rows of KV cache, each as long as the longest prompt and reply: refused before
-    it is allocated where it would not fit in the memory free now (with room for the rest)."""
-    free = cli.free_memory(model.device)
-    if batch_size == 1 or free is None:
-        return
-    longest = max(len(ids) + n for _, ids, n in encoded) + drafter.max_nodes
-    cfg = model.cfg
-    slots = 2 * cfg.n_layers * cfg.n_kv_heads * longest * cfg.head_dim  # keys and values
-    row = slots * torch.finfo(model.dtype).bits // 8  # one row's cache, in bytes
-    if batch_size * row > free * 0.8:
-        fits = max(1, int(free * 0.8 // row))
-        raise cli.UsageError(
-            f"--batch-size {batch_size}: the KV cache would take {batch_size * row / 2**30:.1f} GB "
-            f"and {free / 2**30:.1f} GB are free; use --batch-size {fits} or fewer, or a smaller "
-            "--max-new-tokens"
-        )
-
-
-def open_output(path):
-    """--out, opened for writing (a nullcontext of None: no file), only once the model is loaded:
-    a Ctrl-C before (even one whose exception a finalizer swallowed) leaves the old file whole."""
-    specdec.ctrl_c.check()
-    if not path:
-        return contextlib.nullcontext()
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as e:
-        raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
-
-
-# the modes: one prompt after another streamed, a batch, a chat
-
-
-def one_by_one(dec, encoded, replies, *, stream, show):
-    """Each prompt's reply streamed as it is made (without `stream`: only its statistics), one
-    generator through every prompt. Returns the seconds it decoded."""
-    t0 = time.perf_counter()
-    for i, (_, ids, max_new_tokens) in enumerate(encoded):
-        printer = terminal.Printer(dec.tokenizer, show) if stream else None
-        r = decode.generate(
-            dec.model,
-            ids,
-            max_new_tokens,
-            dec.drafter,
-            generator=dec.generator,
-            on_tokens=printer,
-            **dec.decoding,
-        )
-        if printer:
-            print()
-        replies.done(i, r)
-    return decoding_seconds(dec, t0)
-
-
-def batch(dec, encoded, replies, *, batch_size, seed):
-    """batch_size prompts side by side, each reply printed whole as it ends; prompt i samples from
-    its own generator, seeded seed + i. Returns the seconds it decoded."""
-    device = dec.model.device
-    generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(len(encoded))]
-    t0 = time.perf_counter()
-    engine.generate_batch(
-        dec.model,
-        [ids for _, ids, _ in encoded],
-        [max_new_tokens for _, _, max_new_tokens in encoded],
-        dec.drafter,
-        generators=generators,
-        on_done=replies.done,
-        batch_size=batch_size,
-        **dec.decoding,
-    )
-    return decoding_seconds(dec, t0)
-
-
-def decoding_seconds(dec, t0):
-    """The seconds since t0, without the updates --online made between replies."""
-    return time.perf_counter() - t0 - (dec.learner.seconds if dec.learner else 0)
-
-
-def chat(dec, *, system, max_new_tokens, show, stats):
-    """--chat: a conversation at the terminal (or stdin, a line a message), until its end. Returns
-    the seconds spent answering."""
-    want = max_new_tokens or MAX_NEW_TOKENS  # a reply's most, where the context has room
-    talk = terminal.Chat(dec, system=system, max_new_tokens=want, show=show, stats=stats)
-    talk.run(interactive=sys.stdin.isatty())
-    return talk.seconds
-
-
-@contextlib.contextmanager
-def online_saved(learner, folder, heads):
-    """--online-save: the adapted heads are written at the end, or at Ctrl-C with what they
-    learned so far (heads: the --heads they started from, whose trees go with them)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        if learner and folder:
-            catalog.save_online(learner, folder, heads)
-            updates = cli.plural(learner.updates, "update")
-            print(
-                f"[online: stopped by Ctrl-C; the heads after {updates} are in {folder}]",
-                file=sys.stderr,
-            )
-        raise
-    if learner and folder:
-        catalog.save_online(learner, folder, heads)
-        print(f"[online: the adapted heads are in {folder}]", file=sys.stderr)
-
-
-def main(args):
-    """llama2.c's run.c: the flags checked and turned into plain values, the model, drafter and
-    learner built, then one mode run: one prompt after another streamed, a batch, or a chat."""
-    draft = check_args(args, build_parser())
-    device = cli.pick_device(args.device)
-    dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
-    threads = cli.use_threads(args.threads) if device == "cpu" else None
-    prompts = read_prompts(args)
-    batch_size = batch_rows(args.batch_size, prompts)
-    show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never a file
-    temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
-    torch.manual_seed(args.seed)
-
-    model, tokenizer = load_model(
-        args.model,
-        device=device,
-        dtype=dtype,
-        quantize=args.quantize,
-        chat=args.chat,
-        exact_kernels=args.exact,
-    )
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    eos = checkpoint.eos_ids(model, tokenizer)
-    decoding = dict(verify=args.verify, temperature=temperature, top_p=args.top_p, eos_ids=eos)
-    drafter = catalog.load_drafter(
-        draft,
-        model,
-        tokenizer,
-        quantize=args.quantize,
-        decoding=decoding,
-        generator=generator,
-        batch_size=args.batch_size,
-    )
-    learning = {k: getattr(args, f"online_{k}") for k in online.DEFAULTS} if args.online else None
-    drafter, learner = online.learn(drafter, model, learning)
-    encoded = encode_prompts(
-        prompts,
-        tokenizer,
-        system=args.system,
-        raw=args.raw,
-        max_new_tokens=args.max_new_tokens,
-        context=model.cfg.max_seq_len,
-        one=args.prompts is None,
-    )
-    check_batch_memory(model, drafter, encoded, batch_size)
-    # the loop's forward; the drafters keep the readable model
-    model = graphs.GraphedForward(model) if catalog.cuda_graphs(args.cuda_graphs, device) else model
-    dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
-    terminal.announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
-
-    with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
-        whole = batch_size > 1 and not args.quiet
-        replies = terminal.Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
-        if args.chat:
-            seconds = chat(
-                dec,
-                system=args.system,
-                max_new_tokens=args.max_new_tokens,
-                show=show,
-                stats=not args.quiet,
-            )
-        elif batch_size == 1:
-            seconds = one_by_one(dec, encoded, replies, stream=not args.quiet, show=show)
-        else:
-            seconds = batch(dec, encoded, replies, batch_size=batch_size, seed=args.seed)
-        replies.report(seconds)
-
-
-def tidy_main(args):
-    """main, leaving no empty --online-save folder behind a run that stops before saving."""
-    made = cli.new_folders(args.online_save)
-    try:
-        return main(args)
-    finally:
-        cli.remove_empty(made)
-
-
-def interrupted(args):
-    """The line after Ctrl-C (args: None before the flags are parsed)."""
-    shown = args is not None and (args.chat or not args.quiet)  # --quiet: no text was shown
-    kept = "; the text above is what was generated so far" if shown else ""
-    return f"[interrupted by Ctrl-C{kept}]"
+# `python generate.py --help` lists the flags. One prompt with heads or plain decoding runs
+# generate() above, with the base model's fast forward (kernels.c) as `model`: a print in step()
+# shows. The flags' checks and the modes (a file of prompts, a batch, a chat, the other drafters,
+# online learning, quantisation, CUDA graphs) are specdec/commands/generate.py's.
 
 
 def cli_main(argv=None) -> int:
-    """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays on stdout, exit
-    130."""
-    return cli.run(tidy_main, build_parser(), argv, interrupted)
+    """Bad input: one line on stderr, exit code 2. Ctrl-C: the text so far stays, exit 130."""
+    from specdec.commands import generate as command
+
+    return command.cli_main(argv, lesson=generate)
 
 
 if __name__ == "__main__":
-    # a terminal that cannot show a character gets '?', not a crash
-    sys.stdout.reconfigure(errors="replace")
+    sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?'
     sys.exit(cli_main())

@@ -22,6 +22,7 @@ from specdec.training import dataset
 from specdec import drafters
 from specdec.engines import decode
 import generate as G
+from specdec.commands import generate as command
 from specdec import terminal
 import test_batch
 import tree as tree_lib
@@ -153,7 +154,7 @@ def test_chat_replies_equal_one_shot_replies_to_the_conversation(tiny_chat, head
         tree = tree_lib.build(tree_lib.cartesian([2, 2]))
         drafter = drafters.HeadsDrafter(random_heads(model, heads, k=2), tree)
     decoding = dict(verify="auto", temperature=0.0, top_p=1.0, eos_ids={2})
-    dec = G.Decoder(model, tok, drafter, None, decoding, generator=None)
+    dec = command.Decoder(model, tok, drafter, None, decoding, generator=None)
     chat = terminal.Chat(dec, system=None, max_new_tokens=12, show=False, stats=True)
     forwarded = []
     for text in ["Hello there.", "Tell me more.", "And a third thing?"]:

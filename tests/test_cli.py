@@ -24,6 +24,7 @@ from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import exact
 import generate as G
+from specdec.commands import generate as command
 from specdec import terminal
 import heads as heads_lib
 from specdec.fast import kernels
@@ -285,9 +286,12 @@ def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
     prompts = [(0, "hello there", "all")]
     n = len(checkpoint.encode(tok, "hello there"))
     flags = dict(system=None, raw=False, max_new_tokens=None)
-    assert G.encode_prompts(prompts, tok, context=n + 1000, **flags)[0][2] == G.MAX_NEW_TOKENS
+    assert (
+        command.encode_prompts(prompts, tok, context=n + 1000, **flags)[0][2]
+        == command.MAX_NEW_TOKENS
+    )
     assert "notice" not in capsys.readouterr().err
-    assert G.encode_prompts(prompts, tok, context=n + 5, **flags)[0][2] == 5
+    assert command.encode_prompts(prompts, tok, context=n + 5, **flags)[0][2] == 5
     assert "leaves room for 5 new tokens in the model's context of" in capsys.readouterr().err
 
 
@@ -300,7 +304,7 @@ def test_stats_line_counts_in_words():
 
 def test_help_shows_each_default_once():
     """A flag's default appears once in --help: not twice where the help says it, nor as None."""
-    text = G.build_parser().format_help()
+    text = command.build_parser().format_help()
     assert "(default: None)" not in text and "(default: False)" not in text
     assert text.count("(default: the template's own)") == 1 and "own) (default" not in text
 
@@ -1187,7 +1191,7 @@ def test_an_existing_out_is_refused_unless_overwrite(capsys, tmp_path, tiny_mode
     code, _, err = run_cli(capsys, *argv, "--max-new-tokens", 2, "--overwrite")
     assert code == 0, err
     assert json.loads(out.read_text())["new_tokens"] == 2
-    assert "--overwrite" in G.build_parser().format_help()
+    assert "--overwrite" in command.build_parser().format_help()
 
 
 def test_heads_none_with_a_drafter_without_heads_is_accepted(capsys, tiny_model_dir):
@@ -1204,7 +1208,7 @@ def test_heads_none_with_a_drafter_without_heads_is_accepted(capsys, tiny_model_
 
 def test_dtype_help_says_where_auto_is_bf16():
     """kernels.pick_dtype: bf16 wherever kernels.c runs (AVX2 too), not only on AVX-512."""
-    text = " ".join(G.build_parser().format_help().split())
+    text = " ".join(command.build_parser().format_help().split())
     assert "bf16 where kernels.c runs" in text and "AVX-512 and newer" not in text
 
 

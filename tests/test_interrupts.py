@@ -20,7 +20,7 @@ import signal
 import pytest
 
 import bench as B
-import generate as G
+from specdec.commands import generate as command
 from specdec import ctrl_c
 from specdec.engines import decode
 from conftest import ctrl_c_after
@@ -175,7 +175,7 @@ def test_a_chat_that_caught_ctrl_c_ends_with_exit_0(capsys, tiny_model_dir, monk
         return real(self, *args, **kw)
 
     monkeypatch.setattr(decode.Conversation, "reply", stopped)
-    monkeypatch.setattr(G.terminal, "read_message", lambda interactive: next(lines))
+    monkeypatch.setattr(command.terminal, "read_message", lambda interactive: next(lines))
     monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
     code, _, err = run_cli(capsys, "--model", tiny_model_dir, "--chat", "--max-new-tokens", 4)
     assert code == 0, err
@@ -243,7 +243,7 @@ def test_a_full_disk_under_out_names_the_flag_the_file_and_the_reply(
     capsys, tmp_path, tiny_model_dir, monkeypatch
 ):
     out = str(tmp_path / "replies.jsonl")
-    monkeypatch.setattr(G, "open", lambda path, *a, **k: Full(path, room=1), raising=False)
+    monkeypatch.setattr(command, "open", lambda path, *a, **k: Full(path, room=1), raising=False)
     prompts = write_prompts(tmp_path / "p.jsonl", 3)
     code, _, err = run_cli(
         capsys, "--model", tiny_model_dir, "--prompts", prompts, "--out", out,
@@ -341,7 +341,7 @@ def test_graphs_line_names_each_reason_for_a_user():
         shapes = {1: type("Shape", (), {"graph": object()})()}
         fallbacks = collections.Counter({"last_only": 2, "layers": 1})
 
-    assert G.terminal.graphs_line(Graphed()) == (
+    assert command.terminal.graphs_line(Graphed()) == (
         "[cuda graphs: 1 step replayed (1 of 1 shape captured); outside them: 2 prompt prefills, "
         "1 draft by the model's own layers]"
     )
@@ -360,5 +360,5 @@ def test_online_without_heads_says_why_in_words(no_model, capsys, argv, words):
 
 
 def test_the_seed_help_says_at_the_same_batch_size():
-    seed = next(a for a in G.build_parser()._actions if a.dest == "seed")
+    seed = next(a for a in command.build_parser()._actions if a.dest == "seed")
     assert "at the same --batch-size" in seed.help

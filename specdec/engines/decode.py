@@ -259,6 +259,49 @@ def generate(
     return out
 
 
+# --- one sequence, by the lesson ----------------------------------------------------------------
+
+
+def by_the_lesson(drafter):
+    """(heads, tree) where generate.py's own generate() decodes for `drafter` (heads on their
+    tree, or plain decoding: heads None), else None: another drafter, which needs this twin."""
+    if drafter is None or type(drafter) is drafters_lib.Plain:
+        return None, None
+    if type(drafter) is drafters_lib.HeadsDrafter:
+        return drafter.heads, drafter.tree
+    return None
+
+
+def reply(lesson, model, prompt, max_new_tokens, drafter=None, on_tokens=None, **decoding):
+    """One prompt's Result, decoded by `lesson` (generate.py's generate()) where it can
+    (by_the_lesson; lesson None: never, as under CUDA graphs, whose replay is this twin's), else by
+    this twin's generate(); decoding: their verify, temperature, top_p,
+    generator and eos_ids. The statistics come from what each step emits: its accepted drafts sit
+    at depths 1, 2, ... of the tree (drafted by head 1, 2, ...), then the bonus token."""
+    drafted = by_the_lesson(drafter)
+    if drafted is None or lesson is None:
+        return generate(model, prompt, max_new_tokens, drafter, on_tokens=on_tokens, **decoding)
+    started = time.perf_counter()
+    check_prompt(model, prompt, max_new_tokens, decoding.get("generator"))
+    out = Result()
+
+    def emitted(ids):
+        first = not out.tokens
+        sources = [0] if first else (list(range(1, len(ids))) + [0])[: len(ids)]
+        if not first:
+            out.accepted.append(len(ids) - 1)
+        out.tokens += ids
+        out.sources += sources
+        if on_tokens:
+            on_tokens(ids, sources)
+
+    heads, tree = drafted
+    _, out.steps = lesson(model, prompt, max_new_tokens, heads, tree, on_tokens=emitted, **decoding)
+    out.stopped = "eos" if out.tokens[-1] in decoding.get("eos_ids", ()) else "length"
+    out.seconds = time.perf_counter() - started
+    return out
+
+
 # --- a conversation that keeps its cache ---------------------------------------------------------
 # Each turn the caller renders the whole conversation with the chat template; the cache keeps the
 # longest common prefix of those ids with the ids it holds and only the rest is prefilled (a
