@@ -374,10 +374,11 @@ def parse_draft(spec):
         return "skip", parse_skip(spec, spec[5:])
     if spec in DRAFTERS and spec != "layers":  # layers takes its N
         return spec, None
-    raise UsageError(
-        f"--draft {spec}: unknown drafter; use heads, lookup, heads+lookup, layers:N (N a "
-        "number), skip[:LAYERS], model, jacobi, lookahead or pass[:FOLDER]"
-    )
+    kinds = [
+        {"layers": "layers:N (N a number)", "skip": "skip[:LAYERS]"}.get(k, k) for k in DRAFTERS
+    ]
+    kinds = [k + "[:FOLDER]" if k == "pass" else k for k in kinds]
+    raise UsageError(f"--draft {spec}: unknown drafter; use {', '.join(kinds[:-1])} or {kinds[-1]}")
 
 
 # --- skip: which layers the self-speculative draft leaves out ------------------------------------
@@ -719,20 +720,35 @@ class DraftKind:
     parallel: bool = False  # the model drafts for itself at nodes it computes, never verifies
 
 
-# Every --draft kind; a new drafter is its class in specdec/drafters.py, a builder and a line here.
-DRAFTERS = {
-    "heads": DraftKind(heads_or_plain, {}),
-    "lookup": DraftKind(lookup, {"gamma": 10, "ngram": 3, "matches": 1}),
-    "heads+lookup": DraftKind(heads_plus_lookup, {}),  # takes lookup's flags (draft_settings)
-    "layers": DraftKind(first_layers, {"gamma": 4}),
-    "skip": DraftKind(skipped_layers, {"gamma": 4}),
-    "model": DraftKind(draft_model, {"gamma": 4}),
-    "jacobi": DraftKind(jacobi, {"gamma": 4}, parallel=True),
-    "lookahead": DraftKind(lookahead, {"window": 4, "ngram": 3, "guesses": 4}, parallel=True),
-    "pass": DraftKind(pass_tokens, {"gamma": 2, "guesses": 2}, parallel=True),
-}
-DRAFT_DEFAULTS = {kind: k.defaults for kind, k in DRAFTERS.items() if k.defaults}
-PARALLEL = tuple(kind for kind, k in DRAFTERS.items() if k.parallel)
+# Every --draft kind. A new drafter is one class (drafters.Drafter's protocol) and one line
+# register("name", lambda b: TheClass(...), {"gamma": 4}), here or in a script that imports
+# catalog before it calls generate.py's cli_main: --draft name then drafts with it, in the
+# command line's checks, its flags' defaults and the banner alike (README: "Adding a drafter").
+DRAFTERS = {}
+DRAFT_DEFAULTS = {}  # kind -> its settings' defaults, for those that take any
+PARALLEL = []  # the kinds whose model drafts for itself at nodes it computes, never verifies
+
+
+def register(kind, build, defaults=None, parallel=False):
+    """--draft `kind` builds its drafter with build(Build) (a drafters.Drafter); defaults: its
+    settings among --gamma, --ngram, --matches, --window and --guesses, {name: value}."""
+    assert re.fullmatch(r"[a-z][a-z0-9+_-]*", kind), f"a drafter's name is a word, got {kind!r}"
+    DRAFTERS[kind] = DraftKind(build, dict(defaults or {}), parallel)
+    if defaults:
+        DRAFT_DEFAULTS[kind] = DRAFTERS[kind].defaults
+    if parallel:
+        PARALLEL.append(kind)
+
+
+register("heads", heads_or_plain)
+register("lookup", lookup, {"gamma": 10, "ngram": 3, "matches": 1})
+register("heads+lookup", heads_plus_lookup)  # takes lookup's flags (draft_settings)
+register("layers", first_layers, {"gamma": 4})
+register("skip", skipped_layers, {"gamma": 4})
+register("model", draft_model, {"gamma": 4})
+register("jacobi", jacobi, {"gamma": 4}, parallel=True)
+register("lookahead", lookahead, {"window": 4, "ngram": 3, "guesses": 4}, parallel=True)
+register("pass", pass_tokens, {"gamma": 2, "guesses": 2}, parallel=True)
 
 
 def make_drafter(kind, *build, **by_name):
