@@ -48,7 +48,7 @@ class Config:
     qk_norm: bool = False  # each head's q and k are RMS-normalised over Dh before rope (Qwen3)
     activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU: Gemma)
     eos_ids: tuple = ()  # token ids that end a reply
-    name: str = "random"  # identity of the weights (heads check it)
+    name: str = "random"  # for the banner; heads check the LM head itself (lm_head_fingerprint)
 
 
 # --- rotary position embedding ---------------------------------------------------------------
@@ -271,7 +271,8 @@ class Transformer(nn.Module):
         """tokens (1, T) long: the new tokens; positions (T,) long; mask (T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
         visible. cache: a KVCache (its invariant says where the new entries go). Returns the logits
-        (1, T, V) and the final hidden states (1, T, D), which the draft heads read."""
+        (1, T, V) and the final hidden states (1, T, D) after the final norm, which the LM head and
+        the draft heads read."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:

@@ -6,6 +6,8 @@ the machinery in one package that imports the lesson and never the other way rou
     - model.py and tree.py import no project file, verify.py at most tree.py, heads.py only
       model.py; generate.py and train.py import the package only in their command-line section;
     - no file of the package imports an entry script (generate, train, bench);
+    - each top file a lesson from its first line to its last: the seven at most 2,600 lines, each
+      at least 75% above its command line (at most about 80 lines), bench.py at most 400;
     - one speculative step is one function of at most 60 lines (generate.step), the training loop
       one of at most 80 (train.train), the lesson at most 1,400 lines in all.
 
@@ -110,3 +112,16 @@ def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
 
 def lines(name):
     return len(open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read().splitlines())
+
+
+def test_each_top_file_is_a_lesson_from_its_first_line_to_its_last():
+    """The seven files at most 2,600 lines in all; each at least 75% above its command line, which
+    is at most about 80 lines (its flags and a call into specdec/commands/); bench.py, the lesson of
+    honest timing, at most 400."""
+    sizes = {name: lines(name) for name in LESSON}
+    assert sum(sizes.values()) <= 2600, sizes
+    assert sizes["bench"] <= 400
+    for name, n in sizes.items():
+        command_line = max(n - command_line_starts(os.path.join(ROOT, f"{name}.py")) + 1, 0)
+        assert command_line <= 90, f"{name}.py: its command line is {command_line} lines"
+        assert n - command_line >= 0.75 * n, f"{name}.py: {n - command_line} of {n} lines teach"
