@@ -808,6 +808,26 @@ def test_kernels_c_runs_each_path_this_cpu_executes_and_only_for_bf16(native_pat
     assert not Kernels.choose("cpu", torch.float32, 0).native
 
 
+def test_the_banner_names_the_path_a_bf16_step_runs(native_path):
+    """generate.py's banner on a CPU: bf16 through kernels.c names its path (the tuned files read
+    are that path's); fp32 runs PyTorch's kernels and names none."""
+    import types
+
+    from specdec import terminal
+
+    def banner(dtype):
+        m = types.SimpleNamespace(dtype=dtype, cfg=types.SimpleNamespace(name="m"))
+        dec = types.SimpleNamespace(model=m, drafter=types.SimpleNamespace(name="heads: none"))
+        draft = types.SimpleNamespace(kind="none", heads="none")
+        return terminal.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
+
+    assert (
+        banner(torch.bfloat16)
+        == f"[m on cpu, bfloat16 (kernels.c: {native_path}), heads: none, 2 threads]"
+    )
+    assert banner(torch.float32) == "[m on cpu, float32, heads: none, 2 threads]"
+
+
 def test_kernels_c_off_or_not_to_be_had_leaves_pytorch_one_notice(monkeypatch, tmp_path, capsys):
     """A path this CPU cannot run, forced (avx512-bf16 without AVX512-BF16; NEON on x86): one
     notice, no build, PyTorch's kernels, never its code. A compiler that fails: one notice,
