@@ -1,7 +1,7 @@
 """The Python API (specdec/api.py): README.md's "From Python" example runs as written from a folder
 outside the repository, set up as the README says; a string, a message list and a batch each come
 back as text and ids without the EOS; a greedy batch is its prompts one at a time, sharing the
-budget tuned for the machine where there is one; a chat's second
+budget tuned for the machine where there is one, else catalog's default rule; a chat's second
 turn forwards only what its cache lacks, and answers as the one-shot reply does; a bad argument is
 one APIError (a ValueError) naming it; the keywords' defaults are generate.py's flags'.
 
