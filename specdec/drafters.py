@@ -418,9 +418,10 @@ class HeadsShared(HeadsDrafter):
     the step is plain decoding. The draft state still follows every kept token: accept() queues
     what the step kept and the next draft catches up on all of it in one call, so a row drafts as
     it would have when the budget comes back. Lossless whatever the split: each row's draft is a
-    tree the verifiers check like any other."""
+    tree the verifiers check like any other. origin: where the budgets come from, for the banner
+    (the file bench.py tuned, or catalog's rule where none was)."""
 
-    def __init__(self, heads, tree, budgets: dict, depths: dict | None = None):
+    def __init__(self, heads, tree, budgets: dict, depths: dict | None = None, origin=None):
         assert 1 in budgets, f"budgets by batch size need one for batch 1, got {sorted(budgets)}"
         super().__init__(heads, tree)
         self.budgets = dict(sorted(budgets.items()))
@@ -431,9 +432,10 @@ class HeadsShared(HeadsDrafter):
         self.heads_prefix = getattr(heads, "prefix", None) is not None  # Hydra++'s prefix layer
         self.pages = Pages(heads) if self.heads_prefix else None
         sizes = ", ".join(f"{B}: {E}" for B, E in self.budgets.items())  # rows: nodes
+        origin = f", {origin}" if origin else ""
         self.name = (
             f"heads: {heads.cfg.kind}, tree: {plural(tree.num_nodes, 'node')}, shared by a batch "
-            f"(nodes past the roots by batch size: {sizes})"
+            f"(nodes past the roots by batch size{origin}: {sizes})"
         )
 
     def budget(self, rows: int) -> tuple:

@@ -30,12 +30,15 @@ def colour(source):
 
 
 def banner_line(dec, draft, *, device, quantize, threads):
-    """Which model runs where, in what numbers, drafted by whom; threads: None off the CPU."""
+    """Which model runs where, in what numbers (on a CPU in bf16, kernels.c's path: the tuned
+    files read are that path's), drafted by whom; threads: None off the CPU."""
     dtype = str(dec.model.dtype).removeprefix("torch.")
     weights = "" if quantize == "none" else f", {quantize} weights"
     on = f", {cli.plural(threads, 'thread')}" if threads else ""
     if device == "cpu" and kernels.native_library() is None:  # what runs instead, and why
         on += f"; kernels.c off: {kernels.native_reason()}"
+    elif device == "cpu" and dtype == "bfloat16":
+        dtype += f" (kernels.c: {kernels.native_path()})"
     name = dec.model.cfg.name
     heads = heads_source(draft.kind, draft.heads)
     return f"[{name} on {device}, {dtype}{weights}, {dec.drafter.name}{heads}{on}]"

@@ -85,7 +85,8 @@ def hardware(device):
 
 def machine(device, dtype, **extra):
     """What a number was measured on; on a CPU the device names the kernels.c path it runs
-    (cpu-avx2, cpu-avx512-bf16, cpu-neon; cpu-generic where none does), as tuned files do."""
+    (cpu-avx512-bf16, cpu-avx512f, cpu-avx2, cpu-neon; cpu-generic where none does), as tuned
+    files do."""
     return {
         "hardware": hardware(device),
         "device": catalog.cpu_path(device) if torch.device(device).type == "cpu" else str(device),

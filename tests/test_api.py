@@ -1,7 +1,7 @@
 """The Python API (specdec/api.py): README.md's "From Python" example runs as written from a folder
 outside the repository, set up as the README says; a string, a message list and a batch each come
 back as text and ids without the EOS; a greedy batch is its prompts one at a time, sharing the
-budget tuned for the machine where there is one; a chat's second
+budget tuned for the machine where there is one, else catalog's default rule; a chat's second
 turn forwards only what its cache lacks, and answers as the one-shot reply does; a bad argument is
 one APIError (a ValueError) naming it; the keywords' defaults are generate.py's flags'.
 
@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -333,3 +334,45 @@ def test_a_batch_shares_the_budget_tuned_for_the_machine(folder, heads_folder, t
     alone = [sd.generate(p, max_new_tokens=16) for p in PROMPTS]
     batch = sd.generate_batch(PROMPTS, batch_size=3, max_new_tokens=16)
     assert [r.ids for r in batch] == [r.ids for r in alone]
+    assert "tuned in budget-cpu-" in sd.batch_drafter.name
+
+
+def test_a_batch_where_no_budget_was_tuned_shares_the_default_rule(folder, heads_folder, tmp_path):
+    """Heads with no budget table for this machine (another kernels.c path, another dtype, a
+    user's own heads: here the table removed): the rows share catalog.UNTUNED_BUDGETS, drafting
+    from the heads' own tree and decoding plainly from 4 rows, never every row the whole tree; the
+    banner says it is the default rule; the replies are still the ones alone."""
+    from specdec import terminal
+
+    heads = shutil.copytree(heads_folder, tmp_path / "heads")
+    table = {"pool": [[0], [0, 0]], "by_batch": {"1": {"extra": 1}}}
+    file = catalog.tuned_tree_file(str(heads), "cpu", torch.float32, "budget")
+    with open(file, "w") as f:
+        json.dump({"by_batch": {"1": {"paths": [[0]]}}, "shared": table}, f)
+    tuned = api.load(folder, heads=str(heads), dtype="fp32", threads=1).batch_drafter
+    assert tuned.budgets == {1: 1} and "tuned in " + os.path.basename(file) in tuned.name
+    os.remove(file)  # the machine without a table
+    sd = api.load(folder, heads=str(heads), dtype="fp32", threads=1)
+    d = sd.batch_drafter
+    assert type(d) is drafters.HeadsShared and d.budgets == catalog.UNTUNED_BUDGETS
+    assert d.tree.paths == sd.drafter.tree.paths, "the candidates: the heads' own tree"
+    assert [d.budget(rows)[0] for rows in (1, 2, 3, 4, 8, 16)] == [2, 2, 2, 0, 0, 0]
+    batch_run = types.SimpleNamespace(model=sd.model, drafter=d)  # generate.py --batch-size 4
+    banner = terminal.banner_line(batch_run, sd.draft, device="cpu", quantize="none", threads=1)
+    assert f"the default rule, no {os.path.basename(file)} tuned: 1: 2, 2: 2, 4: 0)" in banner
+    sizes = []  # (live rows, nodes past the roots) of every step
+    draft = d.draft
+
+    def recorded(rows, roots):
+        drafts = draft(rows, roots)
+        sizes.append((len(rows), sum(len(x.tokens) - 1 for x in drafts)))
+        return drafts
+
+    d.draft = recorded
+    prompts = PROMPTS + ["Name two colours.", "Count to five."]
+    alone = [sd.generate(p, max_new_tokens=16) for p in prompts]
+    batch = sd.generate_batch(prompts, batch_size=4, max_new_tokens=16)
+    assert [r.ids for r in batch] == [r.ids for r in alone]
+    assert all(nodes == 0 for rows, nodes in sizes if rows >= 4), "plain decoding from 4 rows"
+    assert all(nodes <= 2 for rows, nodes in sizes if rows < 4)
+    assert any(nodes > 0 for _, nodes in sizes), "the rows drafted once fewer were left"

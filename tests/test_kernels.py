@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from specdec.loading import catalog
 from specdec.loading import checkpoint
 import heads as heads_lib
 from specdec.fast import kernels
@@ -807,6 +808,26 @@ def test_kernels_c_runs_each_path_this_cpu_executes_and_only_for_bf16(native_pat
     assert not Kernels.choose("cpu", torch.float32, 0).native
 
 
+def test_the_banner_names_the_path_a_bf16_step_runs(native_path):
+    """generate.py's banner on a CPU: bf16 through kernels.c names its path (the tuned files read
+    are that path's); fp32 runs PyTorch's kernels and names none."""
+    import types
+
+    from specdec import terminal
+
+    def banner(dtype):
+        m = types.SimpleNamespace(dtype=dtype, cfg=types.SimpleNamespace(name="m"))
+        dec = types.SimpleNamespace(model=m, drafter=types.SimpleNamespace(name="heads: none"))
+        draft = types.SimpleNamespace(kind="none", heads="none")
+        return terminal.banner_line(dec, draft, device="cpu", quantize="none", threads=2)
+
+    assert (
+        banner(torch.bfloat16)
+        == f"[m on cpu, bfloat16 (kernels.c: {native_path}), heads: none, 2 threads]"
+    )
+    assert banner(torch.float32) == "[m on cpu, float32, heads: none, 2 threads]"
+
+
 def test_kernels_c_off_or_not_to_be_had_leaves_pytorch_one_notice(monkeypatch, tmp_path, capsys):
     """A path this CPU cannot run, forced (avx512-bf16 without AVX512-BF16; NEON on x86): one
     notice, no build, PyTorch's kernels, never its code. A compiler that fails: one notice,
@@ -846,6 +867,37 @@ def test_each_path_and_cpu_keeps_its_own_build(monkeypatch):
     assert all(path in name for path, name in names.items())
     monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.PATHS["avx2"][0])  # another CPU
     assert all(kernels.library_file(path) != name for path, name in names.items())
+
+
+SKYLAKE_SP = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512cd", "avx512dq"}
+
+
+@pytest.mark.parametrize(
+    "flags, best",
+    [
+        (SKYLAKE_SP | {"avx512_vnni"}, "avx512f"),  # Skylake to Ice Lake: AVX-512, no BF16
+        (SKYLAKE_SP | {"avx512_bf16"}, "avx512-bf16"),  # Cooper Lake, Sapphire Rapids, Zen 4
+        ({"avx2", "fma", "f16c", "avx512f", "avx512cd"}, "avx2"),  # Knights Landing: no BW, VL
+        ({"avx2", "fma", "f16c"}, "avx2"),
+    ],
+)
+def test_the_best_path_the_cpus_flags_allow_is_chosen(monkeypatch, flags, best):
+    """Chosen from /proc/cpuinfo's flags, best first: AVX-512 without BF16 (the Xeons most clouds
+    rent) gets its own path, between AVX512-BF16 and AVX2; forced onto a path it lacks, a CPU
+    runs none (one notice, tested above); the tuned files name the path (tree-cpu-PATH-...)."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
+    monkeypatch.delenv("SPECDEC_NO_C", raising=False)
+    assert list(kernels.PATHS)[:3] == ["avx512-bf16", "avx512f", "avx2"]
+    assert kernels.native_path() == best and kernels.runnable_paths()[0] == best
+    assert catalog.tuned_tree_file("h", "cpu", torch.bfloat16) == os.path.join(
+        "h", f"tree-cpu-{best}-bfloat16.json"
+    )
+    monkeypatch.setenv("SPECDEC_KERNELS", "avx512f")
+    path, why = kernels.native_choice()
+    assert path == ("avx512f" if "avx512f" in kernels.runnable_paths() else None)
+    assert path or why == f"SPECDEC_KERNELS=avx512f: this CPU cannot run it (it runs: {best})"
 
 
 @pytest.mark.parametrize("path", kernels.PATHS)

@@ -1,5 +1,5 @@
-/* The bf16 decode step in C: kernels.py's twins for a few rows, on x86 (AVX512-BF16 or AVX2) and
-   on ARM (NEON).
+/* The bf16 decode step in C: kernels.py's twins for a few rows, on x86 (AVX512-BF16, AVX-512
+   without BF16, or AVX2) and on ARM (NEON).
 
    kernels.py compiles this file once per machine and path (cc -O3 -fopenmp plus the path's flags,
    into the cache folder) and calls it through ctypes: linear_bf16 (kernels.NativeWeight,
@@ -16,12 +16,15 @@
    again (results/kernels-cpu.md). Here every weight is read from memory once per call and
    multiplied into a tile of rows (6 to 8, as the registers hold) from the caches: where the CPU
    multiplies bf16 pairs (AVX512-BF16), 1 to 8 rows cost about what reading the weight costs; on
-   AVX2, whose widening shares the arithmetic's ports, a few rows do (results/batch-cpu.md).
+   AVX2, whose widening shares the arithmetic's ports, a few rows do (results/batch-cpu.md). AVX-512
+   without BF16 (most rented Xeons, Skylake to Ice Lake) widens as AVX2 does, with twice the lanes
+   and registers: a tile of 8 rows, 16 outputs a multiply-add.
 
    y (M, N) = bf16(x (M, K) @ w^T + bias + add), sums in fp32, rounded to bf16 once (as oneDNN's
    product with an add post-op). A bf16 number is the top half of an fp32 one, so it is widened
-   exactly by a 16-bit shift in registers; AVX512-BF16 instead multiplies pairs of bf16 directly
-   (two products and a sum into fp32 per lane). Weight-only int8 (--quantize int8) reads half the
+   exactly by a 16-bit shift in registers (AVX-512, AVX2, NEON), the products then fp32 fused
+   multiply-adds; AVX512-BF16 instead multiplies pairs of bf16 directly (two products and a sum
+   into fp32 per lane). Weight-only int8 (--quantize int8) reads half the
    bytes: each int8 is widened exactly in registers, and the sum scaled by its output's scale.
 
    Every row is computed alone, in the same order whatever M is: a row's result is the same bits
@@ -48,12 +51,15 @@ typedef uint16_t bf16;
    whole where the hardware multiplies bf16 pairs, else the pair's first numbers, then its second
    (dot2's order), so that a step's weights take one register a vector. */
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Both AVX-512 paths: 16 fp32 lanes, 32 registers, and masks, so that loads and stores of fewer
+   than 16 numbers need no scratch (MASKED). What differs is below: whether the CPU multiplies
+   bf16 pairs (AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4) or not (AVX-512 alone: the
+   Skylake to Ice Lake Xeons most clouds rent). */
 #include <immintrin.h>
-#define ISA "avx512-bf16"
+#define MASKED 1
 enum { VL = 16, REGS = 32 };
 typedef __m512 V;
-typedef __m512bh P;            /* 32 bf16: the hardware multiplies pairs of them */
 
 static inline __mmask16 first16(int n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 static inline __mmask32 first32(int n) { return n >= 32 ? ~0u : (__mmask32)((1u << n) - 1); }
@@ -81,6 +87,29 @@ static inline V from_bits(__m256i b) {   /* 16 bf16 -> fp32: each the top half o
 static inline V widen(const bf16 *p, int n) {
   return from_bits(_mm256_maskz_loadu_epi16(first16(n), p));
 }
+/* r[i] = the sum of v[i]'s 16 numbers, for 16 vectors at once: a fixed tree of shuffles and adds
+   (a quarter of the work of 16 horizontal sums). */
+static inline V sums(const V v[16]) {
+  __m512 w[8], x[4], z[2];
+  for (int i = 0; i < 8; i++)        /* per 128 bits: v2i's pair sums, v2i+1's, interleaved */
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {      /* per 128 bits: the sums of v4i .. v4i+3 over those 128 bits */
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; i++)        /* then over 256 bits, then all 512: lane 4i + j holds v4i+j's sum */
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* a macro: GCC drops a function whose only effect is a prefetch */
+#define prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+#if defined(__AVX512BF16__)
+#define ISA "avx512-bf16"
+typedef __m512bh P;            /* 32 bf16: the hardware multiplies pairs of them */
+
 static inline void narrow(bf16 *p, int n, V a) {   /* to bf16: round to nearest even */
   _mm256_mask_storeu_epi16(p, first16(n), (__m256i)_mm512_cvtneps_pbh(a));
 }
@@ -120,24 +149,50 @@ static inline void store_halves(bf16 *p, int n, V even, V odd) {
   __m512i o = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(odd));
   _mm512_mask_storeu_epi16(p, first32(n), _mm512_permutex2var_epi16(e, order, o));
 }
-/* r[i] = the sum of v[i]'s 16 numbers, for 16 vectors at once: a fixed tree of shuffles and adds
-   (a quarter of the work of 16 horizontal sums). */
-static inline V sums(const V v[16]) {
-  __m512 w[8], x[4], z[2];
-  for (int i = 0; i < 8; i++)        /* per 128 bits: v2i's pair sums, v2i+1's, interleaved */
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++) {      /* per 128 bits: the sums of v4i .. v4i+3 over those 128 bits */
-    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; i++)        /* then over 256 bits, then all 512: lane 4i + j holds v4i+j's sum */
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+
+#else
+/* No bf16 arithmetic: as AVX2's, bf16 widened to fp32 by a shift in registers and fp32 fused
+   multiply-adds, on 16 lanes and 32 registers (a tile of 8 rows). P is two fp32 vectors, the
+   pairs' first numbers and their second: dot2 is two multiply-adds. */
+#define ISA "avx512f"
+typedef struct { __m512 even, odd; } P;
+
+static inline __m512i bf16_bits(V a) {   /* each lane's bf16, rounded to nearest even */
+  __m512i b = _mm512_castps_si512(a), one = _mm512_set1_epi32(1);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);              /* ties go to even */
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, odd), _mm512_set1_epi32(0x7fff));
+  r = _mm512_srli_epi32(r, 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));             /* NaN stays NaN */
 }
-/* a macro: GCC drops a function whose only effect is a prefetch */
-#define prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+static inline void narrow(bf16 *p, int n, V a) {   /* the 16 low halves, packed */
+  _mm256_mask_storeu_epi16(p, first16(n), _mm512_cvtepi32_epi16(bf16_bits(a)));
+}
+static inline V round16(V a) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a), 16)); }
+static inline P split(__m512i pair) {   /* 16 pairs of bf16 -> their first numbers, their second */
+  return (P){_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)),
+             _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)))};
+}
+static inline P pairs_all(const bf16 *p) { return split(_mm512_loadu_si512(p)); }
+static inline P pairs(const bf16 *p, int n) { return split(_mm512_maskz_loadu_epi16(first32(n), p)); }
+static inline P pairs_int8(const int8_t *p) {   /* 32 int8 as 16 pairs of int16, then fp32 */
+  __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+  __m512i even = _mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16), odd = _mm512_srai_epi32(q, 16);
+  return (P){_mm512_cvtepi32_ps(even), _mm512_cvtepi32_ps(odd)};
+}
+typedef float X;   /* a product's rows as its tile reads them: widened to fp32 once a call */
+static inline V dot2(V acc, P a, P b) {   /* the first numbers of the pairs, then the second */
+  return _mm512_fmadd_ps(a.odd, b.odd, _mm512_fmadd_ps(a.even, b.even, acc));
+}
+static inline void halves(const bf16 *p, int n, V *even, V *odd) {
+  P h = pairs(p, n);
+  *even = h.even, *odd = h.odd;
+}
+static inline void store_halves(bf16 *p, int n, V even, V odd) {
+  __m512i b = _mm512_or_si512(bf16_bits(even), _mm512_slli_epi32(bf16_bits(odd), 16));
+  _mm512_mask_storeu_epi16(p, first32(n), b);
+}
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* No bf16 arithmetic: bf16 widened to fp32 by a shift, fp32 fused multiply-adds, 8 lanes. P is
@@ -283,11 +338,12 @@ static inline V sums(const V v[4]) {
 #define prefetch(p) __builtin_prefetch(p)
 
 #else
-#error "kernels.c needs AVX512-BF16, AVX2 with FMA, or NEON on aarch64"
+#error "kernels.c needs AVX-512 (F, BW, VL; with BF16 or not), AVX2 with FMA, or NEON on aarch64"
 #endif
 
 #if !defined(__AVX512BF16__)
-/* The tile's step where bf16 is widened (AVX2, NEON): a pair's first numbers, then its second. */
+/* The tile's step where bf16 is widened (AVX-512 without BF16, AVX2, NEON): a pair's first
+   numbers, then its second. */
 #define PARTS 2
 typedef V W;
 static inline W weight_part(const bf16 *p, int part) {
@@ -299,7 +355,8 @@ static inline W weight_part_int8(const int8_t *p, int part) {
 static inline V x_part(const X *p, int part) { return vset(p[part]); }
 static inline V mac(V acc, V x, W w) { return vfma(x, w, acc); }
 
-/* Loads and stores of n < VL numbers, through a vector's worth of scratch (AVX512 masks them). */
+#if !defined(MASKED)
+/* Loads and stores of n < VL numbers, through a vector's worth of scratch (AVX-512 masks them). */
 static inline V loadf(const float *p, int n) {
   if (n >= VL) return loadf_all(p);
   float t[VL] = {0};
@@ -340,6 +397,7 @@ static inline void store_halves(bf16 *p, int n, V even, V odd) {
   store_halves_all(t, even, odd);
   memcpy(p, t, sizeof(bf16) * n);
 }
+#endif
 #endif
 
 const char *kernels_isa(void) { return ISA; }   /* which of the paths above this build runs */

@@ -41,11 +41,11 @@ prepacks its weights as they are then; use(..., Kernels()) swaps back. A twin re
 (project, gate_up) and attend(); with Kernels.glue, also the small ops between the products
 (norms, rope, the q/k/v views, the residual adds), each a trip through PyTorch's dispatcher: most
 of a decode step's time beyond its products (results/step-time-zen5-bf16.md).
-kernels.c (beside this file, compiled once per machine for its CPU: AVX512-BF16, AVX2 or NEON;
-native_path()) holds three of them in C, for bf16: the product of a few rows, reading the weight
-once; the attention of a few queries; and a whole decoder layer built from them, one call instead
-of some forty PyTorch operations (and the layers of a forward in one call, no Python between two
-of them). Each computes every row alone, so in bf16 a tree's nodes get
+kernels.c (beside this file, compiled once per machine for its CPU: AVX512-BF16, AVX-512 without
+BF16, AVX2 or NEON; native_path()) holds three of them in C, for bf16: the product of a few rows,
+reading the weight once; the attention of a few queries; and a whole decoder layer built from
+them, one call instead of some forty PyTorch operations (and the layers of a forward in one
+call, no Python between two of them). Each computes every row alone, so in bf16 a tree's nodes get
 exactly what plain decoding gets: greedy speculative decoding is token-identical to plain greedy
 in bf16 too. Where it runs, bf16 runs through it, whether PyTorch's bf16 is native here or not.
 Every family model.py computes (Qwen2's biases, Qwen3's q/k norms, GeGLU) runs the same twins.
@@ -200,11 +200,12 @@ def sizes(device, native=False) -> Sizes:
 # kernels.c multiplies a few bf16 rows by a weight it reads once: from 1 to 64 rows faster than
 # oneDNN's prepacked product, and a row's result the same bits whatever rows share the call
 # (results/kernels-cpu.md). Its paths, one per instruction set: AVX512-BF16 (bf16 pairs multiplied
-# in hardware), AVX2 with FMA (bf16 widened to fp32 by a shift in registers; where PyTorch's own
-# bf16 products are emulated, tens of times slower than fp32's) and NEON (64-bit ARM). The best
-# path this CPU runs is compiled here once per machine into the cache folder (about a second);
-# SPECDEC_KERNELS=avx512-bf16|avx2|neon|off forces one (SPECDEC_NO_C=1 is off). Where none runs
-# (another CPU, no C compiler), PyTorch's kernels do; native_reason() says why.
+# in hardware), AVX-512 without BF16 (avx512f: bf16 widened to fp32 by a shift in registers, 16
+# lanes; the Skylake to Ice Lake Xeons most clouds rent), AVX2 with FMA (widened likewise, 8 lanes;
+# where PyTorch's own bf16 products are emulated, tens of times slower than fp32's) and NEON (64-bit
+# ARM). The best path this CPU runs is compiled here once per machine into the cache folder (about
+# a second); SPECDEC_KERNELS=avx512-bf16|avx512f|avx2|neon|off forces one (SPECDEC_NO_C=1 is off).
+# Where none runs (another CPU, no C compiler), PyTorch's kernels do; native_reason() says why.
 
 # -ffp-contract=off: the arithmetic as written, no multiply and add fused where the compiler finds
 # them (it would differ between the code compiled for 1 row and for 8, and so would a row's bits).
@@ -215,6 +216,7 @@ PATHS = {  # best first: the CPU features a path needs (as /proc/cpuinfo names t
         {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
     ),
+    "avx512f": ({"avx512f", "avx512bw", "avx512vl"}, ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
     "neon": (set(), []),  # every 64-bit ARM CPU has it, and its compilers' default targets it
 }
@@ -265,13 +267,16 @@ def native_choice():
         runs = ", ".join(runnable) or "none"
         return None, f"SPECDEC_KERNELS={forced}: this CPU cannot run it (it runs: {runs})"
     if not runnable:
-        return None, f"this CPU ({platform.machine()}) has none of AVX512-BF16, AVX2 with FMA, NEON"
+        return None, (
+            f"this CPU ({platform.machine()}) has none of AVX512-BF16, AVX-512 (F, BW, VL), "
+            "AVX2 with FMA, NEON"
+        )
     return forced or runnable[0], None
 
 
 def native_path():
-    """The kernels.c path chosen for this process: "avx512-bf16", "avx2", "neon", or None (see
-    native_choice; whether it builds is native_library's answer)."""
+    """The kernels.c path chosen for this process: "avx512-bf16", "avx512f", "avx2", "neon", or
+    None (see native_choice; whether it builds is native_library's answer)."""
     return native_choice()[0]
 
 

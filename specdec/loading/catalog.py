@@ -13,6 +13,7 @@ export.py; it imports the teaching files, never the scripts.
     skip_set                                     the tuned skip set, else a default one
     load_draft_model, pass_drafter, make_drafter the drafter itself, once the model has loaded
     load_drafter                                 generate.py's drafter
+    UNTUNED_BUDGETS, for_batches, batch_drafter  many rows: the tuned budget, else a safe rule
     check_online_save, save_online               where --online's adapted heads are saved
     heads_and_lookup                             --draft heads+lookup, with the rules that pay
     check_exact, load_model, cuda_graphs         --quantize, --exact and --cuda-graphs: the step
@@ -864,21 +865,33 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
     return drafter
 
 
+# --- many rows: the budget a batch shares ---------------------------------------------------------
+# bench.py --tune-tree --max-batch N tunes the nodes a batch of B rows shares a step for one
+# machine (its kernels.c path), dtype and heads. Where no table matches (another path, another
+# dtype, a user's own heads), every row drafting the single row's tree lost to plain decoding from
+# 4 rows (0.80x at 4, 0.78x at 8 on an AVX2 CPU). The rule instead: a small budget the batch
+# shares, shrinking with the rows and plain decoding from 4 rows: below what paid on every machine
+# measured, at each batch size (results/batch-budget-cpu.md, "Where no table was tuned").
+UNTUNED_BUDGETS = {1: 2, 2: 2, 4: 0}  # live rows -> nodes past the roots, from B rows to the next
+
+
 def for_batches(drafter, draft, model, quantize):
     """What drafts for many rows at once where `drafter`, built from DraftFlags `draft`, drafts for
-    one: batch_drafter's where the heads' --tree is auto (a --tree given: that tree every row)."""
+    one: batch_drafter's where the heads' --tree is auto (a --tree given: that tree every row),
+    UNTUNED_BUDGETS where nothing was tuned for this machine."""
     if draft.tree != "auto" or draft.heads == "none":
         return drafter
-    return batch_drafter(drafter, find_heads(draft.heads), model, quantize)
+    return batch_drafter(drafter, find_heads(draft.heads), model, quantize, UNTUNED_BUDGETS)
 
 
-def batch_drafter(drafter, folder, model, quantize):
+def batch_drafter(drafter, folder, model, quantize, untuned=None):
     """What drafts for many rows at once where `drafter` drafts for one: heads (from `folder`)
     share one budget a step among the rows, as bench.py --tune-tree chose it for this machine
-    (else every row drafts the tree it chose for the batch size), lookup's nodes beside them for
-    heads+lookup; any other drafter as it is."""
+    (else every row drafts the tree it chose for the batch size; where it chose neither, the rows
+    share the budgets `untuned` {B: nodes}, or with None every row drafts the heads' tree),
+    lookup's nodes beside them for heads+lookup; any other drafter as it is."""
     if isinstance(drafter, drafters_lib.HeadsPlusLookup):
-        heads = batch_drafter(drafter.heads, folder, model, quantize)
+        heads = batch_drafter(drafter.heads, folder, model, quantize, untuned)
         if heads is drafter.heads:
             return drafter
         return drafters_lib.HeadsPlusLookup(
@@ -888,9 +901,16 @@ def batch_drafter(drafter, folder, model, quantize):
         return drafter
     shared = shared_budgets(folder, model, quantize)
     if shared:  # one budget a step, given to the surest nodes of every row
-        return drafters_lib.HeadsShared(drafter.heads, *shared[:3])
+        tuned = f"tuned in {os.path.basename(budget_file(folder, model, quantize))}"
+        return drafters_lib.HeadsShared(drafter.heads, *shared[:3], origin=tuned)
     trees = batch_trees(folder, model, drafter.tree, quantize)
-    return drafters_lib.HeadsByBatch(drafter.heads, trees) if trees else drafter
+    if trees:
+        return drafters_lib.HeadsByBatch(drafter.heads, trees)
+    if untuned is None:
+        return drafter
+    missing = tuned_tree_file(folder, model.device, model.dtype, "budget", quantize)
+    rule = f"the default rule, no {os.path.basename(missing)} tuned"  # the file --tune-tree writes
+    return drafters_lib.HeadsShared(drafter.heads, drafter.tree, untuned, origin=rule)
 
 
 def check_online_save(folder):
