@@ -225,8 +225,8 @@ def add_machine_flags(p):
         "--dtype",
         default="auto",
         help="auto (bf16 on CUDA, fp16 on GPUs before Ampere; on a CPU bf16 where kernels.c runs "
-        "(AVX-512 with or without BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32; fp32 under "
-        "--quantize fp16; the banner names it) | fp32 | bf16 | fp16",
+        "(AVX-512 with or without BF16, AVX2 or NEON) or oneDNN has bf16 kernels, else fp32; "
+        "fp32 under --quantize fp16; the banner names it) | fp32 | bf16 | fp16",
     )
 
 
