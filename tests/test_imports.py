@@ -32,7 +32,7 @@ NOT_IMPORTED = {
 #     ("exact.py", "triton"): ("tests/test_exact.py::test_...",  # triton there (or faked)
 #                              "tests/test_exact.py::test_..."),  # triton missing
 GUARDED = {
-    ("bench.py", "llama_cpp"): (
+    ("specdec/benching/methods.py", "llama_cpp"): (
         "tests/test_bench_cli.py::test_methods_all_runs_llama_cpp_where_installed",
         "tests/test_bench_cli.py::test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp",
     ),
