@@ -4,10 +4,12 @@ the machinery in one package that imports the lesson and never the other way rou
     - the top level's .py files are exactly the seven: model, heads, tree, verify, train, generate
       and bench;
     - model.py and tree.py import no project file, verify.py at most tree.py, heads.py only
-      model.py; generate.py and train.py import the package only in their command-line section;
+      model.py; generate.py, train.py and bench.py import the package only in their command-line
+      section (bench.py, last in the reading order, may import every other lesson file);
     - no file of the package imports an entry script (generate, train, bench);
     - one speculative step is one function of at most 60 lines (generate.step), the training loop
-      one of at most 80 (train.train), the lesson at most 1,400 lines in all.
+      one of at most 80 (train.train), the lesson at most 1,400 lines in all; bench.py at most 400
+      lines, its command line at most 80 and at most a quarter of it.
 
 An entry script may import specdec.ctrl_c first, above its lesson: a Ctrl-C while torch imports
 can be caught nowhere else.
@@ -28,6 +30,7 @@ MAY_IMPORT = {  # a lesson file: the other lesson files it may import above its 
     "heads": {"model"},
     "generate": {"model", "heads", "tree", "verify"},
     "train": {"model", "heads", "tree", "verify"},
+    "bench": {"model", "heads", "tree", "verify", "generate", "train"},
 }
 COMMAND_LINE = "# --- command line"
 # an entry script's first import, the one the lesson's top may hold: the command line's Ctrl-C
@@ -102,7 +105,7 @@ def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
 
     lesson = {
         name: min(command_line_starts(os.path.join(ROOT, f"{name}.py")) - 1, lines(name))
-        for name in MAY_IMPORT
+        for name in ("model", "heads", "tree", "verify", "generate", "train")
     }
     assert sum(lesson.values()) <= 1400, lesson
     assert len(inspect.getsource(train.train).splitlines()) <= 80
@@ -110,3 +113,12 @@ def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
 
 def lines(name):
     return len(open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read().splitlines())
+
+
+def test_bench_is_a_lesson_of_at_most_400_lines_with_a_short_command_line():
+    """bench.py teaches honest measurement from its first line to its last: its flags, modes and
+    tables are specdec/commands/bench.py's, its command line a short block that calls them."""
+    total = lines("bench")
+    command_line = total - command_line_starts(os.path.join(ROOT, "bench.py")) + 1
+    assert total <= 400 and 0 < command_line <= 80, (total, command_line)
+    assert command_line <= total / 4, (total, command_line)

@@ -61,6 +61,15 @@ def script_and_argv(words):
     return None
 
 
+# the entry scripts whose command line is the package's: where their parser and checks live
+COMMAND_LINES = {"generate": "specdec.commands.generate", "bench": "specdec.commands.bench"}
+
+
+def command_line(name):
+    """The module that holds the script `name`'s build_parser()."""
+    return importlib.import_module(COMMAND_LINES.get(name, name))
+
+
 CASES = [
     (readme, line, words)
     for readme in READMES
@@ -78,7 +87,7 @@ def test_the_readmes_show_commands():
 @pytest.mark.parametrize("readme, line, words", CASES, ids=[f"{r}: {l[:60]}" for r, l, _ in CASES])
 def test_a_readme_command_parses(readme, line, words):
     name, argv = script_and_argv(words)
-    parser = importlib.import_module(name).build_parser()
+    parser = command_line(name).build_parser()
     parser.parse_args(argv)  # a UsageError (cli.Parser.error) names the flag that drifted
 
 
@@ -103,7 +112,7 @@ GENERATE = [(r, line, words) for r, line, words in CASES if script_and_argv(word
 def test_a_readme_generate_command_passes_the_checks(readme, line, words, tmp_path, monkeypatch):
     """generate.py's checks before the model loads, run where the earlier commands' folders
     exist (empty: a check that needs more than a folder is left to the load)."""
-    generate = importlib.import_module("generate")
+    generate = command_line("generate")
     monkeypatch.chdir(tmp_path)
     for folder in made_by_the_readmes():
         os.makedirs(folder, exist_ok=True)
@@ -143,7 +152,7 @@ def test_the_readmes_sample_banner_is_what_generate_py_prints(monkeypatch):
 def test_the_readmes_generate_commands_run_in_order(tmp_path, monkeypatch):
     """Run one after another in one folder, as a reader runs them, each of README.md's generate.py
     commands passes the checks: none refuses an --out file an earlier one wrote."""
-    generate = importlib.import_module("generate")
+    generate = command_line("generate")
     monkeypatch.chdir(tmp_path)
     for folder in made_by_the_readmes():
         os.makedirs(folder, exist_ok=True)
