@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from specdec.benching import methods as catalogue  # noqa: E402
 from specdec.loading import checkpoint  # noqa: E402
 from specdec import drafters  # noqa: E402
 from specdec.engines import decode  # noqa: E402
@@ -236,7 +236,7 @@ def tokens_per_s(run, prompts, n, device):
     for p in prompts:
         sync(device)
         t0 = time.perf_counter()
-        out = run(p, n, 0)[0]
+        out = run(p, n, 0).tokens
         sync(device)
         seconds += time.perf_counter() - t0
         tokens += len(out)
@@ -248,13 +248,15 @@ def throughput_rows(model, hf, prompts, n, eos):
     dev = model.device
     fast = graphs.GraphedForward(model)
     methods = {
-        "plain, eager": bench.ours(model, None, "greedy", 0.0, eos),
-        "plain, replayed (graphs.py)": bench.ours(fast, None, "greedy", 0.0, eos),
+        "plain, eager": catalogue.ours(None, model, None, "greedy", 0.0, eos),
+        "plain, replayed (graphs.py)": catalogue.ours(None, fast, None, "greedy", 0.0, eos),
     }
     if hf is not None:
         longest = max(map(len, prompts)) + n
-        compiled = bench.TheirsCompiled(copy.deepcopy(hf), eos, longest)
-        methods["hf (transformers, eager)"] = bench.theirs(hf, bench.ForwardCounter(hf), eos)
+        compiled = catalogue.TheirsCompiled(copy.deepcopy(hf), eos, longest)
+        methods["hf (transformers, eager)"] = catalogue.theirs(
+            hf, catalogue.ForwardCounter(hf), eos
+        )
         methods["hf-compiled (static cache, torch.compile)"] = compiled
     rows, first = [], None
     for name, run in methods.items():
@@ -288,7 +290,7 @@ def main(args):
         args.max_new_tokens, args.identity_tokens = 8, 8
         args.nodes = ",".join(n for n in args.nodes.split(",") if int(n) <= 16)
     if device.type != "cuda":  # dynamo's graph capture without inductor's minutes of compiling
-        bench.HF_COMPILE = dict(fullgraph=True, backend="eager", mode=None)
+        catalogue.HF_COMPILE = dict(fullgraph=True, backend="eager", mode=None)
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
     ours, fp32, hf = build_models(

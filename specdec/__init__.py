@@ -9,6 +9,8 @@ bench.py), which it imports and never the other way round.
     fast/        the fast paths, each the tested twin of a readable function
     loading/     models, heads and tokenizers (checkpoint.py); what a user may name (catalog.py)
     training/    what surrounds train.py's loop, Medusa-2, PaSS's tokens, online learning
+    commands/    the entry scripts' command lines: generate.py's and bench.py's flags, checks, main
+    benching/    what bench.py measures with: its catalogue of methods, batches, tables and plots
     api.py       the Python API: from specdec.api import load (README.md, "From Python")
     cli.py, ctrl_c.py, terminal.py, tuning.py, export.py   the command line and its tools
 

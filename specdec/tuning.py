@@ -1272,7 +1272,7 @@ def label(setting: dict) -> str:
 @torch.inference_mode()
 def tune_parallel(args, model, prompts, eos, machine):
     """Search each kind's setting on this machine, print the table, save the choice; `machine` is
-    bench.machine()'s description of it (hardware, dtype, threads, step over the bandwidth
+    machine()'s description of it (hardware, dtype, threads, step over the bandwidth
     floor)."""
     dev = model.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)

@@ -25,6 +25,8 @@ from specdec import cli
 from specdec.fast import exact
 from specdec.fast import kernels
 import bench as B
+from specdec.benching import methods as catalogue
+from specdec.commands import bench as command
 from specdec import tuning
 from conftest import ctrl_c_after, save_tiny_model
 from test_cli import check_one_line_error
@@ -109,9 +111,9 @@ def test_an_existing_json_file_is_kept_unless_overwrite(no_model, capsys, tmp_pa
         "is the --prompts file",
     )
     assert file.read_text() == "old results"
-    B.check_args(B.build_parser().parse_args(["--json", str(file), "--overwrite"]))
+    command.check_args(command.build_parser().parse_args(["--json", str(file), "--overwrite"]))
     assert capsys.readouterr().err == ""
-    B.check_args(B.build_parser().parse_args(["--overwrite"]))
+    command.check_args(command.build_parser().parse_args(["--overwrite"]))
     assert capsys.readouterr().err == "notice: --overwrite has no effect without --json\n"
 
 
@@ -140,17 +142,19 @@ def test_a_category_or_id_that_is_not_a_string_is_refused_before_the_model_loads
 
 
 def test_flags_without_effect_get_a_notice(capsys):
-    B.check_args(B.build_parser().parse_args(["--max-budget", "8"]))
+    command.check_args(command.build_parser().parse_args(["--max-budget", "8"]))
     assert capsys.readouterr().err == "notice: --max-budget has no effect without --tune-tree\n"
-    B.check_args(
-        B.build_parser().parse_args(["--tune-tree", "--repeats", "2", "--temperature", "1e-9"])
+    command.check_args(
+        command.build_parser().parse_args(
+            ["--tune-tree", "--repeats", "2", "--temperature", "1e-9"]
+        )
     )
     err = capsys.readouterr().err
     assert (
         "notice: --repeats has no effect with --tune-tree" in err
         and "--temperature has no effect with --tune-tree" in err
     )
-    B.check_args(B.build_parser().parse_args(["--temperature", "1e-9"]))
+    command.check_args(command.build_parser().parse_args(["--temperature", "1e-9"]))
     assert "the sampling methods decode greedily" in capsys.readouterr().err
 
 
@@ -180,12 +184,12 @@ def test_a_mode_names_the_flags_it_does_not_read(capsys):
         (["--tune-layers", "--methods", "plain", "--batch-size", "2"], ["methods", "batch-size"]),
         (["--tune-parallel", "--plots", "plots", "--max-gamma", "4"], ["max-gamma", "plots"]),
     ]:
-        B.check_args(B.build_parser().parse_args(argv))
+        command.check_args(command.build_parser().parse_args(argv))
         mode = argv[0]
         assert capsys.readouterr().err.splitlines() == [
             f"notice: --{name} has no effect with {mode}" for name in notices
         ]
-    B.check_args(B.build_parser().parse_args(["--max-gamma", "4"]))
+    command.check_args(command.build_parser().parse_args(["--max-gamma", "4"]))
     assert capsys.readouterr().err == (
         "notice: --max-gamma has no effect without --tune-layers or --tune-skip\n"
     )
@@ -559,7 +563,7 @@ def test_methods_all_runs_llama_cpp_where_installed(default_is_tiny, capsys, mon
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     code, out, err = run_bench(capsys, *one_prompt(tmp_path))
     assert code == 0 and "| plain |" in out, err
-    for name in B.LLAMA_CPP:
+    for name in catalogue.LLAMA_CPP:
         assert f"| {name} |" in out, out
     assert "not run (they need llama-cpp-python" not in err
 
@@ -736,10 +740,12 @@ def test_the_llama_cpp_anchor_decodes_greedily_one_eval_a_token(monkeypatch):
     fake, _, prompts, _ = fake_llama_cpp([4, 2, 5, 3])
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     llm = fake.Llama()
-    run = B.in_llama_cpp(llm, eos={5})
-    assert run([7, 8, 9], 10, 0) == ([4, 2, 5], 3, None)  # EOS
+    run = catalogue.in_llama_cpp(llm, eos={5})
+    out = run([7, 8, 9], 10, 0)
+    assert (out.tokens, out.steps, out.accepted) == ([4, 2, 5], 3, [])  # EOS
     assert prompts == [[7, 8, 9]] and llm.fed == [4, 2]
-    assert run([7], 2, 0) == ([4, 2], 2, None)  # max_new
+    out = run([7], 2, 0)
+    assert (out.tokens, out.steps) == ([4, 2], 2)  # max_new
     assert prompts == [[7, 8, 9], [7]] and llm.fed == [4]
 
 

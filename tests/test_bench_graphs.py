@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import bench as B
+from specdec.benching import methods as catalogue
 from test_bench_cli import ROOT, run_bench, short_run
 
 QUIET = dict(capture_output=True, text=True, cwd=ROOT)
@@ -21,7 +21,7 @@ def quick_compile(monkeypatch):
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(B, "HF_COMPILE", dict(fullgraph=True, backend="eager", mode=None))
+    monkeypatch.setattr(catalogue, "HF_COMPILE", dict(fullgraph=True, backend="eager", mode=None))
     yield counters
     torch._dynamo.reset()
 

@@ -316,7 +316,7 @@ def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_o
 ):
     import json
     from types import SimpleNamespace
-    import bench
+    from specdec.benching import methods as catalogue
 
     def tuned(file, layers):
         (tmp_path / file).write_text(
@@ -336,11 +336,11 @@ def test_the_layers_setting_is_read_for_the_device_and_dtype_and_a_gpu_is_told_o
     args = SimpleNamespace(heads_dir=str(tmp_path))
     tuned(os.path.basename(catalog.tuned_tree_file("", "cpu", torch.bfloat16, "layers")), 3)
     tuned(os.path.basename(catalog.tuned_tree_file("", "cpu", torch.float32, "layers")), 5)
-    assert bench.layers_setting(args, model("cpu", torch.float32))[0] == 5
-    assert bench.layers_setting(args, model("cpu", torch.bfloat16))[0] == 3
+    assert catalogue.layers_setting(args, model("cpu", torch.float32))[0] == 5
+    assert catalogue.layers_setting(args, model("cpu", torch.bfloat16))[0] == 3
     assert capsys.readouterr().err == ""
-    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 3
+    assert catalogue.layers_setting(args, model("cuda", torch.bfloat16))[0] == 3
     assert "notice: no 'layers' setting tuned for cuda" in capsys.readouterr().err
     tuned("layers-cuda-bfloat16.json", 6)
-    assert bench.layers_setting(args, model("cuda", torch.bfloat16))[0] == 6
+    assert catalogue.layers_setting(args, model("cuda", torch.bfloat16))[0] == 6
     assert capsys.readouterr().err == ""

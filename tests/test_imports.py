@@ -32,7 +32,7 @@ NOT_IMPORTED = {
 #     ("exact.py", "triton"): ("tests/test_exact.py::test_...",  # triton there (or faked)
 #                              "tests/test_exact.py::test_..."),  # triton missing
 GUARDED = {
-    ("bench.py", "llama_cpp"): (
+    ("specdec/benching/methods.py", "llama_cpp"): (
         "tests/test_bench_cli.py::test_methods_all_runs_llama_cpp_where_installed",
         "tests/test_bench_cli.py::test_a_benchmark_of_the_default_model_says_how_to_add_llama_cpp",
     ),
@@ -200,13 +200,14 @@ def plot():
         ("triton", 14, True),
         ("yaml", 18, False),  # `except Exception` is no guard of an import
     ]
-    lines = unlisted("bench.py", source, {"numpy", "matplotlib"}, {"tree"})
+    methods = "specdec/benching/methods.py"
+    lines = unlisted(methods, source, {"numpy", "matplotlib"}, {"tree"})
     assert [line.split(":")[:3] for line in lines] == [
-        ["bench.py", "14", " import triton"],  # guarded but not in GUARDED
-        ["bench.py", "18", " import yaml"],
-    ]  # llama_cpp: bench.py's is in GUARDED
-    missing = unlisted("bench.py", source, {"numpy"}, {"tree"})
-    assert "bench.py:12: import matplotlib: not in requirements.txt" in missing[0]
+        [methods, "14", " import triton"],  # guarded but not in GUARDED
+        [methods, "18", " import yaml"],
+    ]  # llama_cpp: methods.py's is in GUARDED
+    missing = unlisted(methods, source, {"numpy"}, {"tree"})
+    assert f"{methods}:12: import matplotlib: not in requirements.txt" in missing[0]
     assert unlisted("tuning.py", source, {"numpy"}, {"tree"})[0].startswith(
         "tuning.py:6: import llama_cpp: imported under try/except ImportError"
     )

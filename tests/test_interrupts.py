@@ -19,7 +19,8 @@ import signal
 
 import pytest
 
-import bench as B
+from specdec.benching import batches
+from specdec.commands import bench as bench_command
 from specdec.commands import generate as command
 from specdec import ctrl_c
 from specdec.engines import decode
@@ -192,13 +193,13 @@ def test_ctrl_c_while_measuring_batch_sizes_keeps_the_sizes_done(
 ):
     """Stopped after --batch-size's first size: the one-at-a-time results and that size are in
     --json, marked partial, and the exit code is 130."""
-    real = B.batch_rows
+    real = batches.batch_rows
 
     def first_size_only(methods, prompts, sizes, args, device, res):
         real(methods, prompts, sizes[:1], args, device, res)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(B, "batch_rows", first_size_only)
+    monkeypatch.setattr(batches, "batch_rows", first_size_only)
     record = tmp_path / "bench.json"
     code, out, err = run_bench(
         capsys, *short_run(tmp_path, tiny_model_dir, limit=3), "--methods", "plain",
@@ -264,7 +265,7 @@ def test_a_full_disk_under_json_names_the_flag_and_keeps_the_old_file(
     record.write_text('{"old": true}')
     real = open
     monkeypatch.setattr(
-        B,
+        bench_command,
         "open",
         lambda path, *a, **k: Full(path, 0) if str(path).endswith(".tmp") else real(path, *a, **k),
         raising=False,

@@ -3,11 +3,13 @@
     - verify.greedy made to accept no draft: the shipped heads' reply through the command line
       reports tau 1.00 (every step emits its bonus token alone);
     - generate.step recording its calls: one prompt through the command line calls it once a step;
-    - a reader's print in step() shows on the command line's output.
+    - a reader's print in step() shows on the command line's output;
+    - bench.py times that same step: its plain and heads methods call generate.step.
 
 Test: `python -m pytest -q tests/test_lesson_runs.py`.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -70,3 +72,27 @@ def test_a_print_in_step_shows(tiny_model_dir, tmp_path):
     argv = ["--model", tiny_model_dir, "--prompt", "hi", "--max-new-tokens", "4", "--raw"]
     out = run("", *argv, "--heads", "none", cwd=str(tmp_path))
     assert "a reader was here" in out
+
+
+def test_bench_times_the_step_generate_py_runs(tiny_model_dir, monkeypatch, capsys, tmp_path):
+    """bench.py's plain decoding and heads methods decode through generate.generate: the steps
+    they report are generate.step's calls (the warm-up's too)."""
+    import bench as B
+    from test_bench_cli import saved_heads, short_run
+
+    calls = []
+    step = G.step
+
+    def recorded(model, cache, heads, *rest):
+        calls.append("plain" if heads is None else "heads")
+        return step(model, cache, heads, *rest)
+
+    monkeypatch.setattr(G, "step", recorded)
+    saved_heads(tmp_path / "heads-hydra++", tiny_model_dir)
+    record = tmp_path / "bench.json"
+    argv = [*short_run(tmp_path, tiny_model_dir), "--methods", "plain,hydra++"]
+    argv += ["--heads-dir", tmp_path, "--json", record]
+    assert B.cli_main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    for name, kind in (("plain", "plain"), ("hydra++", "heads")):
+        steps = json.loads(record.read_text())["methods"][name]["per_prompt"][0]["steps"]
+        assert calls.count(kind) >= steps - 1 > 0  # the prefill is a forward, not a step

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-import bench as B
 from specdec.loading import catalog
+from specdec.loading import checkpoint
 from specdec import cli
 from specdec import drafters as D
 from specdec.engines import decode
@@ -193,7 +193,7 @@ def test_the_search_picks_a_set_that_skip_then_uses(capsys, tmp_path, four_layer
     file = catalog.tuned_tree_file(tmp_path, "cpu", torch.float32, "skip")
     saved = json.loads(open(file).read())
     assert saved["path"] == catalog.cpu_path("cpu") and 1 <= len(saved["skip"]) <= 3
-    model = B.checkpoint.load(four_layer_dir, "cpu", torch.float32)[0]
+    model = checkpoint.load(four_layer_dir, "cpu", torch.float32)[0]
     assert catalog.tuned_skip(tmp_path, model) == (tuple(saved["skip"]), saved["gamma"])
     code, out, err = run_bench(capsys, *common, "--methods", "skip", "--repeats", 1)
     assert code == 0 and "(tuned for this machine)" in err, err
