@@ -59,9 +59,8 @@ class Method:
     run: Callable  # (prompt ids, max new tokens, seed) -> decode.Result: tokens, steps, accepted
     greedy: bool  # its output must equal plain decoding's (an adapted model's: how far it moved)
     depth: int = 0  # the deepest node it drafts, for "accepted by depth" (0: it drafts nothing)
-    reset: Callable | None = (
-        None  # what learns as it decodes starts every repeat from the same state
-    )
+    # what learns as it decodes (online heads) starts every repeat from the same state
+    reset: Callable | None = None
 
 
 # --- measuring ------------------------------------------------------------------------------------
