@@ -24,6 +24,8 @@ from specdec.loading import checkpoint
 from specdec import rows
 from specdec.training import dataset as D
 import train as T
+from specdec.cli import UsageError
+from specdec.commands import train as command
 from specdec import terminal
 from specdec.loading import catalog
 from specdec.training import resume
@@ -75,21 +77,21 @@ TINY_RUN = [
 # --- checks that need no model ------------------------------------------------------------------
 
 OUT_OF_RANGE = [
-    (flag, value) for flag, (low, high) in T.RANGES.items() for value in (low - 1, high + 1)
-] + [(flag, "nan") for flag, (low, _) in T.RANGES.items() if isinstance(low, float)]
+    (flag, value) for flag, (low, high) in command.RANGES.items() for value in (low - 1, high + 1)
+] + [(flag, "nan") for flag, (low, _) in command.RANGES.items() if isinstance(low, float)]
 
 
 @pytest.mark.parametrize("flag, value", OUT_OF_RANGE, ids=[f"{f} {v}" for f, v in OUT_OF_RANGE])
 def test_numeric_flags_outside_their_range(no_model, capsys, flag, value):
-    low, high = T.RANGES[flag]
+    low, high = command.RANGES[flag]
     check_one_line_error(
         *run_train(capsys, flag, value)[::2], f"{flag} ", f"out of range; use {low} to {high}"
     )
 
 
 def test_help_states_every_range():
-    text = " ".join(T.build_parser().format_help().split())  # undo the line wrapping
-    for flag, (low, high) in T.RANGES.items():
+    text = " ".join(command.build_parser().format_help().split())  # undo the line wrapping
+    for flag, (low, high) in command.RANGES.items():
         # in the flag's own help, after its usage
         assert f"{low} to {high}" in text.split(flag, 2)[2], flag
 
@@ -175,11 +177,14 @@ def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
     base = rows.Model(tiny_config()).eval().requires_grad_(False)
     convs = [(list(range(1, 12)), [False] * 11) for _ in range(20)]
     D.features_of(base, convs, str(tmp_path / "f"), top_k=4)
-    args = T.build_parser().parse_args(
+    args = command.build_parser().parse_args(
         ["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")]
     )
+    lesson = command.Lesson(train=T.train, Recipe=T.Recipe, batch_loss=T.batch_loss)
     with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
-        T.train_heads(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+        command.train_heads(
+            base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args, lesson
+        )
     assert not os.path.exists(tmp_path / "h" / resume.STATE)
 
 
@@ -506,7 +511,7 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
     ] == [1, 3]
     assert os.path.exists(paths[1] + ".broken")
     # key.json now records the settings
-    with pytest.raises(T.UsageError, match="made with other settings"):
+    with pytest.raises(UsageError, match="made with other settings"):
         D.check_self_data(folder, {"teacher_k": 16, "dim": 32})
 
 

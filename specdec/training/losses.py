@@ -105,8 +105,8 @@ class TrainForward(nn.Module):
     of what runs inside the forward of the module it wraps, and training uses more of the heads than
     their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
     readable: None for kernels.fused_batch_loss (the LM head and the loss in blocks of rows), or
-    the readable batch loss it is the twin of, train.batch_loss, called on the heads' logits (the
-    same values and gradients: tests/test_kernels.py)."""
+    the readable batch loss it is the twin of, train.py's batch_loss, passed in by train.py and
+    called on the heads' logits (the same values and gradients: tests/test_kernels.py)."""
 
     def __init__(self, heads, readable=None):
         super().__init__()
