@@ -13,11 +13,11 @@ what one pass of the frozen base model computed there: its final hidden state h_
 next-token probabilities (the teacher). Heads read h_t as they will while drafting, so training
 never runs the base model again.
 
-The positions and the targets. Head j (1-based) at position t guesses token t+1+j. It learns only
-where that token belongs to an assistant reply (heads only ever draft replies, so prompt tokens
-would teach them nothing they use), and what it learns is the base model's own distribution for
-that token, its top-k at position t+j (teacher_loss below; --loss next-token: the data token
-itself, as Medusa-1).
+The positions and the targets. Head j (1..K, as in heads.py) at position t guesses token t+1+j.
+It learns only where that token belongs to an assistant reply (heads only ever draft replies, so
+prompt tokens would teach them nothing they use), and what it learns is the base model's own
+distribution for that token, its top-k at position t+j (teacher_loss below; --loss next-token:
+the data token itself, as Medusa-1).
 
 This file holds the loss and the loop, then the command line. Around the loop, in
 specdec/training/: dataset.py and prepare.py build the data (cached on disk), batches.py says which
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 # --- the loss -------------------------------------------------------------------------------------
-# A batch makes M predictions, one per valid (b, t, head): the heads' logits (M, V') over their
+# A batch makes M predictions, one per valid (b, t, j): the heads' logits (M, V') over their
 # vocabulary (the most frequent tokens, --kept-tokens), and for each the teacher's top-k (M, k) at
 # its target and the data token (M,), both as head-vocabulary ids (-1 where not kept).
 
@@ -81,13 +81,13 @@ def next_token_loss(logits, target):
 
 
 def batch_loss(kind, logits, j, top_ids, top_p, target):
-    """The mean loss of a batch's M predictions, from the heads' logits (M, V'); j (M,) is
-    head - 1. Teacher loss: every head alike; next-token loss: head j+1 weighted 0.8^(j+1)
+    """The mean loss of a batch's M predictions, from the heads' logits (M, V'); j (M,) is the head
+    that made each, 1..K. Teacher loss: every head alike; next-token loss: head j weighted 0.8^j
     (Medusa-1). A batch with no predictions gives 0."""
     M = max(len(logits), 1)
     if kind == "teacher":
         return teacher_loss(logits, top_ids, top_p).sum() / M
-    return (next_token_loss(logits, target) * 0.8 ** (j + 1).float()).sum() / M
+    return (next_token_loss(logits, target) * 0.8 ** j.float()).sum() / M
 
 
 # Which one trains: `python train.py` computes batch_loss with its fast twin,
@@ -120,8 +120,8 @@ def learning_rate(step, total, peak):
 def train(forward, opt, plan, recipe, step, session):
     """Train the heads from `step` (0, or a checkpoint's) to plan.total; returns the step reached.
     forward: the heads' batch loss as a module (losses.TrainForward: the heads run at every valid
-    (b, t, head) and their guesses go through batch_loss or its twin; under torchrun wrapped so
-    that backward averages the gradients over the processes). opt: AdamW over the heads' trainable
+    (b, t, j) and their guesses go through batch_loss or its twin; under torchrun wrapped so that
+    backward averages the gradients over the processes). opt: AdamW over the heads' trainable
     weights. plan: each step's batch (batches.Plan). session: told after each step
     (session.Session: progress, evaluation, checkpoints; on Ctrl-C it saves and exits 130)."""
     params = [p for group in opt.param_groups for p in group["params"]]

@@ -174,13 +174,13 @@ Q = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2
 TOP_IDS = torch.tensor([[0, 2], [3, -1], [1, 2]])  # -1: a top-k token outside the heads' vocabulary
 TOP_P = torch.tensor([[0.6, 0.3], [0.5, 0.25], [0.75, 0.25]])
 TARGET = torch.tensor([1, -1, 3])  # data tokens; -1 is not kept
-J = torch.tensor([0, 1, 2])  # head - 1
+J = torch.tensor([0, 1, 2])  # head - 1, as the fused twin takes it; train.py counts from 1
 
 
 def check_batch_loss(loss, want):
     """The batch loss over Q's rows is `want`, as train.batch_loss computes it and as the fused one
     does with z = log q through an identity LM head, shared or one per head."""
-    got = T.batch_loss(loss, Q.log(), J, TOP_IDS, TOP_P, TARGET).item()
+    got = T.batch_loss(loss, Q.log(), J + 1, TOP_IDS, TOP_P, TARGET).item()
     assert math.isclose(got, want, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
         got = kernels.fused_batch_loss(loss, Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()

@@ -117,7 +117,8 @@ class TrainForward(nn.Module):
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
         if self.readable is not None:
             logits = logits_of(self.heads, z, j)  # (M, V')
-            return self.readable(loss_kind, logits, j, top_ids, top_p, target)
+            # train.py counts heads from 1 (heads.py's head j), head_states from 0
+            return self.readable(loss_kind, logits, j + 1, top_ids, top_p, target)
         return kernels.fused_batch_loss(
             loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype
         )
