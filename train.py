@@ -1,5 +1,6 @@
 """
-Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model: the loss and the loop.
+Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model: the data, the targets, the loss
+and the loop.
 
     python train.py --heads hydra++                      # self-distilled data, teacher loss
     python train.py --heads medusa --loss next-token     # Medusa-1's loss on the data tokens
@@ -7,27 +8,36 @@ Train draft heads (Medusa, Hydra, Hydra++) on a frozen base model: the loss and 
     python train.py --heads hydra++ --resume             # continue after Ctrl-C, a crash or kill -9
     torchrun --nproc_per_node 4 train.py --heads hydra++ # one process per GPU (DDP)
 
-The data. Conversations the base model wrote and answered itself (self-distillation: it writes
-user prompts, Magpie-style, and answers them) or a user's ShareGPT-style JSONL; and for every token
-what one pass of the frozen base model computed there: its final hidden state h_t and its top-k
-next-token probabilities (the teacher). Heads read h_t as they will while drafting, so training
-never runs the base model again.
+The data: self-distillation. A draft is worth only what the base model accepts, and it accepts its
+own next tokens, so the heads learn the base model's replies, not a human's: it writes user prompts
+(Magpie-style, seeded with a task and a topic from data/magpie.json) and answers them greedily, as
+it will decode. Or --data: a user's ShareGPT-style JSONL, whose teacher is still the base model.
+For every token, one pass of the frozen base model records its final hidden state h_t and its
+top-k next-token probabilities (the teacher). Heads read h_t as they will while drafting, so
+training never runs the base model again (specdec/training/dataset.py builds and caches this;
+prepare.py runs its stages).
 
-The positions and the targets. Head j (1..K, as in heads.py) at position t guesses token t+1+j.
-It learns only where that token belongs to an assistant reply (heads only ever draft replies, so
-prompt tokens would teach them nothing they use), and what it learns is the base model's own
-distribution for that token, its top-k at position t+j (teacher_loss below; --loss next-token:
-the data token itself, as Medusa-1).
+The positions and the targets. Head j (j = 1..K, as in heads.py) at position t reads h_t and
+guesses token t+1+j (the base model itself guesses t+1). It learns only where that token belongs to
+an assistant reply: heads only ever draft replies, so prompt tokens would teach them nothing they
+use. What it learns is the base model's own distribution for that token: its top-k at position t+j,
+where the base model predicted it (teacher_loss below); --loss next-token: the data token itself,
+as Medusa-1 (specdec/training/losses.py: collate marks the valid (b, t, j), head_states picks each
+one's rows).
+
+The heads' vocabulary. They predict over the --kept-tokens most frequent tokens of the assistant
+replies and of the teacher's top-1s (batches.kept_vocabulary): a smaller softmax to train and to
+draft from (the run prints the share of those tokens it covers). Teacher tokens outside it get
+the id -1, which the losses below drop.
 
 This file holds the loss and the loop, then the command line. Around the loop, in
-specdec/training/: dataset.py and prepare.py build the data (cached on disk), batches.py says which
-conversations each step reads, losses.py lays them out and runs the heads at those positions,
-session.py keeps the progress, the evaluation (evaluate.py), the checkpoints (resume.py) and
-Ctrl-C, and distributed.py the processes of torchrun; specdec/commands/train.py holds the flags,
-their checks and main, which train with this file's functions.
+specdec/training/: batches.py says which conversations each step reads, session.py keeps the
+progress, the held-out evaluation (evaluate.py) and the checkpoints, heads included (resume.py:
+every --save-every seconds, at Ctrl-C and at the end), distributed.py the processes of torchrun;
+specdec/commands/train.py holds the flags and main, which train with this file's functions.
 
 Test: `python -m pytest -q tests/test_train.py tests/test_train_cli.py`. Shapes: B batch, T time,
-K heads, V' head vocabulary, M predictions (valid (b, t, head) triples), k teacher top-k.
+K heads, V' head vocabulary, M predictions (valid (b, t, j) triples), k teacher top-k.
 """
 
 import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
@@ -90,12 +100,13 @@ def batch_loss(kind, logits, j, top_ids, top_p, target):
     return (next_token_loss(logits, target) * 0.8 ** j.float()).sum() / M
 
 
-# Which one trains: `python train.py` computes batch_loss with its fast twin,
-# kernels.fused_batch_loss (--loss-impl fused, the default). It takes the heads' states and the LM
-# head's weight and forms the logits and the loss a block of rows at a time, so the (M, V') logits
-# and their gradient never exist whole: faster and in less memory
-# (results/train-speed-zen5-bf16.md). It has batch_loss's values and gradients
-# (tests/test_kernels.py); --loss-impl readable trains with batch_loss itself.
+# Which one trains. `python train.py --loss-impl readable` trains with batch_loss above, and so with
+# the teacher_loss you read (a print in it shows). The default, --loss-impl fused, is its fast twin
+# kernels.fused_batch_loss: from the heads' states and the LM head's weight it forms the logits and
+# the loss a block of rows at a time, so the (M, V') logits and their gradient never exist whole;
+# same values and gradients (tests/test_kernels.py). The twin is the default because it is the only
+# way to keep training within 1.2x of its time: steps that made the whole logits ran far slower,
+# and in more memory (results/train-speed-zen5-bf16.md, "The readable loss or its twin").
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -113,7 +124,8 @@ class Recipe:
 
 
 def learning_rate(step, total, peak):
-    """Linear warm-up over 50 steps, then a cosine down to 0 at step `total`."""
+    """The peak rate times two factors from step 0: a linear warm-up, (step + 1) / 50 until it
+    reaches 1 at step 49, and a cosine from 1 at step 0 down to 0 at step `total`."""
     return peak * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / max(total, 1)))
 
 

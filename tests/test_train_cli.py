@@ -11,6 +11,7 @@ must fail before the model loads) or on a tiny random Llama saved to a folder
 
 import io
 import json
+import re
 import os
 import signal
 import subprocess
@@ -717,3 +718,56 @@ def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(
             pytest.fail("a rank is still waiting")
     codes = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
     assert codes == ([0, 0] if case == "export" else [2, 1]), codes
+
+
+# --- what you read is what runs -----------------------------------------------------------------
+
+
+def test_the_readable_loss_is_train_py_s_teacher_loss_at_call_time(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """With --loss-impl readable every training step calls train.teacher_loss as the module holds it
+    when the step runs (a patch shows); the fused default does not call it."""
+    calls = []
+
+    def recorded(logits, top_ids, top_p):
+        calls.append(len(logits))
+        return torch.zeros(len(logits)) * logits.sum()  # 0, with a gradient: the heads stay
+
+    monkeypatch.setattr(T, "teacher_loss", recorded)
+    chats = conversations(tmp_path / "chats.jsonl")
+    common = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", tmp_path / "h"]
+    code, _, err = run_train(capsys, *common, "--loss-impl", "readable")
+    assert code == 0, err
+    steps = int(re.search(r"\[train\] done: (\d+) steps?,", err).group(1))
+    assert len(calls) == steps > 0
+    code, _, err = run_train(capsys, *common, "--overwrite")
+    assert code == 0, err
+    assert len(calls) == steps
+
+
+def test_a_print_in_teacher_loss_shows_on_python_train_py(tmp_path, tiny_model_dir):
+    """An edited copy of train.py run as __main__ (as `python train.py --loss-impl readable` runs)
+    from the repository, where `import train` would find the unedited file: the reader's print in
+    teacher_loss shows, so what trains is the file that runs, not a second copy the package
+    imported."""
+    source = open(os.path.join(ROOT, "train.py"), encoding="utf-8").read()
+    body = "    logq = logits.float().log_softmax(-1)  # (M, V')\n    kept = top_ids >= 0"
+    assert source.count(body) == 1
+    edited = tmp_path / "train.py"
+    edited.write_text(source.replace(body, '    print("a reader was here")\n' + body), "utf-8")
+    chats = conversations(tmp_path / "chats.jsonl")
+    argv = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", tmp_path / "h"]
+    as_main = "import runpy, sys\npath = sys.argv.pop(1)\nsys.argv[0] = 'train.py'\n" + (
+        "runpy.run_path(path, run_name='__main__')"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", as_main, edited, *map(str, argv), "--loss-impl", "readable"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "a reader was here" in p.stdout
