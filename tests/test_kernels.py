@@ -659,7 +659,7 @@ def test_fused_batch_loss_has_the_readable_losses_values_and_gradients(kind, dty
 
     for w in (weight, per_head):
         za, wa = z.clone().requires_grad_(), w.clone().requires_grad_()
-        want = train.batch_loss(kind, logits_of(za, wa), j, ids, p, target)
+        want = train.batch_loss(kind, logits_of(za, wa), j + 1, ids, p, target)  # heads from 1
         (want * 3).backward()  # any upstream gradient
         zb, wb = z.clone().requires_grad_(), w.clone().requires_grad_()
         got = kernels.fused_batch_loss(kind, zb, wb, j, ids, p, target, dtype)

@@ -10,7 +10,9 @@ the machinery in one package that imports the lesson and never the other way rou
     - each top file a lesson from its first line to its last: the seven at most 2,600 lines, each
       at least 75% above its command line (at most about 80 lines), bench.py at most 400;
     - one speculative step is one function of at most 60 lines (generate.step), the training loop
-      one of at most 80 (train.train), the lesson at most 1,400 lines in all.
+      one of at most 80 (train.train), the lesson at most 1,400 lines in all;
+    - generate.py's and train.py's command lines are a short block that calls into the package
+      (specdec/commands/): at most 80 lines, and at least 75% of the file is above them.
 
 An entry script may import specdec.ctrl_c first, above its lesson: a Ctrl-C while torch imports
 can be caught nowhere else.
@@ -110,6 +112,15 @@ def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
     }
     assert sum(lesson.values()) <= 1400, lesson
     assert len(inspect.getsource(train.train).splitlines()) <= 80
+
+
+def test_an_entry_scripts_command_line_is_a_short_call_into_the_package():
+    """What you read is what runs: each of generate.py and train.py is its lesson from the first
+    line to its last, and its command line a short block that calls into specdec/commands/."""
+    for name in ("generate", "train"):
+        total = lines(name)
+        above = command_line_starts(os.path.join(ROOT, f"{name}.py")) - 1
+        assert total - above <= 80 and above >= 0.75 * total, (name, above, total)
 
 
 def lines(name):

@@ -30,6 +30,8 @@ from specdec.fast import kernels
 from specdec.training import losses
 from specdec import rows
 import train as T
+from specdec.cli import UsageError
+from specdec.commands import train as command
 from specdec.training import batches, distributed, prepare, resume
 from conftest import tiny_config, torchrun_env
 
@@ -83,7 +85,7 @@ def features(tmp_path_factory):
 
 def args_for(out, *flags):
     """Command-line flags for a tiny run: 2 epochs of ~8 batches, a checkpoint after every step."""
-    return T.build_parser().parse_args(
+    return command.build_parser().parse_args(
         [
             "--heads",
             "hydra++",
@@ -110,9 +112,14 @@ def args_for(out, *flags):
     )
 
 
+def lesson():
+    """train.py's functions, as its cli_main passes them to the package."""
+    return command.Lesson(train=T.train, Recipe=T.Recipe, batch_loss=T.batch_loss)
+
+
 def run(features, out, *flags):
     base, folder = features
-    return T.train_heads(base, D.load_data(folder), str(out), args_for(out, *flags))
+    return command.train_heads(base, D.load_data(folder), str(out), args_for(out, *flags), lesson())
 
 
 def record_steps(monkeypatch, before=None):
@@ -167,13 +174,13 @@ Q = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2
 TOP_IDS = torch.tensor([[0, 2], [3, -1], [1, 2]])  # -1: a top-k token outside the heads' vocabulary
 TOP_P = torch.tensor([[0.6, 0.3], [0.5, 0.25], [0.75, 0.25]])
 TARGET = torch.tensor([1, -1, 3])  # data tokens; -1 is not kept
-J = torch.tensor([0, 1, 2])  # head - 1
+J = torch.tensor([0, 1, 2])  # head - 1, as the fused twin takes it; train.py counts from 1
 
 
 def check_batch_loss(loss, want):
     """The batch loss over Q's rows is `want`, as train.batch_loss computes it and as the fused one
     does with z = log q through an identity LM head, shared or one per head."""
-    got = T.batch_loss(loss, Q.log(), J, TOP_IDS, TOP_P, TARGET).item()
+    got = T.batch_loss(loss, Q.log(), J + 1, TOP_IDS, TOP_P, TARGET).item()
     assert math.isclose(got, want, abs_tol=1e-6)
     for lm_head in (torch.eye(4), torch.eye(4).repeat(3, 1, 1)):
         got = kernels.fused_batch_loss(loss, Q.log(), lm_head, J, TOP_IDS, TOP_P, TARGET).item()
@@ -618,7 +625,7 @@ def ddp_worker(rank, port, folder, out, results):
     assert distributed.init_distributed("cpu")[:2] == (rank, 2)
     mp = pytest.MonkeyPatch()
     done = record_steps(mp)
-    heads = T.train_heads(tiny_base(), D.load_data(folder), out, args_for(out))
+    heads = command.train_heads(tiny_base(), D.load_data(folder), out, args_for(out), lesson())
     torch.save({"heads": heads.state_dict(), "done": done}, os.path.join(results, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -789,7 +796,7 @@ def test_continue_from_seeds_a_self_distilled_folder_with_the_exported_conversat
     D.features_of(
         base, D.read_conversations(path)[:3], other, top_k=8, prompts=["something else"] * 3
     )
-    with pytest.raises(T.UsageError, match="did not begin with these conversations"):
+    with pytest.raises(UsageError, match="did not begin with these conversations"):
         D.continue_from(base, other, path, key)
     assert D.folder_prompts(other) == ["something else"] * 3
     capsys.readouterr()
@@ -801,7 +808,7 @@ def test_continue_from_refuses_conversations_without_their_prompts(features, tmp
     D.export_conversations(folder, plain)  # a user's data set: no prompts recorded
     key = {"teacher_k": 8, "dim": base.cfg.dim}
     D.check_self_data(seeded, key)
-    with pytest.raises(T.UsageError, match="no prompts recorded"):
+    with pytest.raises(UsageError, match="no prompts recorded"):
         D.continue_from(base, seeded, plain, key)
     assert D.shards_in(seeded) == []
 

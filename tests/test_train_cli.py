@@ -11,6 +11,7 @@ must fail before the model loads) or on a tiny random Llama saved to a folder
 
 import io
 import json
+import re
 import os
 import signal
 import subprocess
@@ -24,6 +25,8 @@ from specdec.loading import checkpoint
 from specdec import rows
 from specdec.training import dataset as D
 import train as T
+from specdec.cli import UsageError
+from specdec.commands import train as command
 from specdec import terminal
 from specdec.loading import catalog
 from specdec.training import resume
@@ -75,21 +78,21 @@ TINY_RUN = [
 # --- checks that need no model ------------------------------------------------------------------
 
 OUT_OF_RANGE = [
-    (flag, value) for flag, (low, high) in T.RANGES.items() for value in (low - 1, high + 1)
-] + [(flag, "nan") for flag, (low, _) in T.RANGES.items() if isinstance(low, float)]
+    (flag, value) for flag, (low, high) in command.RANGES.items() for value in (low - 1, high + 1)
+] + [(flag, "nan") for flag, (low, _) in command.RANGES.items() if isinstance(low, float)]
 
 
 @pytest.mark.parametrize("flag, value", OUT_OF_RANGE, ids=[f"{f} {v}" for f, v in OUT_OF_RANGE])
 def test_numeric_flags_outside_their_range(no_model, capsys, flag, value):
-    low, high = T.RANGES[flag]
+    low, high = command.RANGES[flag]
     check_one_line_error(
         *run_train(capsys, flag, value)[::2], f"{flag} ", f"out of range; use {low} to {high}"
     )
 
 
 def test_help_states_every_range():
-    text = " ".join(T.build_parser().format_help().split())  # undo the line wrapping
-    for flag, (low, high) in T.RANGES.items():
+    text = " ".join(command.build_parser().format_help().split())  # undo the line wrapping
+    for flag, (low, high) in command.RANGES.items():
         # in the flag's own help, after its usage
         assert f"{low} to {high}" in text.split(flag, 2)[2], flag
 
@@ -175,11 +178,14 @@ def test_assistant_tokens_only_in_held_out_data_are_refused(tmp_path):
     base = rows.Model(tiny_config()).eval().requires_grad_(False)
     convs = [(list(range(1, 12)), [False] * 11) for _ in range(20)]
     D.features_of(base, convs, str(tmp_path / "f"), top_k=4)
-    args = T.build_parser().parse_args(
+    args = command.build_parser().parse_args(
         ["--num-heads", "2", "--kept-tokens", "0", "--out", str(tmp_path / "h")]
     )
+    lesson = command.Lesson(train=T.train, Recipe=T.Recipe, batch_loss=T.batch_loss)
     with pytest.raises(ValueError, match="nothing to learn from: no assistant token"):
-        T.train_heads(base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args)
+        command.train_heads(
+            base, D.load_data(str(tmp_path / "f")), str(tmp_path / "h"), args, lesson
+        )
     assert not os.path.exists(tmp_path / "h" / resume.STATE)
 
 
@@ -506,7 +512,7 @@ def test_broken_self_distilled_shards_are_set_aside_and_the_rest_renumbered(caps
     ] == [1, 3]
     assert os.path.exists(paths[1] + ".broken")
     # key.json now records the settings
-    with pytest.raises(T.UsageError, match="made with other settings"):
+    with pytest.raises(UsageError, match="made with other settings"):
         D.check_self_data(folder, {"teacher_k": 16, "dim": 32})
 
 
@@ -712,3 +718,56 @@ def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(
             pytest.fail("a rank is still waiting")
     codes = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
     assert codes == ([0, 0] if case == "export" else [2, 1]), codes
+
+
+# --- what you read is what runs -----------------------------------------------------------------
+
+
+def test_the_readable_loss_is_train_py_s_teacher_loss_at_call_time(
+    capsys, monkeypatch, tmp_path, tiny_model_dir
+):
+    """With --loss-impl readable every training step calls train.teacher_loss as the module holds it
+    when the step runs (a patch shows); the fused default does not call it."""
+    calls = []
+
+    def recorded(logits, top_ids, top_p):
+        calls.append(len(logits))
+        return torch.zeros(len(logits)) * logits.sum()  # 0, with a gradient: the heads stay
+
+    monkeypatch.setattr(T, "teacher_loss", recorded)
+    chats = conversations(tmp_path / "chats.jsonl")
+    common = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", tmp_path / "h"]
+    code, _, err = run_train(capsys, *common, "--loss-impl", "readable")
+    assert code == 0, err
+    steps = int(re.search(r"\[train\] done: (\d+) steps?,", err).group(1))
+    assert len(calls) == steps > 0
+    code, _, err = run_train(capsys, *common, "--overwrite")
+    assert code == 0, err
+    assert len(calls) == steps
+
+
+def test_a_print_in_teacher_loss_shows_on_python_train_py(tmp_path, tiny_model_dir):
+    """An edited copy of train.py run as __main__ (as `python train.py --loss-impl readable` runs)
+    from the repository, where `import train` would find the unedited file: the reader's print in
+    teacher_loss shows, so what trains is the file that runs, not a second copy the package
+    imported."""
+    source = open(os.path.join(ROOT, "train.py"), encoding="utf-8").read()
+    body = "    logq = logits.float().log_softmax(-1)  # (M, V')\n    kept = top_ids >= 0"
+    assert source.count(body) == 1
+    edited = tmp_path / "train.py"
+    edited.write_text(source.replace(body, '    print("a reader was here")\n' + body), "utf-8")
+    chats = conversations(tmp_path / "chats.jsonl")
+    argv = [*model_data_work(tiny_model_dir, chats, tmp_path), *TINY_RUN, "--out", tmp_path / "h"]
+    as_main = "import runpy, sys\npath = sys.argv.pop(1)\nsys.argv[0] = 'train.py'\n" + (
+        "runpy.run_path(path, run_name='__main__')"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", as_main, edited, *map(str, argv), "--loss-impl", "readable"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "a reader was here" in p.stdout

@@ -1216,11 +1216,11 @@ class FusedHeadLoss(torch.autograd.Function):
 
 
 def fused_batch_loss(kind, z, weight, j, top_ids, top_p, target, dtype=torch.float32):
-    """batch_loss(kind, logits_of(heads, z, j), j, top_ids, top_p, target)'s twin (train.py), from
-    the head states z (M, D) and the LM head's weight (V', D), or (K, V', D) one per head; j (M,)
-    is head - 1; dtype is the products'. The next-token loss is the teacher loss with the data
-    token as a teacher sure of it (p = 1), so both go through FusedHeadLoss, each row weighted as
-    batch_loss weighs it."""
+    """batch_loss(kind, logits_of(heads, z, j), j + 1, top_ids, top_p, target)'s twin (train.py,
+    which counts heads from 1), from the head states z (M, D) and the LM head's weight (V', D), or
+    (K, V', D) one per head; j (M,) is head - 1; dtype is the products'. The next-token loss is
+    the teacher loss with the data token as a teacher sure of it (p = 1), so both go through
+    FusedHeadLoss, each row weighted as batch_loss weighs it."""
     M = max(len(z), 1)
     if kind == "teacher":
         ids, p, scale = top_ids, top_p, torch.full((len(z),), 1 / M, device=z.device)

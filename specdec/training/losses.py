@@ -105,8 +105,8 @@ class TrainForward(nn.Module):
     of what runs inside the forward of the module it wraps, and training uses more of the heads than
     their forward (context, i.e. Hydra++'s PrefixMLP, and the LM head, which may train).
     readable: None for kernels.fused_batch_loss (the LM head and the loss in blocks of rows), or
-    the readable batch loss it is the twin of, train.batch_loss, called on the heads' logits (the
-    same values and gradients: tests/test_kernels.py)."""
+    the readable batch loss it is the twin of, train.py's batch_loss, passed in by train.py and
+    called on the heads' logits (the same values and gradients: tests/test_kernels.py)."""
 
     def __init__(self, heads, readable=None):
         super().__init__()
@@ -117,7 +117,8 @@ class TrainForward(nn.Module):
         z, j, top_ids, top_p, target, _ = head_states(self.heads, batch, noise, generator)
         if self.readable is not None:
             logits = logits_of(self.heads, z, j)  # (M, V')
-            return self.readable(loss_kind, logits, j, top_ids, top_p, target)
+            # train.py counts heads from 1 (heads.py's head j), head_states from 0
+            return self.readable(loss_kind, logits, j + 1, top_ids, top_p, target)
         return kernels.fused_batch_loss(
             loss_kind, z, self.heads.lm_head.weight, j, top_ids, top_p, target, dtype
         )
