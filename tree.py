@@ -164,11 +164,9 @@ def cartesian(topk: list[int]) -> list[Path]:
     ]
 
 
-# --- command line -------------------------------------------------------------------------------
-# The --tree flag's values (generate.py's through catalog.parse_tree too) and its tree files (JSON
-# parsed as data and validated by build(), never evaluated), the picture `python tree.py` prints,
-# and argparse alone (the tree needs nothing of the project): a mistake is one line and exit code 2,
-# as cli.py's convention has it for every other script.
+# --- tree files, specs and pictures -------------------------------------------------------------
+# The --tree flag's values (generate.py's through catalog.parse_tree too), its tree files (JSON
+# parsed as data and validated by build(), never evaluated) and the picture `python tree.py` prints.
 
 
 def save(paths, file) -> None:
@@ -229,6 +227,11 @@ def ascii(tree: Tree) -> str:
     for i, row in enumerate(tree.mask.tolist()):
         lines.append(f"{i:>{width}} " + "".join("1" if x else "." for x in row))
     return "\n".join(lines)
+
+
+# --- command line -------------------------------------------------------------------------------
+# argparse alone (the tree needs nothing of the project): a mistake is one line and exit code 2, as
+# cli.py's convention has it for every other script.
 
 
 class Parser(argparse.ArgumentParser):

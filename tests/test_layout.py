@@ -10,7 +10,7 @@ the machinery in one package that imports the lesson and never the other way rou
     - each top file a lesson from its first line to its last: the seven at most 2,600 lines, each
       at least 75% above its command line (at most about 80 lines), bench.py at most 400;
     - one speculative step is one function of at most 60 lines (generate.step), the training loop
-      one of at most 80 (train.train), the lesson at most 1,400 lines in all;
+      one of at most 80 (train.train), the lesson at most 1,450 lines in all;
     - generate.py's and train.py's command lines are a short block that calls into the package
       (specdec/commands/): at most 80 lines, and at least 75% of the file is above them.
 
@@ -101,16 +101,17 @@ def test_one_speculative_step_is_one_function_of_at_most_60_lines():
     assert len(inspect.getsource(generate.step).splitlines()) <= 60
 
 
-def test_the_lesson_is_at_most_1400_lines_and_its_training_loop_at_most_80():
+def test_the_lesson_is_at_most_1450_lines_and_its_training_loop_at_most_80():
     """model.py, heads.py, tree.py, verify.py, generate.py and train.py above their command lines:
-    the lesson a newcomer reads, a budget met by saying less (ruff formats every line)."""
+    the lesson a newcomer reads, a budget met by saying less (ruff formats every line). (1,400
+    until tree.py's files, specs and picture, which parse no flag, counted as its lesson.)"""
     import train
 
     lesson = {
         name: min(command_line_starts(os.path.join(ROOT, f"{name}.py")) - 1, lines(name))
         for name in ("model", "heads", "tree", "verify", "generate", "train")
     }
-    assert sum(lesson.values()) <= 1400, lesson
+    assert sum(lesson.values()) <= 1450, lesson
     assert len(inspect.getsource(train.train).splitlines()) <= 80
 
 
