@@ -99,7 +99,7 @@ def stats_line(r, max_depth, label="", more=()):
     n = len(r.tokens)
     clauses = [
         cli.plural(n, "new token"),
-        cli.plural(r.steps, "step"),
+        cli.plural(r.steps, "forward pass"),  # the prefill and each step: tau's denominator
         f"tau {n / max(r.steps, 1):.2f}",
         f"{n / max(r.seconds, 1e-9):.1f} tokens/s",
     ]

@@ -299,7 +299,7 @@ def test_stats_line_counts_in_words():
     r = decode.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
     assert terminal.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
     r = decode.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
-    assert terminal.stats_line(r, 0).startswith("[2 new tokens, 2 steps,")
+    assert terminal.stats_line(r, 0).startswith("[2 new tokens, 2 forward passes,")
 
 
 def test_help_shows_each_default_once():

@@ -307,7 +307,7 @@ def test_the_interrupt_line_speaks_of_text_only_where_text_was_shown(
     def interrupted(*args, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(decode, "generate", interrupted)
+    monkeypatch.setattr(decode, "reply", interrupted)
     argv = ["--model", tiny_model_dir, "--prompt", "hi"] + ["--quiet"] * quiet
     code, _, err = run_cli(capsys, *argv)
     assert code == 130 and err.strip().endswith(words), err

@@ -59,8 +59,8 @@ def test_one_prompt_calls_generate_step_once_a_step(tiny_model_dir, monkeypatch,
     monkeypatch.setattr(G, "step", recorded)
     argv = ["--model", tiny_model_dir, "--prompt", "hello", "--max-new-tokens", "9", "--raw"]
     assert G.cli_main([*argv, "--quiet", "--heads", "none"]) == 0
-    steps = int(re.search(r"(\d+) steps", capsys.readouterr().err).group(1))
-    assert len(calls) == steps - 1 > 0  # the prefill is a forward, not a step
+    forwards = int(re.search(r"(\d+) forward passes", capsys.readouterr().err).group(1))
+    assert len(calls) == forwards - 1 > 0  # the prefill is a forward pass, not a step
 
 
 def test_a_print_in_step_shows(tiny_model_dir, tmp_path):
