@@ -363,3 +363,27 @@ def test_online_without_heads_says_why_in_words(no_model, capsys, argv, words):
 def test_the_seed_help_says_at_the_same_batch_size():
     seed = next(a for a in command.build_parser()._actions if a.dest == "seed")
     assert "at the same --batch-size" in seed.help
+
+
+def pressed(*args, **kw):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_model_loads_claims_no_text(capsys, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(command.catalog, "load_model", pressed)
+    code, out, err = run_cli(capsys, "--model", tiny_model_dir, "--prompt", "hi")
+    assert code == 130 and out == "" and err.strip().endswith("[interrupted by Ctrl-C]"), err
+
+
+def test_ctrl_c_before_the_first_reply_leaves_no_empty_out(capsys, tmp_path, tiny_model_dir):
+    """--out is opened once the model has loaded; stopped before a reply is written, the empty
+    file is removed, so the same command runs again (it refuses an existing --out)."""
+    out = tmp_path / "replies.jsonl"
+    argv = ["--model", tiny_model_dir, "--prompts", write_prompts(tmp_path / "p.jsonl", 2)]
+    argv += ["--out", out, "--max-new-tokens", 3, "--quiet"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decode, "reply", pressed)
+        code, _, _ = run_cli(capsys, *argv)
+    assert code == 130 and not out.exists()
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and len(out.read_text().splitlines()) == 2, err

@@ -11,6 +11,7 @@ Test: `python -m pytest -q tests/test_cli.py`.
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -495,16 +496,27 @@ def check_batch_memory(model, drafter, encoded, batch_size):
         )
 
 
+@contextlib.contextmanager
 def open_output(path):
-    """--out, opened for writing (a nullcontext of None: no file), only once the model is loaded:
-    a Ctrl-C before (even one whose exception a finalizer swallowed) leaves the old file whole."""
+    """--out, opened for writing (None: no file), only once the model is loaded: a Ctrl-C before
+    (even one whose exception a finalizer swallowed) leaves the old file whole. A run stopped
+    before its first reply is written removes the file: an empty --out would refuse the rerun."""
     specdec.ctrl_c.check()
     if not path:
-        return contextlib.nullcontext()
+        yield None
+        return
     try:
-        return open(path, "w", encoding="utf-8")
+        f = open(path, "w", encoding="utf-8")
     except OSError as e:
         raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
+    try:
+        with f:
+            yield f
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+        raise
 
 
 # the modes: one prompt after another streamed, a batch, a chat
@@ -638,6 +650,7 @@ def main(args, lesson):
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
     terminal.announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
 
+    args.decoding = True  # from here on a Ctrl-C stops a reply whose text is on the screen
     with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
         whole = batch_size > 1 and not args.quiet
         replies = terminal.Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
@@ -669,7 +682,8 @@ def tidy_main(args, lesson):
 
 def interrupted(args):
     """The line after Ctrl-C (args: None before the flags are parsed)."""
-    shown = args is not None and (args.chat or not args.quiet)  # --quiet: no text was shown
+    started = getattr(args, "decoding", False)  # not while the model loads
+    shown = started and (args.chat or not args.quiet)  # --quiet: no text was shown
     kept = "; the text above is what was generated so far" if shown else ""
     return f"[interrupted by Ctrl-C{kept}]"
 
