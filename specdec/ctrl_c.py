@@ -108,3 +108,19 @@ def counted():
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # at_start's time is over
         sys.unraisablehook = unraisable
+
+
+@contextlib.contextmanager
+def deferred():
+    """Within it Ctrl-C raises nothing: each press is appended to the list it yields, and the work
+    inside (reporting and writing what was measured) is never cut; the caller decides after it.
+    Only in the main thread (elsewhere it defers nothing)."""
+    presses = []
+    if threading.current_thread() is not threading.main_thread():
+        yield presses
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: presses.append(signum))
+    try:
+        yield presses
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -387,3 +387,28 @@ def test_ctrl_c_before_the_first_reply_leaves_no_empty_out(capsys, tmp_path, tin
     assert code == 130 and not out.exists()
     code, _, err = run_cli(capsys, *argv)
     assert code == 0 and len(out.read_text().splitlines()) == 2, err
+
+
+@pytest.mark.parametrize("where", ["tables", "write_json"])
+def test_ctrl_c_after_measuring_keeps_the_table_and_the_json(
+    capsys, tmp_path, tiny_model_dir, monkeypatch, where
+):
+    """A press while bench reports (its tables printed, --json written: the late window of a long
+    run) cuts neither: the table is printed, the JSON whole, exit 130. The machine's probe (memory
+    bandwidth, a step) runs before measuring, where a press leaves nothing to report."""
+    from specdec.benching import report
+
+    module = report if where == "tables" else bench_command
+    real = getattr(module, where)
+
+    def pressed_meanwhile(*args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, where, pressed_meanwhile)
+    record = tmp_path / "bench.json"
+    argv = [*short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--json", record]
+    code, out, err = run_bench(capsys, *argv)
+    assert code == 130, err
+    assert "| plain |" in out
+    assert json.loads(record.read_text())["methods"]["plain"]["new_tokens"] > 0

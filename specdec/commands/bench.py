@@ -29,6 +29,7 @@ import torch
 
 import verify as verify_lib
 from specdec import cli
+from specdec import ctrl_c
 from specdec import terminal
 from specdec import tuning
 from specdec.benching import batches
@@ -501,6 +502,7 @@ def main(args, lesson, loop):
         file=sys.stderr,
         flush=True,
     )
+    floor = distance_to_floor(model, device)  # probed before, so that no Ctrl-C falls after
     total, interrupted = len(prompts), False
     try:
         secs, outs = lesson.measure(
@@ -515,6 +517,46 @@ def main(args, lesson, loop):
             stop.outputs,
             True,
         )
+    with ctrl_c.deferred() as late:  # a press from here on cuts no table: they are reported
+        res, mach = report_measured(
+            args, lesson, entries, graphed, prompts, secs, outs, (model, device, dtype, floor)
+        )
+    interrupted = interrupted or bool(late)
+    partial = None  # what Ctrl-C left out, in words: --json and --plots say so
+    if interrupted:
+        partial = (
+            f"interrupted by Ctrl-C: the results cover the {len(prompts)} of {total} prompts that "
+            "every method ran, over the repeats done so far"
+        )
+        print(f"[bench] {partial}", file=sys.stderr)
+    batched = {}
+    sizes = [B for B in args.batch_size if B > 1]
+    if sizes and not interrupted:
+        batched, stopped = batches.measure_batched(entries, prompts, sizes, args, device)
+        for name, by_size in batched.items():
+            for b in by_size.values():
+                b["same"] = b.pop("replies") == [out.tokens for out in outs[name]]
+        if batched:
+            print("\n" + batches.batched_table(res, batched, mach))
+        if stopped:
+            done = sum(len(by_size) for by_size in batched.values())
+            pairs = len(sizes) * sum(e.batch is not None for e in entries.values())
+            partial = (
+                "interrupted by Ctrl-C while measuring --batch-size: the results cover every "
+                f"prompt one at a time, and {done} of the {pairs} batched (method, size) pairs"
+            )
+            print(f"[bench] {partial}", file=sys.stderr)
+    with ctrl_c.deferred() as late:  # the files are written whole
+        write_records(args, mach, res, batched, partial)
+    return 130 if partial or late else 0
+
+
+def report_measured(args, lesson, entries, graphed, prompts, secs, outs, where):
+    """The numbers of what was measured, and its machine: the tables printed, and what each
+    method's numbers mean beside them. where: (model, device, dtype, distance_to_floor's).
+    -> (results, machine)"""
+    model, device, dtype, floor = where
+    methods = {name: e.method for name, e in entries.items()}
     res = lesson.results(methods, prompts, secs, outs)
     mach = machine(
         device,
@@ -524,7 +566,7 @@ def main(args, lesson, loop):
         mean_prompt_tokens=round(statistics.mean(len(p[2]) for p in prompts), 1),
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
-        **distance_to_floor(model, device),
+        **floor,
     )
     print(report.tables(res, mach))
     for name, r in res.items():
@@ -562,32 +604,7 @@ def main(args, lesson, loop):
             print(f"[bench] {name}: {report.online_summary(res[name]['online'])}", file=sys.stderr)
     for g in (graphed or {}).values():  # what was replayed, and every forward that was not
         print(f"[bench] {g.model.cfg.name}: {terminal.graphs_line(g)}", file=sys.stderr)
-    partial = None  # what Ctrl-C left out, in words: --json and --plots say so
-    if interrupted:
-        partial = (
-            f"interrupted by Ctrl-C: the results cover the {len(prompts)} of {total} prompts that "
-            "every method ran, over the repeats done so far"
-        )
-        print(f"[bench] {partial}", file=sys.stderr)
-    batched = {}
-    sizes = [B for B in args.batch_size if B > 1]
-    if sizes and not interrupted:
-        batched, stopped = batches.measure_batched(entries, prompts, sizes, args, device)
-        for name, by_size in batched.items():
-            for b in by_size.values():
-                b["same"] = b.pop("replies") == [out.tokens for out in outs[name]]
-        if batched:
-            print("\n" + batches.batched_table(res, batched, mach))
-        if stopped:
-            done = sum(len(by_size) for by_size in batched.values())
-            pairs = len(sizes) * sum(e.batch is not None for e in entries.values())
-            partial = (
-                "interrupted by Ctrl-C while measuring --batch-size: the results cover every "
-                f"prompt one at a time, and {done} of the {pairs} batched (method, size) pairs"
-            )
-            print(f"[bench] {partial}", file=sys.stderr)
-    write_records(args, mach, res, batched, partial)
-    return 130 if partial else 0
+    return res, mach
 
 
 def write_records(args, mach, res, batched, partial):
