@@ -79,7 +79,7 @@ def sync(device):
 
 class Interrupted(Exception):
     """Ctrl-C during measure(): .done lists the prompts every method has run at least once, with
-    their median seconds and outputs so far (as measure returns them, for those prompts only): a
+    their seconds and outputs so far (as measure returns them, for those prompts only): a
     comparison holds only over the prompts that every method ran."""
 
     def __init__(self, done, seconds, outputs):
@@ -90,8 +90,8 @@ class Interrupted(Exception):
 
 
 def measure(methods, prompts, max_new_tokens, repeats, seed, device):
-    """{name: Method}, prompts [(id, category, ids)] -> the median seconds per (method, prompt)
-    over interleaved repeats, and each run's Result: ({name: [seconds]}, {name: [Result]}), a
+    """{name: Method}, prompts [(id, category, ids)] -> the seconds of each (method, prompt) in
+    each interleaved repeat, and each run's Result: ({name: [[seconds]]}, {name: [Result]}), a
     list entry per prompt. Prompt i samples from seed + i, for every method in every repeat.
     Ctrl-C raises Interrupted with what was measured so far."""
     from tqdm import tqdm
@@ -123,11 +123,11 @@ def measure(methods, prompts, max_new_tokens, repeats, seed, device):
         done = [i for i in range(len(prompts)) if all(seconds[m][i] for m in names)]
         raise Interrupted(
             done,
-            {m: [statistics.median(seconds[m][i]) for i in done] for m in names},
+            {m: [seconds[m][i] for i in done] for m in names},
             {m: [outputs[m][i] for i in done] for m in names},
         ) from None
     bar.close()
-    return {m: [statistics.median(s) for s in seconds[m]] for m in names}, outputs
+    return seconds, outputs
 
 
 # --- what the numbers mean ------------------------------------------------------------------------
@@ -136,17 +136,24 @@ def measure(methods, prompts, max_new_tokens, repeats, seed, device):
 # tau = new tokens / forward passes of the base model, the prefill included: plain decoding's is 1,
 # and a method's tau over its speedup says what its drafting and its larger forwards cost.
 # speedup = tokens/s over plain decoding's in this run, on these prompts: never over a number from
-# another day or another machine.
+# another day or another machine. Each prompt's seconds are the median of its repeats; the spread
+# is the tokens/s of the slowest and the fastest repeat: two methods whose spreads overlap are not
+# told apart by this run.
 
 
 def summary(idx, secs, outs, plain):
-    """Metrics of one method over the prompts idx; plain = plain decoding's summary over idx."""
+    """Metrics of one method over the prompts idx (secs[i]: prompt i's seconds in each repeat);
+    plain = plain decoding's summary over idx."""
     tokens = sum(len(outs[i].tokens) for i in idx)
     steps = [outs[i].steps for i in idx]
+    seconds = sum(statistics.median(secs[i]) for i in idx)
+    repeats = min(len(secs[i]) for i in idx)  # Ctrl-C may have cut the last repeat short
+    by_repeat = [tokens / max(sum(secs[i][r] for i in idx), 1e-9) for r in range(repeats)]
     row = {
-        "tokens_per_s": tokens / max(sum(secs[i] for i in idx), 1e-9),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "spread": [min(by_repeat), max(by_repeat)],
         "new_tokens": tokens,
-        "seconds": sum(secs[i] for i in idx),
+        "seconds": seconds,
         "tau": tokens / sum(steps),
     }
     row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else 1.0
@@ -190,7 +197,7 @@ def results(methods, prompts, secs, outs):
             {
                 "id": prompts[i][0],
                 "new_tokens": len(outs[name][i].tokens),
-                "seconds": round(secs[name][i], 4),
+                "seconds": round(statistics.median(secs[name][i]), 4),
                 "steps": outs[name][i].steps,
             }
             for i in every

@@ -50,8 +50,8 @@ def tables(res, mach):
     lines = [
         machine_line(mach),
         "",
-        "| method | tokens/s | speedup | tau | accepted by depth | identical to plain |",
-        "|---|---:|---:|---:|---|:---:|",
+        "| method | tokens/s | spread | speedup | tau | accepted by depth | identical to plain |",
+        "|---|---:|---:|---:|---:|---|:---:|",
     ]
     for name, r in res.items():
         acc = " ".join(f"{a:.2f}" for a in r["accept_by_depth"]) if r["accept_by_depth"] else "-"
@@ -62,9 +62,10 @@ def tables(res, mach):
             if r["identical"]
             else f"NO ({len(r['differs_on'])})"
         )
+        spread = "{:.1f}-{:.1f}".format(*r["spread"])  # the slowest and fastest repeat's
         lines.append(
-            f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {fmt(r['tau'])} | {acc} "
-            f"| {same} |"
+            f"| {name} | {r['tokens_per_s']:.1f} | {spread} | {r['speedup']:.2f}x "
+            f"| {fmt(r['tau'])} | {acc} | {same} |"
         )
     names = list(res)
     cats = list(res["plain"]["by_category"])
