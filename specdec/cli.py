@@ -287,6 +287,14 @@ def writable_folder(flag, path):
         ) from None
 
 
+def os_error(e):
+    """The OSError behind a failure (a full disk): `e` itself, or the one a library raised its own
+    error from (torch's writer raises a RuntimeError over it); None if there is none."""
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
 def new_folders(*paths):
     """The folders that creating `paths` (with their parents) would make: those not there now."""
     made = []

@@ -10,6 +10,7 @@ with DDP. Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions,
 teacher top-k.
 """
 
+import errno
 import importlib.util
 import json
 import math
@@ -23,6 +24,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from specdec import cli
 from specdec.loading import checkpoint as checkpoint_lib
 from specdec.training import dataset as D
 import heads as heads_lib
@@ -401,6 +403,64 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_pat
     exported = checkpoint_lib.load_heads(str(tmp_path), features[0]).state_dict()
     half = {k: v.half().float() if v.is_floating_point() else v for k, v in state["heads"].items()}
     assert_same_weights(exported, half)  # nothing of step 5 reached the disk
+
+
+def full_disk(monkeypatch, n, how):
+    """The n-th checkpoint meets a full disk: state.pt.tmp gets some bytes, then ENOSPC, as an
+    OSError from the write (how="oserror") or, as torch's writer reports a real one, a RuntimeError
+    over it (how="torch"). Returns the checkpoints written before."""
+    real, saves = torch.save, [0]
+
+    def save(obj, f):
+        saves[0] += 1
+        if saves[0] < n:
+            return real(obj, f)
+        f.write(b"PK partial")
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if how == "oserror":
+            raise full
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    monkeypatch.setattr(resume.torch, "save", save)
+    return saves
+
+
+@pytest.mark.parametrize("how", ["oserror", "torch"])
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_temporary_file(
+    features, tmp_path, monkeypatch, how
+):
+    with monkeypatch.context() as mp:
+        full_disk(mp, 4, how)
+        with pytest.raises(cli.UsageError) as e:
+            run(features, tmp_path)
+    assert str(e.value) == (
+        f"--out {tmp_path}: writing the checkpoint of step 4 failed (No space left on device); "
+        f"the last checkpoint (step 3) in {tmp_path} is kept; free some space and run again with "
+        "--resume, or give an --out on another disk"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors", "state.pt"]
+    assert checkpoint(tmp_path)["step"] == 3
+
+
+def test_a_full_disk_under_the_heads_files_leaves_no_temporary_file(features, tmp_path):
+    """safetensors says only "os error 28": an OSError all the same, and neither temporary file."""
+    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), features[0])
+    real = checkpoint_lib.save_file
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    checkpoint_lib.save_file = full
+    try:
+        with pytest.raises(OSError) as e:
+            checkpoint_lib.save_heads(heads, str(tmp_path))
+    finally:
+        checkpoint_lib.save_file = real
+    assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
 
 
 # --- user data ----------------------------------------------------------------------------------

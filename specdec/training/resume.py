@@ -122,21 +122,30 @@ def run_identity(heads, data, args, world, bf16, weights):
 
 
 def save_checkpoint(folder, heads, opt, step, identity, progress=None):
+    """state.pt, then the heads' files. A write that fails (a full disk: an OSError, the one
+    behind torch's own error where it raised one) or is stopped leaves no temporary file, and the
+    previous checkpoint whole."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(
-            {
-                "heads": heads.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "progress": progress,
-                **identity,
-            },
-            f,
-        )
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(
+                {
+                    "heads": heads.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "progress": progress,
+                    **identity,
+                },
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        checkpoint.remove_quietly(path + ".tmp")
+        if isinstance(e, RuntimeError) and cli.os_error(e):
+            raise cli.os_error(e) from None
+        raise
     os.replace(path + ".tmp", path)
     checkpoint.save_heads(heads, folder)
 
