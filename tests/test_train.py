@@ -1044,6 +1044,40 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
     assert len(set(kept)) == 6
 
 
+def test_no_prompt_that_fits_max_prompt_tokens_names_the_flag(tmp_path, monkeypatch):
+    """A --max-prompt-tokens shorter than any prompt the model writes: no prompt ends within it, so
+    none is kept, nothing is answered (the engine refuses an empty batch), and the run stops at once
+    naming the flag."""
+    from types import SimpleNamespace
+
+    class Tokenizer:
+        eos_token_id, chat_template = 2, "<role>content"
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f" w{t}" for t in ids)
+
+    def decode(model, prompts, max_new, stop, batch, temperature, top_p, seeds, top_k=0):
+        assert prompts, "max() arg is an empty sequence"  # engine.generate_batch's
+        assert not top_k, "nothing to answer"
+        return [([7] * max_new, None) for _ in prompts]  # cut at the limit, never ended
+
+    monkeypatch.setattr(D, "decode", decode)
+    monkeypatch.setattr(D, "seeded_prefix", lambda *a: ([1], "Answer this:"))
+    seeds = tmp_path / "seeds.json"
+    seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
+    args = SimpleNamespace(
+        num_prompts=6, gen_batch=2, seed=0, seeds=str(seeds), max_prompt_tokens=3,
+        max_answer_tokens=8, answer_temperature=0.0, teacher_k=4,
+    )  # fmt: skip
+    model = SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu", modules=lambda: [])
+    with pytest.raises(cli.UsageError) as e:
+        D.self_distill(model, Tokenizer(), str(tmp_path / "d"), args)
+    assert str(e.value).startswith(
+        "--max-prompt-tokens 3: none of the 36 user prompts the model wrote ended within it"
+    )
+    assert "give a larger --max-prompt-tokens" in str(e.value)
+
+
 def test_eval_json_keeps_the_learning_curve(features, tmp_path):
     run(features, tmp_path)
     with open(tmp_path / "eval.json") as f:

@@ -260,6 +260,9 @@ def seeded_prefix(tokenizer, rng, tasks, topics, counts):
 
 
 DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write prompts
+# written with none ended: --max-prompt-tokens is too short for the model's prompts (or it never
+# ends a turn); said at once rather than after DRY_PROMPTS
+UNENDED_PROMPTS = 32
 
 
 def self_distill(model, tokenizer, folder, args):
@@ -286,7 +289,7 @@ def self_distill(model, tokenizer, folder, args):
     # each reply samples on its own generator (the engine's rows), seeded from this one
     seeder = torch.Generator().manual_seed(args.seed * 1_000_003 + have)
     batch = args.gen_batch or kernels.sizes(model.device, kernels.in_use(model).native).gen_batch
-    t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
+    t0, counts = time.time(), dict(new=0, answer=0, tried=0, ended=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
     pending, dry = [], 0  # dry: prompts written since the last one kept
 
@@ -322,6 +325,7 @@ def self_distill(model, tokenizer, folder, args):
             for i, (written, _) in enumerate(written_all):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 if written[-1] in stop:
+                    counts["ended"] += 1
                     ended[i] = (
                         seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)
                     ).strip()
@@ -331,6 +335,13 @@ def self_distill(model, tokenizer, folder, args):
                     prompts.append(ended[i])
             for task, n in task_counts(prompts, tasks).items():
                 counts_by_task[task] += n
+            if not counts["ended"] and counts["tried"] >= UNENDED_PROMPTS:
+                raise UsageError(
+                    f"--max-prompt-tokens {args.max_prompt_tokens}: none of the "
+                    f"{counts['tried']} user prompts the model wrote ended within it (with one "
+                    f"of the stop tokens {sorted(stop)}), so no prompt fit; give a larger "
+                    "--max-prompt-tokens, or your own data with --data"
+                )
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(
@@ -339,6 +350,8 @@ def self_distill(model, tokenizer, folder, args):
                     "tokens and be new); use a chat model whose end-of-turn token is among its EOS "
                     "ids, or give your own data with --data"
                 )
+            if not prompts:  # none kept this round: write more
+                continue
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever a batch of them are done
             encoded = [encode(tokenizer, p) for p in prompts]
