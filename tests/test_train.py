@@ -511,6 +511,40 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     assert ids[: loss.index(True)] == checkpoint_lib.encode(tokenizer, "Hi there")
 
 
+@pytest.mark.parametrize(
+    "content, skip_bad, words",
+    [
+        ("", False, ": no conversations in the file"),
+        ("\n \n", True, ": no conversations in the file"),
+        (
+            json.dumps(GOOD) + "\n{not json\n",
+            False,
+            "1 of 2 conversations cannot be read, the first: {path}, line 2: not valid JSON",
+        ),
+        (json.dumps(GOOD) + "\n{not json\n", False, "; fix it, or add --skip-bad to leave out"),
+        ('{"messages": []}\n', True, "1 of 1 conversation cannot be read, the first: "),
+        ('{"messages": []}\n', False, "; fix the file"),
+        ('{"conversations": [{"from": "human", "value": "Hi"}]}\n', False, "no conversation has"),
+        (b'{"messages": "caf\xe9"}', False, "not valid UTF-8 text"),
+    ],
+)
+def test_bad_data_is_reported_before_the_model_loads(tmp_path, content, skip_bad, words):
+    """dataset.check_data reads --data as read_sharegpt does, without the tokenizer."""
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(cli.UsageError) as e:
+        D.check_data(str(path), skip_bad)
+    assert str(e.value).startswith(f"--data {path}") and words.format(path=path) in str(e.value)
+
+
+def test_good_data_and_skipped_lines_pass_the_check_before_the_model_loads(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n{not json\n")
+    D.check_data(str(path), skip_bad=True)
+    path.write_text(json.dumps([GOOD, GOOD]))
+    D.check_data(str(path), skip_bad=False)
+
+
 def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(
     default_model, tmp_path, capsys
 ):
@@ -538,7 +572,7 @@ def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(
         "\n".join([json.dumps(GOOD), "{not json", json.dumps(openai), '{"conversations": 3}'])
         + "\n"
     )
-    with pytest.raises(ValueError, match=r"line 2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"line 2: not valid JSON .*; fix it, or add --skip-bad"):
         D.read_sharegpt(str(lines), tokenizer)
     assert len(D.read_sharegpt(str(lines), tokenizer, skip_bad=True)) == 2
     assert "2 of 4 conversations left out (--skip-bad); the first: " in capsys.readouterr().err
@@ -1207,6 +1241,26 @@ def test_profile_train_refuses_bad_arguments(tmp_path):
     ):
         code, err = run_script(script, *argv)
         assert code == 2 and words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_a_features_pass_stopped_leaves_no_temporary_folder(tmp_path, stop):
+    """Ctrl-C (or a full disk) in the features pass, after a shard was written: neither the
+    features folder nor its .tmp is left."""
+    base = tiny_base()
+    real, calls = base.forward, [0]
+
+    def forward(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise stop
+        return real(*a, **k)
+
+    base.forward = forward
+    convs = [([1, 2, 3, 4, 5], [False, False, True, True, True])] * 4
+    with pytest.raises(stop):
+        D.features_of(base, convs, str(tmp_path / "features-chats"), top_k=4, batch_tokens=5)
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():

@@ -600,6 +600,42 @@ def conversation_tokens(messages, tokenizer, where, cut=()):
     return ids, loss
 
 
+SKIP_BAD = "fix it, or add --skip-bad to leave out the conversations that cannot be read"
+
+
+def check_data(path, skip_bad):
+    """--data FILE, before the model loads: a conversations file that --export-conversations
+    wrote, or a ShareGPT-style file whose records all read as conversations (as read_sharegpt
+    reads them, but for the chat template, which needs the model's tokenizer): one with an
+    assistant's turn, none that cannot be read unless skip_bad. A UsageError names the first
+    problem and, where it is a record's, --skip-bad."""
+    if path.endswith(".safetensors"):
+        conversation_tensors(path)
+        return
+    try:
+        found = records(path)
+    except ValueError as e:  # not UTF-8, a JSON array that does not parse
+        raise UsageError(f"--data {e}") from None
+    readable, bad = [], []
+    for where, record in found:
+        try:
+            readable.append(messages_of(record, where))
+            cut_replies(record, readable[-1], where)
+        except ValueError as e:
+            bad.append(str(e))
+    if bad and (not skip_bad or len(bad) == len(found)):
+        held = f"{len(bad)} of {plural(len(found), 'conversation')} cannot be read"
+        fix = SKIP_BAD if len(bad) < len(found) else "fix the file"
+        raise UsageError(f"--data {path}: {held}, the first: {bad[0]}; {fix}")
+    if not found:
+        raise UsageError(f"--data {path}: no conversations in the file; give one a line")
+    if not any(m["role"] == "assistant" for messages in readable for m in messages):
+        raise UsageError(
+            f'--data {path}: no conversation has an assistant turn ("from": "gpt" or "role": '
+            '"assistant"); heads learn from the assistant\'s replies, so add them'
+        )
+
+
 def read_sharegpt(path, tokenizer, skip_bad=False):
     """[(ids, loss mask)] from a ShareGPT-style or OpenAI-style data file (JSONL or a JSON array).
     The loss mask marks the assistant's tokens, but not the end-of-turn of a reply the record
@@ -620,7 +656,7 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
             convs.append(conversation_tokens(messages, tokenizer, where, cut))
         except ValueError as e:
             if not skip_bad:
-                raise
+                raise ValueError(f"{e}; {SKIP_BAD}") from None
             bad.append(str(e))
     if bad:
         notice(
@@ -827,11 +863,22 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
     """One pass of the base model over user conversations -> shards like self_distill's (with
     `prompts` in their metadata when given), a shard every `batch_tokens` tokens (~75 MB: few files
     open while training reads them). They are written into folder.tmp with key.json last
-    (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
-    or none, never a part."""
+    (see data_key), and renamed over folder at the end: an interrupted pass (Ctrl-C, a full disk)
+    leaves the old folder or none, never a part, and no folder.tmp."""
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        write_features(model, convs, tmp, top_k, batch_tokens, key, prompts)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def write_features(model, convs, tmp, top_k, batch_tokens, key, prompts):
+    """features_of's pass, into the folder `tmp`: the shards, then key.json."""
     batch, size, n = [], 0, 0
     bar, t0 = tqdm(convs, desc="features", disable=None), time.time()
     for i, (ids, loss) in enumerate(bar):
@@ -868,8 +915,6 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
             f,
             indent=1,
         )
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
 
 
 def map_shard(path):
