@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+import specdec.lesson  # noqa: F401 (first of the project: a model.py of yours is named, not used)
 from specdec import cli
 from specdec import drafters as drafters_lib
 from specdec import terminal

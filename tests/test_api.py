@@ -107,6 +107,24 @@ def test_the_readme_example_runs_from_outside_the_repository(tmp_path):
     assert 0 < forwarded < 40  # the second turn's: its prompt is the whole conversation, 61 tokens
 
 
+def test_a_model_py_of_yours_beside_your_script_is_named_in_one_line(tmp_path):
+    """Your folder comes first on Python's path: a model.py there would stand in for the
+    repository's and fail later as an AttributeError; the import says so instead."""
+    (tmp_path / "model.py").write_text("x = 1\n")
+    (tmp_path / "hello.py").write_text("from specdec.api import load\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(
+        [sys.executable, "hello.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "AttributeError" not in r.stderr, r.stderr
+    assert last == (
+        f"ImportError: {tmp_path / 'model.py'} stands in for the repository's model.py ({ROOT}), "
+        "which specdec imports by that name: your script's folder comes first on Python's path; "
+        "rename your model.py, or run the script from another folder"
+    )
+
+
 # --- replies: text and ids without EOS ------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file, save_file
 
+import specdec.lesson  # noqa: F401 (first of the project: a model.py of yours is named, not used)
 from specdec import cli
 from specdec import ctrl_c
 from specdec.fast import kernels
