@@ -142,19 +142,13 @@ class Session:
                 self.out, self.heads, self.opt, step, self.identity, self.progress
             )
         except OSError as e:
-            raise cli.UsageError(
-                f"--out {self.out}: writing the checkpoint of step {step} failed "
-                f"({e.strerror or e}); {self.kept()}; free some space and run again with "
-                "--resume, or give an --out on another disk"
-            ) from None
+            raise resume.saving_failed(self.out, step, e, self.kept()) from None
         self.last_save = time.time()
         self.saved_step = step
 
     def kept(self):
         """What a run stopped by an error leaves: its last checkpoint, if any."""
-        if self.saved_step:
-            return f"the last checkpoint (step {self.saved_step}) in {self.out} is kept"
-        return "no checkpoint was written"
+        return resume.kept_line(self.out, self.saved_step)
 
     def finish(self):
         """Rank 0: the final held-out evaluation, into eval.json with the learning curve."""
