@@ -403,18 +403,21 @@ def run(args):
         for b in make_batches(data["offsets"].diff(), trained, args.batch_tokens, args.seed, e)
     ]
     t0 = time.time()
-    saved = {"step": start, "at": time.time()}  # the last checkpoint
+    saved_step = start  # the last checkpoint's step, and when it was written
+    saved_at = time.time()
 
     def save(step):
         """The checkpoint of `step`: state.pt (heads, LoRA, optimizer), the heads' files and the
         delta's; a full disk is one line."""
+        nonlocal saved_step, saved_at
         try:
             resume.save_checkpoint(args.out, heads, opt, step, identity, progress, more)
             save_delta(adapted, args.out, base)
         except OSError as e:
-            kept = resume.kept_line(args.out, saved["step"])
+            kept = resume.kept_line(args.out, saved_step)
             raise resume.saving_failed(args.out, step, e, kept) from None
-        saved.update(step=step, at=time.time())
+        saved_step = step
+        saved_at = time.time()
 
     with StopFlag() as stop:
         for step, convs_b in enumerate(batches, start=1):
@@ -448,7 +451,7 @@ def run(args):
                 r = evaluate(adapted, heads, base, data, held, to_kept, args)
                 curve.append(curve_point(step, r))
                 print(report_line(step, r), file=sys.stderr, flush=True)
-            if stop.signum or step == len(batches) or time.time() - saved["at"] >= args.save_every:
+            if stop.signum or step == len(batches) or time.time() - saved_at >= args.save_every:
                 save(step)
             if stop.signum:
                 say(
