@@ -537,6 +537,12 @@ def test_bad_data_is_reported_before_the_model_loads(tmp_path, content, skip_bad
     assert str(e.value).startswith(f"--data {path}") and words.format(path=path) in str(e.value)
 
 
+def test_a_data_path_that_is_no_file_is_said_as_train_py_says_it(tmp_path):
+    for path, words in ((tmp_path / "nope.jsonl", "cannot read it"), (tmp_path, "is a folder")):
+        with pytest.raises(cli.UsageError, match=f"--data {path}: {words}.*or 'self'"):
+            D.check_data(str(path), skip_bad=False)
+
+
 def test_good_data_and_skipped_lines_pass_the_check_before_the_model_loads(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps(GOOD) + "\n{not json\n")

@@ -612,8 +612,12 @@ def check_data(path, skip_bad):
     if path.endswith(".safetensors"):
         conversation_tensors(path)
         return
+    if os.path.isdir(path):
+        raise UsageError(f"--data {path}: is a folder; {DATA_FIX}")
     try:
         found = records(path)
+    except OSError as e:
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {DATA_FIX}") from None
     except ValueError as e:  # not UTF-8, a JSON array that does not parse
         raise UsageError(f"--data {e}") from None
     readable, bad = [], []
@@ -997,18 +1001,20 @@ KEY_FILE = "key.json"
 SHARD_KEYS = {"ids", "loss", "hidden", "top_ids", "top_p", "offsets"}
 
 
+DATA_FIX = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
+
+
 def file_digest(path):
     """--data FILE: the sha256 of its bytes, or a UsageError saying what is wrong with the path."""
-    fix = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
     if os.path.isdir(path):
-        raise UsageError(f"--data {path}: is a folder; {fix}")
+        raise UsageError(f"--data {path}: is a folder; {DATA_FIX}")
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
     except OSError as e:
-        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {fix}") from None
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {DATA_FIX}") from None
     return h.hexdigest()
 
 
