@@ -29,9 +29,11 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import specdec.ctrl_c  # noqa: E402, F401 (first: a Ctrl-C while torch imports is one line)
+import torch  # noqa: E402
+
+from specdec import cli  # noqa: E402
 from specdec.benching import methods as catalogue  # noqa: E402
 from specdec.loading import checkpoint  # noqa: E402
 from specdec import drafters  # noqa: E402
@@ -274,6 +276,11 @@ def throughput_rows(model, hf, prompts, n, eos):
 # --- the report -------------------------------------------------------------------------------
 
 
+def say(message):
+    """What the check is doing, on stderr (stdout holds the report's lines)."""
+    print(f"[gpu-check] {message}", file=sys.stderr, flush=True)
+
+
 def write(path, lines):
     """The report so far: written after each section, so that a run cut short leaves its part."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -293,9 +300,17 @@ def main(args):
         catalogue.HF_COMPILE = dict(fullgraph=True, backend="eager", mode=None)
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
+    if device.type != "cuda" and not args.tiny:
+        say(
+            "no CUDA device: the full-size check runs on the CPU, several minutes without a "
+            "line between sections (--tiny checks every section in seconds)"
+        )
+    size = "a tiny model" if args.tiny else "SmolLM2-135M's shape"
+    say(f"building random models of {size} on {device} ({args.dtype}, and fp32)")
     ours, fp32, hf = build_models(
         TINY if args.tiny else SMOLLM2_135M, device, dtype, not args.no_hf
     )
+    say(f"step times, eager and replayed: rows {args.rows} x nodes {args.nodes}")
     eos = {2}
     lines = ["# GPU check: graphs.py's replayed step", "", machine_line(device, dtype, args), ""]
     lines += [
@@ -316,6 +331,7 @@ def main(args):
             print(lines[-1], flush=True)
             write(args.out, lines)
     prompts = random_prompts(args.prompts, ours.cfg.vocab_size)
+    say(f"fp32 greedy identity, replayed against eager, on {args.prompts} prompts")
     lines += [
         "",
         f"## fp32 greedy identity, replayed against eager ({args.identity_tokens} new tokens)",
@@ -328,6 +344,7 @@ def main(args):
         print(lines[-1], flush=True)
     write(args.out, lines)
     del fp32
+    say(f"tokens/s of plain decoding and transformers' generate, {args.max_new_tokens} new tokens")
     rows, summary = throughput_rows(ours, hf, prompts, args.max_new_tokens, eos)
     lines += [
         "",
@@ -348,5 +365,11 @@ def main(args):
     print(f"wrote {args.out}")
 
 
+def interrupted(args):
+    """The line after Ctrl-C: what --out holds (args: None before the flags are parsed)."""
+    kept = f"; each section finished was written to {args.out}" if args else ""
+    return f"[gpu-check] interrupted by Ctrl-C{kept}"
+
+
 if __name__ == "__main__":
-    main(build_parser().parse_args())
+    specdec.ctrl_c.exit_now(cli.run(main, build_parser(), None, interrupted))

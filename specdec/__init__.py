@@ -13,6 +13,7 @@ bench.py), which it imports and never the other way round.
     benching/    what bench.py measures with: its catalogue of methods, batches, tables and plots
     api.py       the Python API: from specdec.api import load (README.md, "From Python")
     cli.py, ctrl_c.py, terminal.py, tuning.py, export.py   the command line and its tools
+    lesson.py    the lesson's files it imports by name, checked to be the repository's
 
 Importing the package imports nothing: specdec.ctrl_c must load before torch does.
 """

@@ -7,6 +7,8 @@
     load(model, draft=, heads=, tree=, ...)      generate.py's flags as keywords -> a Decoder
     Decoder.generate(prompt, ...) -> Reply       a string (in the chat template) or a list of
                                                  {"role", "content"} messages
+    Decoder.stream(prompt, ...) -> Stream        the same reply, its text piece by piece as the
+                                                 steps accept tokens; Stream.reply at the end
     Decoder.generate_batch(prompts, ...)         many side by side (engine.py): [Reply]
     Decoder.chat(system=...) -> Chat             Chat.send(message) -> Reply: the KV cache is
                                                  kept between turns (decode.Conversation)
@@ -17,19 +19,24 @@ The keywords are generate.py's flags under the same names (--top-p is top_p), wi
 values and defaults (tests/test_api.py compares them), checked by the same functions (cli.py,
 catalog.py) before a model loads where they can be; their message comes back as one APIError in
 the keywords' words. Remarks (notices) go to stderr, as the scripts'. Flags that shape the
-terminal or files (--show, --out, --chat's commands) and --online, --exact have no keyword here.
-This file builds what generate.py's main builds; it never imports the scripts.
+terminal or files (--show, --out, --chat's commands) and --online, --exact have no keyword here;
+`stop` (strings that end a reply) and streaming are the API's own. This file builds what
+generate.py's main builds; it never imports the scripts. help(load), help(Decoder.generate),
+help(Reply): every argument's allowed values, every field.
 
 Test: `python -m pytest -q tests/test_api.py`.
 """
 
 import contextlib
 import os
+import queue
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
 
+import specdec.lesson  # noqa: F401 (first of the project: a model.py of yours is named, not used)
 from specdec import cli
 from specdec import drafters as drafters_lib
 from specdec import terminal
@@ -124,23 +131,115 @@ def check_decoding(temperature, top_p, verify, seed):
     return dict(verify=verify, temperature=0.0 if greedy else float(temperature), top_p=top_p)
 
 
+def check_stop(stop):
+    """stop: None, a string or a list of strings, none empty -> a tuple of them."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is None:
+        return ()
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(t, str) and t for t in stops):
+        raise APIError(f"stop={stop!r}: a string or a list of strings, none of them empty")
+    return tuple(stops)
+
+
+def check_prompt(prompt):
+    """A prompt for generate() or stream() is one string or one conversation: a list of strings is
+    several prompts, which generate_batch() takes."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise APIError(
+            f"prompt: a list of {len(prompt)} strings; for several prompts use "
+            "generate_batch([...]) (one conversation is a list of {'role': ..., 'content': ...} "
+            "messages)"
+        )
+
+
+def check_prompts(prompts):
+    """generate_batch's prompts: a list (or tuple) of prompts, at least one."""
+    if isinstance(prompts, (str, dict)):
+        raise APIError(
+            f"prompts: one {type(prompts).__name__}; generate_batch takes a list of prompts "
+            "(for one, use generate())"
+        )
+    if not isinstance(prompts, (list, tuple)):
+        raise APIError(
+            f"prompts: a {type(prompts).__name__}, not a list; give a list of prompts, such as "
+            "list(...) of it"
+        )
+    if not prompts:
+        raise APIError("prompts: an empty list; give at least one prompt")
+
+
 # --- what a reply is ------------------------------------------------------------------------------
 
 
 @dataclass
 class Reply:
-    text: str  # the reply, decoded (special tokens left out)
-    ids: list  # its token ids, without the EOS that ended it
-    stopped: str  # "eos": the model ended it; "length": max_new_tokens (or the context) cut it
-    stats: dict  # new_tokens (an EOS included), steps, tau, seconds, tokens_per_s,
-    # accepted_by_depth; a chat's also prompt_tokens and forwarded (of them, not in the cache)
+    """A reply and how it was made.
+
+    text      the reply, decoded (special tokens left out); with `stop`, up to the stop string
+    ids       its token ids, without the EOS that ended it (with `stop`: up to the token that
+              completed the stop string)
+    stopped   "eos": the model ended it; "length": max_new_tokens (or the context) cut it; "stop":
+              one of the stop strings
+    stats     new_tokens (the tokens decoded, an EOS included), steps (forwards of the base model,
+              the prefill included), tau (new tokens a forward), seconds (this reply's own time,
+              from its prefill to its last step; in a batch, beside the other rows), tokens_per_s
+              (new_tokens / seconds), accepted_by_depth (the share of steps whose accepted drafts
+              reached depth 1, 2, ...); a chat's also prompt_tokens and forwarded (of them, those
+              its cache lacked)
+    """
+
+    text: str
+    ids: list
+    stopped: str
+    stats: dict
 
     def __str__(self):
         return self.text
 
 
-def reply(result, tokenizer, max_depth, **more):
-    """A decode.Result as a Reply; `more`: statistics to add. The numbers are generate.py's."""
+class TextSoFar:
+    """A reply's text as its tokens come, cut before the first of the stop strings. What can be
+    shown of it holds back an incomplete character and a tail that may begin a stop string."""
+
+    def __init__(self, tokenizer, stop):
+        self.tokenizer = tokenizer
+        self.stop = stop  # the stop strings (a tuple, maybe empty)
+        self.ids = []  # the tokens so far; with a stop string met, up to the one completing it
+        self.text = ""  # their text, cut before a stop string
+        self.stopped = False  # a stop string was met
+        self.shown = 0  # characters of text given out by piece()
+
+    def add(self, new):
+        """Take the next tokens, one at a time; True once a stop string is met (the rest are
+        left out)."""
+        for t in new:
+            if self.stopped:
+                break
+            self.ids.append(t)
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            met = [self.text.index(s) for s in self.stop if s in self.text]
+            if met:
+                self.text = self.text[: min(met)]
+                self.stopped = True
+        return self.stopped
+
+    def piece(self, final=False):
+        """The text not given out yet that can be: all of it once final (or stopped)."""
+        end = len(self.text)
+        if not (final or self.stopped):
+            end = len(self.text.rstrip("\ufffd"))  # an incomplete UTF-8 character
+            starts = [
+                k for s in self.stop for k in range(1, len(s)) if self.text[:end].endswith(s[:k])
+            ]
+            end -= max(starts, default=0)  # may begin a stop string
+        piece = self.text[self.shown : end]
+        self.shown = max(self.shown, end)
+        return piece
+
+
+def reply(result, tokenizer, max_depth, text=None, **more):
+    """A decode.Result as a Reply (text: its TextSoFar, where stop strings were looked for);
+    `more`: statistics to add. The numbers are generate.py's."""
     ids = result.tokens[:-1] if result.stopped == "eos" else result.tokens
     n = len(result.tokens)
     stats = {
@@ -151,8 +250,62 @@ def reply(result, tokenizer, max_depth, **more):
         "tokens_per_s": n / max(result.seconds, 1e-9),
         "accepted_by_depth": decode.acceptance_by_depth(result.accepted, max_depth),
     }
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return Reply(text, list(ids), result.stopped, stats | more)
+    if text is not None and text.stopped:
+        return Reply(text.text, list(text.ids), "stop", stats | more)
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    return Reply(decoded, list(ids), result.stopped, stats | more)
+
+
+class Stream:
+    """Decoder.stream()'s reply as it is made: iterate over it for its text, piece by piece, each
+    as soon as the step that accepted its tokens has ended (the pieces join into Reply.text);
+    .reply is the Reply once the iteration has ended (None before). The decoding runs in a thread
+    of its own, a piece ahead of the reader at most; leaving the loop early (break, Ctrl-C) ends
+    it at its next step. A stream is read once."""
+
+    def __init__(self, work):
+        self.work = work  # work(show) -> Reply, calling show(piece) as the text grows
+        self.reply = None
+        self.read = False
+
+    def __iter__(self):
+        if self.read:
+            raise APIError("this stream was read already; call stream() again for another reply")
+        self.read = True
+        pieces = queue.Queue(maxsize=1)
+        left = threading.Event()  # the reader has left the loop
+        failed = []
+        done = object()
+
+        def give(item):  # -> True once the reader has left
+            while not left.is_set():
+                try:
+                    pieces.put(item, timeout=0.1)
+                    return False
+                except queue.Full:
+                    continue
+            return True
+
+        def show(piece):
+            return give(piece) if piece else left.is_set()
+
+        def run():
+            try:
+                self.reply = self.work(show)
+            except BaseException as e:  # the reader's to see
+                failed.append(e)
+            give(done)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        try:
+            while (piece := pieces.get()) is not done:
+                yield piece
+        finally:
+            left.set()
+            worker.join()
+        if failed:
+            raise failed[0]
 
 
 def sampled_drafter(drafter, decoding, generator):
@@ -203,6 +356,8 @@ class Decoder:
             prompt = cli.check_messages(prompt, which)
         elif isinstance(prompt, str):
             cli.check_text(prompt, which)
+            if not prompt.strip():
+                raise APIError(f"{which} is empty; give it some text")
         else:
             raise APIError(
                 f"{which}: a string or a list of {{'role': ..., 'content': ...}} messages, not "
@@ -244,19 +399,92 @@ class Decoder:
         verify="auto",
         seed=0,
         system=None,
+        stop=None,
     ) -> Reply:
-        """The reply to `prompt`: a string (the user's message, in the chat template) or a list
-        of {"role", "content"} messages ending with the user's. Sampled from a generator seeded
-        `seed`: the same seed, arguments and machine give the same reply."""
+        """The reply to `prompt` (help(Reply): its fields). Sampled from a generator seeded `seed`:
+        the same seed, arguments and machine give the same reply.
+
+        prompt          a string (the user's message, laid out by the chat template) or a
+                        conversation: a list of {"role": "system" | "user" | "assistant",
+                        "content": str} ending with the user's; not empty (several prompts:
+                        generate_batch)
+        max_new_tokens  a whole number >= 1, at most what the context leaves after the prompt;
+                        None: 256, or what the context leaves
+        temperature     a number >= 0; 0 (or below 1e-4): greedy
+        top_p           a number in (0, 1]: sample from the smallest set of tokens this likely
+        verify          "auto" (greedy at temperature 0, else "sample"), "greedy" (temperature 0
+                        only), "typical" (Medusa's typical acceptance: lossy, temperature > 0) or
+                        "sample" (speculative sampling: lossless)
+        seed            a whole number, 0 to 2**32 - 1
+        system          None, or a system message (a string) put before the prompt
+        stop            None, a string or a list of strings (none empty): the reply ends at the
+                        first of them, which its text leaves out (Reply.stopped "stop")
+        """
         with checked(locals()):
-            decoding = check_decoding(temperature, top_p, verify, seed)
-            ids, limit = self.encode(prompt, system, max_new_tokens, "prompt")
+            job = self.prepare(
+                prompt, max_new_tokens, temperature, top_p, verify, seed, system, stop
+            )
+        return self.decode_one(*job)
+
+    def stream(
+        self,
+        prompt,
+        *,
+        max_new_tokens=None,
+        temperature=0.0,
+        top_p=1.0,
+        verify="auto",
+        seed=0,
+        system=None,
+        stop=None,
+    ) -> Stream:
+        """generate()'s reply, arguments and values as it takes them, as a Stream: iterate over it
+        for the text piece by piece as the steps accept tokens (the first after the prompt's
+        forward), then read its .reply. The pieces join into the text generate() gives.
+
+            for piece in sd.stream("Tell me a story."):
+                print(piece, end="", flush=True)
+        """
+        with checked(locals()):
+            job = self.prepare(
+                prompt, max_new_tokens, temperature, top_p, verify, seed, system, stop
+            )
+        return Stream(lambda show: self.decode_one(*job, show=show))
+
+    def prepare(self, prompt, max_new_tokens, temperature, top_p, verify, seed, system, stop):
+        """generate()'s and stream()'s arguments checked: (ids, most new tokens, decoding, seed,
+        stop strings)."""
+        check_prompt(prompt)
+        decoding = check_decoding(temperature, top_p, verify, seed)
+        stops = check_stop(stop)
+        ids, limit = self.encode(prompt, system, max_new_tokens, "prompt")
+        return ids, limit, decoding, seed, stops
+
+    def decode_one(self, ids, limit, decoding, seed, stop, show=None):
+        """One reply to the prompt `ids`, ending at a stop string where given; show(piece): each
+        piece of its text as it comes, True back to end it (a reader gone)."""
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         drafter = sampled_drafter(self.drafter, decoding, generator)
+        text = TextSoFar(self.tokenizer, stop) if stop or show else None
+
+        def on_tokens(new, sources):
+            met = text.add(new)
+            left = show(text.piece()) if show else False
+            return met or left
+
         r = decode.generate(
-            self.forward, ids, limit, drafter, generator=generator, eos_ids=self.eos_ids, **decoding
+            self.forward,
+            ids,
+            limit,
+            drafter,
+            generator=generator,
+            eos_ids=self.eos_ids,
+            on_tokens=on_tokens if text else None,
+            **decoding,
         )
-        return reply(r, self.tokenizer, self.drafter.max_depth)
+        if show:
+            show(text.piece(final=True))
+        return reply(r, self.tokenizer, self.drafter.max_depth, text)
 
     def generate_batch(
         self,
@@ -269,15 +497,26 @@ class Decoder:
         verify="auto",
         seed=0,
         system=None,
+        stop=None,
     ) -> list:
-        """The replies to `prompts` (each as generate() takes it), in their order, batch_size of
-        them decoding side by side (engine.py; generate.py --batch-size): reply i is the one
-        generate() gives alone (greedy), sampled from its own generator, seeded seed + i."""
+        """The replies to `prompts`, in their order, batch_size of them decoding side by side
+        (engine.py; generate.py --batch-size): reply i is the one generate() gives alone (greedy),
+        sampled from its own generator, seeded seed + i. Each Reply's statistics are its own row's
+        (its seconds: from its prefill to its last step).
+
+        prompts     a list of prompts, each as generate() takes it (a string or a conversation),
+                    at least one
+        batch_size  a whole number >= 1: rows decoding at once (a row that ends takes the next)
+        stop        as generate()'s; a row decodes on past its stop string to its EOS or its
+                    limit, and its reply is cut there
+        max_new_tokens, temperature, top_p, verify, seed, system   as generate() takes them, for
+                    every prompt
+        """
         with checked(locals()):
-            if not isinstance(prompts, (list, tuple)) or not prompts:
-                raise APIError("prompts: a non-empty list of prompts; for one, use generate()")
+            check_prompts(prompts)
             whole("batch_size", batch_size, 1)
             decoding = check_decoding(temperature, top_p, verify, seed)
+            stops = check_stop(stop)
             encoded = [
                 self.encode(p, system, max_new_tokens, f"prompts[{i}]")
                 for i, p in enumerate(prompts)
@@ -296,7 +535,13 @@ class Decoder:
             batch_size=batch_size,
             **decoding,
         )
-        return [reply(r, self.tokenizer, self.drafter.max_depth) for r in results]
+        replies = []
+        for r in results:
+            text = TextSoFar(self.tokenizer, stops) if stops else None
+            if text:
+                text.add(r.tokens)
+            replies.append(reply(r, self.tokenizer, self.drafter.max_depth, text))
+        return replies
 
     def chat(
         self,
@@ -309,7 +554,12 @@ class Decoder:
         seed=0,
     ):
         """A conversation (generate.py --chat): Chat.send(message) answers, keeping the KV cache;
-        each reply at most max_new_tokens, or what the context leaves."""
+        each reply at most max_new_tokens, or what the context leaves.
+
+        system          None, or a system message (a string) that opens the conversation
+        max_new_tokens  a whole number >= 1, or None: 256 (each cut to what the context leaves)
+        temperature, top_p, verify, seed   as generate() takes them
+        """
         with checked(locals()):
             if not self.tokenizer.chat_template:
                 raise APIError(
@@ -389,9 +639,28 @@ def load(
     threads=0,
     cuda_graphs="auto",
 ) -> Decoder:
-    """The model `model` names (the default model, a Hugging Face folder or hub id) and the drafter
-    `draft`, `heads` and `tree` name, as generate.py's flags of those names build them: the
-    arguments are checked before the model loads, then the model, its drafter and the step."""
+    """The model `model` names and the drafter `draft`, `heads` and `tree` name, as generate.py's
+    flags of those names build them: the arguments are checked before the model loads, then the
+    model, its drafter and the step.
+
+    model        "default" (SmolLM2-135M-Instruct, shipped), a Hugging Face folder or a hub id of
+                 model_type llama, mistral, qwen2, qwen3, phi3, granite or gemma
+    draft        who proposes the tokens: "heads", "lookup", "heads+lookup", "layers:N", "skip",
+                 "skip:LAYERS" (e.g. "skip:2,5,9-12"), "model" (with draft_model), "jacobi",
+                 "lookahead" or "pass"
+    heads        with heads: "auto" (hydra++ where shipped for the model, else none), "none"
+                 (plain decoding), "medusa", "hydra", "hydra++", or a heads folder
+    tree         with heads: "auto" (the tree tuned beside the heads), "chain:N",
+                 "cartesian:4,3,2", or a JSON file {"paths": [[0], [0, 1], ...]}
+    draft_model  with draft="model": a model as `model` takes it, with the same tokenizer
+    gamma, ngram, matches, window, guesses   the drafters' sizes, whole numbers >= 1 (None:
+                 each drafter's own; generate.py --help says which takes which)
+    device       "auto" (CUDA where there is one), "cpu", "cuda" or "cuda:N"
+    dtype        "auto", "fp32", "bf16" or "fp16"
+    quantize     "none", "fp16" (CPU only), "int8" or "int4": the base model's linear layers
+    threads      0 (the cores other work leaves idle) or a number of CPU threads
+    cuda_graphs  "auto" (on with CUDA), "on" or "off": the step replayed from CUDA graphs
+    """
     with checked(locals()):
         model = text("model", model)
         heads = text("heads", heads)

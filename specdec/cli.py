@@ -287,6 +287,14 @@ def writable_folder(flag, path):
         ) from None
 
 
+def os_error(e):
+    """The OSError behind a failure (a full disk): `e` itself, or the one a library raised its own
+    error from (torch's writer raises a RuntimeError over it); None if there is none."""
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
 def new_folders(*paths):
     """The folders that creating `paths` (with their parents) would make: those not there now."""
     made = []
@@ -413,6 +421,7 @@ def read_prompts(path):
             "UTF-8"
         )
     prompts = []
+    seen = {}  # id -> the line that gave it: an --out row names its prompt by the id
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -424,23 +433,32 @@ def read_prompts(path):
                 "object per line"
             )
         if isinstance(obj, dict) and "messages" in obj and "prompt" not in obj:
-            messages = check_messages(obj["messages"], f"--prompts {path}, line {n}")
-            pid, category = prompt_labels(obj, n, f"--prompts {path}, line {n}")
-            prompts.append((pid, messages, category))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            prompt = check_messages(obj["messages"], f"--prompts {path}, line {n}")
+        elif not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise UsageError(
                 f'--prompts {path}, line {n}: needs a string field "prompt", as in '
                 f'{{"prompt": "..."}}, or a conversation {{"messages": [...]}}'
             )
-        if not obj["prompt"].strip():
+        elif not obj["prompt"].strip():
             raise UsageError(
                 f"--prompts {path}, line {n}: the prompt is empty; give it some text or drop the "
                 "line"
             )
-        text = check_text(obj["prompt"], f"--prompts {path}, line {n}")
+        else:
+            prompt = check_text(obj["prompt"], f"--prompts {path}, line {n}")
         pid, category = prompt_labels(obj, n, f"--prompts {path}, line {n}")
-        prompts.append((pid, text, category))
+        if pid in seen:
+            same = (
+                f"the id {quoted(pid)} is"
+                if "id" in obj
+                else f'has no "id" and its number, {n}, is'
+            )
+            raise UsageError(
+                f"--prompts {path}, line {n}: {same} line {seen[pid]}'s id too; give each prompt "
+                'an "id" of its own'
+            )
+        seen[pid] = n
+        prompts.append((pid, prompt, category))
     if not prompts:
         raise UsageError(
             f'--prompts {path}: no prompts in the file; write one {{"prompt": "..."}} object per '

@@ -6,8 +6,9 @@ import it first, before torch; cli.run() uses it.
     with ctrl_c.counted(): ...       # cli.run's, around the script's work: each press counted
     ctrl_c.check()                   # KeyboardInterrupt for a press whose exception was lost
     ctrl_c.handled()                 # code that caught KeyboardInterrupt to go on says so
+    ctrl_c.exit_now(code)            # an entry script's last call, for sys.exit(code)
 
-Python's own handler raises KeyboardInterrupt wherever the program is. Two moments need more:
+Python's own handler raises KeyboardInterrupt wherever the program is. Three moments need more:
   - while the script imports torch and the rest (seconds), where that exception prints a
     traceback of forty lines: imported first by the script, this module's handler writes the one
     line and exits at once (nothing has been done yet, so nothing is lost);
@@ -17,7 +18,11 @@ Python's own handler raises KeyboardInterrupt wherever the program is. Two momen
     --out file the user meant to keep. So while cli.run() runs a script each press is counted too,
     a lost one is not printed, and check() raises it again where going on would cost the user
     something (after a model loads, before an output file is opened or a line written); run()
-    honours it at the end.
+    honours it at the end;
+  - after the work, while Python shuts down (a second or more once torch is loaded), where a
+    press would end the process by the signal, with no line: the script's handler is then
+    at_end's one line, and exit_now() ends the process without the shutdown, its files written
+    and closed and its streams flushed.
 
 Test: `python -m pytest -q tests/test_interrupts.py`.
 """
@@ -52,6 +57,24 @@ def imported_by_the_script():
     ):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__") == "__main__"
+
+
+def at_end(signum, frame):
+    """SIGINT's handler once cli.run() has returned: one line, exit."""
+    os.write(2, b"\n[interrupted by Ctrl-C while exiting]\n")
+    os._exit(EXIT)
+
+
+def exit_now(code):
+    """An entry script's last call, for sys.exit(code): its work is done and its files closed, so
+    the process ends now, its streams flushed, without Python's shutdown, in which a Ctrl-C would
+    end it by the signal, with no line."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, a stream closed: nothing more to say
+            pass
+    os._exit(code)
 
 
 if imported_by_the_script() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -105,8 +128,8 @@ def counted():
     sys.unraisablehook = quiet
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # at_start's time is over
+    finally:  # at_start's time is over; a script's own SIGINT now ends it with at_end's line
+        signal.signal(signal.SIGINT, at_end if previous is at_start else signal.default_int_handler)
         sys.unraisablehook = unraisable
 
 

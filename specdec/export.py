@@ -30,7 +30,6 @@ import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one 
 import json
 import os
 import shlex
-import sys
 
 import torch
 
@@ -210,4 +209,4 @@ def cli_main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    specdec.ctrl_c.exit_now(cli_main())

@@ -164,6 +164,7 @@ class Replies:
         self.model = dec.model
         self.whole = whole  # print each reply whole as it ends, marked with its id
         self.out = out  # the open --out file, or None
+        self.end = out.tell() if out else 0  # where its last whole row ends
         self.total = decode.Result()
 
     def done(self, i, r):
@@ -191,14 +192,18 @@ class Replies:
             self.learner.reply_done()
 
     def write(self, line, pid):
-        """One --out line, on disk before the next reply; a failure (a full disk) names the flag,
-        the file and the reply."""
+        """One --out line, whole, on disk before the next reply. A failure (a full disk) names the
+        flag, the file and the reply, and cuts off what part of the line reached the file: it ends
+        with the last whole row (resume_out reads it)."""
         try:
             self.out.write(line)
             self.out.flush()
+            self.end += len(line.encode("utf-8"))
         except OSError as e:
             with contextlib.suppress(OSError):  # what is left in its buffer cannot be written
                 self.out.close()
+            with contextlib.suppress(OSError):
+                os.truncate(self.out.name, self.end)
             raise cli.UsageError(
                 f"--out {self.out.name}: writing the reply to prompt {cli.quoted(pid)} failed "
                 f"({e.strerror or e}); the replies before it are in the file; free some space or "
@@ -215,6 +220,44 @@ class Replies:
             print(online_line(self.learner, seconds), file=sys.stderr)
         if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
             print(graphs_line(self.model), file=sys.stderr)
+
+
+def resume_out(path, ids):
+    """--resume: the ids of the prompts whose rows an interrupted run left whole in the --out file
+    at `path` (ids: the --prompts' ids, in their order), to be left out of the rerun, which appends
+    its rows: the file then holds a row for every prompt, as an uninterrupted run's. A last row cut
+    short (a kill in mid-write) is cut off the file; a row that is not one of these prompts' is
+    refused, naming its line. A file that does not exist yet: nothing done (a notice)."""
+    if not os.path.exists(path):
+        cli.notice(f"--resume: --out {path} does not exist yet; starting with the first prompt")
+        return set()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise cli.UsageError(f"--out {path}: cannot read it ({e.strerror})") from None
+    known = set(ids)
+    done = set()
+    end = 0  # where the last whole row ends
+    for n, line in enumerate(data.split(b"\n")[:-1], start=1):  # [-1]: after the last newline
+        try:
+            row = json.loads(line)
+        except ValueError:  # bad JSON or bad UTF-8: not a row this project wrote
+            row = None
+        pid = row.get("id") if isinstance(row, dict) else None
+        named = isinstance(pid, (str, int)) and not isinstance(pid, bool)
+        if not named or pid not in known or pid in done:
+            why = f"a second row of prompt {cli.quoted(pid)}" if pid in done else "no id of theirs"
+            raise cli.UsageError(
+                f"--out {path}, line {n}: not a row of these --prompts ({why}); give --resume "
+                "the --out of the run that read them, or start afresh with --overwrite"
+            )
+        done.add(pid)
+        end += len(line) + 1
+    if end < len(data):  # the row being written when the run stopped
+        os.truncate(path, end)
+        cli.notice(f"--resume: --out {path} ended in a row cut short; it is cut off")
+    return done
 
 
 # --- --chat: a conversation at the terminal -------------------------------------------------------

@@ -584,8 +584,9 @@ def tune_tree(args, model, prompts, device, eos=()):
             fontsize=9,
         )
         fig.tight_layout()
-        fig.savefig(os.path.join(args.plots, "tree.png"), dpi=120)
-        print(f"[plots] {args.plots}/tree.png", file=sys.stderr)
+        path = os.path.join(args.plots, "tree.png")  # plots/ + tree.png: one slash
+        fig.savefig(path, dpi=120)
+        print(f"[plots] {path}", file=sys.stderr)
 
 
 # --- the tree by batch size ----------------------------------------------------------------------

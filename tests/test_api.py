@@ -28,6 +28,7 @@ from specdec import api
 from specdec import drafters
 from specdec.loading import catalog
 from specdec.loading import checkpoint
+from specdec.engines import decode
 from test_generate import random_heads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +92,7 @@ def test_the_readme_example_runs_from_outside_the_repository(tmp_path):
     repository's folder, where the README's names a placeholder; without it, specdec is not
     found (the folder is outside)."""
     path, script, code = readme_example()
-    assert "specdec" in path and os.path.relpath(tmp_path, ROOT).startswith(".." + os.sep)
+    assert path == "/path/to/clone" and os.path.relpath(tmp_path, ROOT).startswith(".." + os.sep)
     (tmp_path / script).write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
@@ -101,11 +102,30 @@ def test_the_readme_example_runs_from_outside_the_repository(tmp_path):
 
     alone = run()
     assert alone.returncode != 0 and "No module named 'specdec'" in alone.stderr
-    r = run(PYTHONPATH=ROOT)  # path's placeholder, /path/to/specdec, is this checkout
+    r = run(PYTHONPATH=ROOT)  # the placeholder, /path/to/clone, is this checkout
     assert r.returncode == 0, r.stderr
     assert "<|im_end|>" not in r.stdout and "Paris" in r.stdout
+    assert " [stop]\n" in r.stdout  # the streamed reply, cut at its stop string
     forwarded = int(r.stdout.splitlines()[-1])
     assert 0 < forwarded < 40  # the second turn's: its prompt is the whole conversation, 61 tokens
+
+
+def test_a_model_py_of_yours_beside_your_script_is_named_in_one_line(tmp_path):
+    """Your folder comes first on Python's path: a model.py there would stand in for the
+    repository's and fail later as an AttributeError; the import says so instead."""
+    (tmp_path / "model.py").write_text("x = 1\n")
+    (tmp_path / "hello.py").write_text("from specdec.api import load\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(
+        [sys.executable, "hello.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "AttributeError" not in r.stderr, r.stderr
+    assert last == (
+        f"ImportError: {tmp_path / 'model.py'} stands in for the repository's model.py ({ROOT}), "
+        "which specdec imports by that name: your script's folder comes first on Python's path; "
+        "rename your model.py, or run the script from another folder"
+    )
 
 
 # --- replies: text and ids without EOS ------------------------------------------------------------
@@ -147,6 +167,73 @@ def test_a_greedy_batch_is_its_prompts_one_at_a_time(sd):
         batch = sd.generate_batch(PROMPTS, batch_size=batch_size, max_new_tokens=16)
         assert [r.ids for r in batch] == [r.ids for r in alone]
         assert [r.text for r in batch] == [r.text for r in alone]
+
+
+def test_a_stream_gives_generates_text_piece_by_piece_from_the_first_step(sd, monkeypatch):
+    """Greedy: the pieces join into generate()'s text, and the first comes before the reply's
+    second step ends (the decoding runs a piece ahead of the reader at most)."""
+    alone = sd.generate(PROMPTS[1], max_new_tokens=24)
+    steps = []
+    real = decode.step
+    monkeypatch.setattr(decode, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    stream = sd.stream(PROMPTS[1], max_new_tokens=24)
+    pieces = []
+    for piece in stream:
+        pieces.append((piece, len(steps)))
+    assert "".join(p for p, _ in pieces) == alone.text and len(pieces) > 1
+    assert pieces[0][1] <= 2 < alone.stats["steps"] - 1, pieces
+    assert stream.reply.ids == alone.ids and stream.reply.stopped == alone.stopped
+    with pytest.raises(api.APIError, match="read already"):
+        list(stream)
+
+
+def test_a_stream_left_early_ends_its_decoding(sd, monkeypatch):
+    steps = []
+    real = decode.step
+    monkeypatch.setattr(decode, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    stream = sd.stream(PROMPTS[1], max_new_tokens=200)
+    for _ in stream:
+        break
+    assert len(steps) <= 3 and stream.reply.stopped == "stop"
+
+
+def test_a_stop_string_ends_the_reply_before_it(sd):
+    whole = sd.generate(PROMPTS[1], max_new_tokens=24)
+    stop = whole.text[10:13]
+    cut = whole.text[: whole.text.index(stop)]
+    r = sd.generate(PROMPTS[1], max_new_tokens=24, stop=["never said", stop])
+    assert r.text == cut and r.stopped == "stop" and r.ids == whole.ids[: len(r.ids)]
+    assert stop in sd.tokenizer.decode(r.ids) and stop not in sd.tokenizer.decode(r.ids[:-1])
+    assert r.stats["new_tokens"] < whole.stats["new_tokens"]
+    assert "".join(sd.stream(PROMPTS[1], max_new_tokens=24, stop=stop)) == cut
+    batch = sd.generate_batch([PROMPTS[1], PROMPTS[0]], max_new_tokens=24, stop=stop)
+    assert batch[0].text == cut and batch[0].stopped == "stop" and batch[0].ids == r.ids
+    never = sd.generate(PROMPTS[1], max_new_tokens=24, stop="never said")
+    assert (never.text, never.ids, never.stopped) == (whole.text, whole.ids, whole.stopped)
+
+
+def test_help_lists_every_argument_and_every_field():
+    for function in (api.load, api.Decoder.generate, api.Decoder.generate_batch, api.Decoder.chat):
+        said = inspect.getdoc(function)
+        for name in inspect.signature(function).parameters:
+            assert name == "self" or re.search(rf"\b{name}\b", said), (function.__name__, name)
+    said = inspect.getdoc(api.Reply)
+    assert all(field in said for field in ("text", "ids", "stopped", "stats", "tokens_per_s"))
+    assert all(value in inspect.getdoc(api.Decoder.generate) for value in api.verify_lib.VERIFIERS)
+
+
+def test_a_batch_rows_statistics_are_its_own(folder, tmp_path):
+    """A row that ends early (at its EOS) reports its own time and rate, not the batch's."""
+    plain = api.load(folder, heads="none", dtype="fp32", threads=1)
+    first = plain.generate(PROMPTS[1], max_new_tokens=24)
+    eos = first.ids[3]
+    sd = api.load(varied_model(tmp_path / "eos", eos_token_id=eos), heads="none", dtype="fp32")
+    rows = [PROMPTS[1], PROMPTS[2]]
+    short, long = sd.generate_batch(rows, max_new_tokens=24)
+    assert short.stopped == "eos" and short.stats["new_tokens"] < long.stats["new_tokens"]
+    assert short.stats["seconds"] < long.stats["seconds"]
+    for r in (short, long):
+        assert r.stats["tokens_per_s"] == r.stats["new_tokens"] / r.stats["seconds"]
 
 
 def test_a_seed_gives_the_same_sampled_reply(sd):
@@ -267,6 +354,11 @@ def test_bad_batch_and_chat_arguments_are_one_error(sd):
         ("prompts", lambda: sd.generate_batch("Hi")),
         ("prompts", lambda: sd.generate_batch([])),
         ("prompts[1]", lambda: sd.generate_batch(["Hi", 7])),
+        ("prompts[1] is empty", lambda: sd.generate_batch(["Hi", " "])),
+        ("prompts: a generator, not a list", lambda: sd.generate_batch(p for p in PROMPTS)),
+        ("use generate_batch([...])", lambda: sd.generate(["Hi", "Ho"])),
+        ("use generate_batch([...])", lambda: sd.stream(["Hi", "Ho"])),
+        ("stop=['']: a string or a list of strings", lambda: sd.generate("Hi", stop=[""])),
         ("batch_size", lambda: sd.generate_batch(["Hi"], batch_size=0)),
         ("top_p", lambda: sd.chat(top_p=0)),
         ("message", lambda: sd.chat().send("")),

@@ -349,8 +349,11 @@ def test_a_losing_tree_says_plain_decoding_is_faster_and_records_it(
         1,
         "--dtype",
         "fp32",
+        "--plots",
+        f"{tmp_path}/plots/",  # as typed with a slash: the plot is plots/tree.png, not plots//
     )
     assert code == 0, err
+    assert f"[plots] {tmp_path}/plots/tree.png\n" in err and (tmp_path / "plots/tree.png").exists()
     saved = pathlib.Path(catalog.tuned_tree_file(folder, "cpu", torch.float32))
     assert json.loads(saved.read_text())["expected_speedup"] == pytest.approx(1.02 / 2, abs=1e-3)
     assert tree_lib.load(str(saved)) == [(0,)] and "chosen: 1 node + root," in out

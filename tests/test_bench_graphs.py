@@ -62,6 +62,19 @@ def test_the_gpu_check_runs_tiny_on_a_cpu_and_writes_its_report(tmp_path):
     assert "| hf-compiled (static cache, torch.compile) |" in report
 
 
+def test_the_gpu_check_says_what_it_does_and_ctrl_c_is_one_line(tmp_path):
+    """On a CPU it says so before the minutes of a full-size run, then each section as it starts;
+    Ctrl-C: one line, exit 130, no traceback."""
+    from conftest import ctrl_c_after
+
+    argv = ["experiments/gpu_check.py", "--rows", "1", "--nodes", "1", "--out", tmp_path / "c.md"]
+    code, _, err = ctrl_c_after(argv, "[gpu-check] building", 1.0)
+    if not torch.cuda.is_available():
+        assert "no CUDA device: the full-size check runs on the CPU" in err, err
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("[gpu-check] interrupted by Ctrl-C"), err
+
+
 def test_cuda_graphs_on_a_cpu_runs_the_static_step_and_the_footer_counts_it(
     capsys, tmp_path, tiny_model_dir
 ):

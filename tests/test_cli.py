@@ -215,6 +215,14 @@ def test_bad_tree_files(no_model, capsys, tmp_path, paths, words):
             'line 1: "category" is an object; give a string',
         ),
         ('{"prompt": "Hi", "category": "\\udc80"}\n', 'line 1, "category": not valid Unicode'),
+        (
+            '{"prompt": "Hi", "id": "a"}\n{"prompt": "Ho", "id": "a"}\n',
+            "line 2: the id 'a' is line 1's id too; give each prompt an \"id\" of its own",
+        ),
+        (
+            '{"prompt": "Hi", "id": 3}\n\n{"prompt": "Ho"}\n',
+            'line 3: has no "id" and its number, 3, is line 1\'s id too',
+        ),
     ],
 )
 def test_bad_prompts_file(no_model, capsys, tmp_path, content, words):

@@ -22,6 +22,10 @@ Run: `python -m pytest -q tests/test_export.py`. Shapes: B batch, T time, K head
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -159,6 +163,34 @@ def test_vllm_reads_our_heads_logits(capsys, tmp_path, tiny_model_dir, own, kept
     assert torch.equal(theirs.argmax(-1), heads.full_ids(ours.argmax(-1)))
     if ids is not None and len(ids) < V:  # the tokens the heads never draft
         assert torch.isinf(theirs).sum() == K * 2 * 5 * (V - len(ids))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.3])
+def test_ctrl_c_right_after_the_files_are_written_is_one_line_or_none(
+    tmp_path, tiny_model_dir, delay
+):
+    """A press `delay` seconds after the "wrote" line: the process has ended (exit 0: the work is
+    done), or says one line and exits 130; never ended by the signal itself, with no line (Python's
+    shutdown, a second or more after torch, used to take it)."""
+    model, _ = checkpoint.load(tiny_model_dir, "cpu", torch.float32)
+    heads = medusa_folder(model, tmp_path / "heads")
+    argv = ["--model", tiny_model_dir, "--heads", heads, "--out", tmp_path / "vllm"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "specdec.export", *map(str, argv)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert p.stdout.readline().startswith(f"wrote {tmp_path / 'vllm'}")
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode in (0, 130), (p.returncode, err)
+    assert len(err.strip().splitlines()) == (p.returncode == 130), err
+    assert load_file(tmp_path / "vllm" / "model.safetensors")
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
 
 
 # --- refusals: one line, exit code 2, before the model loads, nothing overwritten -----------------

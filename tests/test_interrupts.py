@@ -15,14 +15,17 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 
 import pytest
 
+from specdec import cli
 from specdec.benching import batches
 from specdec.commands import bench as bench_command
 from specdec.commands import generate as command
 from specdec import ctrl_c
+from specdec import terminal
 from specdec.engines import decode
 from conftest import ctrl_c_after
 from test_bench_cli import run_bench, short_run
@@ -256,6 +259,107 @@ def test_a_full_disk_under_out_names_the_flag_the_file_and_the_reply(
         f"error: --out {out}: writing the reply to prompt 'p1' failed (No space left on device)"
     ), last
     assert "the replies before it are in the file" in last
+
+
+class Cut:
+    """A real file on a disk that fills up in the middle of the `room`+1-th write: half of its text
+    reaches the file, then ENOSPC."""
+
+    def __init__(self, path, room):
+        self.file = open(path, "w", encoding="utf-8")
+        self.name = path
+        self.room = room
+
+    def write(self, text):
+        if self.room == 0:
+            self.file.write(text[: len(text) // 2])
+            self.file.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self.file.write(text)
+
+    def __getattr__(self, name):  # flush, tell, close, the with statement's
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def without_times(path):
+    """An --out file's rows without their "seconds" (which differ from run to run)."""
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+def test_a_full_disk_in_mid_row_leaves_the_whole_rows_and_no_cut_one(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    out = str(tmp_path / "replies.jsonl")
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    flags = ["--model", tiny_model_dir, "--prompts", prompts, "--max-new-tokens", 3, "--quiet"]
+    assert run_cli(capsys, *flags, "--out", tmp_path / "whole.jsonl")[0] == 0
+    with monkeypatch.context() as mp:
+        mp.setattr(command, "open", lambda path, *a, **k: Cut(path, room=1), raising=False)
+        code, _, err = run_cli(capsys, *flags, "--out", out)
+    assert code == 2 and "reply to prompt 'p1' failed (No space left on device)" in err, err
+    assert open(out).read().endswith("\n")
+    assert without_times(out) == without_times(tmp_path / "whole.jsonl")[:1]
+
+
+def test_every_out_row_names_its_prompt_by_its_id_or_its_line(capsys, tmp_path, tiny_model_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "id": "q1"}\n\n{"prompt": "b"}\n{"prompt": "c", "id": 7}\n')
+    out = tmp_path / "out.jsonl"
+    for batch in ("1", "2"):
+        code, _, err = run_cli(
+            capsys, "--model", tiny_model_dir, "--prompts", prompts, "--max-new-tokens", 2,
+            "--quiet", "--batch-size", batch, "--out", out, "--overwrite",
+        )  # fmt: skip
+        assert code == 0, err
+        assert sorted(map(str, (row["id"] for row in without_times(out)))) == ["3", "7", "q1"]
+
+
+def test_resume_out_gives_the_prompts_done_and_the_rerun_ends_as_an_uninterrupted_run(
+    capsys, tmp_path, tiny_model_dir
+):
+    """What generate.py --resume does with it: the prompts done are left out, the rest appended."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    flags = ["--model", tiny_model_dir, "--max-new-tokens", 3, "--quiet", "--overwrite"]
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(capsys, *flags, "--prompts", prompts, "--out", whole)[0] == 0
+    lines = whole.read_text().splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    out.write_text(lines[0] + lines[1] + lines[2][:25])  # killed while writing the third row
+    ids = [pid for pid, _, _ in cli.read_prompts(prompts)]
+    done = terminal.resume_out(str(out), ids)
+    assert done == {"p0", "p1"} and out.read_text() == lines[0] + lines[1]
+    assert "ended in a row cut short" in capsys.readouterr().err
+    rest = tmp_path / "rest.jsonl"
+    rest.write_text("".join(line for line in open(prompts) if json.loads(line)["id"] not in done))
+    assert run_cli(capsys, *flags, "--prompts", rest, "--out", tmp_path / "more.jsonl")[0] == 0
+    with open(out, "a") as f:  # the rerun's rows, appended
+        f.write((tmp_path / "more.jsonl").read_text())
+    assert without_times(out) == without_times(whole)
+    assert terminal.resume_out(str(out), ids) == set(ids)  # a finished run: nothing left to do
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ('{"id": "elsewhere", "text": "x"}\n', "line 1: not a row of these --prompts (no id"),
+        ('{"id": "p0"}\n{"id": "p0"}\n', "line 2: not a row of these --prompts (a second row"),
+        ("not json\n", "line 1: not a row of these --prompts"),
+    ],
+)
+def test_resume_out_refuses_a_file_of_other_prompts(tmp_path, content, words):
+    out = tmp_path / "out.jsonl"
+    out.write_text(content)
+    with pytest.raises(cli.UsageError, match=re.escape(words)):
+        terminal.resume_out(str(out), ["p0", "p1"])
+    assert out.read_text() == content
 
 
 def test_a_full_disk_under_json_names_the_flag_and_keeps_the_old_file(

@@ -5,6 +5,7 @@ refuses bad input in one line."""
 
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -157,6 +158,60 @@ def test_training_moves_the_adapter_and_the_heads_and_keeps_the_model_close(tmp_
     assert len(os.listdir(tmp_path / "cache" / "joint")) == 1
 
 
+def joint_run(tmp_path, out, *more):
+    """joint.py's flags for a short run on joint_inputs' files into `out`: 2 epochs of ~20 steps,
+    a checkpoint after every step."""
+    flags = ["--model", tmp_path / "model", "--init", tmp_path / "init"]
+    flags += ["--data", tmp_path / "convs.safetensors", "--conversations", 30]
+    flags += ["--eval-conversations", 5, "--batch-tokens", 64, "--epochs", 2, "--ramp", 2]
+    flags += ["--eval-every", 7, "--dtype", "fp32", "--save-every", 0, "--out", out, *more]
+    return joint.cli_main([str(f) for f in flags])
+
+
+def test_a_run_says_what_it_does_and_resumes_after_ctrl_c_to_the_uninterrupted_weights(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    joint_inputs(tmp_path, 40, hidden_size=32, intermediate_size=64)
+    assert joint_run(tmp_path, tmp_path / "whole") == 0
+    err = capsys.readouterr().err
+    for words in ("[joint] loading the model", "[joint] the teacher's pass over 32 conversations",
+                  "[joint] the teacher's pass: 3/32 conversations", "[joint] step 1/"):  # fmt: skip
+        assert words in err, err
+    whole = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)
+
+    real, calls = joint.losses.collate, [0]
+
+    def collate(*a, **k):  # Ctrl-C in the middle of the 9th step
+        calls[0] += 1
+        if calls[0] == 9:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(joint.losses, "collate", collate)
+        assert joint_run(tmp_path, tmp_path / "out") == 130
+    err = capsys.readouterr().err
+    assert "[joint] stopped by signal 2 at step 9; checkpoint written to" in err, err
+    assert "eval.json" not in os.listdir(tmp_path / "out")
+    code = joint_run(tmp_path, tmp_path / "out")  # without --resume: refused, kept
+    check_one_line_error(code, capsys.readouterr().err, "--resume continues it")
+    assert joint_run(tmp_path, tmp_path / "out", "--resume") == 0
+    assert "[joint] resumed from step 9 in" in capsys.readouterr().err
+    resumed = torch.load(tmp_path / "out" / "state.pt", weights_only=True)
+    assert resumed["step"] == whole["step"] > 9 and resumed["progress"] == whole["progress"]
+    for part in ("heads", "modules"):
+        flat = lambda d: {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+        a = flat(whole[part] if part == "heads" else whole[part]["adapted"])
+        b = flat(resumed[part] if part == "heads" else resumed[part]["adapted"])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    curves = [
+        json.loads((tmp_path / f / "eval.json").read_text())["curve"] for f in ("whole", "out")
+    ]
+    assert curves[0] == curves[1]
+    assert joint.load_file(str(tmp_path / "out" / "lora.safetensors")).keys()
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -206,5 +261,7 @@ def test_a_teacher_k_beyond_the_vocabulary_is_one_line_and_leaves_no_out_folder(
     argv += ["--data", str(tmp_path / "convs.safetensors"), "--out", str(tmp_path / "out")]
     code = joint.cli_main([*argv, "--teacher-k", "999999"])
     vocab = str(base.cfg.vocab_size)
-    check_one_line_error(code, capsys.readouterr().err, "--teacher-k 999999", f"at most {vocab}")
+    said, error = capsys.readouterr().err.splitlines()  # what it was doing, then the one line
+    assert said.startswith("[joint] loading the model")
+    check_one_line_error(code, error, "--teacher-k 999999", f"at most {vocab}")
     assert not (tmp_path / "out").exists()

@@ -10,6 +10,7 @@ with DDP. Run: `python -m pytest -q tests/test_train.py`. Shapes: M predictions,
 teacher top-k.
 """
 
+import errno
 import importlib.util
 import json
 import math
@@ -23,6 +24,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from specdec import cli
 from specdec.loading import checkpoint as checkpoint_lib
 from specdec.training import dataset as D
 import heads as heads_lib
@@ -410,6 +412,64 @@ def test_nan_stops_training_and_keeps_the_last_good_checkpoint(features, tmp_pat
     assert_same_weights(exported, half)  # nothing of step 5 reached the disk
 
 
+def full_disk(monkeypatch, n, how):
+    """The n-th checkpoint meets a full disk: state.pt.tmp gets some bytes, then ENOSPC, as an
+    OSError from the write (how="oserror") or, as torch's writer reports a real one, a RuntimeError
+    over it (how="torch"). Returns the checkpoints written before."""
+    real, saves = torch.save, [0]
+
+    def save(obj, f):
+        saves[0] += 1
+        if saves[0] < n:
+            return real(obj, f)
+        f.write(b"PK partial")
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if how == "oserror":
+            raise full
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    monkeypatch.setattr(resume.torch, "save", save)
+    return saves
+
+
+@pytest.mark.parametrize("how", ["oserror", "torch"])
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_temporary_file(
+    features, tmp_path, monkeypatch, how
+):
+    with monkeypatch.context() as mp:
+        full_disk(mp, 4, how)
+        with pytest.raises(cli.UsageError) as e:
+            run(features, tmp_path)
+    assert str(e.value) == (
+        f"--out {tmp_path}: writing the checkpoint of step 4 failed (No space left on device); "
+        f"the last checkpoint (step 3) in {tmp_path} is kept; free some space and run again with "
+        "--resume, or give an --out on another disk"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["heads.json", "heads.safetensors", "state.pt"]
+    assert checkpoint(tmp_path)["step"] == 3
+
+
+def test_a_full_disk_under_the_heads_files_leaves_no_temporary_file(features, tmp_path):
+    """safetensors says only "os error 28": an OSError all the same, and neither temporary file."""
+    heads = heads_lib.build(heads_lib.HeadsConfig("medusa", num_heads=2), features[0])
+    real = checkpoint_lib.save_file
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    checkpoint_lib.save_file = full
+    try:
+        with pytest.raises(OSError) as e:
+            checkpoint_lib.save_heads(heads, str(tmp_path))
+    finally:
+        checkpoint_lib.save_file = real
+    assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
+
+
 # --- user data ----------------------------------------------------------------------------------
 
 GOOD = {
@@ -458,6 +518,46 @@ def test_malformed_sharegpt_line_is_reported_with_its_number(default_model, tmp_
     assert ids[: loss.index(True)] == checkpoint_lib.encode(tokenizer, "Hi there")
 
 
+@pytest.mark.parametrize(
+    "content, skip_bad, words",
+    [
+        ("", False, ": no conversations in the file"),
+        ("\n \n", True, ": no conversations in the file"),
+        (
+            json.dumps(GOOD) + "\n{not json\n",
+            False,
+            "1 of 2 conversations cannot be read, the first: {path}, line 2: not valid JSON",
+        ),
+        (json.dumps(GOOD) + "\n{not json\n", False, "; fix it, or add --skip-bad to leave out"),
+        ('{"messages": []}\n', True, "1 of 1 conversation cannot be read, the first: "),
+        ('{"messages": []}\n', False, "; fix the file"),
+        ('{"conversations": [{"from": "human", "value": "Hi"}]}\n', False, "no conversation has"),
+        (b'{"messages": "caf\xe9"}', False, "not valid UTF-8 text"),
+    ],
+)
+def test_bad_data_is_reported_before_the_model_loads(tmp_path, content, skip_bad, words):
+    """dataset.check_data reads --data as read_sharegpt does, without the tokenizer."""
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(cli.UsageError) as e:
+        D.check_data(str(path), skip_bad)
+    assert str(e.value).startswith(f"--data {path}") and words.format(path=path) in str(e.value)
+
+
+def test_a_data_path_that_is_no_file_is_said_as_train_py_says_it(tmp_path):
+    for path, words in ((tmp_path / "nope.jsonl", "cannot read it"), (tmp_path, "is a folder")):
+        with pytest.raises(cli.UsageError, match=f"--data {path}: {words}.*or 'self'"):
+            D.check_data(str(path), skip_bad=False)
+
+
+def test_good_data_and_skipped_lines_pass_the_check_before_the_model_loads(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n{not json\n")
+    D.check_data(str(path), skip_bad=True)
+    path.write_text(json.dumps([GOOD, GOOD]))
+    D.check_data(str(path), skip_bad=False)
+
+
 def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(
     default_model, tmp_path, capsys
 ):
@@ -485,7 +585,7 @@ def test_data_files_people_have_json_arrays_messages_and_bad_lines_skipped(
         "\n".join([json.dumps(GOOD), "{not json", json.dumps(openai), '{"conversations": 3}'])
         + "\n"
     )
-    with pytest.raises(ValueError, match=r"line 2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"line 2: not valid JSON .*; fix it, or add --skip-bad"):
         D.read_sharegpt(str(lines), tokenizer)
     assert len(D.read_sharegpt(str(lines), tokenizer, skip_bad=True)) == 2
     assert "2 of 4 conversations left out (--skip-bad); the first: " in capsys.readouterr().err
@@ -991,6 +1091,40 @@ def test_self_distillation_keeps_long_prompts_that_finish_last(tmp_path, monkeyp
     assert len(set(kept)) == 6
 
 
+def test_no_prompt_that_fits_max_prompt_tokens_names_the_flag(tmp_path, monkeypatch):
+    """A --max-prompt-tokens shorter than any prompt the model writes: no prompt ends within it, so
+    none is kept, nothing is answered (the engine refuses an empty batch), and the run stops at once
+    naming the flag."""
+    from types import SimpleNamespace
+
+    class Tokenizer:
+        eos_token_id, chat_template = 2, "<role>content"
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f" w{t}" for t in ids)
+
+    def decode(model, prompts, max_new, stop, batch, temperature, top_p, seeds, top_k=0):
+        assert prompts, "max() arg is an empty sequence"  # engine.generate_batch's
+        assert not top_k, "nothing to answer"
+        return [([7] * max_new, None) for _ in prompts]  # cut at the limit, never ended
+
+    monkeypatch.setattr(D, "decode", decode)
+    monkeypatch.setattr(D, "seeded_prefix", lambda *a: ([1], "Answer this:"))
+    seeds = tmp_path / "seeds.json"
+    seeds.write_text(json.dumps({"tasks": {"qa": ["Answer this:"]}, "topics": ["bees"]}))
+    args = SimpleNamespace(
+        num_prompts=6, gen_batch=2, seed=0, seeds=str(seeds), max_prompt_tokens=3,
+        max_answer_tokens=8, answer_temperature=0.0, teacher_k=4,
+    )  # fmt: skip
+    model = SimpleNamespace(cfg=SimpleNamespace(eos_ids=[2]), device="cpu", modules=lambda: [])
+    with pytest.raises(cli.UsageError) as e:
+        D.self_distill(model, Tokenizer(), str(tmp_path / "d"), args)
+    assert str(e.value).startswith(
+        "--max-prompt-tokens 3: none of the 36 user prompts the model wrote ended within it"
+    )
+    assert "give a larger --max-prompt-tokens" in str(e.value)
+
+
 def test_eval_json_keeps_the_learning_curve(features, tmp_path):
     run(features, tmp_path)
     with open(tmp_path / "eval.json") as f:
@@ -1120,6 +1254,26 @@ def test_profile_train_refuses_bad_arguments(tmp_path):
     ):
         code, err = run_script(script, *argv)
         assert code == 2 and words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_a_features_pass_stopped_leaves_no_temporary_folder(tmp_path, stop):
+    """Ctrl-C (or a full disk) in the features pass, after a shard was written: neither the
+    features folder nor its .tmp is left."""
+    base = tiny_base()
+    real, calls = base.forward, [0]
+
+    def forward(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise stop
+        return real(*a, **k)
+
+    base.forward = forward
+    convs = [([1, 2, 3, 4, 5], [False, False, True, True, True])] * 4
+    with pytest.raises(stop):
+        D.features_of(base, convs, str(tmp_path / "features-chats"), top_k=4, batch_tokens=5)
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_bf16_data_model_is_a_copy_of_a_prepacked_fp32_base():

@@ -46,7 +46,7 @@ class Result:
     accepted: list = field(default_factory=list)  # per speculative step: drafted tokens accepted
     steps: int = 0  # base forward passes, the prefill included
     seconds: float = 0.0
-    stopped: str = ""  # "eos" | "length"
+    stopped: str = ""  # "eos" | "length" | "stop" (on_tokens ended it)
 
     def add(self, new, sources, limit, eos_ids) -> bool:
         """Append what a step emitted, up to EOS (kept) or `limit` tokens in all; True when done."""
@@ -227,7 +227,8 @@ def generate(
     cache=None,
 ) -> Result:
     """Up to max_new_tokens after `prompt` (a list of ids), verifying what `drafter` proposes
-    (drafters.py; None: plain decoding); on_tokens(new_ids, sources) is called as tokens come.
+    (drafters.py; None: plain decoding); on_tokens(new_ids, sources) is called as tokens come, and
+    a true value back ends the reply there (stopped "stop": a stop string, a reader gone).
     cache: a one-row KVCache to go on from (Conversation), whose slots [0, cache.length) hold
     prompt[:cache.length], as the drafter's state does; None: a new one."""
     started = time.perf_counter()
@@ -243,8 +244,9 @@ def generate(
     row = Row(drafter, choose_verifier(verify, temperature, top_p, generator), root)
     out.steps = 1  # the prefill
     done = out.add([root], [0], max_new_tokens, eos_ids)
-    if on_tokens:
-        on_tokens([root], [0])
+    if on_tokens and on_tokens([root], [0]) and not done:
+        done = True
+        out.stopped = "stop"
     while not done:
         (s,) = step(model, cache, drafter, [row])
         before = len(out.tokens)
@@ -252,8 +254,9 @@ def generate(
         out.steps += 1
         # the drafts emitted: fewer than were accepted where EOS or the limit cut the step
         out.accepted.append(min(len(s.ids) - 1, len(out.tokens) - before))
-        if on_tokens:
-            on_tokens(out.tokens[before:], out.sources[before:])
+        if on_tokens and on_tokens(out.tokens[before:], out.sources[before:]) and not done:
+            done = True
+            out.stopped = "stop"
         row.root = s.bonus
     out.seconds = time.perf_counter() - started
     return out

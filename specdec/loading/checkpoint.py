@@ -32,6 +32,7 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file, save_file
 
+import specdec.lesson  # noqa: F401 (first of the project: a model.py of yours is named, not used)
 from specdec import cli
 from specdec import ctrl_c
 from specdec.fast import kernels
@@ -58,8 +59,16 @@ class LoadError(ValueError):
 
 def save_tensors(tensors, path, metadata=None):
     """safetensors' save_file, the file then given the mode the umask gives a new file (as its
-    siblings have): save_file itself leaves it readable by its owner alone."""
-    save_file(tensors, path, metadata=metadata)
+    siblings have): save_file itself leaves it readable by its owner alone. A failure to write (a
+    full disk) is an OSError, as open()'s, where safetensors says only "os error 28"."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except Exception as e:  # safetensors' SafetensorError carries the errno in its message
+        number = re.search(r"\(os error (\d+)\)", str(e))
+        if number is None:
+            raise
+        code = int(number[1])
+        raise OSError(code, os.strerror(code), path) from e
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -535,11 +544,24 @@ def save_heads(heads, folder, dtype=torch.float16) -> None:
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
         for k, v in heads.state_dict().items()
     }
-    save_tensors(state, weights + ".tmp")
-    with open(config + ".tmp", "w") as f:
-        json.dump(asdict(heads.cfg), f, indent=1)
+    try:
+        save_tensors(state, weights + ".tmp")
+        with open(config + ".tmp", "w") as f:
+            json.dump(asdict(heads.cfg), f, indent=1)
+    except BaseException:  # a full disk, Ctrl-C: no temporary file is left behind
+        remove_quietly(weights + ".tmp", config + ".tmp")
+        raise
     os.replace(weights + ".tmp", weights)
     os.replace(config + ".tmp", config)
+
+
+def remove_quietly(*paths):
+    """Remove the files that exist of `paths` (temporary files a failed write leaves)."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def read_config(path) -> HeadsConfig:

@@ -260,6 +260,9 @@ def seeded_prefix(tokenizer, rng, tasks, topics, counts):
 
 
 DRY_PROMPTS = 4096  # written in a row with none kept: the model cannot write prompts
+# written with none ended: --max-prompt-tokens is too short for the model's prompts (or it never
+# ends a turn); said at once rather than after DRY_PROMPTS
+UNENDED_PROMPTS = 32
 
 
 def self_distill(model, tokenizer, folder, args):
@@ -286,7 +289,7 @@ def self_distill(model, tokenizer, folder, args):
     # each reply samples on its own generator (the engine's rows), seeded from this one
     seeder = torch.Generator().manual_seed(args.seed * 1_000_003 + have)
     batch = args.gen_batch or kernels.sizes(model.device, kernels.in_use(model).native).gen_batch
-    t0, counts = time.time(), dict(new=0, answer=0, tried=0, kept=0)
+    t0, counts = time.time(), dict(new=0, answer=0, tried=0, ended=0, kept=0)
     bar = tqdm(total=args.num_prompts, initial=have, desc="data", unit="conv", disable=None)
     pending, dry = [], 0  # dry: prompts written since the last one kept
 
@@ -322,6 +325,7 @@ def self_distill(model, tokenizer, folder, args):
             for i, (written, _) in enumerate(written_all):
                 counts["new"], counts["tried"] = counts["new"] + len(written), counts["tried"] + 1
                 if written[-1] in stop:
+                    counts["ended"] += 1
                     ended[i] = (
                         seeded[i][1] + tokenizer.decode(written[:-1], skip_special_tokens=True)
                     ).strip()
@@ -331,6 +335,13 @@ def self_distill(model, tokenizer, folder, args):
                     prompts.append(ended[i])
             for task, n in task_counts(prompts, tasks).items():
                 counts_by_task[task] += n
+            if not counts["ended"] and counts["tried"] >= UNENDED_PROMPTS:
+                raise UsageError(
+                    f"--max-prompt-tokens {args.max_prompt_tokens}: none of the "
+                    f"{counts['tried']} user prompts the model wrote ended within it (with one "
+                    f"of the stop tokens {sorted(stop)}), so no prompt fit; give a larger "
+                    "--max-prompt-tokens, or your own data with --data"
+                )
             dry = dry + 2 * want if not prompts else 0
             if dry >= DRY_PROMPTS:  # else this loop would never end
                 raise UsageError(
@@ -339,6 +350,8 @@ def self_distill(model, tokenizer, folder, args):
                     "tokens and be new); use a chat model whose end-of-turn token is among its EOS "
                     "ids, or give your own data with --data"
                 )
+            if not prompts:  # none kept this round: write more
+                continue
             # 2. their answers, greedy, with features, in one stream (finished rows are refilled);
             # a shard whenever a batch of them are done
             encoded = [encode(tokenizer, p) for p in prompts]
@@ -587,6 +600,46 @@ def conversation_tokens(messages, tokenizer, where, cut=()):
     return ids, loss
 
 
+SKIP_BAD = "fix it, or add --skip-bad to leave out the conversations that cannot be read"
+
+
+def check_data(path, skip_bad):
+    """--data FILE, before the model loads: a conversations file that --export-conversations
+    wrote, or a ShareGPT-style file whose records all read as conversations (as read_sharegpt
+    reads them, but for the chat template, which needs the model's tokenizer): one with an
+    assistant's turn, none that cannot be read unless skip_bad. A UsageError names the first
+    problem and, where it is a record's, --skip-bad."""
+    if path.endswith(".safetensors"):
+        conversation_tensors(path)
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"--data {path}: is a folder; {DATA_FIX}")
+    try:
+        found = records(path)
+    except OSError as e:
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {DATA_FIX}") from None
+    except ValueError as e:  # not UTF-8, a JSON array that does not parse
+        raise UsageError(f"--data {e}") from None
+    readable, bad = [], []
+    for where, record in found:
+        try:
+            readable.append(messages_of(record, where))
+            cut_replies(record, readable[-1], where)
+        except ValueError as e:
+            bad.append(str(e))
+    if bad and (not skip_bad or len(bad) == len(found)):
+        held = f"{len(bad)} of {plural(len(found), 'conversation')} cannot be read"
+        fix = SKIP_BAD if len(bad) < len(found) else "fix the file"
+        raise UsageError(f"--data {path}: {held}, the first: {bad[0]}; {fix}")
+    if not found:
+        raise UsageError(f"--data {path}: no conversations in the file; give one a line")
+    if not any(m["role"] == "assistant" for messages in readable for m in messages):
+        raise UsageError(
+            f'--data {path}: no conversation has an assistant turn ("from": "gpt" or "role": '
+            '"assistant"); heads learn from the assistant\'s replies, so add them'
+        )
+
+
 def read_sharegpt(path, tokenizer, skip_bad=False):
     """[(ids, loss mask)] from a ShareGPT-style or OpenAI-style data file (JSONL or a JSON array).
     The loss mask marks the assistant's tokens, but not the end-of-turn of a reply the record
@@ -607,7 +660,7 @@ def read_sharegpt(path, tokenizer, skip_bad=False):
             convs.append(conversation_tokens(messages, tokenizer, where, cut))
         except ValueError as e:
             if not skip_bad:
-                raise
+                raise ValueError(f"{e}; {SKIP_BAD}") from None
             bad.append(str(e))
     if bad:
         notice(
@@ -814,11 +867,22 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
     """One pass of the base model over user conversations -> shards like self_distill's (with
     `prompts` in their metadata when given), a shard every `batch_tokens` tokens (~75 MB: few files
     open while training reads them). They are written into folder.tmp with key.json last
-    (see data_key), and renamed over folder at the end: an interrupted pass leaves the old folder
-    or none, never a part."""
+    (see data_key), and renamed over folder at the end: an interrupted pass (Ctrl-C, a full disk)
+    leaves the old folder or none, never a part, and no folder.tmp."""
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        write_features(model, convs, tmp, top_k, batch_tokens, key, prompts)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def write_features(model, convs, tmp, top_k, batch_tokens, key, prompts):
+    """features_of's pass, into the folder `tmp`: the shards, then key.json."""
     batch, size, n = [], 0, 0
     bar, t0 = tqdm(convs, desc="features", disable=None), time.time()
     for i, (ids, loss) in enumerate(bar):
@@ -855,8 +919,6 @@ def features_of(model, convs, folder, top_k, batch_tokens=1 << 16, key=None, pro
             f,
             indent=1,
         )
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
 
 
 def map_shard(path):
@@ -939,18 +1001,20 @@ KEY_FILE = "key.json"
 SHARD_KEYS = {"ids", "loss", "hidden", "top_ids", "top_p", "offsets"}
 
 
+DATA_FIX = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
+
+
 def file_digest(path):
     """--data FILE: the sha256 of its bytes, or a UsageError saying what is wrong with the path."""
-    fix = "give a ShareGPT-style JSONL file, or 'self' to let the model write its own data"
     if os.path.isdir(path):
-        raise UsageError(f"--data {path}: is a folder; {fix}")
+        raise UsageError(f"--data {path}: is a folder; {DATA_FIX}")
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
     except OSError as e:
-        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {fix}") from None
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror}); {DATA_FIX}") from None
     return h.hexdigest()
 
 

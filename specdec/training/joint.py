@@ -21,6 +21,12 @@ nothing more), so `--heads FOLDER` decodes with the adapted model and `--heads n
 one. Greedy speculative decoding is lossless against the adapted model (tests/test_joint.py).
 
     python -m specdec.training.joint --init weights/smollm2-135m-instruct/medusa --out medusa-2
+    python -m specdec.training.joint ... --out medusa-2 --resume     # after Ctrl-C or kill -9
+
+It says what it does as it goes (the model loading, the teacher's pass, the steps), and keeps a
+checkpoint as train.py does (resume.py's state.pt, with the LoRA weights beside the heads') every
+--save-every seconds, at the end, and at Ctrl-C or SIGTERM, after the step in flight (exit 130 or
+143); --resume continues it, to the weights an uninterrupted run ends with.
 
 Test: `python -m pytest -q tests/test_joint.py`. Shapes: B batch, T time, D hidden, r LoRA rank.
 """
@@ -45,6 +51,7 @@ from specdec.fast import kernels
 from specdec.training import losses
 import model as model_lib
 from specdec.training import prepare
+from specdec.training import resume
 from specdec.training.batches import make_batches, split
 from specdec.training.evaluate import evaluate as evaluate_heads
 from specdec.training.session import StopFlag
@@ -151,15 +158,24 @@ def save_delta(adapted, folder, base):
 # -------------------------
 
 
+def say(message):
+    """What the run is doing, on stderr, at once."""
+    print(f"[joint] {message}", file=sys.stderr, flush=True)
+
+
 @torch.inference_mode()
 def joint_data(model, convs, first, top_k):
     """A data dict as dataset.load_data's (ids, loss, offsets, teacher_top1, top_ids, top_p), whose
-    "hidden" holds the residual stream entering layer `first` rather than the final hidden state."""
+    "hidden" holds the residual stream entering layer `first` rather than the final hidden state.
+    A line every tenth of the conversations says how far it is."""
     caught = {}
     hook = model.layers[first - 1].register_forward_hook(lambda m, a, out: caught.update(x=out))
     cols = {"ids": [], "loss": [], "hidden": [], "top_ids": [], "top_p": []}
+    t0 = time.time()
     try:
-        for ids, loss in convs:
+        for i, (ids, loss) in enumerate(convs):
+            if i and i % max(1, len(convs) // 10) == 0:
+                say(f"the teacher's pass: {i}/{len(convs)} conversations, {time.time() - t0:.0f} s")
             logits, _ = model(
                 torch.tensor([ids], device=model.device),
                 torch.arange(len(ids), device=model.device),
@@ -285,6 +301,7 @@ def run(args):
     device = torch.device(cli.pick_device(args.device))
     if device.type == "cpu":
         cli.use_threads(args.threads)
+    say(f"loading the model ({args.model}) on {device}")
     base, _ = checkpoint.load(args.model, device, torch.float32)
     if args.layers >= base.cfg.n_layers:
         raise cli.UsageError(
@@ -329,6 +346,10 @@ def run(args):
     if os.path.exists(cached):  # the same model, data, split and layer: computed by an earlier run
         data = load_file(cached)
     else:
+        say(
+            f"the teacher's pass over {cli.plural(len(train_convs + held_out), 'conversation')}: "
+            f"the stream into layer {first} and the model's top-{args.teacher_k}, computed once"
+        )
         data = joint_data(writer, [convs[i] for i in train_convs + held_out], first, args.teacher_k)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         save_file(data, cached + ".tmp")
@@ -360,26 +381,48 @@ def run(args):
         weight_decay=0.0,
     )
     lm_rows = base.lm_head.weight.detach()[heads.kept_ids]  # (V', D)
-    before = evaluate(adapted, heads, base, data, held, to_kept, args)
-    print(report_line(0, before), file=sys.stderr, flush=True)
+    bf16 = kernels.pick_dtype(args.train_dtype, device.type, native=False) == torch.bfloat16
+    identity = resume.run_identity(heads, data, args, 1, bf16, key["weights"])
+    more = {"adapted": adapted}  # what state.pt keeps beside the heads
+    base_lrs = [g["lr"] for g in opt.param_groups]  # before a checkpoint's scheduled ones
+    start = 0  # the step the checkpoint holds
+    progress = {"curve": []}
+    if resume.resumable(args.out, args):
+        start, progress = resume.load_checkpoint(args.out, heads, opt, identity, more)
+        say(f"resumed from step {start} in {args.out}")
+    elif args.resume:
+        say(f"no checkpoint in {args.out}; starting from step 0")
+    curve = progress["curve"]  # the held-out evaluations so far
+    if not curve:
+        before = evaluate(adapted, heads, base, data, held, to_kept, args)
+        print(report_line(0, before), file=sys.stderr, flush=True)
+        curve.append(curve_point(0, before))
     batches = [
         b
         for e in range(args.epochs)
         for b in make_batches(data["offsets"].diff(), trained, args.batch_tokens, args.seed, e)
     ]
-    curve, t0 = (
-        [
-            dict(
-                step=0,
-                **{k: before[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")},
-            )
-        ],
-        time.time(),
-    )
-    bf16 = kernels.pick_dtype(args.train_dtype, device.type, native=False) == torch.bfloat16
-    base_lrs = [g["lr"] for g in opt.param_groups]
+    t0 = time.time()
+    saved_step = start  # the last checkpoint's step, and when it was written
+    saved_at = time.time()
+
+    def save(step):
+        """The checkpoint of `step`: state.pt (heads, LoRA, optimizer), the heads' files and the
+        delta's; a full disk is one line."""
+        nonlocal saved_step, saved_at
+        try:
+            resume.save_checkpoint(args.out, heads, opt, step, identity, progress, more)
+            save_delta(adapted, args.out, base)
+        except OSError as e:
+            kept = resume.kept_line(args.out, saved_step)
+            raise resume.saving_failed(args.out, step, e, kept) from None
+        saved_step = step
+        saved_at = time.time()
+
     with StopFlag() as stop:
         for step, convs_b in enumerate(batches, start=1):
+            if step <= start:  # done before the checkpoint: the batches are fixed by seed, epoch
+                continue
             batch = losses.collate(data, convs_b, to_kept, heads.cfg.num_heads, device)
             warm = min(1.0, step / 50) * 0.5 * (1 + math.cos(math.pi * step / len(batches)))
             for g, lr in zip(opt.param_groups, base_lrs):
@@ -398,28 +441,27 @@ def run(args):
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
             opt.step()
-            if step % 10 == 0:
-                print(
-                    f"[joint] step {step}/{len(batches)}: loss {loss.item():.3f} (distill "
-                    f"{distill.item():.3f}, heads "
-                    f"{heads_loss.item():.3f}), {time.time() - t0:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
+            if step % 10 == 0 or step == start + 1:
+                say(
+                    f"step {step}/{len(batches)}: loss {loss.item():.3f} (distill "
+                    f"{distill.item():.3f}, heads {heads_loss.item():.3f}), "
+                    f"{time.time() - t0:.0f} s"
                 )
-            if step % args.eval_every == 0 or step == len(batches) or stop.signum:
+            if step % args.eval_every == 0 and step < len(batches) and not stop.signum:
                 r = evaluate(adapted, heads, base, data, held, to_kept, args)
-                curve.append(
-                    dict(
-                        step=step,
-                        **{k: r[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")},
-                    )
-                )
+                curve.append(curve_point(step, r))
                 print(report_line(step, r), file=sys.stderr, flush=True)
+            if stop.signum or step == len(batches) or time.time() - saved_at >= args.save_every:
+                save(step)
             if stop.signum:
-                break
-    os.makedirs(args.out, exist_ok=True)
-    checkpoint.save_heads(heads, args.out)
-    save_delta(adapted, args.out, base)
+                say(
+                    f"stopped by signal {stop.signum} at step {step}; checkpoint written to "
+                    f"{args.out} (--resume continues)"
+                )
+                return 128 + stop.signum
+    r = evaluate(adapted, heads, base, data, held, to_kept, args)
+    curve.append(curve_point(len(batches), r))
+    print(report_line(len(batches), r), file=sys.stderr, flush=True)
     r.update(
         curve=curve,
         seconds=round(time.time() - t0),
@@ -428,8 +470,15 @@ def run(args):
     )
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(r, f, indent=1)
-    print(f"[joint] heads and LoRA delta in {args.out}", file=sys.stderr)
-    return 130 if stop.signum else 0
+    say(f"heads and LoRA delta in {args.out}")
+    return 0
+
+
+def curve_point(step, r):
+    """One point of eval.json's learning curve."""
+    return dict(
+        step=step, **{k: r[k] for k in ("chain_tau", "top1", "greedy_agreement", "kl_topk")}
+    )
 
 
 def build_parser():
@@ -490,10 +539,22 @@ def build_parser():
         choices=["auto", "fp32", "bf16"],
         help="matrix products in training",
     )
+    p.add_argument(
+        "--save-every",
+        type=float,
+        default=120,
+        help="checkpoint every this many seconds (0 = after every step), and at the end",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run whose checkpoint (state.pt) is in --out, with the same flags",
+    )
     dataset.run_flags(
         p,
         "train.py's split and the batch order",
-        "the heads folder to write (heads, lora.safetensors, eval.json); must not hold a run",
+        "the heads folder to write (heads, lora.safetensors, state.pt, eval.json): new or empty, "
+        "or with --resume the run's own",
     )
     return p
 
@@ -531,9 +592,19 @@ def check_args(args):
             )
     if args.batch_tokens < 16:
         raise cli.UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 16")
+    if not (math.isfinite(args.save_every) and args.save_every >= 0):
+        raise cli.UsageError(f"--save-every {args.save_every}: must be a number of seconds >= 0")
     cli.check_seed(args.seed)
     init_folder(args.init)
     dataset.check_conversations_file(args.data)
+    cli.writable_folder("--out", args.out)
+    if resume.resumable(args.out, args):  # its flags are these (else refused now)
+        return
+    if os.path.isfile(os.path.join(args.out, resume.STATE)):
+        raise cli.UsageError(
+            f"--out {args.out}: holds a run's checkpoint ({resume.STATE}); --resume continues it, "
+            "or give a new or empty folder"
+        )
     cli.empty_folder("--out", args.out)
 
 

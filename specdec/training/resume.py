@@ -16,6 +16,9 @@ a notice says so.
     step, progress = load_checkpoint(out, heads, opt, identity)
     save_checkpoint(out, heads, opt, step, identity, progress)
 
+More modules than the heads (joint.py's LoRA) travel in the same state.pt: `more`, a dict of them by
+name, in save_checkpoint and load_checkpoint.
+
 Tests: tests/test_train.py, tests/test_train_cli.py.
 """
 
@@ -121,29 +124,58 @@ def run_identity(heads, data, args, world, bf16, weights):
     }
 
 
-def save_checkpoint(folder, heads, opt, step, identity, progress=None):
+def save_checkpoint(folder, heads, opt, step, identity, progress=None, more=None):
+    """state.pt, then the heads' files. A write that fails (a full disk: an OSError, the one
+    behind torch's own error where it raised one) or is stopped leaves no temporary file, and the
+    previous checkpoint whole. more: other modules to keep, by name."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(
-            {
-                "heads": heads.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "progress": progress,
-                **identity,
-            },
-            f,
-        )
-        f.flush()
-        os.fsync(f.fileno())
+    modules = {name: module.state_dict() for name, module in (more or {}).items()}
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(
+                {
+                    "heads": heads.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "progress": progress,
+                    **({"modules": modules} if modules else {}),
+                    **identity,
+                },
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        checkpoint.remove_quietly(path + ".tmp")
+        if isinstance(e, RuntimeError) and cli.os_error(e):
+            raise cli.os_error(e) from None
+        raise
     os.replace(path + ".tmp", path)
     checkpoint.save_heads(heads, folder)
 
 
-def load_checkpoint(folder, heads, opt, identity):
-    """Load state.pt into heads and opt (built as for a fresh run); returns the step to continue at
-    and the progress so far (assistant tokens trained on, the learning curve)."""
+def saving_failed(out, step, error, kept):
+    """The one line for a checkpoint a disk did not take (an OSError): --out, the step, what is
+    kept (a sentence: kept_line's) and the fix."""
+    return UsageError(
+        f"--out {out}: writing the checkpoint of step {step} failed "
+        f"({error.strerror or error}); {kept}; free some space and run again with --resume, or "
+        "give an --out on another disk"
+    )
+
+
+def kept_line(out, saved_step):
+    """What a run stopped by an error leaves: its last checkpoint (0: none), in a sentence."""
+    if saved_step:
+        return f"the last checkpoint (step {saved_step}) in {out} is kept"
+    return "no checkpoint was written"
+
+
+def load_checkpoint(folder, heads, opt, identity, more=None):
+    """Load state.pt into heads and opt (built as for a fresh run), and into the modules of `more`
+    (by name, as saved); returns the step to continue at and the progress so far (assistant tokens
+    trained on, the learning curve)."""
     state = read_checkpoint(folder)
     if "heads" not in state:
         raise ValueError(
@@ -179,8 +211,17 @@ def load_checkpoint(folder, heads, opt, identity):
             f"({'; '.join(differ) or 'another kept vocabulary'}); "
             "resume with the same flags and data, or use another --out"
         )
+    modules = state.get("modules", {})
+    if set(modules) != set(more or {}):
+        raise ValueError(
+            f"{folder}/{STATE} holds {', '.join(['heads', *modules])}, this run trains "
+            f"{', '.join(['heads', *(more or {})])}; resume it with the script that wrote it, or "
+            "use another --out"
+        )
     heads.load_state_dict(state["heads"])
     opt.load_state_dict(state["opt"])
+    for name, module in (more or {}).items():
+        module.load_state_dict(modules[name])
     return state["step"], state.get("progress") or {"tokens": 0, "curve": []}
 
 
@@ -201,10 +242,9 @@ def check_out(out, args):
             "replace; give a new --out, or --retrain-shipped to replace them on purpose"
         )
     files = checkpoint.run_files(out)
-    if args.resume and STATE in files:
-        saved = read_checkpoint(out).get("flags", {})
-        refuse_other_flags(out, resume_differences(saved, recorded_flags(args))[0])
-    elif files and not args.overwrite:
+    if resumable(out, args):
+        return
+    if files and not args.overwrite:
         held = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
         why = f"--resume finds no checkpoint ({STATE}) in it, and it" if args.resume else "it"
         resume = "--resume to continue the run in it, " if STATE in files else ""
@@ -212,6 +252,16 @@ def check_out(out, args):
             f"--out {out}: {why} holds a previous run's {held}, which training would "
             f"overwrite; give a new --out, {resume}or --overwrite to start afresh"
         )
+
+
+def resumable(out, args):
+    """--resume with a checkpoint in `out`: its flags checked against args' (refused now, before
+    the data is built, where they differ), and True; else False."""
+    if not (args.resume and os.path.isfile(os.path.join(out, STATE))):
+        return False
+    saved = read_checkpoint(out).get("flags", {})
+    refuse_other_flags(out, resume_differences(saved, recorded_flags(args))[0])
+    return True
 
 
 def clear_run(out):

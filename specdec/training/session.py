@@ -118,10 +118,7 @@ class Session:
         if rank0 and (
             signum or step == total or time.time() - self.last_save >= self.args.save_every
         ):
-            resume.save_checkpoint(
-                self.out, self.heads, self.opt, step, self.identity, self.progress
-            )
-            self.last_save, self.saved_step = time.time(), step
+            self.save(step)
             # no progress bar (output not a terminal, e.g. a log file): a line per checkpoint
             if self.bar.disable:
                 self.log(
@@ -137,11 +134,21 @@ class Session:
             )
             sys.exit(128 + signum)
 
+    def save(self, step):
+        """The checkpoint of `step`; a disk that cannot take it (full) stops the run with one line
+        naming --out and what is kept."""
+        try:
+            resume.save_checkpoint(
+                self.out, self.heads, self.opt, step, self.identity, self.progress
+            )
+        except OSError as e:
+            raise resume.saving_failed(self.out, step, e, self.kept()) from None
+        self.last_save = time.time()
+        self.saved_step = step
+
     def kept(self):
         """What a run stopped by an error leaves: its last checkpoint, if any."""
-        if self.saved_step:
-            return f"the last checkpoint (step {self.saved_step}) in {self.out} is kept"
-        return "no checkpoint was written"
+        return resume.kept_line(self.out, self.saved_step)
 
     def finish(self):
         """Rank 0: the final held-out evaluation, into eval.json with the learning curve."""
@@ -151,8 +158,14 @@ class Session:
         point = curve_point(self.step, self.progress["tokens"], report)
         report["curve"] = self.progress["curve"] + [point]
         os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, "eval.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(os.path.join(self.out, "eval.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        except OSError as e:
+            raise cli.UsageError(
+                f"--out {self.out}: writing eval.json failed ({e.strerror or e}); the heads "
+                f"of step {self.step} are in it; free some space to keep the evaluation"
+            ) from None
         self.log(eval_line(self.step, report))
         self.log(
             f"[train] done: {cli.plural(self.step, 'step')}, {time.time() - self.t0:.0f} s; "
