@@ -791,3 +791,10 @@ def test_exact_is_refused_where_its_kernels_cannot_run(
     monkeypatch.setattr(exact, "INTERPRETED", interpreted)
     code, _, err = run_bench(capsys, "--exact", "--device", "cpu", *argv)
     check_one_line_error(code, err, words)
+
+
+def test_a_plots_folder_with_a_trailing_slash_is_named_once(capsys, tmp_path, tiny_model_dir):
+    folder = f"{tmp_path / 'plots'}/"
+    argv = [*short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--plots", folder]
+    code, _, err = run_bench(capsys, *argv)
+    assert code == 0 and "//" not in err and f"{folder}speedup.png" in err, err

@@ -516,3 +516,51 @@ def test_ctrl_c_after_measuring_keeps_the_table_and_the_json(
     assert code == 130, err
     assert "| plain |" in out
     assert json.loads(record.read_text())["methods"]["plain"]["new_tokens"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generate_resume_continues_an_interrupted_run_to_the_uninterrupted_file(
+    capsys, tmp_path, tiny_model_dir, monkeypatch, batch
+):
+    """generate.py --prompts --out, stopped by Ctrl-C after two replies, then the same command with
+    --resume: the file holds what one uninterrupted run writes (seconds aside), sampled too (a
+    batch seeds each prompt by its line, whichever prompts are left)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    flags = ["--model", tiny_model_dir, "--prompts", prompts, "--max-new-tokens", 3, "--quiet"]
+    flags += ["--batch-size", batch] + (["--temperature", 0.8, "--seed", 3] if batch > 1 else [])
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(capsys, *flags, "--out", whole)[0] == 0
+    out = tmp_path / "out.jsonl"
+    done = terminal.Replies.done
+    written = []
+
+    def stopping(self, i, r):  # Ctrl-C as the third reply ends
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        done(self, i, r)
+        written.append(i)
+
+    with monkeypatch.context() as m:
+        m.setattr(terminal.Replies, "done", stopping)
+        assert run_cli(capsys, *flags, "--out", out)[0] == 130
+    assert len(out.read_text().splitlines()) == 2
+    code, _, err = run_cli(capsys, *flags, "--out", out, "--resume")
+    assert code == 0, err
+    assert sorted(without_times(out), key=str) == sorted(without_times(whole), key=str)
+    code, _, err = run_cli(capsys, *flags, "--out", out, "--resume")
+    assert code == 0 and "holds a row for every prompt; nothing to do" in err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--prompt", "hi"], "--resume continues the --out file of a --prompts run"),
+        (["--out", "o.jsonl", "--overwrite"], "--resume keeps the rows --out holds"),
+    ],
+)
+def test_resume_needs_prompts_and_out_and_no_overwrite(capsys, tmp_path, no_model, flags, words):
+    prompts = write_prompts(tmp_path / "p.jsonl", 1)
+    if "--prompt" not in flags:
+        flags = ["--prompts", prompts, *flags]
+    code, _, err = run_cli(capsys, *flags, "--resume")
+    assert code == 2 and words in err, err

@@ -771,3 +771,24 @@ def test_a_print_in_teacher_loss_shows_on_python_train_py(tmp_path, tiny_model_d
     )
     assert p.returncode == 0, p.stderr
     assert "a reader was here" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("", "--data"),
+        ("not json\n", "fix the file"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '
+            '"hello"}]}\nnot json\n',
+            "--skip-bad",
+        ),
+    ],
+)
+def test_empty_or_malformed_data_is_refused_before_the_model_loads(
+    no_model, capsys, tmp_path, content, words
+):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(content)
+    code, _, err = run_train(capsys, "--data", data, "--out", tmp_path / "out")
+    assert code == 2 and words in err and "Traceback" not in err, err

@@ -129,4 +129,5 @@ def plot_bench(res, mach, folder, partial=None):
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "acceptance.png"), dpi=120)
-    print(f"[plots] {folder}/speedup.png, {folder}/acceptance.png", file=sys.stderr)
+    written = [os.path.join(folder, name) for name in ("speedup.png", "acceptance.png")]
+    print(f"[plots] {', '.join(written)}", file=sys.stderr)

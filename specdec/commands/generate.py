@@ -61,6 +61,12 @@ def add_prompt_flags(p):
         help="replace an existing --out file (else refused: decoding would empty it)",
     )
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --prompts and --out: continue an interrupted run: the prompts whose rows --out "
+        "holds are left out, the others' rows appended (a last row cut short is cut off)",
+    )
+    p.add_argument(
         "--chat",
         action="store_true",
         help="talk: type a message, the reply streams; the KV cache is kept between turns, so each "
@@ -308,6 +314,14 @@ def check_prompt_flags(args):
         if getattr(args, flag) is not None:
             cli.check_text(getattr(args, flag), f"--{flag}")
     cli.check_counts(args, "max_new_tokens", "batch_size")
+    if args.resume and not (args.prompts and args.out):
+        raise cli.UsageError(
+            "--resume continues the --out file of a --prompts run; give both, or drop --resume"
+        )
+    if args.resume and args.overwrite:
+        raise cli.UsageError(
+            "--resume keeps the rows --out holds and --overwrite replaces them; give one of them"
+        )
 
 
 def check_chat_flags(args):
@@ -372,7 +386,8 @@ def check_args(args, parser):
     draft = catalog.draft_flags(args.draft, given, args.heads, args.tree, args.draft_model)
     if args.out:
         replaced = "decoding would empty it"
-        cli.new_file("--out", args.out, "replies.jsonl", args.prompts, args.overwrite, replaced)
+        kept = args.overwrite or args.resume  # --resume appends to it
+        cli.new_file("--out", args.out, "replies.jsonl", args.prompts, kept, replaced)
     check_online(args, draft.kind)
     device = cli.pick_device(args.device)
     kernels.pick_dtype(args.dtype, device, args.quantize)
@@ -497,16 +512,17 @@ def check_batch_memory(model, drafter, encoded, batch_size):
 
 
 @contextlib.contextmanager
-def open_output(path):
+def open_output(path, resume=False):
     """--out, opened for writing (None: no file), only once the model is loaded: a Ctrl-C before
     (even one whose exception a finalizer swallowed) leaves the old file whole. A run stopped
-    before its first reply is written removes the file: an empty --out would refuse the rerun."""
+    before its first reply is written removes the file: an empty --out would refuse the rerun.
+    resume: the rows are appended to those an interrupted run left."""
     specdec.ctrl_c.check()
     if not path:
         yield None
         return
     try:
-        f = open(path, "w", encoding="utf-8")
+        f = open(path, "a" if resume else "w", encoding="utf-8")
     except OSError as e:
         raise cli.UsageError(f"--out {path}: cannot write it ({e.strerror})") from None
     try:
@@ -545,11 +561,11 @@ def one_by_one(dec, encoded, replies, *, stream, show, lesson):
     return decoding_seconds(dec, t0)
 
 
-def batch(dec, encoded, replies, *, batch_size, seed):
+def batch(dec, encoded, replies, *, batch_size, seeds):
     """batch_size prompts side by side, each reply printed whole as it ends; prompt i samples from
-    its own generator, seeded seed + i. Returns the seconds it decoded."""
+    its own generator, seeded seeds[i]. Returns the seconds it decoded."""
     device = dec.model.device
-    generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(len(encoded))]
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     t0 = time.perf_counter()
     engine.generate_batch(
         dec.model,
@@ -606,6 +622,13 @@ def main(args, lesson):
     dtype = kernels.pick_dtype(args.dtype, device, args.quantize)
     threads = cli.use_threads(args.threads) if device == "cpu" else None
     prompts = read_prompts(args)
+    line = {pid: i for i, (pid, _, _) in enumerate(prompts)}  # a batch seeds prompt i --seed + i
+    if args.resume:
+        done = terminal.resume_out(args.out, [pid for pid, _, _ in prompts])
+        prompts = [p for p in prompts if p[0] not in done]
+        if not prompts:
+            cli.notice(f"--resume: --out {args.out} holds a row for every prompt; nothing to do")
+            return 0
     batch_size = batch_rows(args.batch_size, prompts)
     show = args.show and sys.stdout.isatty()  # colour codes only on a terminal, never a file
     temperature = 0.0 if verify_lib.is_greedy(args.temperature) else args.temperature
@@ -651,7 +674,10 @@ def main(args, lesson):
     terminal.announce(dec, draft, device=device, quantize=args.quantize, threads=threads, show=show)
 
     args.decoding = True  # from here on a Ctrl-C stops a reply whose text is on the screen
-    with open_output(args.out) as out, online_saved(learner, args.online_save, args.heads):
+    with (
+        open_output(args.out, args.resume) as out,
+        online_saved(learner, args.online_save, args.heads),
+    ):
         whole = batch_size > 1 and not args.quiet
         replies = terminal.Replies([pid for pid, _, _ in encoded], dec, whole=whole, out=out)
         if args.chat:
@@ -667,7 +693,8 @@ def main(args, lesson):
                 dec, encoded, replies, stream=not args.quiet, show=show, lesson=lesson
             )
         else:
-            seconds = batch(dec, encoded, replies, batch_size=batch_size, seed=args.seed)
+            seeds = [args.seed + line[pid] for pid, _, _ in encoded]
+            seconds = batch(dec, encoded, replies, batch_size=batch_size, seeds=seeds)
         replies.report(seconds)
 
 

@@ -267,6 +267,8 @@ def check_args(args):
     kernels.pick_dtype(args.dtype, "cpu", native=False)
     if args.data == "self":
         dataset.read_seeds(args.seeds)
+    else:  # a file, read now: its mistakes cost a second, not a model's load
+        dataset.check_data(args.data, args.skip_bad)
     for flag in ("work", "out"):
         if getattr(args, flag) is not None:
             writable_folder(f"--{flag}", getattr(args, flag))
