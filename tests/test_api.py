@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
+from specdec.commands import generate as command
 from conftest import save_tiny_model
 from specdec import api
 from specdec import drafters
@@ -387,14 +388,14 @@ def test_messages_are_put_in_the_keywords_words():
 def test_the_keywords_defaults_are_generate_pys_flags():
     """Each keyword of load(), generate() and chat() that names a flag has the flag's default;
     generate_batch's batch_size is the API's own (8 rows: --batch-size 1 means one at a time)."""
-    parser = generate.build_parser()
+    parser = command.build_parser()
     for function in (api.load, api.Decoder.generate, api.Decoder.chat, api.Decoder.generate_batch):
         for name, p in inspect.signature(function).parameters.items():
             if p.default is inspect.Parameter.empty or name == "batch_size":
                 continue
             assert p.default == parser.get_default(name), f"{function.__name__}: {name}"
-    assert api.MAX_NEW_TOKENS == generate.MAX_NEW_TOKENS
-    assert set(api.SIZES) == set(generate.SIZES)
+    assert api.MAX_NEW_TOKENS == command.MAX_NEW_TOKENS
+    assert set(api.SIZES) == set(command.SIZES)
 
 
 def test_importing_the_package_imports_nothing():
