@@ -1,5 +1,7 @@
-"""The decode loop the program runs: generate.py's ladder (prefill -> step -> generate) for many
-rows and every drafter. Read generate.py first: this is its twin, tested equal to it.
+"""generate.py's ladder (prefill -> step -> generate) for many rows and every drafter: its twin,
+tested equal to it. Read generate.py first. One prompt with heads or plain decoding runs
+generate.py's own generate() (reply() below chooses); a batch, a chat and every drafter beyond
+the heads (specdec/drafters.py) run this.
 
     prefill(model, cache, prompts)        one forward over the prompts: each one's last logits
     step(model, cache, drafter, rows)     one speculative step for every row of the cache:
