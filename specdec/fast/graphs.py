@@ -96,7 +96,7 @@ def static_forward(model, k_cache, v_cache, tokens, positions, tree, lengths, st
     slots = start + torch.arange(N, device=tokens.device)  # (N,) where the new entries go
     mask = step_mask(tree, lengths, start, S)[:, None]  # (B, 1, N, S)
     cos, sin = model.rope(positions, model.dtype)  # (B, 1, N, Dh)
-    x = model.embed(tokens)  # (B, N, D)
+    x = model.embed_tokens(tokens)  # (B, N, D): the lesson's model has no embed()
     for i, layer in enumerate(model.layers):
         x = static_layer(layer, x, cos, sin, mask, k_cache[i], v_cache[i], slots)
     hidden = model.norm(x)  # (B, N, D)
