@@ -138,6 +138,12 @@ def fresh(t):
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def own(t):
+    """t, or on CUDA a copy of it: a CUDA graph's outputs live in its memory pool until its next
+    replay, and the loop keeps some (the draft state) across steps."""
+    return t.clone() if t.device.type == "cuda" else t
+
+
 # --- the cache ------------------------------------------------------------------------------------
 
 
@@ -257,7 +263,7 @@ class CompiledModel:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are read
         logits, hidden = self.compiler.run(("verify", shape.key), self.verify, self.model, *args)
         self.steps += 1
-        return logits[:, :n], hidden[:, :n]  # (1, n, V), (1, n, D): the padding left out
+        return own(logits[:, :n]), own(hidden[:, :n])  # (1, n, V), (1, n, D): no padding
 
     def __call__(self, tokens, positions, mask=None, cache=None):
         why = self.why_eager(tokens, mask, cache)
@@ -275,8 +281,6 @@ class CompiledModel:
         ]
         logits = torch.cat([o[0] for o in out], dim=1) if len(out) > 1 else out[0][0]
         hidden = torch.cat([o[1] for o in out], dim=1) if len(out) > 1 else out[0][1]
-        if self.model.device.type == "cuda":  # a replay's outputs live until its next replay
-            logits, hidden = logits.clone(), hidden.clone()
         return logits, hidden  # (1, T, V), (1, T, D)
 
     def why_eager(self, tokens, mask, cache):
@@ -359,11 +363,11 @@ class CompiledHeads:
     def head(self, d, h, path):
         args = (self.heads, d, fresh(h), fresh(path))
         key = ("head", d, tuple(h.shape), tuple(path.shape))
-        return self.compiler.run(key, self.compiled_head, *args)  # (R*P, D)
+        return own(self.compiler.run(key, self.compiled_head, *args))  # (R*P, D)
 
     def project(self, z, d=None):
         key = ("project", d, tuple(z.shape))
-        return self.compiler.run(key, self.compiled_project, self.heads, fresh(z), d)  # (..., V')
+        return own(self.compiler.run(key, self.compiled_project, self.heads, fresh(z), d))
 
     def new_cache(self, max_len):
         if self.prefix is None:
@@ -397,10 +401,9 @@ class CompiledHeads:
             k, v = self.buffers.k, self.buffers.v
             args = (self.heads.prefix, k, v, x, at, self.scalars[:1], self.scalars[1:])
             y = self.compiler.run(("prefix", x.shape[1]), self.prefix, *args)  # (1, P, D)
-            out.append(y[:, :n])  # (1, n, D)
+            out.append(own(y[:, :n]))  # (1, n, D)
             cache.length += n
-        y = torch.cat(out, dim=1) if len(out) > 1 else out[0]
-        return y.clone() if y.device.type == "cuda" else y  # (1, T, D)
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]  # (1, T, D)
 
     @torch.inference_mode()
     def prepare(self, max_len, sizes, depth):
