@@ -132,6 +132,15 @@ def test_a_forward_it_cannot_serve_runs_the_readable_model_and_is_counted(small)
     assert torch.allclose(logits, small(tokens, torch.arange(3))[0], atol=1e-5)
     assert model.fallbacks == {"cache outside the buffers": 1}
     assert "eager: 1 (cache outside the buffers 1)" in model.summary()
+    with torch.inference_mode():  # a path longer than KEEP: moved eagerly, counted
+        cache = model.new_cache(64)
+        cache.length = 3
+        cache.k.normal_()
+        k = cache.k.clone()
+        path = list(range(0, 2 * compiled.KEEP + 2, 2))  # KEEP + 1 entries
+        cache.keep(path)
+        assert torch.equal(cache.k[:, :, :, 3 : 3 + len(path)], k[:, :, :, [3 + i for i in path]])
+    assert model.fallbacks[f"a keep of more than {compiled.KEEP}"] == 1
 
 
 # --- inductor -------------------------------------------------------------------------------------
