@@ -19,7 +19,9 @@ from torch._dynamo.utils import counters
 import generate
 import heads as heads_lib
 import tree as tree_lib
+from specdec import drafters
 from specdec import rows
+from specdec.engines import decode as decode_lib
 from specdec.fast import compiled
 from conftest import tiny_config
 from test_generate import random_heads
@@ -81,6 +83,19 @@ def test_a_prompt_longer_than_the_largest_bucket_is_forwarded_in_chunks(small, k
     fast = generate.generate(model, prompt, 20, heads, tree)
     assert fast == generate.generate(small, prompt, 20, kinds["hydra++"], tree)
     assert not model.fallbacks and not heads.fallbacks
+
+
+def test_the_engines_loop_takes_it_as_its_model_as_the_command_line_would(small, kinds):
+    """decode.generate (what generate.py's command line runs), its heads drafting eagerly: the
+    same tokens, and every forward through the compiled step (a prefill's last_only included)."""
+    model, _ = compiled.wrap(small, backend="eager")
+    tree = tree_lib.build(TREES[16])
+    for prompt in PROMPTS:
+        eager = decode_lib.generate(small, prompt, 30, drafters.HeadsDrafter(kinds["hydra"], tree))
+        fast = decode_lib.generate(model, prompt, 30, drafters.HeadsDrafter(kinds["hydra"], tree))
+        assert fast.tokens == eager.tokens and fast.steps == eager.steps
+    assert not model.fallbacks, model.summary()
+    assert model.keeps > 0
 
 
 # --- no recompilation -----------------------------------------------------------------------------

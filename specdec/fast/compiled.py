@@ -229,8 +229,12 @@ class CompiledModel:
     def v(self):
         return self.buffers.v
 
-    def new_cache(self, max_len=None):
+    def new_cache(self, max_len=None, batch=1, num_layers=None):
+        """A CompiledCache in the buffers; the engines' cache of many rows or of some layers, the
+        model's own (its forwards run eagerly, counted)."""
         max_len = max_len or self.model.cfg.max_seq_len
+        if batch != 1 or num_layers is not None:
+            return self.model.new_cache(max_len, batch, num_layers)
         self.buffers.fit(self.model.cfg, max_len)
         cache = CompiledCache(self, max_len)
         self.owner = weakref.ref(cache)
@@ -272,15 +276,32 @@ class CompiledModel:
         self.steps += 1
         return own(logits[:, :n]), own(hidden[:, :n])  # (1, n, V), (1, n, D): no padding
 
-    def __call__(self, tokens, positions, mask=None, cache=None):
-        why = self.why_eager(tokens, mask, cache)
+    def __call__(
+        self,
+        tokens,
+        positions,
+        mask=None,
+        cache=None,
+        last_only=False,
+        layers=None,
+        extra=None,
+        sizes=None,
+    ):
+        """The lesson's forward (tokens, positions, mask, cache), and the engines' (rows.Model's:
+        last_only, a prefill's, computes every position and returns the last one's logits; sizes
+        is not needed: padding nodes are computed and never read)."""
+        why = self.why_eager(tokens, mask, cache, layers, extra)
         if why:
             self.fallbacks[why] += 1
-            return self.model(tokens, positions, mask, cache)
+            if last_only or layers is not None or extra is not None or sizes is not None:
+                return self.model(tokens, positions, mask, cache, last_only, layers, extra, sizes)
+            return self.model(tokens, positions, mask, cache)  # model.Transformer's four too
         T = tokens.shape[1]
         start = cache.length
         if start + T > cache.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.max_len} slots")
+        positions = positions.reshape(T)  # (T,): the engines' one row is (1, T)
+        mask = None if mask is None else mask.reshape(T, T)
         chunk = BUCKETS[-1]
         out = [  # a long prompt in chunks: each sees the ones before it as accepted
             self.step(tokens[:, i : i + chunk], positions[i : i + chunk], mask, start + i)
@@ -288,14 +309,16 @@ class CompiledModel:
         ]
         logits = torch.cat([o[0] for o in out], dim=1) if len(out) > 1 else out[0][0]
         hidden = torch.cat([o[1] for o in out], dim=1) if len(out) > 1 else out[0][1]
-        return logits, hidden  # (1, T, V), (1, T, D)
+        return (logits[:, -1:] if last_only else logits), hidden  # (1, T|1, V), (1, T, D)
 
-    def why_eager(self, tokens, mask, cache):
+    def why_eager(self, tokens, mask, cache, layers=None, extra=None):
         """Why the compiled step cannot serve this forward (None: it can)."""
+        if layers is not None:
+            return "layers"
+        if extra is not None:
+            return "extra"
         if cache is None or cache is not self.owner():
-            return "cache outside the buffers"  # none, not new_cache's, or an older one
-        if tokens.shape[0] != 1:
-            return "more than one row"
+            return "cache outside the buffers"  # none, not new_cache's, an older one, rows
         if mask is not None and tokens.shape[1] > BUCKETS[-1]:
             return f"a tree of more than {BUCKETS[-1]} nodes"
         return None
