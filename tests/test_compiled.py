@@ -86,15 +86,18 @@ def test_a_prompt_longer_than_the_largest_bucket_is_forwarded_in_chunks(small, k
 
 
 def test_the_engines_loop_takes_it_as_its_model_as_the_command_line_would(small, kinds):
-    """decode.generate (what generate.py's command line runs), its heads drafting eagerly: the
-    same tokens, and every forward through the compiled step (a prefill's last_only included)."""
-    model, _ = compiled.wrap(small, backend="eager")
+    """decode.generate (what generate.py's command line runs), with a heads drafter over the
+    compiled heads: the same tokens, and every forward through the compiled step (a prefill's
+    last_only included), every Hydra++ context through its compiled prefix layer."""
+    model, heads = compiled.wrap(small, kinds["hydra++"], backend="eager")
     tree = tree_lib.build(TREES[16])
     for prompt in PROMPTS:
-        eager = decode_lib.generate(small, prompt, 30, drafters.HeadsDrafter(kinds["hydra"], tree))
-        fast = decode_lib.generate(model, prompt, 30, drafters.HeadsDrafter(kinds["hydra"], tree))
-        assert fast.tokens == eager.tokens and fast.steps == eager.steps
-    assert not model.fallbacks, model.summary()
+        eager = drafters.HeadsDrafter(kinds["hydra++"], tree)
+        fast = drafters.HeadsDrafter(heads, tree)
+        a = decode_lib.generate(small, prompt, 30, eager)
+        b = decode_lib.generate(model, prompt, 30, fast)
+        assert b.tokens == a.tokens and b.steps == a.steps
+    assert not model.fallbacks and not heads.fallbacks, model.summary()
     assert model.keeps > 0
 
 
