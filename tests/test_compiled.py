@@ -101,6 +101,14 @@ def test_the_engines_loop_takes_it_as_its_model_as_the_command_line_would(small,
     assert model.keeps > 0
 
 
+def test_a_quantized_model_is_refused_not_silently_unquantized(small, monkeypatch):
+    from specdec.fast import kernels
+
+    monkeypatch.setattr(kernels, "in_use", lambda module: kernels.Kernels(quant="int8"))
+    with pytest.raises(ValueError, match="quantized to int8"):
+        compiled.wrap(small)
+
+
 # --- no recompilation -----------------------------------------------------------------------------
 
 

@@ -470,8 +470,15 @@ def wrap(model, heads=None, mode="auto", backend="inductor"):
     compiled (above); heads None stays None. mode: torch.compile's ("default", "reduce-overhead":
     CUDA graphs, "max-autotune", ...); auto: reduce-overhead on CUDA, default elsewhere. backend:
     inductor, or a cheaper one to check the tracing ("aot_eager", "eager"). Puts the model's and
-    heads' readable layers back (kernels.use(..., Kernels())), points inductor's cache at
+    heads' readable layers back (kernels.use(..., Kernels())): a quantized model is refused with
+    a ValueError (its quantization would be dropped). Points inductor's cache at
     cache_dir() unless the user set it, and lets dynamo hold a graph per bucket of a few models."""
+    quant = kernels.in_use(model).quant
+    if quant != "none":
+        raise ValueError(
+            f"compiled.wrap runs the readable layers, and this model's are quantized to {quant}: "
+            "compile the unquantized model, or run the quantized one without compiling"
+        )
     if mode == "auto":
         mode = "reduce-overhead" if model.device.type == "cuda" else "default"
     cache_dir()
