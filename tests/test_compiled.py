@@ -58,11 +58,10 @@ def decode(model, heads, size, n=40, prompts=PROMPTS):
 # --- the same tokens ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [1, 4, 16, 64])
-@pytest.mark.parametrize("kind", [None, *heads_lib.KINDS], ids=str)
+@pytest.mark.parametrize(
+    "kind, size", [(None, 1)] + [(k, size) for k in heads_lib.KINDS for size in TREES], ids=str
+)
 def test_the_compiled_step_decodes_the_readable_models_tokens(small, kinds, kind, size):
-    if kind is None and size > 1:
-        pytest.skip("plain decoding has the root alone")
     heads = kinds.get(kind)
     model, wrapped = compiled.wrap(small, heads, backend="eager")
     eager = decode(small, heads, size)
