@@ -24,7 +24,7 @@ from specdec import rows
 from specdec.engines import decode as decode_lib
 from specdec.fast import compiled
 from conftest import tiny_config
-from test_generate import random_heads
+from test_generate import lesson_of, random_heads
 
 # trees of 1, 4, 16 and 64 nodes, the root included
 TREES = {
@@ -73,6 +73,17 @@ def test_the_compiled_step_decodes_the_readable_models_tokens(small, kinds, kind
     if size >= 16 and kind is not None:  # the tree path ran: drafts were accepted and moved
         assert sum(f for _, f in fast) < sum(f for _, f in plain)
         assert model.keeps > 0, model.summary()
+
+
+def test_model_pys_own_transformer_is_wrapped_as_well(small):
+    """The lesson's model.Transformer (no rows.Model around it): the same tokens, and a forward on
+    a cache of its own runs its four-argument forward eagerly."""
+    lesson = lesson_of(small)
+    model, _ = compiled.wrap(lesson, backend="eager")
+    assert decode(model, None, 1) == decode(lesson, None, 1)
+    assert not model.fallbacks
+    model(torch.tensor([[1, 2]]), torch.arange(2), None, lesson.new_cache(8))
+    assert model.fallbacks == {"cache outside the buffers": 1}
 
 
 def test_a_prompt_longer_than_the_largest_bucket_is_forwarded_in_chunks(small, kinds):
