@@ -30,7 +30,9 @@ have SLACK slots past the cache's max_len, because a padded step writes up to BU
 past its real tokens and keep() moves up to KEEP slots: all past `length`, garbage by the
 invariant, finite (keys and values some forward computed, or zeros) where a mask weighs them by 0.
 One cache at a time lives in the buffers: a forward given an older one (or none) runs the readable
-model eagerly, counted in .fallbacks by its reason, never silently.
+model eagerly, counted in .fallbacks by its reason, never silently. The engines' forward
+(specdec/engines/decode.py: rows.Model's last_only and sizes) is served too, for one row; many
+rows, `layers` and `extra` run eagerly, counted the same way.
 
 The model's and heads' layers run their readable classes (kernels.use(.., Kernels())): dynamo
 traces PyTorch, not kernels.c. Test: `python -m pytest -q tests/test_compiled.py`; on a GPU:
