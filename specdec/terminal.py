@@ -16,6 +16,7 @@ from specdec.loading import checkpoint
 from specdec import cli
 from specdec import ctrl_c
 from specdec.engines import decode
+from specdec.fast import compiled
 from specdec.fast import graphs
 from specdec.fast import kernels
 
@@ -212,7 +213,7 @@ class Replies:
 
     def report(self, seconds):
         """After `seconds` of decoding: the totals (of more than one prompt), what --online did,
-        what --cuda-graphs replayed."""
+        what --cuda-graphs replayed or --compile compiled."""
         self.total.seconds = seconds
         if len(self.ids) > 1:
             print(stats_line(self.total, self.max_depth, "all prompts: "), file=sys.stderr)
@@ -220,6 +221,8 @@ class Replies:
             print(online_line(self.learner, seconds), file=sys.stderr)
         if isinstance(self.model, graphs.GraphedForward):  # replayed, and what ran eagerly
             print(graphs_line(self.model), file=sys.stderr)
+        if isinstance(self.model, compiled.CompiledModel):  # compiled, and what ran eagerly
+            print(f"[{self.model.summary()}]", file=sys.stderr)
 
 
 def resume_out(path, ids):

@@ -64,32 +64,41 @@ def step_mask(tree, lengths, start, S):
     return prefix[:, None, :] | (is_new & seen) | itself  # (B, N, S)
 
 
+def static_layer(layer, x, cos, sin, mask, k_cache, v_cache, slots):
+    """One decoder layer (model.Block and its Attention.forward, the same modules) at static
+    shapes: x (B, N, D); cos, sin (B|1, 1, N, Dh); mask (B, 1, N, S) bool; k_cache, v_cache
+    (B, Hkv, S, Dh) this layer's, whose slots `slots` (N,) long get the new keys and values (a slot
+    given as a tensor, not a host int that changes) -> (B, N, D)."""
+    B, N, _ = x.shape
+    attn = layer.self_attn
+    c = attn.cfg
+    q, k, v = attn.project(layer.input_layernorm(x))
+    q = q.view(B, N, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, N, Dh)
+    k = k.view(B, N, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, N, Dh)
+    v = v.view(B, N, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, N, Dh)
+    q = model_lib.apply_rope(attn.q_norm(q), cos, sin)
+    k = model_lib.apply_rope(attn.k_norm(k), cos, sin)
+    k_cache.index_copy_(2, slots, k)  # (B, Hkv, S, Dh), N slots written
+    v_cache.index_copy_(2, slots, v)
+    y = attn.attend(q, k_cache, v_cache, mask)  # (B, H, N, Dh)
+    x = x + attn.o_proj(y.transpose(1, 2).reshape(B, N, c.n_heads * c.head_dim))  # (B, N, D)
+    return x + layer.mlp(layer.post_attention_layernorm(x))  # (B, N, D)
+
+
 def static_forward(model, k_cache, v_cache, tokens, positions, tree, lengths, start):
-    """The readable forward's twin for one cached step (model.Transformer.forward and
-    Attention.forward, the same modules). k_cache, v_cache (L, B, Hkv, S, Dh): the cache's rows
-    over S slots, written at slots start..start+N-1 of every row; tokens, positions (B, N) long;
-    tree (B, N, N) bool; lengths (B,) long; start (1,) long -> logits (B, N, V), hidden (B, N, D).
+    """The readable forward's twin for one cached step (model.Transformer.forward, its layers
+    through static_layer). k_cache, v_cache (L, B, Hkv, S, Dh): the cache's rows over S slots,
+    written at slots start..start+N-1 of every row; tokens, positions (B, N) long; tree (B, N, N)
+    bool; lengths (B,) long; start (1,) long -> logits (B, N, V), hidden (B, N, D).
     Every shape here depends on (B, N, S) only, and nothing is read back to the host."""
     B, N = tokens.shape
-    c = model.cfg
     S = k_cache.shape[3]
     slots = start + torch.arange(N, device=tokens.device)  # (N,) where the new entries go
     mask = step_mask(tree, lengths, start, S)[:, None]  # (B, 1, N, S)
     cos, sin = model.rope(positions, model.dtype)  # (B, 1, N, Dh)
-    x = model.embed(tokens)  # (B, N, D)
+    x = model.embed_tokens(tokens)  # (B, N, D): the lesson's model has no embed()
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x))
-        q = q.view(B, N, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, N, Dh)
-        k = k.view(B, N, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, N, Dh)
-        v = v.view(B, N, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, N, Dh)
-        q = model_lib.apply_rope(attn.q_norm(q), cos, sin)
-        k = model_lib.apply_rope(attn.k_norm(k), cos, sin)
-        k_cache[i].index_copy_(2, slots, k)  # (B, Hkv, S, Dh), N slots written
-        v_cache[i].index_copy_(2, slots, v)
-        y = attn.attend(q, k_cache[i], v_cache[i], mask)  # (B, H, N, Dh)
-        x = x + attn.o_proj(y.transpose(1, 2).reshape(B, N, c.n_heads * c.head_dim))  # (B, N, D)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = static_layer(layer, x, cos, sin, mask, k_cache[i], v_cache[i], slots)
     hidden = model.norm(x)  # (B, N, D)
     return model.lm_head(hidden), hidden  # (B, N, V), (B, N, D)
 
