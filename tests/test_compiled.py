@@ -224,3 +224,24 @@ def test_the_compile_cache_goes_under_the_users_cache_unless_they_named_one(monk
     assert compiled.cache_dir() == str(tmp_path / "specdec" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compiled.cache_dir() == str(tmp_path / "mine")
+
+
+def test_generate_py_compile_gives_the_tokens_of_the_readable_run(
+    tiny_model_dir, monkeypatch, capsys
+):
+    """`python generate.py --compile` (its wrapping checked here through dynamo's aot_eager, as the
+    tests above; inductor's own step is checked above) replies as without it, by generate.py's
+    loop; --compile with a way of running that it does not serve is one line."""
+    wrap = compiled.wrap
+    monkeypatch.setattr(compiled, "wrap", lambda m, h=None: wrap(m, h, backend="aot_eager"))
+    argv = ["--model", tiny_model_dir, "--prompt", "hi", "--raw", "--max-new-tokens", "12"]
+    argv += ["--dtype", "fp32"]
+    replies = []
+    for flags in ([], ["--compile"]):
+        assert generate.cli_main([*argv, *flags]) == 0
+        out, err = capsys.readouterr()
+        replies.append(out)
+    assert "[compiled (aot_eager)" in err  # the footer: it ran compiled
+    assert replies[0] == replies[1] and replies[0].strip()
+    assert generate.cli_main([*argv, "--compile", "--quantize", "int8"]) == 2
+    assert "--compile compiles the readable model's step" in capsys.readouterr().err

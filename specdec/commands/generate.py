@@ -23,6 +23,7 @@ import verify as verify_lib
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
+from specdec import drafters
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
@@ -214,6 +215,13 @@ def add_machine_flags(p):
         "run eagerly instead are counted and named after the reply",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the base model's step and the heads' drafting through torch.compile, one graph a "
+        "tree size (specdec/fast/compiled.py; CUDA graphs on a GPU), its compiles cached in "
+        "~/.cache/specdec/inductor; generate.py's loop runs over it as over any model",
+    )
+    p.add_argument(
         "--exact",
         action="store_true",
         help="the base model on exact.py's kernels, each row computed alone: bf16 speculative "
@@ -377,6 +385,26 @@ def check_online(args, kind):
         catalog.check_online_save(args.online_save)
 
 
+def check_compile(args):
+    """--compile wraps the readable model for one sequence: not with another way of running it."""
+    if not args.compile:
+        return
+    others = {
+        "--cuda-graphs on": args.cuda_graphs == "on",
+        f"--quantize {args.quantize}": args.quantize != "none",
+        "--exact": args.exact,
+        "--online": args.online,
+        f"--batch-size {args.batch_size}": args.batch_size > 1,
+        "--chat": args.chat,
+    }
+    for flag, given in others.items():
+        if given:
+            raise cli.UsageError(
+                f"--compile compiles the readable model's step for one prompt at a time; it does "
+                f"not go with {flag}: drop one of them"
+            )
+
+
 def check_args(args, parser):
     """The checks that need no model, then a remark for each flag without effect. Returns the
     --draft to load."""
@@ -393,6 +421,7 @@ def check_args(args, parser):
     kernels.pick_dtype(args.dtype, device, args.quantize)
     cli.check_quantize(args.quantize, device)
     cli.check_exact(args.exact, args.quantize, device)
+    check_compile(args)
     if args.tree != "auto":
         catalog.parse_tree(args.tree)  # checked now, built once the heads are loaded
     catalog.find_heads(args.heads)
@@ -509,6 +538,17 @@ def check_batch_memory(model, drafter, encoded, batch_size):
             f"and {free / 2**30:.1f} GB are free; use --batch-size {fits} or fewer, or a smaller "
             "--max-new-tokens"
         )
+
+
+def compiled_model(model, drafter):
+    """--compile: compiled.wrap's model; the heads' drafter gets the compiled heads."""
+    from specdec.fast import compiled
+
+    heads = drafter.heads if type(drafter) is drafters.HeadsDrafter else None
+    model, heads = compiled.wrap(model, heads)
+    if heads is not None:
+        drafter.heads = heads
+    return model
 
 
 @contextlib.contextmanager
@@ -667,7 +707,9 @@ def main(args, lesson):
     )
     check_batch_memory(model, drafter, encoded, batch_size)
     # the loop's forward; the drafters keep the readable model
-    if catalog.cuda_graphs(args.cuda_graphs, device):
+    if args.compile:  # the compiled step as the model, the compiled heads as the heads
+        model = compiled_model(model, drafter)
+    elif catalog.cuda_graphs(args.cuda_graphs, device):
         model = graphs.GraphedForward(model)
         lesson = None  # the graphs replay the twin's step (decode.reply)
     dec = Decoder(model, tokenizer, drafter, learner, decoding, generator)
