@@ -446,14 +446,27 @@ def save_tree(paths, file, expected_speedup):
         )
 
 
+PROGRESS_EVERY = 10  # seconds between the tuners' progress lines
+
+
 @torch.inference_mode()
 def time_trees(trees, repeats, device, rows):
     """Time each tree's step and draft (its "step" and "draft" functions; no draft: the root
     alone), interleaved so that a burst of machine noise hits every size alike; the medians in ms
-    and the expected tokens/s of `rows` rows drafting it, into each tree's dict."""
+    and the expected tokens/s of `rows` rows drafting it, into each tree's dict. A line on stderr
+    every 10 seconds says how far it is (a terminal or not: a log shows it too)."""
     for t in trees:
         t["step_s"], t["draft_s"] = [], []
-    for _ in range(repeats):
+    said = time.perf_counter()
+    for r in range(repeats):
+        if time.perf_counter() - said > PROGRESS_EVERY:
+            said = time.perf_counter()
+            print(
+                f"[tune] timing {cli.plural(len(trees), 'tree')} at {cli.plural(rows, 'row')}: "
+                f"repeat {r + 1} of {repeats}",
+                file=sys.stderr,
+                flush=True,
+            )
         for t in trees:
             t["step_s"].append(timed(t["step"], device))
             t["draft_s"].append(timed(t["draft"], device) if t["draft"] else 0.0)

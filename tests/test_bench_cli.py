@@ -798,3 +798,13 @@ def test_a_plots_folder_with_a_trailing_slash_is_named_once(capsys, tmp_path, ti
     argv = [*short_run(tmp_path, tiny_model_dir), "--methods", "plain", "--plots", folder]
     code, _, err = run_bench(capsys, *argv)
     assert code == 0 and "//" not in err and f"{folder}speedup.png" in err, err
+
+
+def test_timing_trees_says_how_far_it_is_on_a_log_too(monkeypatch, capsys):
+    from specdec import tuning
+
+    monkeypatch.setattr(tuning, "PROGRESS_EVERY", -1)  # every repeat
+    trees = [{"step": lambda: None, "draft": None, "expected_tau": 1.0} for _ in range(2)]
+    tuning.time_trees(trees, 3, "cpu", rows=1)
+    err = capsys.readouterr().err
+    assert "[tune] timing 2 trees at 1 row: repeat 3 of 3" in err
