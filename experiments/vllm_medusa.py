@@ -24,7 +24,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from safetensors.torch import load_file  # noqa: E402
+
 from specdec import export  # noqa: E402
+from specdec.loading import catalog  # noqa: E402
+from specdec.loading import checkpoint  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> vLLM's name
 COUNTERS = {  # vLLM's metric -> our name
@@ -43,9 +47,10 @@ def prompts(limit):
         return [json.loads(line)["prompt"] for line in f][:limit]
 
 
-def serve(base, heads, dtype, limit, max_tokens, num_speculative_tokens=3):
+def serve(base, heads, dtype, limit, max_tokens, weights_track=True, num_speculative_tokens=3):
     """vLLM's offline LLM on `base` (heads None: plain; else Medusa heads from the folder `heads`),
-    greedy on the first `limit` evaluation prompts as chats: {ids, tokens, seconds, counters}."""
+    greedy on the first `limit` evaluation prompts as chats: {ids, tokens, seconds, counters}.
+    weights_track False turns off the loader's check that every parameter was in the checkpoint."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for 8 short chats
     from vllm import LLM, SamplingParams
@@ -65,6 +70,7 @@ def serve(base, heads, dtype, limit, max_tokens, num_speculative_tokens=3):
         enforce_eager=True,  # no torch.compile: minutes on a CPU, the same tokens
         disable_log_stats=False,  # the counters below
         speculative_config=speculative,
+        model_loader_extra_config={} if weights_track else {"enable_weights_track": False},
     )
     chats = [[{"role": "user", "content": p}] for p in prompts(limit)]
     start = time.perf_counter()
@@ -92,12 +98,33 @@ def export_default(folder):
     return base, heads
 
 
-def serve_apart(base, heads, dtype, limit, max_tokens):
+def kept_form(heads, out):
+    """vLLM's reduced form of the exported shipped heads (folder `heads`, the full vocabulary) into
+    `out`: the LM head's rows of the 8,192 tokens the shipped heads keep, their token_map and
+    truncated_vocab_size (what specdec.export wrote before; vLLM 0.32 loads it only with its
+    loader's weight check off, as its Medusa loader does not report token_map loaded)."""
+    shipped = catalog.find_heads("medusa")
+    kept = load_file(os.path.join(shipped, checkpoint.HEADS_WEIGHTS))["kept_ids"]  # (V',)
+    tensors = load_file(os.path.join(heads, export.WEIGHTS))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][kept].contiguous()  # (V', D)
+    tensors["token_map"] = kept
+    with open(os.path.join(heads, export.CONFIG)) as f:
+        config = json.load(f) | {"truncated_vocab_size": len(kept)}
+    os.makedirs(out)
+    checkpoint.save_tensors(tensors, os.path.join(out, export.WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out, export.CONFIG), "w") as f:
+        json.dump(config, f, indent=1)
+    return out
+
+
+def serve_apart(base, heads, dtype, limit, max_tokens, weights_track=True):
     """serve() in a new process of this script (--one): its JSON line."""
     argv = [sys.executable, os.path.abspath(__file__), "--one", "--base", base, "--dtype", dtype]
     argv += ["--limit", str(limit), "--max-new-tokens", str(max_tokens)]
     if heads is not None:
         argv += ["--heads", heads]
+    if not weights_track:
+        argv += ["--no-weights-track"]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
@@ -105,17 +132,26 @@ def serve_apart(base, heads, dtype, limit, max_tokens):
 
 
 def table(runs, limit, max_tokens):
+    load = " / ".join(f"{a:.1f}" for a in runs["load"])
     lines = [
-        f"_vLLM {runs['version']}, CPU, {limit} prompts of eval/prompts.jsonl as chats, greedy, "
-        f"{max_tokens} new tokens at most, all in one batch, enforce_eager; shipped Medusa heads, "
-        "3 speculative tokens (a chain)_",
+        "# The shipped Medusa heads served by vLLM",
+        "",
+        "`venv-vllm/bin/python experiments/vllm_medusa.py --out results/vllm-cpu.md`",
+        "",
+        f"_vLLM {runs['version']}, {os.cpu_count()} CPU cores (1-minute load average before / "
+        f"after: {load}), {limit} prompts of eval/prompts.jsonl as chats, greedy, {max_tokens} new "
+        "tokens at most, all in one batch, enforce_eager; the shipped Medusa heads exported in "
+        "fp32, 3 speculative tokens (a chain); the token_map row is vLLM's reduced form, loaded "
+        "with model_loader_extra_config enable_weights_track false. Accepted by position: vLLM's "
+        "accepted tokens at each draft position over its drafts._",
         "",
         "| dtype | method | tokens/s | identical to plain | drafts | draft tokens | accepted "
         "| accepted by position | mean accepted length |",
         "|---|---|---:|:---:|---:|---:|---:|---|---:|",
     ]
-    for dtype, (plain, medusa) in runs["dtypes"].items():
-        for name, run in (("plain", plain), ("medusa", medusa)):
+    for dtype, named in runs["dtypes"].items():
+        plain = named["plain"]
+        for name, run in named.items():
             same = sum(a == b for a, b in zip(run["ids"], plain["ids"]))
             c = run["counters"]
             spec = "| - | - | - | - | - |"
@@ -150,23 +186,40 @@ def build_parser():
     p.add_argument("--base", help="--one: the base model's folder")
     p.add_argument("--heads", help="--one: the exported heads' folder (none: plain decoding)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="--one: the dtype")
+    p.add_argument(
+        "--no-weights-track",
+        action="store_true",
+        help="--one: vLLM's loader does not check that the checkpoint filled every parameter",
+    )
     return p
 
 
 def main(args):
     if args.one:
-        run = serve(args.base, args.heads, args.dtype, args.limit, args.max_new_tokens)
+        run = serve(
+            args.base,
+            args.heads,
+            args.dtype,
+            args.limit,
+            args.max_new_tokens,
+            weights_track=not args.no_weights_track,
+        )
         print(json.dumps(run))
         return
     import vllm
 
     work = args.work or tempfile.mkdtemp(prefix="vllm-medusa-")
     base, heads = export_default(work)
-    runs = {"version": vllm.__version__, "dtypes": {}}
+    kept = kept_form(heads, os.path.join(work, "medusa-kept"))
+    runs = {"version": vllm.__version__, "dtypes": {}, "load": [os.getloadavg()[0]]}
+    n = (args.limit, args.max_new_tokens)
     for dtype in args.dtypes.split(","):
-        plain = serve_apart(base, None, dtype, args.limit, args.max_new_tokens)
-        medusa = serve_apart(base, heads, dtype, args.limit, args.max_new_tokens)
-        runs["dtypes"][dtype] = (plain, medusa)
+        runs["dtypes"][dtype] = {
+            "plain": serve_apart(base, None, dtype, *n),
+            "medusa": serve_apart(base, heads, dtype, *n),
+            "medusa, 8,192 tokens (token_map)": serve_apart(base, kept, dtype, *n, False),
+        }
+    runs["load"].append(os.getloadavg()[0])  # other work on the cores slows every row
     text = table(runs, args.limit, args.max_new_tokens)
     print(text)
     if args.out:

@@ -21,13 +21,14 @@ its own_lm_head heads are V rows whatever truncated_vocab_size says. What that c
 heads score every token, where ours score the kept ones, so a head's top-1 can be a token ours
 never draft (its logit from the base LM head's row); the kept tokens' logits are ours. Greedy
 output is the base model's either way; acceptance, measured on the shipped heads, is unchanged
-(results/vllm-cpu.md).
+(results/vllm-cpu.md). vLLM's reduced form would need, in Medusa.load_weights, "token_map" added
+to the names it returns (or token_map registered in __init__); its own_lm_head heads, V' rows.
 
 Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), and joint heads
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
     python -m specdec.export --heads medusa --out medusa-vllm --base-out smollm2-vllm
-    vllm serve smollm2-vllm --speculative-config \
+    python -m vllm.entrypoints.openai.api_server --model smollm2-vllm --speculative-config \
         '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
 
 --base-out copies the base model's folder (for the default model, the one checkpoint.resolve
