@@ -117,6 +117,18 @@ def kept_form(heads, out):
     return out
 
 
+def engine_env():
+    """This process's environment with Intel OpenMP preloaded, as vLLM's CPU worker asks (its
+    intel-openmp dependency installs libiomp5.so beside the environment's python): without it
+    vLLM warns of "significant performance loss" for speculative decoding, and on 2 cores plain
+    decoding and the heads both ran 7-20x slower (the first results/vllm-cpu.md, in git)."""
+    env = dict(os.environ)
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if os.path.exists(iomp) and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
+    return env
+
+
 def serve_apart(base, heads, dtype, limit, max_tokens, weights_track=True):
     """serve() in a new process of this script (--one): its JSON line."""
     argv = [sys.executable, os.path.abspath(__file__), "--one", "--base", base, "--dtype", dtype]
@@ -125,7 +137,7 @@ def serve_apart(base, heads, dtype, limit, max_tokens, weights_track=True):
         argv += ["--heads", heads]
     if not weights_track:
         argv += ["--no-weights-track"]
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=engine_env())
     if done.returncode != 0:
         raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -140,10 +152,10 @@ def table(runs, limit, max_tokens):
         "",
         f"_vLLM {runs['version']}, {os.cpu_count()} CPU cores (1-minute load average before / "
         f"after: {load}), {limit} prompts of eval/prompts.jsonl as chats, greedy, {max_tokens} new "
-        "tokens at most, all in one batch, enforce_eager; the shipped Medusa heads exported in "
-        "fp32, 3 speculative tokens (a chain); the token_map row is vLLM's reduced form, loaded "
-        "with model_loader_extra_config enable_weights_track false. Accepted by position: vLLM's "
-        "accepted tokens at each draft position over its drafts._",
+        "tokens at most, all in one batch, enforce_eager, Intel OpenMP preloaded; the shipped "
+        "Medusa heads exported in fp32, 3 speculative tokens (a chain); the token_map row is "
+        "vLLM's reduced form, loaded with model_loader_extra_config enable_weights_track false. "
+        "Accepted by position: vLLM's accepted tokens at each draft position over its drafts._",
         "",
         "| dtype | method | tokens/s | identical to plain | drafts | draft tokens | accepted "
         "| accepted by position | mean accepted length |",
