@@ -1,6 +1,7 @@
 """
 Export trained Medusa heads for serving: vLLM's Medusa checkpoint layout, a folder with
-config.json (model_type "medusa") and model.safetensors.
+config.json (model_type "medusa") and model.safetensors; and, with --base-out, the base model as a
+folder vLLM serves.
 
 vLLM (vllm/model_executor/models/medusa.py) builds per head num_hidden_layers residual blocks
 x = x + SiLU(W x + b) and an LM head, on the target model's final (post-norm) hidden state: the
@@ -9,27 +10,39 @@ math of heads.MedusaHeads, so the export renames tensors and writes the config:
     ours (heads.safetensors, the base model)      vLLM
     blocks.{k}.{l}.linear.weight / .bias          blocks.{k}.layers.{l}.weight / .bias,
                                                   medusa_fc_bias
-    own_lm_head false: the base LM head's rows    lm_head.weight (V', D), original_lm_head: shared
-    own_lm_head true: lm_head.weight[k]           lm_heads.{k}.weight (V', D)
-    kept_ids (V',)                                token_map, truncated_vocab_size = V'; vLLM puts
-                                                  the V' logits at token_map, -inf elsewhere
+    own_lm_head false: the base LM head           lm_head.weight (V, D), original_lm_head: shared
+    own_lm_head true: lm_head.weight[k]           lm_heads.{k}.weight (V, D)
+
+Always the full vocabulary. Heads that keep V' < V tokens (kept_ids) have their V' rows put back
+among the base LM head's V rows: vLLM 0.32 refuses its own reduced form (a token_map tensor with
+truncated_vocab_size V'), as Medusa.load_weights makes token_map a parameter without reporting it
+loaded, so the loader stops on "weights were not initialized from checkpoint: {'token_map'}"; and
+its own_lm_head heads are V rows whatever truncated_vocab_size says. What that changes: vLLM's
+heads score every token, where ours score the kept ones, so a head's top-1 can be a token ours
+never draft (its logit from the base LM head's row); the kept tokens' logits are ours. Greedy
+output is the base model's either way; acceptance, measured on the shipped heads, is unchanged
+(results/vllm-cpu.md). vLLM's reduced form would need, in Medusa.load_weights, "token_map" added
+to the names it returns (or token_map registered in __init__); its own_lm_head heads, V' rows.
 
 Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), and joint heads
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
-    python -m specdec.export --heads medusa --out medusa-vllm vllm serve BASE --speculative-config
-    '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
+    python -m specdec.export --heads medusa --out medusa-vllm --base-out smollm2-vllm
+    python -m vllm.entrypoints.openai.api_server --model smollm2-vllm --speculative-config \
+        '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
 
-BASE is the model the heads were trained on (for the shipped heads, the folder that
-checkpoint.resolve("default") converts into ~/.cache/specdec). Test: `python -m pytest -q
-tests/test_export.py`.
-Shapes: D hidden, K heads, V vocabulary, V' the heads' vocabulary (V, or the kept tokens).
+--base-out copies the base model's folder (for the default model, the one checkpoint.resolve
+converts into ~/.cache/specdec) and names its architecture in config.json, which vLLM needs and
+the GGUF conversion leaves empty. Tests: `python -m pytest -q tests/test_export.py`; in vLLM
+itself, tests/test_vllm.py (README, "Serve with vLLM").
+Shapes: D hidden, K heads, V vocabulary, V' the heads' kept tokens.
 """
 
 import specdec.ctrl_c  # noqa: F401 (first: a Ctrl-C while torch imports is one line, exit 130)
 import json
 import os
 import shlex
+import shutil
 
 import torch
 
@@ -46,25 +59,33 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # Pure: loaded heads in, vLLM's config and tensors out.
 
 
-def vllm_medusa(heads, dtype=torch.float16):
+def full_rows(heads, base_rows):
+    """The heads' LM head over the whole vocabulary: (V, D) shared, (K, V, D) own. Kept rows go back
+    to their token ids; the others are the base LM head's rows `base_rows` (V, D)."""
+    rows, kept = heads.lm_head.weight.detach(), heads.kept_ids  # (V', D) | (K, V', D)
+    if kept is None:
+        return rows
+    full = base_rows.expand(*rows.shape[:-2], *base_rows.shape).clone()  # (V, D) | (K, V, D)
+    full[..., kept, :] = rows
+    return full
+
+
+def vllm_medusa(heads, base_rows, dtype=torch.float16):
     """(config.json as a dict, {name: tensor}) of Medusa heads (heads.MedusaHeads) in vLLM's
-    layout."""
+    layout, over the full vocabulary; `base_rows` (V, D) is the base model's LM head."""
     cfg = heads.cfg
-    rows, kept = heads.lm_head.weight.detach(), heads.kept_ids  # (V', D) shared | (K, V', D) own
-    if kept is not None and len(kept) == cfg.vocab_size:  # vLLM reads a token_map only for V' < V
-        rows, kept = rows[..., kept.argsort(), :], None  # rows in token order: (V, D) | (K, V, D)
+    rows = full_rows(heads, base_rows)  # (V, D) | (K, V, D)
+    assert rows.shape[-2:] == (cfg.vocab_size, cfg.dim), tuple(rows.shape)
     tensors = {}
     for k, blocks in enumerate(heads.blocks):  # head k: num_layers ResBlocks
         for l, block in enumerate(blocks):
             tensors[f"blocks.{k}.layers.{l}.weight"] = block.linear.weight  # (D, D)
             tensors[f"blocks.{k}.layers.{l}.bias"] = block.linear.bias  # (D,)
     if cfg.own_lm_head:
-        tensors |= {f"lm_heads.{k}.weight": rows[k] for k in range(cfg.num_heads)}  # (V', D) each
+        tensors |= {f"lm_heads.{k}.weight": rows[k] for k in range(cfg.num_heads)}  # (V, D) each
     else:
-        tensors["lm_head.weight"] = rows  # (V', D), one for every head
+        tensors["lm_head.weight"] = rows  # (V, D), one for every head
     tensors = {n: w.detach().to(dtype).contiguous() for n, w in tensors.items()}
-    if kept is not None:
-        tensors["token_map"] = kept.long().contiguous()  # (V',) row i's token id
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -74,9 +95,21 @@ def vllm_medusa(heads, dtype=torch.float16):
         "num_hidden_layers": cfg.num_layers,
         "medusa_fc_bias": True,
         "original_lm_head": not cfg.own_lm_head,
-        "truncated_vocab_size": cfg.vocab_size if kept is None else len(kept),
+        "truncated_vocab_size": cfg.vocab_size,
     }
     return config, tensors
+
+
+def served_config(config):
+    """The base model's config.json as vLLM reads it: `architectures` named from `model_type`
+    where it is missing or empty (the GGUF conversion writes null), else as it is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not config.get("architectures"):
+        config = config | {
+            "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+        }
+    return config
 
 
 # --- the command line ----------------------------------------------------------------------------
@@ -108,6 +141,11 @@ def build_parser():
     )
     p.add_argument(
         "--out", required=True, help="a new or empty folder for config.json and model.safetensors"
+    )
+    p.add_argument(
+        "--base-out",
+        help="also a new or empty folder for the base model as vLLM serves it (its weights, "
+        "tokenizer and config.json, the architecture named); vLLM cannot read the default GGUF",
     )
     p.add_argument(
         "--dtype",
@@ -173,34 +211,59 @@ def heads_folder(name):
     return folder
 
 
+def copy_base(src, out):
+    """The base model's folder `src` into `out`: every file but the conversion's manifest, and
+    config.json as vLLM reads it (served_config)."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name == CONFIG:
+            with open(path) as f:
+                config = served_config(json.load(f))
+            with open(os.path.join(out, CONFIG), "w") as f:
+                json.dump(config, f, indent=1)
+        elif name != "manifest.json" and os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(out, name))
+
+
 def main(args):
     folder = heads_folder(args.heads)
     if why := refusal(folder):
         raise cli.UsageError(f"--heads {args.heads}: {why}")
-    if os.path.isdir(args.out) and os.listdir(args.out):
-        raise cli.UsageError(
-            f"--out {args.out}: not empty; give a new or empty folder (nothing is overwritten)"
-        )
+    for flag, path in (("--out", args.out), ("--base-out", args.base_out)):
+        if path and os.path.isdir(path) and os.listdir(path):
+            raise cli.UsageError(
+                f"{flag} {path}: not empty; give a new or empty folder (nothing is overwritten)"
+            )
+    if args.base_out and os.path.abspath(args.base_out) == os.path.abspath(args.out):
+        raise cli.UsageError(f"--base-out {args.base_out}: the same as --out; give another folder")
     heads_cfg = checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
     if args.model == checkpoint.DEFAULT and default_fingerprint() is not None:  # known, not loaded
         if error := other_model(heads_cfg, args, default_fingerprint()):
             raise error
-    made = cli.new_folders(args.out)
+    made = cli.new_folders(args.out, args.base_out)
     cli.writable_folder("--out", args.out)  # made now: an unwritable place is found before the work
+    if args.base_out:
+        cli.writable_folder("--base-out", args.base_out)
     try:
         model, _ = checkpoint.load(args.model, "cpu", torch.float32)
         if error := other_model(heads_cfg, args, lm_head_fingerprint(model)):
             raise error
-        config, tensors = vllm_medusa(checkpoint.load_heads(folder, model), cli.DTYPES[args.dtype])
+        heads = checkpoint.load_heads(folder, model)
+        config, tensors = vllm_medusa(heads, model.lm_head.weight, cli.DTYPES[args.dtype])
         checkpoint.save_tensors(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(args.out, CONFIG), "w") as f:
             json.dump(config, f, indent=1)
+        if args.base_out:
+            copy_base(checkpoint.resolve(args.model), args.base_out)
     finally:
         cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
+    kept = heads.cfg.kept_tokens or config["vocab_size"]
     print(
         f"wrote {args.out}: {cli.plural(config['num_heads'], 'Medusa head')} for vLLM, vocabulary "
-        f"{config['truncated_vocab_size']} of {config['vocab_size']}"
+        f"{config['vocab_size']} (the heads' {kept} tokens, the base LM head's rows for the rest)"
     )
+    if args.base_out:
+        print(f"wrote {args.base_out}: {args.model} as vLLM serves it")
 
 
 def cli_main(argv=None) -> int:

@@ -154,15 +154,35 @@ def test_vllm_reads_our_heads_logits(capsys, tmp_path, tiny_model_dir, own, kept
     torch.manual_seed(3)
     tokens = torch.randint(0, V, (2, 5))  # (B, T)
     _, hidden = model(tokens, torch.arange(5))  # (B, T, D)
-    ours = heads.project(heads(hidden, tokens)).movedim(2, 0)  # (K, B, T, V')
-    theirs = vllm_logits(vllm_load(tmp_path / "vllm"), hidden)  # (K, B, T, V)
+    z = heads(hidden, tokens).movedim(2, 0)  # (K, B, T, D)
+    ours = heads.project(z.movedim(0, 2)).movedim(2, 0)  # (K, B, T, V')
+    loaded = vllm_load(tmp_path / "vllm")
+    assert loaded[2] is None and loaded[0]["truncated_vocab_size"] == V  # the full vocabulary
+    theirs = vllm_logits(loaded, hidden)  # (K, B, T, V)
     kept_ids = torch.arange(V) if heads.kept_ids is None else heads.kept_ids
-    assert torch.allclose(theirs[..., kept_ids], ours, rtol=1e-5, atol=1e-5), (
-        (theirs[..., kept_ids] - ours).abs().max()
-    )
-    assert torch.equal(theirs.argmax(-1), heads.full_ids(ours.argmax(-1)))
-    if ids is not None and len(ids) < V:  # the tokens the heads never draft
-        assert torch.isinf(theirs).sum() == K * 2 * 5 * (V - len(ids))
+    expected = F.linear(z, model.lm_head.weight)  # (K, B, T, V): the base's rows but the kept
+    expected[..., kept_ids] = ours
+    assert torch.allclose(theirs, expected, rtol=1e-5, atol=1e-5), (theirs - expected).abs().max()
+    if ids is None or len(ids) == V:  # every token kept: the same drafts as ours
+        assert torch.equal(theirs.argmax(-1), heads.full_ids(ours.argmax(-1)))
+
+
+def test_base_out_is_the_model_folder_with_its_architecture_named(capsys, tmp_path, tiny_model_dir):
+    """--base-out: the base model's files as they are, config.json with `architectures` added
+    (the tiny model's, like the GGUF conversion's, names none; vLLM refuses a config without)."""
+    folder = medusa_folder(checkpoint.load(tiny_model_dir)[0], tmp_path / "heads")
+    argv = ["--model", tiny_model_dir, "--heads", str(folder), "--out", str(tmp_path / "vllm")]
+    assert export.cli_main([*argv, "--base-out", str(tmp_path / "base")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    src = json.loads(open(os.path.join(tiny_model_dir, "config.json")).read())
+    served = json.loads((tmp_path / "base" / "config.json").read_text())
+    assert not src.get("architectures") and served == src | {"architectures": ["LlamaForCausalLM"]}
+    assert sorted(os.listdir(tmp_path / "base")) == sorted(os.listdir(tiny_model_dir))
+    for name in os.listdir(tiny_model_dir):
+        if name != "config.json":
+            assert (tmp_path / "base" / name).read_bytes() == open(
+                os.path.join(tiny_model_dir, name), "rb"
+            ).read()
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.1, 0.3])
@@ -221,16 +241,21 @@ def test_joint_heads_and_no_heads_are_refused(no_model, capsys, tmp_path, tiny):
     )
 
 
-def test_non_empty_out_is_refused(no_model, capsys, tmp_path, tiny):
+@pytest.mark.parametrize("flag", ["--out", "--base-out"])
+def test_non_empty_out_is_refused(no_model, capsys, tmp_path, tiny, flag):
     folder = tmp_path / "heads"
     checkpoint.save_heads(build(HeadsConfig("medusa", num_heads=2), tiny), folder)
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("mine")
+    argv = {
+        "--out": ["--out", str(out)],
+        "--base-out": ["--out", str(tmp_path / "new"), "--base-out", str(out)],
+    }
     check_one_line_error(
-        export.cli_main(["--heads", str(folder), "--out", str(out)]),
+        export.cli_main(["--heads", str(folder), *argv[flag]]),
         capsys.readouterr().err,
-        f"--out {out}: not empty",
+        f"{flag} {out}: not empty",
     )
     assert (
         sorted(p.name for p in out.iterdir()) == ["config.json"]

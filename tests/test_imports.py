@@ -38,8 +38,13 @@ GUARDED = {
     ),
 }
 
-# (file, module) imported without a guard of its own, only ever reached through one in GUARDED
+# (file, module) imported without a guard of its own, only ever reached through one in GUARDED,
+# or in another environment than requirements.txt's, behind a test's skip
 BEHIND_A_GUARD = {
+    ("experiments/vllm_medusa.py", "vllm"): "run only in vLLM's own virtual environment "
+    "(requirements-vllm.txt), by hand or by "
+    "tests/test_vllm.py::test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted, "
+    "which skips where vLLM is not installed",
     (
         "specdec/loading/checkpoint.py",
         "llama_cpp",

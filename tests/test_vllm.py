@@ -1,0 +1,42 @@
+"""Medusa heads exported by specdec.export load and serve in vLLM itself: the default model greedy
+on 8 evaluation prompts through vLLM's offline LLM, plain and with the shipped Medusa heads
+(speculative_config method medusa), fp32: every reply token-identical, and vLLM's own counter of
+accepted draft tokens above zero. Each engine runs in a process of its own
+(experiments/vllm_medusa.py --one).
+
+Skipped where vLLM is not installed (requirements.txt leaves it out: it pins its own transformers
+and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"):
+`venv-vllm/bin/python -m pytest -q tests/test_vllm.py` (a few minutes on 2 CPU cores).
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (requirements-vllm.txt)", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+import vllm_medusa  # noqa: E402
+
+PROMPTS, NEW_TOKENS = 8, 64
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(base folder, heads folder): the default model and its shipped Medusa heads, fp32."""
+    return vllm_medusa.export_default(str(tmp_path_factory.mktemp("vllm")))
+
+
+def test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted(exported):
+    base, heads = exported
+    plain = vllm_medusa.serve_apart(base, None, "fp32", PROMPTS, NEW_TOKENS)
+    medusa = vllm_medusa.serve_apart(base, heads, "fp32", PROMPTS, NEW_TOKENS)
+    assert len(plain["ids"]) == PROMPTS and all(plain["ids"])
+    same = sum(a == b for a, b in zip(medusa["ids"], plain["ids"]))
+    assert same == PROMPTS, f"{same} of {PROMPTS} replies identical to plain"
+    counters = medusa["counters"]
+    assert counters["drafts"] > 0 and counters["accepted"] > 0, counters
+    assert sum(counters["accepted_per_pos"]) == counters["accepted"]
