@@ -147,8 +147,9 @@ def hydra_mlp(d_in: int, dim: int, num_layers: int) -> nn.Sequential:
 
 
 class PrefixMLP(nn.Module):
-    """Hydra++'s extra layer: a fresh decoder layer shaped as the base model's (model.Block, with
-    its own weights; rope as the base's) and an RMSNorm. o_proj and down_proj start at zero, so at
+    """Hydra++'s extra layer, named as the Hydra paper names it, though it is a whole decoder layer
+    (attention and MLP), not an MLP: shaped as the base model's (model.Block, with its own
+    weights; rope as the base's), then an RMSNorm. o_proj and down_proj start at zero, so at
     first the layer passes x through: the output is RMSNorm(x). Its KV cache holds exactly the
     accepted sequence: the caller feeds only hidden states of accepted positions, and every call
     commits all of them (keep(range(T))), so slots [0, length) are positions 0..length-1 and
