@@ -305,7 +305,7 @@ def test_default_max_new_tokens_takes_what_the_context_leaves(loaded, capsys):
 
 def test_stats_line_counts_in_words():
     r = decode.Result(tokens=[7], steps=1, seconds=0.5, accepted=[0])
-    assert terminal.stats_line(r, 0).startswith("[1 new token, 1 step, tau 1.00")
+    assert terminal.stats_line(r, 0).startswith("[1 new token, 1 forward pass, tau 1.00")
     r = decode.Result(tokens=[7, 8], steps=2, seconds=0.5, accepted=[0, 0])
     assert terminal.stats_line(r, 0).startswith("[2 new tokens, 2 forward passes,")
 

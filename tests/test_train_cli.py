@@ -562,8 +562,8 @@ def test_a_model_that_writes_no_usable_prompt_stops_with_one_line(
     check_one_line_error(
         code,
         err.strip().splitlines()[-1],
-        "user prompts in a row and none was kept",
-        "use a chat model",
+        "so no prompt fit",
+        "give a larger --max-prompt-tokens, or your own data with --data",
     )
 
 
@@ -695,7 +695,8 @@ def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(
     tmp_path, tiny_model_dir, case
 ):
     """Rank 0 builds the data while the others wait; --export-conversations (done) or bad data (an
-    error) used to leave them waiting at a barrier for ever."""
+    error) used to leave them waiting at a barrier for ever. Bad data is now refused by every rank
+    before the model loads (exit 2 each), before any barrier."""
     import socket
 
     chats = conversations(tmp_path / "chats.jsonl")
@@ -717,7 +718,7 @@ def test_two_processes_end_together_when_rank_0_ends_in_the_data_stage(
                 p.kill()
             pytest.fail("a rank is still waiting")
     codes = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
-    assert codes == ([0, 0] if case == "export" else [2, 1]), codes
+    assert codes == ([0, 0] if case == "export" else [2, 2]), codes
 
 
 # --- what you read is what runs -----------------------------------------------------------------
