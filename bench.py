@@ -72,6 +72,9 @@ class Method:
 # slow spell hits all methods alike. The median of the repeats then drops the spells that remain.
 
 
+LOG_EVERY = 30  # seconds between measure()'s progress lines where no bar is shown
+
+
 def sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -101,7 +104,9 @@ def measure(methods, prompts, max_new_tokens, repeats, seed, device):
         methods[name].run(prompts[0][2], min(16, max_new_tokens), seed)
     seconds = {m: [[] for _ in prompts] for m in names}
     outputs = {m: [None] * len(prompts) for m in names}
-    bar = tqdm(total=repeats * len(prompts) * len(names), desc="bench", unit="run", disable=None)
+    total = repeats * len(prompts) * len(names)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=None)
+    said = time.perf_counter()  # a log (stderr not a terminal: no bar) gets a line every 30 s
     try:
         for rep in range(repeats):
             for m in methods.values():  # from the same state again: the warm-up taught it too
@@ -117,6 +122,10 @@ def measure(methods, prompts, max_new_tokens, repeats, seed, device):
                     seconds[name][i].append(time.perf_counter() - t0)
                     outputs[name][i] = out
                     bar.update()
+                    if bar.disable and time.perf_counter() - said > LOG_EVERY:
+                        said = time.perf_counter()
+                        runs = sum(len(s) for m in names for s in seconds[m])
+                        print(f"[bench] {runs} of {total} runs", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         specdec.ctrl_c.handled()  # bench goes on: it reports what was measured
         bar.close()

@@ -19,7 +19,8 @@ protocol below, the one the loop and the engines rely on):
     Lookahead(window, ngram, guesses, device)      n-grams from a window of Jacobi trajectories
     PaSS(model, embeddings, gamma, guesses)        learned [LA] tokens: the model drafts for itself
 
-A new drafter is one class here that implements Drafter, and its line in catalog.DRAFTERS.
+A new drafter is one class that implements Drafter (here, or in your own file) and one line,
+catalog.register("name", build, defaults): README, "Adding a drafter".
 Test: `python -m pytest -q tests/test_drafters.py`. Shapes: N tree nodes (root included), G drafted
 tokens of a chain, V vocabulary, D hidden, T new tokens, P parents at one depth, M window nodes.
 """

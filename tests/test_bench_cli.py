@@ -808,3 +808,14 @@ def test_timing_trees_says_how_far_it_is_on_a_log_too(monkeypatch, capsys):
     tuning.time_trees(trees, 3, "cpu", rows=1)
     err = capsys.readouterr().err
     assert "[tune] timing 2 trees at 1 row: repeat 3 of 3" in err
+
+
+def test_a_log_gets_progress_lines_where_no_bar_is_shown(
+    capsys, tmp_path, tiny_model_dir, monkeypatch
+):
+    import bench as lesson
+
+    monkeypatch.setattr(lesson, "LOG_EVERY", -1)  # a line after every run
+    argv = [*short_run(tmp_path, tiny_model_dir, repeats=2), "--methods", "plain"]
+    code, _, err = run_bench(capsys, *argv)  # pytest's stderr is no terminal
+    assert code == 0 and "[bench] 2 of 2 runs" in err, err

@@ -197,11 +197,31 @@ def test_computed_only_nodes_are_never_kept(small, monkeypatch):
 
 
 def test_a_verifier_that_cannot_do_what_is_asked_is_refused(small):
-    # greedy steps after a sampled first token
-    with pytest.raises(ValueError, match="needs temperature 0"):
-        decode.generate(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
-    with pytest.raises(ValueError, match="use one of"):
-        decode.generate(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
+    # greedy steps after a sampled first token: refused by the lesson and its twin alike
+    for loop in (decode.generate, G.generate):
+        with pytest.raises(ValueError, match="needs temperature 0"):
+            loop(small, [1, 2, 3], 4, verify="greedy", temperature=0.7)
+        with pytest.raises(ValueError, match="use one of"):
+            loop(small, [1, 2, 3], 4, verify="tipical", temperature=0.7)
+
+
+def test_a_tree_whose_ranks_skip_is_drafted_as_the_twin_drafts_it(small):
+    """A hand-written tree may skip ranks ((0,), (2,): head 1's first and third guesses): each
+    node gets its rank's token; the lesson's reply is plain decoding's, in the twin's steps."""
+    heads = random_heads(small, "hydra")
+    tree = tree_lib.build([(0,), (2,), (2, 1)])
+    plain = decode.generate(small, [1, 2, 3, 4], 30)
+    twin = decode.generate(small, [1, 2, 3, 4], 30, drafters.HeadsDrafter(heads, tree))
+    new, forwards = G.generate(lesson_of(small), [1, 2, 3, 4], 30, heads, tree)
+    assert new == plain.tokens and forwards == twin.steps
+
+
+def test_heads_without_a_tree_draft_a_chain_as_deep_as_the_heads(small):
+    heads = random_heads(small, "medusa", k=3)
+    chain = tree_lib.build(tree_lib.chain(3))
+    assert G.generate(lesson_of(small), [5, 6, 7], 20, heads) == G.generate(
+        lesson_of(small), [5, 6, 7], 20, heads, chain
+    )
 
 
 def test_auto_dtype_is_fp16_on_a_gpu_without_native_bf16(monkeypatch):

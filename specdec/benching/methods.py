@@ -645,10 +645,13 @@ def build_methods(
             # row the tree --tune-tree chose for its batch size)
             by_batch = d
             if variant in ("", "lookup"):
-                by_batch = catalog.batch_drafter(d, folder, base, args.quantize)
+                by_batch = catalog.batch_drafter(
+                    d, folder, base, args.quantize, catalog.UNTUNED_BUDGETS
+                )
             elif variant == "uniform" and trees:
                 by_batch = drafters.HeadsByBatch(heads, trees)
-            shared_only = type(by_batch) is drafters.HeadsShared  # --tune-tree predicted it
+            # --tune-tree predicted a tuned budget's speed; the default rule's, nobody
+            shared_only = type(by_batch) is drafters.HeadsShared and shared is not None
             verify = variant if variant in ("typical", "sample") else "greedy"
             temperature = args.temperature if verify != "greedy" else 0.0
             methods[name] = method(
