@@ -230,4 +230,4 @@ def cli_main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    specdec.ctrl_c.exit_now(cli_main())  # no Python shutdown, where a Ctrl-C would end it mute

@@ -176,4 +176,4 @@ def cli_main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?'
-    sys.exit(cli_main())
+    specdec.ctrl_c.exit_now(cli_main())  # no Python shutdown, where a Ctrl-C would end it mute
