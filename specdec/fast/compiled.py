@@ -438,15 +438,18 @@ class CompiledHeads:
         return torch.cat(out, dim=1) if len(out) > 1 else out[0]  # (1, T, D)
 
     @torch.inference_mode()
-    def prepare(self, max_len, sizes, depth):
-        """Compile now what drafting `depth` deep compiles (head and project at each depth) and
-        Hydra++'s context for these numbers of positions (a prompt's length) and for the 1 to
-        depth + 1 accepted a step. Writes into the buffers: only while no cache is in use."""
+    def prepare(self, max_len, sizes, tree):
+        """Compile now what drafting `tree` compiles (generate.fill_tree's head and project at each
+        depth, for all of its parents at once) and Hydra++'s context for these numbers of
+        positions (a prompt's length) and for the 1 to depth + 1 accepted a step. Writes into the
+        buffers: only while no cache is in use."""
         assert self.owner() is None, "prepare() while a cache is in the buffers"
         device = self.buffers.device
         h = torch.zeros(1, self.heads.cfg.dim, device=device, dtype=self.buffers.dtype)  # (1, D)
-        for d in range(1, depth + 1):
-            path = torch.zeros(1, d, dtype=torch.long, device=device)  # (1, d)
+        depth = tree.max_depth
+        for d, nodes in enumerate(tree.by_depth, start=1):
+            P = len(tree.parent[nodes].unique())  # the parents drafted for at once
+            path = torch.zeros(P, d, dtype=torch.long, device=device)  # (P, d)
             self.project(self.head(d, h, path), d)
         cache = self.new_cache(max_len)
         if cache is None:
@@ -461,7 +464,7 @@ def prepare(model, heads, max_len, prompt_len, tree):
     up to max_len runs, model and heads as wrap() returned them (heads None: plain decoding)."""
     model.prepare(max_len, [prompt_len, tree.num_nodes])
     if heads is not None:
-        heads.prepare(max_len, [prompt_len], tree.max_depth)
+        heads.prepare(max_len, [prompt_len], tree)
 
 
 # --- the entry point ------------------------------------------------------------------------------
