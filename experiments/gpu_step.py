@@ -44,32 +44,8 @@ from specdec import rows  # noqa: E402
 from specdec.fast import compiled  # noqa: E402
 from specdec.loading import checkpoint  # noqa: E402
 
-# the default model's config.json, as transformers writes it (its weights are not needed)
-SMOLLM2_135M = dict(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
-TINY = SMOLLM2_135M | dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
-)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check.py, beside this one
+from gpu_check import DTYPES, SMOLLM2_135M, TINY  # noqa: E402 (the default model's shape, a tiny one)
 
 
 def build_parser():
