@@ -519,7 +519,16 @@ def main(args, lesson, loop):
         )
     with ctrl_c.deferred() as late:  # a press from here on cuts no table: they are reported
         res, mach = report_measured(
-            args, lesson, entries, graphed, prompts, secs, outs, (model, device, dtype, floor)
+            args,
+            lesson,
+            entries,
+            graphed,
+            prompts,
+            secs,
+            outs,
+            device=device,
+            dtype=dtype,
+            floor=floor,
         )
     interrupted = interrupted or bool(late)
     partial = None  # what Ctrl-C left out, in words: --json and --plots say so
@@ -551,11 +560,10 @@ def main(args, lesson, loop):
     return 130 if partial or late else 0
 
 
-def report_measured(args, lesson, entries, graphed, prompts, secs, outs, where):
+def report_measured(args, lesson, entries, graphed, prompts, secs, outs, *, device, dtype, floor):
     """The numbers of what was measured, and its machine: the tables printed, and what each
-    method's numbers mean beside them. where: (model, device, dtype, distance_to_floor's).
+    method's numbers mean beside them. floor: distance_to_floor's, probed before measuring.
     -> (results, machine)"""
-    model, device, dtype, floor = where
     methods = {name: e.method for name, e in entries.items()}
     res = lesson.results(methods, prompts, secs, outs)
     mach = machine(

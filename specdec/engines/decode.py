@@ -280,9 +280,9 @@ def by_the_lesson(drafter):
 def reply(lesson, model, prompt, max_new_tokens, drafter=None, on_tokens=None, **decoding):
     """One prompt's Result, decoded by `lesson` (generate.py's generate()) where it can
     (by_the_lesson; lesson None: never, as under CUDA graphs, whose replay is this twin's), else by
-    this twin's generate(); decoding: their verify, temperature, top_p,
-    generator and eos_ids. The statistics come from what each step emits: its accepted drafts sit
-    at depths 1, 2, ... of the tree (drafted by head 1, 2, ...), then the bonus token."""
+    this twin's generate(); decoding: their verify, temperature, top_p, generator and eos_ids. The
+    statistics come from what each step emits: its accepted drafts sit at depths 1, 2, ... of the
+    tree (drafted by head 1, 2, ...), then the bonus token."""
     drafted = by_the_lesson(drafter)
     if drafted is None or lesson is None:
         return generate(model, prompt, max_new_tokens, drafter, on_tokens=on_tokens, **decoding)
@@ -292,7 +292,7 @@ def reply(lesson, model, prompt, max_new_tokens, drafter=None, on_tokens=None, *
 
     def emitted(ids):
         first = not out.tokens
-        sources = [0] if first else (list(range(1, len(ids))) + [0])[: len(ids)]
+        sources = [0] if first else list(range(1, len(ids))) + [0]
         if not first:
             out.accepted.append(len(ids) - 1)
         out.tokens += ids
