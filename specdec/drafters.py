@@ -761,7 +761,14 @@ class HeadsPlusLookup:
         self.lookup.start(prompt, hidden, max_len, cached)
 
     def draft(self, rows, roots):
-        """The heads' trees of the rows that want one are drafted in one call."""
+        """The heads' trees of the rows that want one are drafted in one call. Where the heads
+        share a budget that is 0 at this many rows (drafting does not pay there), lookup drafts
+        nothing either: its nodes, outside the budget, cost a batch more than they saved."""
+        budget = getattr(self.heads, "budget", None)
+        if budget is not None and budget(len(rows))[0] == 0:
+            for row in rows:
+                row.lookup.proposed = []  # as a step without a match: its length stays
+            return self.heads.draft([row.heads for row in rows], roots)
         copied = [draft_nodes(row.lookup.propose(root)) for row, root in zip(rows, roots)]
         # on a copying streak the heads' nodes would only cost the step
         wanted = [

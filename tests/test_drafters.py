@@ -670,3 +670,23 @@ def test_something_that_lacks_a_method_is_no_drafter():
             return []
 
     assert not isinstance(Half(), D.Drafter)
+
+
+def test_merged_drafts_nothing_where_the_shared_budget_is_zero(small):
+    """At a batch size whose shared budget is 0 (drafting does not pay there), lookup's nodes stay
+    out too: the step is plain decoding; at a size with a budget both drafters' nodes come back."""
+    tree = tree_lib.build(tree_lib.cartesian([2, 2]))
+    heads = D.HeadsShared(random_heads(small, "hydra"), tree, {1: 2, 2: 0})
+    merged = D.HeadsPlusLookup(heads, D.Lookup(4, 3, 1, "cpu", adapt=True), "cpu")
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
+    rows = [merged.row(), merged.row()]
+    for r in rows:
+        r.start(prompt, hidden, 64)
+    two = merged.draft(rows, [3, 3])
+    assert [d.tree.num_nodes for d in two] == [1, 1]  # lookup would propose 4, 5, 6, 1
+    assert all(r.lookup.length == 4 and r.lookup.proposed == [] for r in rows)  # as no match
+    one = merged.draft(rows[:1], [3])[0]
+    assert {tuple(one.tokens[one.tree.mask[i]].tolist()) for i in range(one.tree.num_nodes)} >= {
+        (3, 4, 5, 6, 1)
+    }
