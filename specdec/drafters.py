@@ -762,14 +762,16 @@ class HeadsPlusLookup:
 
     def draft(self, rows, roots):
         """The heads' trees of the rows that want one are drafted in one call. Where the heads
-        share a budget that is 0 at this many rows (drafting does not pay there), lookup drafts
-        nothing either: its nodes, outside the budget, cost a batch more than they saved."""
-        budget = getattr(self.heads, "budget", None)
-        if budget is not None and budget(len(rows))[0] == 0:
-            for row in rows:
-                row.lookup.proposed = []  # as a step without a match: its length stays
-            return self.heads.draft([row.heads for row in rows], roots)
-        copied = [draft_nodes(row.lookup.propose(root)) for row, root in zip(rows, roots)]
+        share a budget of E nodes past the roots among B rows, lookup's chains are cut to E // B
+        nodes a row (none at 0: drafting does not pay there): outside the budget, at 4 and 8 rows
+        they cost a batch more than they saved."""
+        cap, copied = self.lookup_cap(len(rows)), []
+        for row, root in zip(rows, roots):
+            d = row.lookup.propose(root)
+            if cap is not None and any(len(c) > cap for c in row.lookup.proposed):
+                row.lookup.proposed = [c[:cap] for c in row.lookup.proposed] if cap else []
+                d = row.lookup.shapes.draft(root, chains(row.lookup.proposed, 1))
+            copied.append(draft_nodes(d))
         # on a copying streak the heads' nodes would only cost the step
         wanted = [
             i for i, (row, c) in enumerate(zip(rows, copied)) if not (c and row.lookup.copying)
@@ -779,6 +781,11 @@ class HeadsPlusLookup:
         return [
             row.merged(r, c, heads.get(i)) for i, (row, r, c) in enumerate(zip(rows, roots, copied))
         ]
+
+    def lookup_cap(self, rows):
+        """The nodes lookup's chain may take a row at a step of `rows` rows (None: no limit)."""
+        budget = getattr(self.heads, "budget", None)  # HeadsShared: one budget for the rows
+        return None if budget is None else budget(rows)[0] // rows
 
     def merged(self, root, copied, heads):
         """One row's draft: lookup's nodes `copied` grafted on the heads' Draft (None: alone)."""

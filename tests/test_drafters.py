@@ -672,21 +672,26 @@ def test_something_that_lacks_a_method_is_no_drafter():
     assert not isinstance(Half(), D.Drafter)
 
 
-def test_merged_drafts_nothing_where_the_shared_budget_is_zero(small):
-    """At a batch size whose shared budget is 0 (drafting does not pay there), lookup's nodes stay
-    out too: the step is plain decoding; at a size with a budget both drafters' nodes come back."""
+def test_merged_cuts_lookup_to_its_share_of_the_budget(small):
+    """Rows sharing a budget of E nodes past the roots: lookup's chain takes at most E // B nodes a
+    row (none where that is 0: drafting does not pay there), its length state as after a match."""
     tree = tree_lib.build(tree_lib.cartesian([2, 2]))
-    heads = D.HeadsShared(random_heads(small, "hydra"), tree, {1: 2, 2: 0})
+    heads = D.HeadsShared(random_heads(small, "hydra"), tree, {1: 2, 2: 2, 4: 0})
     merged = D.HeadsPlusLookup(heads, D.Lookup(4, 3, 1, "cpu", adapt=True), "cpu")
-    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]  # root 3: lookup proposes 4, 5, 6, 1
     _, hidden = small(torch.tensor([prompt]), torch.arange(len(prompt)))
-    rows = [merged.row(), merged.row()]
+    rows = [merged.row() for _ in range(4)]
     for r in rows:
         r.start(prompt, hidden, 64)
-    two = merged.draft(rows, [3, 3])
-    assert [d.tree.num_nodes for d in two] == [1, 1]  # lookup would propose 4, 5, 6, 1
-    assert all(r.lookup.length == 4 and r.lookup.proposed == [] for r in rows)  # as no match
-    one = merged.draft(rows[:1], [3])[0]
-    assert {tuple(one.tokens[one.tree.mask[i]].tolist()) for i in range(one.tree.num_nodes)} >= {
-        (3, 4, 5, 6, 1)
-    }
+
+    def lookups(d):  # the lookup-drafted tokens of a row's draft, in tree order
+        return [t for t, s in zip(d.tokens.tolist(), d.source) if s == 3]
+
+    assert [lookups(d) for d in merged.draft(rows, [3] * 4)] == [[]] * 4  # E = 0
+    assert all(r.lookup.proposed == [] and r.lookup.length == 4 for r in rows)
+    assert [lookups(d) for d in merged.draft(rows[:2], [3] * 2)] == [[4]] * 2  # 2 // 2
+    assert lookups(merged.draft(rows[:1], [3])[0]) == [4, 5]  # 2 // 1
+    lookup = D.Lookup(4, 3, 1, "cpu", adapt=True)
+    alone = D.HeadsPlusLookup(D.HeadsDrafter(heads.heads, tree), lookup, "cpu")
+    alone.start(prompt, hidden, 64)
+    assert lookups(alone.draft([alone], [3])[0]) == [4, 5, 6, 1]  # one row, no budget: whole
