@@ -819,3 +819,14 @@ def test_a_log_gets_progress_lines_where_no_bar_is_shown(
     argv = [*short_run(tmp_path, tiny_model_dir, repeats=2), "--methods", "plain"]
     code, _, err = run_bench(capsys, *argv)  # pytest's stderr is no terminal
     assert code == 0 and "[bench] 2 of 2 runs" in err, err
+
+
+def test_a_shared_budget_must_beat_plain_in_the_model_and_the_decode():
+    """The batch's budget is kept only where the step model and the real decode (by the margin)
+    both put it ahead of plain decoding: a noisy decode alone, or the model alone, keeps plain."""
+    plain = {"tokens_per_s": 100.0, "measured": 100.0}
+    ahead = 1 + tuning.SHARED_MARGIN
+    assert tuning.beats_plain(plain, plain)
+    assert tuning.beats_plain({"tokens_per_s": 101.0, "measured": 100.0 * ahead}, plain)
+    assert not tuning.beats_plain({"tokens_per_s": 93.0, "measured": 107.0}, plain)  # model says no
+    assert not tuning.beats_plain({"tokens_per_s": 120.0, "measured": 101.0}, plain)  # within noise
