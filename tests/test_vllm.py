@@ -1,12 +1,14 @@
 """Medusa heads exported by specdec.export load and serve in vLLM itself: the default model greedy
-on 8 evaluation prompts through vLLM's offline LLM, plain and with the shipped Medusa heads
+on 8 evaluation prompts through vLLM's engine, plain and with the shipped Medusa heads
 (speculative_config method medusa), fp32: every reply token-identical, and vLLM's own counter of
 accepted draft tokens above zero. Each engine runs in a process of its own
-(experiments/vllm_medusa.py --one).
+(specdec/benching/in_vllm.py, vllm_worker.py).
 
 Skipped where vLLM is not installed (requirements.txt leaves it out: it pins its own transformers
-and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"):
-`venv-vllm/bin/python -m pytest -q tests/test_vllm.py` (a few minutes on 2 CPU cores).
+and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"), Intel OpenMP
+preloaded as vLLM's CPU build asks:
+`LD_PRELOAD=venv-vllm/lib/libiomp5.so venv-vllm/bin/python -m pytest -q tests/test_vllm.py` (a few
+minutes on 2 CPU cores).
 """
 
 import importlib.util
