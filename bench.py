@@ -16,9 +16,10 @@ layers, Jacobi, lookahead, PaSS, heads that learn online), the batches of --batc
 steps CUDA graphs replay run the package's twin of that loop (specdec/engines/decode.py,
 engine.py), tested token-identical to it. Beside ours, what a user would run otherwise, on the
 same weights and prompts: transformers' generate() (hf; hf-compiled: its static cache and
-torch.compile; pld: its prompt lookup; assisted: its draft model) and llama.cpp (llama.cpp-f16,
--q8_0, -q4_1, where llama-cpp-python is installed). A speedup over our own plain decoding alone
-could hide a slow baseline; beside theirs it cannot.
+torch.compile; pld: its prompt lookup; assisted: its draft model), llama.cpp (llama.cpp-f16,
+-q8_0, -q4_1, where llama-cpp-python is installed) and vLLM (vllm, vllm-medusa, vllm-eagle3: its
+engine, plain and with a draft, in processes of its own python, where one is found). A speedup
+over our own plain decoding alone could hide a slow baseline; beside theirs it cannot.
 
     python bench.py                                   # every available method, eval/prompts.jsonl
     python bench.py --limit 3 --max-new-tokens 32 --repeats 1            # a quick look

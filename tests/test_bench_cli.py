@@ -25,6 +25,7 @@ from specdec import cli
 from specdec.fast import exact
 from specdec.fast import kernels
 import bench as B
+from specdec.benching import in_vllm
 from specdec.benching import methods as catalogue
 from specdec.commands import bench as command
 from specdec import tuning
@@ -542,6 +543,39 @@ def test_llama_cpp_named_without_the_package_or_the_default_model_is_refused(
     check_one_line_error(
         *run_bench(capsys, "--model", tmp_path, "--methods", "llama.cpp-q4_1")[::2],
         "--methods llama.cpp-q4_1: llama.cpp runs the default model's GGUF files only",
+    )
+
+
+def test_vllm_methods_are_listed_and_refused_cleanly_without_vllm(
+    no_model, capsys, monkeypatch, tmp_path
+):
+    """vllm, vllm-medusa and vllm-eagle3 are in --help; named where no python imports vLLM (this
+    one does not, and README's venv-vllm/bin/python is not there), with a --vllm-python that is
+    not a file, with another model, or with a draft folder of the other kind: a one-line error
+    before the model loads."""
+    assert "vllm-eagle3" in command.build_parser().format_help()
+    assert {"vllm", "vllm-medusa", "vllm-eagle3"} <= set(catalogue.METHODS)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # this python cannot import it
+    monkeypatch.setattr(in_vllm, "VENV_PYTHON", str(tmp_path / "venv-vllm" / "bin" / "python"))
+    check_one_line_error(
+        *run_bench(capsys, "--methods", "plain,vllm")[::2],
+        "--methods vllm: needs vLLM, which this python cannot import",
+        "give --vllm-python",
+    )
+    check_one_line_error(
+        *run_bench(capsys, "--methods", "vllm-medusa", "--vllm-python", tmp_path / "python")[::2],
+        f"--methods vllm-medusa: --vllm-python {tmp_path / 'python'}: no such file",
+    )
+    check_one_line_error(
+        *run_bench(capsys, "--model", tmp_path, "--methods", "vllm")[::2],
+        "--methods vllm: vLLM serves the default model's export here",
+    )
+    monkeypatch.setattr(in_vllm, "find_python", lambda choice: sys.executable)  # as if found
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
+    check_one_line_error(
+        *run_bench(capsys, "--methods", "vllm-eagle3", "--vllm-eagle3", tmp_path)[::2],
+        f"--methods vllm-eagle3: --vllm-eagle3 {tmp_path}: a medusa draft (its config.json), "
+        "not eagle3",
     )
 
 

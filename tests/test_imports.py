@@ -41,10 +41,12 @@ GUARDED = {
 # (file, module) imported without a guard of its own, only ever reached through one in GUARDED,
 # or in another environment than requirements.txt's, behind a test's skip
 BEHIND_A_GUARD = {
-    ("experiments/vllm_medusa.py", "vllm"): "run only in vLLM's own virtual environment "
-    "(requirements-vllm.txt), by hand or by "
-    "tests/test_vllm.py::test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted, "
-    "which skips where vLLM is not installed",
+    ("specdec/benching/vllm_worker.py", "vllm"): "run only in vLLM's own virtual environment "
+    "(requirements-vllm.txt), as the process of one of bench.py's vLLM engines (in_vllm.py finds "
+    "a python that imports vllm first, else refuses), by "
+    "tests/test_vllm.py::test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted and "
+    "tests/test_vllm.py::test_bench_runs_vllm_beside_plain_decoding, "
+    "which skip where vLLM is not installed",
     (
         "specdec/loading/checkpoint.py",
         "llama_cpp",

@@ -1,12 +1,15 @@
 """Medusa heads exported by specdec.export load and serve in vLLM itself: the default model greedy
-on 8 evaluation prompts through vLLM's offline LLM, plain and with the shipped Medusa heads
+on 8 evaluation prompts through vLLM's engine, plain and with the shipped Medusa heads
 (speculative_config method medusa), fp32: every reply token-identical, and vLLM's own counter of
 accepted draft tokens above zero. Each engine runs in a process of its own
-(experiments/vllm_medusa.py --one).
+(specdec/benching/in_vllm.py, vllm_worker.py). And bench.py runs vLLM beside our plain decoding
+(its vllm and vllm-medusa methods): their rows in the same table, the same replies.
 
 Skipped where vLLM is not installed (requirements.txt leaves it out: it pins its own transformers
-and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"):
-`venv-vllm/bin/python -m pytest -q tests/test_vllm.py` (a few minutes on 2 CPU cores).
+and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"), Intel OpenMP
+preloaded as vLLM's CPU build asks:
+`LD_PRELOAD=venv-vllm/lib/libiomp5.so venv-vllm/bin/python -m pytest -q tests/test_vllm.py` (a few
+minutes on 2 CPU cores).
 """
 
 import importlib.util
@@ -40,3 +43,19 @@ def test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted(exporte
     counters = medusa["counters"]
     assert counters["drafts"] > 0 and counters["accepted"] > 0, counters
     assert sum(counters["accepted_per_pos"]) == counters["accepted"]
+
+
+def test_bench_runs_vllm_beside_plain_decoding(capsys):
+    """bench.py --methods plain,vllm,vllm-medusa on 2 prompts, 16 new tokens, fp32: vLLM's rows in
+    the table, their replies plain decoding's, vLLM's counters beside vllm-medusa's tau."""
+    import bench
+
+    argv = ["--methods", "plain,vllm,vllm-medusa", "--limit", "2", "--max-new-tokens", "16"]
+    code = bench.cli_main(argv + ["--repeats", "1", "--dtype", "fp32"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for name in ("vllm", "vllm-medusa"):
+        assert rows[name].rstrip().endswith("| yes |"), rows[name]  # identical to plain
+        assert f"[bench] {name}: vLLM " in err and "left out of tokens/s" in err
+    assert "[bench] vllm-medusa: vLLM counted" in err

@@ -8,7 +8,7 @@
                                              decoding, the twin (decode.generate) for the rest
     ours_batched(...)                        a batch through engine.generate_batch
     theirs, TheirsCompiled, in_llama_cpp     transformers' generate() and llama.cpp, as a user
-                                             runs them
+                                             runs them (vLLM's engines: in_vllm.py)
 
 Every method of ours decodes through decode.reply(): the heads (medusa, hydra, hydra++, the joint
 kinds, their sampling variants) and plain decoding through generate.py's own generate(), the loop
@@ -17,7 +17,9 @@ lookup, hydra++-lookup, layers, skip, draft-model, jacobi, lookahead, pass and t
 through decode.generate(). Theirs: transformers' generate() (hf, hf-compiled: its static cache and
 torch.compile, in --methods all on CUDA only, its compile timed apart; pld, assisted) or llama.cpp's
 (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
-llama-cpp-python is installed); nothing here is a decode loop. Drafting settings are generate.py's
+llama-cpp-python is installed) or vLLM's (vllm, vllm-medusa, vllm-eagle3: the default model
+exported, each engine in a process of vLLM's own python, where one is found: in_vllm.py); nothing
+here is a decode loop. Drafting settings are generate.py's
 defaults (DRAFT_DEFAULTS); 'layers' uses the N and gamma that --tune-layers saved in --heads-dir
 for this model, device and dtype (layers-DEVICE-DTYPE.json), else for this model on a CPU (with a
 notice off the CPU), else half the layers (reported as untuned); 'skip' the set --tune-skip saved
@@ -41,6 +43,7 @@ import heads as heads_lib
 from specdec import cli
 from specdec import drafters
 from specdec import tuning
+from specdec.benching import in_vllm
 from specdec.engines import decode
 from specdec.engines import engine
 from specdec.fast import graphs
@@ -54,6 +57,7 @@ from specdec.tuning import sync
 QUANTIZED = tuple(f"{kind}-{q}" for q in cli.QUANTIZE[1:] for kind in ("plain", "hydra++"))
 # llama.cpp on the default model's GGUF files
 LLAMA_CPP = tuple(f"llama.cpp-{kind}" for kind in checkpoint.GGUF_KINDS)
+VLLM = in_vllm.VLLM  # vLLM's engine on the default model: plain, and with a Medusa or EAGLE-3 draft
 # heads that learn across the prompts in their order (online.py, generate.py --online's defaults)
 ONLINE = tuple(f"{kind}-online" for kind in heads_lib.KINDS)
 BATCH_ONLY = ("hydra++-uniform",)  # hydra++ but at batch sizes: every row the same tree
@@ -81,6 +85,7 @@ METHODS = (
     "pass",
     *QUANTIZED,
     *LLAMA_CPP,
+    *VLLM,
     *ONLINE,
 )  # --methods all leaves out QUANTIZED and ONLINE: they run only when named
 
@@ -118,6 +123,7 @@ class Entry:
     nodes_at: Callable | None = None  # rows at once -> the nodes a step drafts (or shares)
     max_nodes: int = 1  # the most nodes a row's draft holds in a batch (graph keys prepared to it)
     predicted: dict | None = None  # rows at once -> --tune-tree's expected speedup over plain
+    close: Callable | None = None  # ends what it runs in beside bench (a vLLM engine's process)
 
 
 def ours(loop, model, drafter, verify, temperature, eos):
@@ -346,6 +352,53 @@ def in_llama_cpp(llm, eos):
     return run
 
 
+def vllm_python(args):
+    """The python that runs vLLM's engines here (--vllm-python), or None: vLLM is not found, or
+    the model is not the default one (the one served from its export)."""
+    if args.model != checkpoint.DEFAULT:
+        return None
+    try:
+        return in_vllm.find_python(args.vllm_python)
+    except in_vllm.Unavailable:
+        return None
+
+
+def in_vllm_engine(args, name, python, model, dtype):
+    """The engine `name` runs on (started now, in a process of its own; in_vllm.py) and a note
+    saying what it serves: the default model exported for vLLM, and for vllm-medusa and
+    vllm-eagle3 the draft of their flag (default: the shipped one exported), --vllm-speculative-
+    tokens a step. A draft that cannot be had raises in_vllm.Unavailable."""
+    draft = {}
+    if name != "vllm":
+        folder = in_vllm.draft_folder(name, getattr(args, name.replace("-", "_")))
+        draft = {
+            "draft": folder,
+            "method": in_vllm.speculative_method(folder),
+            "speculative_tokens": args.vllm_speculative_tokens,
+        }
+    threads = torch.get_num_threads()  # our methods' threads, as llama.cpp's
+    engine = in_vllm.Engine(
+        python,
+        in_vllm.base_folder(),
+        dtype=str(dtype).removeprefix("torch."),
+        threads=threads,
+        max_model_len=model.cfg.max_seq_len,
+        max_num_seqs=max(args.batch_size),
+        log=os.path.join(cli.cache_root(), "vllm", "logs", f"{name}.log"),
+        **draft,
+    )
+    served = "plain"
+    if draft:
+        tokens = cli.plural(args.vllm_speculative_tokens, "token")
+        served = f"{draft['method']} from {draft['draft']}, {tokens} a step (a chain)"
+    note = (
+        f"{name}: vLLM {engine.version} ({served}), {cli.plural(threads, 'thread')}, eager, "
+        f"at most {max(args.batch_size)} at once; started in {engine.startup_seconds:.1f} s, "
+        f"left out of tokens/s; its log: {engine.log}"
+    )
+    return engine, note
+
+
 def layers_setting(args, model):
     """(N, gamma, how chosen) of the 'layers' method: what --tune-layers saved for this model,
     device and dtype; else what it saved on a CPU (the same dtype first), with a notice off the CPU;
@@ -438,6 +491,9 @@ def build_methods(
         reset = learns.reset if learns else None  # online heads start each repeat afresh
         return Entry(lesson.Method(name, run, greedy, depth, reset), learns=learns, **known)
 
+    # vLLM's python, looked for once (a subprocess where it is not this one)
+    asks_vllm = args.methods == "all" or set(VLLM) & set(named_methods(args.methods))
+    vllm_here = vllm_python(args) if asks_vllm else None
     # all: every method that can run here, but the quantized copies (run only when named)
     if args.methods == "all":
         wanted = [
@@ -445,6 +501,7 @@ def build_methods(
             for m in METHODS
             if m not in QUANTIZED + ONLINE + BATCH_ONLY
             and (m not in LLAMA_CPP or m in llama_cpp_available(args))
+            and (m not in VLLM or vllm_here is not None)
             and (m != "hf-compiled" or str(device).startswith("cuda"))
         ]
     else:
@@ -458,6 +515,8 @@ def build_methods(
             f"{', '.join(LLAMA_CPP)}: not run (they need llama-cpp-python: "
             "pip install llama-cpp-python)"
         )
+    if args.methods == "all" and args.model == checkpoint.DEFAULT and vllm_here is None:
+        notes.append(f"{', '.join(VLLM)}: not run (they need vLLM: README, 'Serve with vLLM')")
     look = catalog.DRAFT_DEFAULTS["lookup"]
     for name in wanted:
         if name == "plain":
@@ -473,6 +532,23 @@ def build_methods(
             notes.append(
                 f"{name}: llama.cpp on {path}, {cli.plural(torch.get_num_threads(), 'thread')}"
             )
+        elif name in VLLM:  # the same weights in vLLM's engine: its tokens/s, tau and replies
+            try:
+                engine, note = in_vllm_engine(args, name, vllm_here, model, dtype)
+            except in_vllm.Unavailable as e:  # named: check_args refused it before the model
+                notes.append(f"{name}: skipped ({e})")
+                continue
+            k = args.vllm_speculative_tokens if name != "vllm" else 0
+            methods[name] = method(
+                name,
+                in_vllm.OneAtATime(engine, eos),
+                greedy=True,
+                depth=k,
+                batch=in_vllm.batched(engine, eos),
+                nodes_at=(lambda rows, k=k: f"{k} (chain)") if k else None,
+                close=engine.close,
+            )
+            notes.append(note)
         elif (
             name in QUANTIZED
             # the same method on an fp16, int8 or int4 copy: how many replies keep the model's, and

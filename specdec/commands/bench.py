@@ -33,9 +33,10 @@ from specdec import ctrl_c
 from specdec import terminal
 from specdec import tuning
 from specdec.benching import batches
+from specdec.benching import in_vllm
 from specdec.benching import methods as catalogue
 from specdec.benching import report
-from specdec.benching.methods import LLAMA_CPP, METHODS, ONLINE, QUANTIZED
+from specdec.benching.methods import LLAMA_CPP, METHODS, ONLINE, QUANTIZED, VLLM
 from specdec.fast import kernels as kernels_lib
 from specdec.loading import catalog
 from specdec.loading import checkpoint
@@ -53,8 +54,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DESCRIPTION = (
     "Benchmark: plain decoding, transformers' generate (greedy, its static cache compiled, prompt "
     "lookup, assisted), draft heads (Medusa, Hydra, Hydra++) and the other drafters (prompt "
-    "lookup, the model's first layers, heads + lookup in one tree, a draft model), side by side on "
-    "the same prompts, in the same run, on this machine."
+    "lookup, the model's first layers, heads + lookup in one tree, a draft model), llama.cpp and "
+    "vLLM (plain, Medusa, EAGLE-3), side by side on the same prompts, in the same run, on this "
+    "machine."
 )
 
 
@@ -73,8 +75,9 @@ def build_parser():
         "--methods",
         default="all",
         help=f"comma list of {', '.join(METHODS)}; all = every available one (llama.cpp's"
-        f" where llama-cpp-python is installed), but not {', '.join(QUANTIZED + ONLINE)}, which"
-        " run when named (plain always runs: it is the baseline)",
+        " where llama-cpp-python is installed, vLLM's where --vllm-python finds vLLM), but not"
+        f" {', '.join(QUANTIZED + ONLINE)}, which run when named (plain always runs: it is the"
+        " baseline)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument(
@@ -116,6 +119,33 @@ def build_parser():
         default=None,
         help="a small Llama-family model sharing the tokenizer: enables the 'draft-model' and "
         "'assisted' methods",
+    )
+    # vLLM (the vllm methods: the default model exported, each engine a process of vLLM's python)
+    p.add_argument(
+        "--vllm-python",
+        default="auto",
+        help="the python of vLLM's virtual environment (requirements-vllm.txt), which runs the "
+        "vllm methods' engines; auto: this python if it imports vllm, else venv-vllm/bin/python "
+        "in the repository",
+    )
+    p.add_argument(
+        "--vllm-medusa",
+        default="default",
+        help="the draft vllm-medusa serves: a folder in vLLM's Medusa layout (python -m "
+        "specdec.export); default: the shipped Medusa heads, exported once into the cache",
+    )
+    p.add_argument(
+        "--vllm-eagle3",
+        default="default",
+        help="the draft vllm-eagle3 serves: an EAGLE-3 folder (config.json's architectures "
+        "LlamaForCausalLMEagle3); default: python -m specdec.export --heads eagle3's, exported "
+        "once into the cache",
+    )
+    p.add_argument(
+        "--vllm-speculative-tokens",
+        type=int,
+        default=3,
+        help="tokens vLLM drafts a step for vllm-medusa and vllm-eagle3 (a chain: no tree)",
     )
     # machine
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -279,6 +309,10 @@ READ_BY = {
     "draft_model": (None,),
     "batch_size": (None,),
     "cuda_graphs": (None,),
+    "vllm_python": (None,),
+    "vllm_medusa": (None,),
+    "vllm_eagle3": (None,),
+    "vllm_speculative_tokens": (None,),
     "prompts": (None, *TUNERS),
     "limit": (None, *TUNERS),
     "max_new_tokens": (None, "tune_layers", "tune_skip", "tune_parallel"),
@@ -331,12 +365,13 @@ def check_args(args):
             args.tune_repeats,
             args.prefix_len,
             args.shared_candidates,
+            args.vllm_speculative_tokens,
         )
         < 1
     ):
         raise cli.UsageError(
             "--max-new-tokens, --repeats, --max-budget, --max-batch, --tune-repeats, "
-            "--prefix-len and --shared-candidates must be at least 1"
+            "--prefix-len, --shared-candidates and --vllm-speculative-tokens must be at least 1"
         )
     args.batch_size = batch_sizes(args.batch_size)
     catalogue.named_methods(args.methods)
@@ -383,6 +418,7 @@ def check_args(args):
         )
     if mode is None:
         check_llama_cpp(args)
+        check_vllm(args, given)
     return mode
 
 
@@ -404,6 +440,33 @@ def check_llama_cpp(args):
             f"--methods {named[0]}: needs llama-cpp-python, which is not installed: pip install "
             "llama-cpp-python"
         )
+
+
+def check_vllm(args, given):
+    """The vLLM methods, named: the default model (served from its export), a python that imports
+    vLLM (args.vllm_python becomes it), and each draft's folder (args.vllm_medusa, args.vllm_eagle3
+    become theirs: the shipped heads exported once where the flag says default). Refused before
+    the model loads, one line each; their flags without them get a notice."""
+    asked = set(catalogue.named_methods(args.methods))
+    named = [m for m in VLLM if m in asked]
+    if args.methods != "all" and not named:
+        for name in given:
+            if name.startswith("vllm_"):
+                cli.notice(f"{flag(name)} has no effect unless --methods includes a vLLM method")
+        return
+    if named and args.model != checkpoint.DEFAULT:
+        raise cli.UsageError(
+            f"--methods {named[0]}: vLLM serves the default model's export here; drop --model or "
+            "the vLLM methods"
+        )
+    for name in named:
+        try:
+            args.vllm_python = in_vllm.find_python(args.vllm_python)
+            if name != "vllm":
+                attr = name.replace("-", "_")
+                setattr(args, attr, in_vllm.draft_folder(name, getattr(args, attr)))
+        except in_vllm.Unavailable as e:
+            raise cli.UsageError(f"--methods {name}: {e}") from None
 
 
 def wants_assisted(args):
@@ -557,6 +620,9 @@ def main(args, lesson, loop):
             print(f"[bench] {partial}", file=sys.stderr)
     with ctrl_c.deferred() as late:  # the files are written whole
         write_records(args, mach, res, batched, partial)
+    for e in entries.values():  # vLLM's engines end (else when bench does: their input closes)
+        if e.close:
+            e.close()
     return 130 if partial or late else 0
 
 
@@ -594,6 +660,9 @@ def report_measured(args, lesson, entries, graphed, prompts, secs, outs, *, devi
                     "from a 1-token one, so near-ties can flip; fp32 is exact)"
                 )
             )
+            if name in VLLM and dtype != torch.float32:
+                why = " (vLLM's kernels round otherwise than ours in reduced precision: near-ties"
+                why += " can flip; in fp32 its replies are ours, tests/test_vllm.py)"
             print(
                 f"[bench] {name}: output differs from plain decoding on "
                 f"{', '.join(map(str, r['differs_on']))}{why}",
@@ -605,6 +674,15 @@ def report_measured(args, lesson, entries, graphed, prompts, secs, outs, *, devi
             print(
                 f"[bench] {name}: compiled and warmed up in {run.warmup_seconds:.1f} s, left "
                 "out of tokens/s",
+                file=sys.stderr,
+            )
+        if isinstance(run, in_vllm.OneAtATime) and e.method.depth:
+            drafts, accepted, length = in_vllm.counted(outs[name])
+            print(
+                f"[bench] {name}: vLLM counted {drafts} drafts of {e.method.depth} tokens and "
+                f"{accepted} tokens accepted: its mean acceptance length 1 + accepted / drafts = "
+                f"{length:.2f} (tau above: new tokens / (1 + drafts), the prefill a forward as "
+                "for every method)",
                 file=sys.stderr,
             )
         if e.learns:
