@@ -321,6 +321,7 @@ def tiny_run(tmp_path_factory):
 def run_train(d, model, out, *more):
     argv = ["--model", model, "--heads", "eagle3", "--data", str(d / "c.safetensors")]
     argv += ["--batch-tokens", "128", "--epochs", "2", "--eval-every", "1000", "--dtype", "fp32"]
+    argv += ["--train-dtype", "fp32"]
     argv += ["--kept-tokens", "300", "--save-every", "1000", "--out", str(out), *more]
     return train.cli_main([str(a) for a in argv])
 
