@@ -263,8 +263,8 @@ def build_parser():
         "--eval-conversations",
         int,
         200,
-        "eagle3: evaluate on the first this many held-out conversations during the run (0: all; "
-        "the final evaluation takes all of them)",
+        "eagle3: evaluate on the first this many held-out conversations (0: all; each evaluation "
+        "runs the base model over them)",
     )
     return p
 

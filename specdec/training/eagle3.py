@@ -20,9 +20,9 @@ by length, fixed by seed and epoch), the loop (train.train: warm-up and cosine, 
 stops it), the session (progress, evaluation every --eval-every steps, checkpoints every
 --save-every seconds, Ctrl-C / SIGTERM, --resume bit for bit) and eval.json. --conversations N
 trains on the first N of the training split (0: all); --eval-conversations N evaluates on the first
-N held out during the run, the final evaluation on all of them, as the heads' is (per depth top-1
-and top-5 against the base model's greedy token, each rank's acceptance, and the chain tau, the
-drafter's inputs the data's tokens as the heads' are).
+N held out (0: all; every evaluation runs the base model over them again), as the heads' are
+evaluated (per depth top-1 and top-5 against the base model's greedy token, each rank's acceptance,
+and the chain tau, the drafter's inputs the data's tokens as the heads' are).
 
 The draft vocabulary: the --kept-tokens most frequent assistant tokens of the data (the heads'
 also count the teacher's top-1s, which are not known before this run's base passes; on greedy
@@ -229,17 +229,12 @@ def evaluate(module, plan, convs, bf16=False):
 
 class Eagle3Session(Session):
     """session.Session for the layer: its evaluation is evaluate() above, on the first
-    --eval-conversations held out during the run and on all of them at the end."""
+    --eval-conversations held out (0: all), their number in the report."""
 
     def evaluate(self):
-        held = self.plan.held_out
-        if not getattr(self, "finishing", False) and self.args.eval_conversations:
-            held = held[: self.args.eval_conversations]
-        return evaluate(self.heads.eval(), self.plan, held, self.bf16)
-
-    def finish(self):
-        self.finishing = True
-        super().finish()
+        held = self.plan.held_out[: self.args.eval_conversations or None]
+        report = evaluate(self.heads.eval(), self.plan, held, self.bf16)
+        return report | {"conversations": len(held)}
 
 
 # --- the run -------------------------------------------------------------------------------------
