@@ -18,6 +18,8 @@ protocol below, the one the loop and the engines rely on):
     Jacobi(gamma, device)                          the model's own outputs of last step, as guesses
     Lookahead(window, ngram, guesses, device)      n-grams from a window of Jacobi trajectories
     PaSS(model, embeddings, gamma, guesses)        learned [LA] tokens: the model drafts for itself
+    specdec.eagle3.Eagle3Drafter(module, tree)     EAGLE-3: a decoder layer over fused features
+                                                   (ReadsFeatures, below), in its own file
 
 A new drafter is one class that implements Drafter (here, or in your own file) and one line,
 catalog.register("name", build, defaults): README, "Adding a drafter".
@@ -76,6 +78,7 @@ class Accepted:
     nodes: list = None  # (n,) the kept tokens' nodes in the draft, the root (0) first
     bonus: int = 0  # the base model's own token after them: emitted, not in the cache yet
     sources: list = None  # who drafted each emitted token (the kept drafts, then the bonus: 0)
+    features: torch.Tensor | None = None  # (1, n, F*D) a ReadsFeatures drafter's layer inputs
 
     @property
     def tokens(self) -> list:
@@ -97,9 +100,10 @@ class Drafter(Protocol):
         (start() makes it) and generator (for sampled drafts)."""
 
     def start(self, prompt: list, hidden: torch.Tensor, max_len: int, cached: int = 0) -> None:
-        """A new sequence: the prompt ids, the base model's hidden states over them (1, T, D), room
-        for max_len positions; cached > 0: the last sequence goes on (a conversation's next turn),
-        its state for prompt[:cached] kept, `hidden` the rest's."""
+        """A new sequence: the prompt ids, the base model's hidden states over them (1, T, D) (a
+        ReadsFeatures drafter: its layers' inputs, (1, T, F*D)), room for max_len positions;
+        cached > 0: the last sequence goes on (a conversation's next turn), its state for
+        prompt[:cached] kept, `hidden` the rest's."""
 
     def draft(self, rows: list, roots: list) -> list:
         """The Draft of each row (this drafter's row()s, or [itself] alone), rooted at its last
@@ -107,6 +111,22 @@ class Drafter(Protocol):
 
     def accept(self, accepted: Accepted) -> None:
         """What the step kept of this row's draft, and what the base model computed there."""
+
+
+@runtime_checkable
+class ReadsFeatures(Protocol):
+    """A drafter that reads the base model's inner layers, not only its final hidden states
+    (EAGLE-3): `features` names them (layer indices, ascending; layer l's input is read). The loop
+    then runs the forward with rows.Model's `features` and hands their inputs, side by side
+    (F*D wide), to start() in place of the final hidden states and to accept() in
+    Accepted.features. A drafter without it costs the forward nothing."""
+
+    features: tuple
+
+
+def features_of(drafter) -> tuple:
+    """The layers whose inputs `drafter` reads (ReadsFeatures), () for every other drafter."""
+    return tuple(drafter.features) if isinstance(drafter, ReadsFeatures) else ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """
-Export trained Medusa heads for serving: vLLM's Medusa checkpoint layout, a folder with
-config.json (model_type "medusa") and model.safetensors; and, with --base-out, the base model as a
-folder vLLM serves.
+Export trained Medusa heads or an EAGLE-3 layer for serving: vLLM's Medusa checkpoint layout, a
+folder with config.json (model_type "medusa") and model.safetensors, or the EAGLE-3 layout vLLM and
+SGLang load (LlamaForCausalLMEagle3, below); and, with --base-out, the base model as a folder vLLM
+serves.
 
 vLLM (vllm/model_executor/models/medusa.py) builds per head num_hidden_layers residual blocks
 x = x + SiLU(W x + b) and an LM head, on the target model's final (post-norm) hidden state: the
@@ -27,7 +28,28 @@ to the names it returns (or token_map registered in __init__); its own_lm_head h
 Hydra and Hydra++ heads read the drafted tokens (Hydra++ also a prefix layer), and joint heads
 (joint.py) need their adapted base model: vLLM's layout holds neither, so they are refused.
 
+An EAGLE-3 layer (specdec/eagle3.py, train.py --heads eagle3) goes out as vLLM 0.32's
+llama_eagle3.py reads it (Eagle3LlamaForCausalLM.load_weights: every name but lm_head under
+"model.", "midlayer." for "layers.0.", q/k/v and gate/up stacked into one product each, d2t into
+draft_id_to_target_id, t2d skipped; SGLang reads t2d), the names ours already have:
+
+    ours (heads.safetensors)                      EAGLE-3's model.safetensors
+    fc.weight (D, F*D), midlayer.*, norm.weight   the same names and shapes
+    lm_head.weight (V', D)                        lm_head.weight, draft_vocab_size V'
+    kept_ids (V',)                                d2t (V',) int64: target id = draft id + d2t[id];
+                                                  t2d (V,) bool: the kept tokens
+    the base's embed_tokens (a shared buffer)     not written: vLLM then shares the target's
+
+config.json names LlamaForCausalLMEagle3, one layer of the base model's dims and rope, the draft
+vocabulary, and eagle_config's eagle_aux_hidden_state_layer_ids only where the fused layers are not
+the engines' default, the inputs of layers (2, L // 2, L - 3) (the default model's 2, 15, 27): in
+the ids they are written as vLLM reads them (id l: the input of layer l), while SGLang reads an id
+l as layer l's output (it adds one), so such a layer serves in SGLang with its ids lowered by one.
+t2d is SGLang's alone (vLLM skips it). vLLM's load_weights checks no name: tests/test_eagle3.py
+checks that every parameter its model creates is written.
+
     python -m specdec.export --heads medusa --out medusa-vllm --base-out smollm2-vllm
+    python -m specdec.export --heads eagle3 --out eagle3-vllm --dtype bf16
     python -m vllm.entrypoints.openai.api_server --model smollm2-vllm --speculative-config \
         '{"method": "medusa", "model": "medusa-vllm", "num_speculative_tokens": 3}'
 
@@ -49,6 +71,7 @@ import torch
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import cli
+from specdec import eagle3 as eagle3_lib
 from heads import HeadsError
 from model import lm_head_fingerprint
 
@@ -100,6 +123,65 @@ def vllm_medusa(heads, base_rows, dtype=torch.float16):
     return config, tensors
 
 
+def vllm_eagle3(module, base_layers, dtype=torch.float16):
+    """(config.json as a dict, {name: tensor}) of an EAGLE-3 layer (eagle3.Eagle3, for a base model
+    of `base_layers` layers) in the layout vLLM's and SGLang's LlamaForCausalLMEagle3 load."""
+    cfg, c = module.cfg, module.draft_cfg
+    state = module.state_dict()
+    kept = state.pop("kept_ids", None)
+    tensors = {n: w.detach().to(dtype).contiguous() for n, w in state.items()}
+    if kept is not None:  # draft id i is target id i + d2t[i]
+        kept = kept.cpu()
+        tensors["d2t"] = kept - torch.arange(len(kept))  # (V',) int64
+        tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # (V,)
+        tensors["t2d"][kept] = True
+    rope = {"rope_type": "default"} | c.rope_scaling
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden_dim,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "max_position_embeddings": c.max_seq_len,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": len(kept) if kept is not None else cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if tuple(cfg.layers) != (2, base_layers // 2, base_layers - 3):  # not the engines' default
+        ids = {"eagle_aux_hidden_state_layer_ids": list(cfg.layers), "use_aux_hidden_state": True}
+        config["eagle_config"] = ids
+    return config, tensors
+
+
+def read_eagle3(folder, base):
+    """An EAGLE-3 folder vllm_eagle3 wrote (or one in its layout trained elsewhere for `base`) as
+    our eagle3.Eagle3 in the base's dtype: the way back, by the same names."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, CONFIG)) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(folder, WEIGHTS))
+    d2t = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)
+    kept = None if d2t is None else torch.arange(len(d2t)) + d2t
+    L = base.cfg.n_layers
+    layers = (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids", [2, L // 2, L - 3]
+    )
+    module = eagle3_lib.build(base, kept, layers=layers)
+    module.load_state_dict(tensors | ({} if kept is None else {"kept_ids": kept}))
+    return module
+
+
 def served_config(config):
     """The base model's config.json as vLLM reads it: `architectures` named from `model_type`
     where it is missing or empty (the GGUF conversion writes null), else as it is."""
@@ -129,15 +211,15 @@ def build_parser():
     p.add_argument(
         "--heads",
         default="medusa",
-        help="medusa (shipped for the default model) or a folder of Medusa heads "
-        "that train.py wrote",
+        help="medusa or eagle3 (shipped for the default model), or a folder of Medusa heads or "
+        "of an EAGLE-3 layer that train.py wrote",
     )
     # where to
     p.add_argument(
         "--to",
         default="vllm",
         choices=["vllm"],
-        help="the serving layout: vllm (its Medusa checkpoint)",
+        help="the serving layout: vllm (its Medusa checkpoint; an EAGLE-3 layer's is SGLang's too)",
     )
     p.add_argument(
         "--out", required=True, help="a new or empty folder for config.json and model.safetensors"
@@ -205,8 +287,14 @@ def heads_folder(name):
     folder = catalog.find_heads(name)
     if folder is None:
         raise cli.UsageError(
-            f"--heads {name}: no heads to export; give medusa or a folder of Medusa heads"
+            f"--heads {name}: no heads to export; give medusa, eagle3 or a folder of Medusa heads"
         )
+    if eagle3_lib.is_eagle3(folder):
+        try:
+            eagle3_lib.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+        except HeadsError as e:
+            raise cli.UsageError(f"--heads {name}: {e}") from None
+        return folder
     catalog.check_heads_in(folder, f"--heads {name}")
     return folder
 
@@ -227,7 +315,8 @@ def copy_base(src, out):
 
 def main(args):
     folder = heads_folder(args.heads)
-    if why := refusal(folder):
+    eagle3 = eagle3_lib.is_eagle3(folder)
+    if not eagle3 and (why := refusal(folder)):
         raise cli.UsageError(f"--heads {args.heads}: {why}")
     for flag, path in (("--out", args.out), ("--base-out", args.base_out)):
         if path and os.path.isdir(path) and os.listdir(path):
@@ -236,7 +325,8 @@ def main(args):
             )
     if args.base_out and os.path.abspath(args.base_out) == os.path.abspath(args.out):
         raise cli.UsageError(f"--base-out {args.base_out}: the same as --out; give another folder")
-    heads_cfg = checkpoint.read_config(os.path.join(folder, checkpoint.HEADS_CONFIG))
+    read = eagle3_lib.read_config if eagle3 else checkpoint.read_config
+    heads_cfg = read(os.path.join(folder, checkpoint.HEADS_CONFIG))
     if args.model == checkpoint.DEFAULT and default_fingerprint() is not None:  # known, not loaded
         if error := other_model(heads_cfg, args, default_fingerprint()):
             raise error
@@ -248,8 +338,13 @@ def main(args):
         model, _ = checkpoint.load(args.model, "cpu", torch.float32)
         if error := other_model(heads_cfg, args, lm_head_fingerprint(model)):
             raise error
-        heads = checkpoint.load_heads(folder, model)
-        config, tensors = vllm_medusa(heads, model.lm_head.weight, cli.DTYPES[args.dtype])
+        dtype = cli.DTYPES[args.dtype]
+        if eagle3:
+            heads = eagle3_lib.load(folder, model)
+            config, tensors = vllm_eagle3(heads, model.cfg.n_layers, dtype)
+        else:
+            heads = checkpoint.load_heads(folder, model)
+            config, tensors = vllm_medusa(heads, model.lm_head.weight, dtype)
         checkpoint.save_tensors(tensors, os.path.join(args.out, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(args.out, CONFIG), "w") as f:
             json.dump(config, f, indent=1)
@@ -258,10 +353,18 @@ def main(args):
     finally:
         cli.remove_empty(made)  # a run that stopped leaves no empty folder of its own
     kept = heads.cfg.kept_tokens or config["vocab_size"]
-    print(
-        f"wrote {args.out}: {cli.plural(config['num_heads'], 'Medusa head')} for vLLM, vocabulary "
-        f"{config['vocab_size']} (the heads' {kept} tokens, the base LM head's rows for the rest)"
-    )
+    if eagle3:
+        print(
+            f"wrote {args.out}: an EAGLE-3 layer (LlamaForCausalLMEagle3) for vLLM and SGLang, "
+            f"draft vocabulary {kept} of {config['vocab_size']}, fused layers "
+            f"{', '.join(map(str, heads.cfg.layers))}"
+        )
+    else:
+        heads_n = cli.plural(config["num_heads"], "Medusa head")
+        print(
+            f"wrote {args.out}: {heads_n} for vLLM, vocabulary {config['vocab_size']} (the heads' "
+            f"{kept} tokens, the base LM head's rows for the rest)"
+        )
     if args.base_out:
         print(f"wrote {args.base_out}: {args.model} as vLLM serves it")
 

@@ -8,14 +8,16 @@ subclasses, never as arguments of the lesson's:
     cache = model.new_cache(max_len, batch=B)              # a RowsCache: a length per row
     logits, hidden = model(tokens, positions, mask, cache, last_only=False, layers=None, extra=None,
                            sizes=None)
+    logits, hidden, fused = model(tokens, positions, mask, cache, features=(2, 15, 27))
     cache.keep(idx_0, ..., idx_B-1)         # each row's accepted entries
 
 rows of different lengths (the batch engine: each row sees its own prefix, not the gap after it),
 a prefill's logits at the last position only (`last_only`), a forward through some of the layers
 (`layers`: self-speculative drafting) and embeddings of ids past the vocabulary (`extra`: PaSS's
-[LA] tokens), and rows whose trees are smaller than the largest (`sizes`: the padding after a
-row's own tokens is computed where the fast path cannot skip it, never read). With one row, none
-of those, it computes what model.Transformer.forward computes
+[LA] tokens), rows whose trees are smaller than the largest (`sizes`: the padding after a
+row's own tokens is computed where the fast path cannot skip it, never read), and the inputs of
+some layers beside the output (`features`: EAGLE-3's fused features, the layers run in segments
+split there). With one row, none of those, it computes what model.Transformer.forward computes
 (tests/test_model.py). The fast paths (specdec.fast) are twins of this class's layers.
 Shapes: B rows, T new tokens, S cache slots, D hidden, Hkv key/value heads, Dh head size."""
 
@@ -95,6 +97,14 @@ class RowsCache(model.KVCache):
         rows.max_len = self.max_len
         return rows
 
+    def layers(self, lo, hi):
+        """Layers [lo, hi) as a cache of their own (a forward through those layers alone reads and
+        writes cache.k[i] for its i-th): k, v are views, the lengths the same list."""
+        part = RowsCache.__new__(type(self))
+        part.__dict__.update(self.__dict__)
+        part.k, part.v = self.k[lo:hi], self.v[lo:hi]
+        return part
+
     def select_rows(self, rows):
         """Keep only these rows (indices): a batch drops its ended sequences, which stop costing."""
         self.k = self.k[:, rows]
@@ -171,6 +181,7 @@ class Model(model.Transformer):
         layers=None,
         extra=None,
         sizes=None,
+        features=(),
     ):
         """tokens (B, T) long; positions (B, T) or (T,) long; mask (T, T) / (B, T, T) bool with
         mask[i, j] = new token i may see new token j (None: causal); the cached prefix is always
@@ -180,7 +191,9 @@ class Model(model.Transformer):
         layers: run only these (indices in order: self-speculative drafting; see run_layers). extra:
         embeddings of ids past the vocabulary (embed()). sizes: row b's first sizes[b] tokens are
         its own, the rest padding whose logits and hidden states nobody reads (left out of the LM
-        head; a fast path leaves them out of the layers: garbage there)."""
+        head; a fast path leaves them out of the layers: garbage there). features: layer indices,
+        ascending, in [0, n_layers]: run_segments' fused inputs of those layers come back third,
+        (B, T, len(features) * D); not with `layers`."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
@@ -189,16 +202,21 @@ class Model(model.Transformer):
         key_mask = cache.key_mask(T) if cache is not None else None  # (B, S): the rows' gaps hidden
         attn_mask = attention_mask(T, start, mask, key_mask, tokens.device)
         x = self.embed(tokens, extra)  # (B, T, D)
-        x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers, sizes)
+        if features:
+            assert layers is None, "features come from a forward through every layer"
+            x, fused = self.run_segments(x, cos, sin, attn_mask, cache, start, features, sizes)
+        else:
+            x = self.run_layers(x, cos, sin, attn_mask, cache, start, layers, sizes)
         hidden = self.norm(x)  # (B, T, D)
         if sizes is not None and not last_only and sum(sizes) < B * T:  # the padding left out
             at = packed(sizes, T).to(tokens.device).long()  # (M,)
             own = self.lm_head(hidden.flatten(0, 1)[at])  # (M, V)
             logits = own.new_zeros(B * T, own.shape[-1])
             logits[at] = own
-            return logits.view(B, T, -1), hidden  # (B, T, V), (B, T, D)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
-        return logits, hidden
+            logits = logits.view(B, T, -1)  # (B, T, V)
+        else:
+            logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T|1, V)
+        return (logits, hidden, fused) if features else (logits, hidden)
 
     def run_layers(self, x, cos, sin, attn_mask, cache, start, layers=None, sizes=None):
         """x (B, T, D) through the decoder layers, all or forward's `layers`: the i-th layer run
@@ -209,3 +227,22 @@ class Model(model.Transformer):
             kv = (cache.k[i], cache.v[i], start) if cache is not None else None
             x = layer(x, cos, sin, attn_mask, kv)
         return x  # (B, T, D)
+
+    def run_segments(self, x, cos, sin, attn_mask, cache, start, features, sizes=None):
+        """run_layers in segments split at the `features` layers -> the output (B, T, D) and those
+        layers' inputs side by side (B, T, F*D): layer l's input is the residual stream after
+        layers 0..l-1 (l = 0: the embeddings; l = n_layers: the last layer's output), what vLLM's
+        EAGLE-3 collects as hidden_states + residual. Each segment is one run_layers call over a
+        view of its layers' cache (one kernels.c call on the fast path: a hook would break it into
+        layers), so the output is the unsegmented forward's, bit for bit."""
+        L = len(self.layers)
+        assert list(features) == sorted(set(features)) and 0 <= features[0] <= features[-1] <= L, (
+            f"features: distinct layers in ascending order within [0, {L}], got {features}"
+        )
+        bounds = sorted({0, L, *features})
+        inputs = {0: x}  # layer -> its input (B, T, D)
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = None if cache is None else cache.layers(lo, hi)
+            x = self.run_layers(x, cos, sin, attn_mask, part, start, tuple(range(lo, hi)), sizes)
+            inputs[hi] = x
+        return x, torch.cat([inputs[l] for l in features], dim=-1)  # (B, T, D), (B, T, F*D)

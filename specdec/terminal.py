@@ -57,6 +57,8 @@ def announce(dec, draft, *, device, quantize, threads, show):
 def heads_source(kind, name):
     """For the banner: the folder heads come from, where it is the user's (not the shipped), or
     where the shipped ones were retrained in place."""
+    if kind == "eagle3":  # its layer: the shipped one (auto, eagle3), or the user's folder
+        return "" if name in ("auto", "eagle3", "none") else f", layer from {name}"
     folder = catalog.find_heads(name) if kind in ("heads", "heads+lookup") else None
     if folder is None or catalog.shipped(folder) and not catalog.retrained(folder):
         return ""

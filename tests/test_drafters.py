@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from specdec.loading import catalog
 from specdec.loading import checkpoint
 from specdec import drafters as D
+from specdec import eagle3
 from specdec.engines import decode
 from specdec import rows
 import tree as tree_lib
@@ -656,7 +657,10 @@ def test_every_drafter_is_a_drafter_and_every_kind_builds_one(small, tmp_path):
         if kind == "pass":  # needs a folder of [LA] tokens: tests/test_pass.py loads one
             continue
         settings = catalog.DRAFT_DEFAULTS.get("lookup" if kind == "heads+lookup" else kind, {})
-        d = catalog.make_drafter(kind, **built | {"arg": args.get(kind), "settings": settings})
+        layer = {"heads": eagle3.build(small)} if kind == "eagle3" else {}  # its layer as heads
+        d = catalog.make_drafter(
+            kind, **built | layer | {"arg": args.get(kind), "settings": settings}
+        )
         assert isinstance(d, D.Drafter), kind
         assert isinstance(d.row(), D.Drafter), kind
     assert set(catalog.PARALLEL) == {"jacobi", "lookahead", "pass"}

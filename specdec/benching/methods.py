@@ -13,8 +13,9 @@
 Every method of ours decodes through decode.reply(): the heads (medusa, hydra, hydra++, the joint
 kinds, their sampling variants) and plain decoding through generate.py's own generate(), the loop
 `python generate.py --prompt` runs (under CUDA graphs the twin's step, which the graphs replay);
-lookup, hydra++-lookup, layers, skip, draft-model, jacobi, lookahead, pass and the online heads
-through decode.generate(). Theirs: transformers' generate() (hf, hf-compiled: its static cache and
+lookup, hydra++-lookup, layers, skip, draft-model, jacobi, lookahead, pass, eagle3 (the EAGLE-3
+layer in --heads-dir/eagle3 on its tree) and the online heads through decode.generate(). Theirs:
+transformers' generate() (hf, hf-compiled: its static cache and
 torch.compile, in --methods all on CUDA only, its compile timed apart; pld, assisted) or llama.cpp's
 (llama.cpp-f16, -q8_0, -q4_1: GGUF files of the default model's weights, run where
 llama-cpp-python is installed) or vLLM's (vllm, vllm-medusa, vllm-eagle3: the default model
@@ -42,6 +43,7 @@ import torch
 import heads as heads_lib
 from specdec import cli
 from specdec import drafters
+from specdec import eagle3 as eagle3_lib
 from specdec import tuning
 from specdec.benching import in_vllm
 from specdec.engines import decode
@@ -70,6 +72,7 @@ METHODS = (
     "medusa",
     "hydra",
     "hydra++",
+    "eagle3",
     "medusa-2",
     "hydra++-2",
     "hydra++-typical",
@@ -466,6 +469,25 @@ def load_heads(args, name, folder, model, asked):
         return None, None
 
 
+def eagle3_drafter(args, model, asked):
+    """(the drafter of the EAGLE-3 layer in --heads-dir (its eagle3/ folder, or the folder itself)
+    on its tree (catalog.load_tree's auto), its folder), or (None, None) where there is none for
+    this model; one named in --methods must be there."""
+    folder = catalog.heads_folder(args.heads_dir, eagle3_lib.KIND)
+    try:
+        if folder is None:
+            raise heads_lib.HeadsError(f"no EAGLE-3 layer in --heads-dir {args.heads_dir}")
+        module = eagle3_lib.load(folder, model)
+    except heads_lib.HeadsError as e:
+        if asked or args.heads_dir != catalog.SHIPPED:
+            raise cli.UsageError(
+                f"--methods eagle3: {e}; train one with train.py --heads eagle3 --data FILE"
+            ) from None
+        return None, None
+    tree = catalog.load_tree("auto", module, folder, args.quantize)
+    return eagle3_lib.Eagle3Drafter(module, tree), folder
+
+
 def build_methods(
     args, lesson, loop, model, tokenizer, eos, device, dtype, longest=None, graphed=None
 ):
@@ -590,6 +612,24 @@ def build_methods(
                 max_nodes=d.max_nodes,
             )
             notes.append(d.name)
+        elif name == "eagle3":
+            d, folder = eagle3_drafter(args, model, name in asked)
+            if d is None:
+                notes.append(
+                    f"eagle3: skipped (no EAGLE-3 layer for this model in {args.heads_dir})"
+                )
+                continue
+            methods[name] = method(
+                name,
+                ours(looped, fast(model), d, "greedy", 0.0, eos),
+                greedy=True,
+                depth=d.max_depth,
+                batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
+                max_nodes=d.max_nodes,
+            )
+            notes.append(
+                f"eagle3: {folder}, {d.name.removeprefix('eagle3, ')}, depth {d.max_depth}"
+            )
         elif name == "layers":
             n, gamma, how = layers_setting(args, model)
             d = drafters.ModelDrafter(model, gamma, 0.0, 1.0, None, range(n), f"layers:{n}")

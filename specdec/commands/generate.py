@@ -100,9 +100,10 @@ def add_drafter_flags(p):
         "bench.py --tune-skip saved for this machine) | model (--draft-model) | jacobi (Jacobi "
         "decoding: last step's own outputs as guesses) | lookahead (lookahead decoding: n-grams "
         "from a window of Jacobi iterations) | pass[:FOLDER] (PaSS's learned [LA] tokens, shipped "
-        "or pass_tokens.py's). Self-speculative: layers, skip, jacobi, lookahead and pass; "
-        "unless flags set them, jacobi, lookahead and pass take what bench.py --tune-parallel "
-        "saved for this machine",
+        "or pass_tokens.py's) | eagle3 (EAGLE-3: one decoder layer over the model's fused "
+        "layers; --heads auto for the shipped one, or a folder; on --tree). Self-speculative: "
+        "layers, skip, jacobi, lookahead and pass; unless flags set them, jacobi, lookahead and "
+        "pass take what bench.py --tune-parallel saved for this machine",
     )
     p.add_argument(
         "--heads",
@@ -110,15 +111,16 @@ def add_drafter_flags(p):
         help="with --draft heads or heads+lookup: none | medusa | hydra | hydra++ (shipped for "
         "the default model) | a heads folder (train.py's or joint.py's; joint.py's medusa-2 and "
         "hydra++-2 adapt the model's last layers, merged in at load); auto = hydra++ if shipped "
-        "for this model, else none",
+        "for this model, else none. With --draft eagle3: auto (the shipped layer) | none | a "
+        "folder train.py --heads eagle3 wrote",
     )
     p.add_argument(
         "--tree",
         default="auto",
-        help='with heads: chain:N | cartesian:4,3,2 | a JSON file {"paths": [[0], [0, 1], ...]}, '
-        "at most as deep as the heads; auto = the tree beside the heads (bench.py --tune-tree's "
-        "tree-DEVICE-DTYPE.json for this device, CPU path and dtype, else tree.json), else a "
-        "chain as deep as the heads",
+        help="with heads or eagle3: chain:N | cartesian:4,3,2 | a JSON file "
+        '{"paths": [[0], [0, 1], ...]}, at most as deep as the heads; auto = the tree beside '
+        "the heads (bench.py --tune-tree's tree-DEVICE-DTYPE.json for this device, CPU path and "
+        "dtype, else tree.json), else a chain as deep as the heads",
     )
     p.add_argument(
         "--draft-model",

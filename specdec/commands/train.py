@@ -33,6 +33,7 @@ from specdec.cli import (
 from specdec.fast import kernels
 from specdec.loading import catalog, checkpoint
 from specdec.training import dataset, distributed, prepare, resume
+from specdec.training import eagle3 as eagle3_training
 from specdec.training.batches import Plan, kept_vocabulary
 from specdec.training.losses import TrainForward
 from specdec.training.session import Session, logger
@@ -69,6 +70,8 @@ RANGES = {
     "--eval-every": (1, 10**9),
     "--save-every": (0.0, 1e9),
     "--seed": (0, MAX_SEED),  # combined as seed * 10**9 + step into a 64-bit seed
+    "--conversations": (0, 10_000_000),  # 0: all of the split's
+    "--eval-conversations": (0, 10_000_000),
 }
 
 
@@ -182,10 +185,11 @@ def build_parser():
     p.add_argument(
         "--heads",
         default="hydra++",
-        choices=["medusa", "hydra", "hydra++"],
-        help="which draft heads to train",
+        choices=["medusa", "hydra", "hydra++", "eagle3"],
+        help="which draft heads to train; eagle3: an EAGLE-3 layer over the model's fused layers, "
+        "their features computed as it trains from --data FILE's conversations",
     )
-    number("--num-heads", int, 3, "K, number of draft heads")
+    number("--num-heads", int, 3, "K, number of draft heads (eagle3: the steps it unrolls)")
     number("--num-layers", int, 1, "residual blocks per Medusa head / hidden layers per Hydra MLP")
     p.add_argument(
         "--own-lm-head",
@@ -249,6 +253,19 @@ def build_parser():
         "--eval-every, --save-every and --epochs may change",
     )
     number("--seed", int, 0, "random seed (data, initialisation, batch order, noise)")
+    number(
+        "--conversations",
+        int,
+        0,
+        "eagle3: train on the first this many conversations of the training split (0: all)",
+    )
+    number(
+        "--eval-conversations",
+        int,
+        200,
+        "eagle3: evaluate on the first this many held-out conversations (0: all; each evaluation "
+        "runs the base model over them)",
+    )
     return p
 
 
@@ -265,6 +282,8 @@ def check_args(args):
         )
     pick_device(args.device)
     kernels.pick_dtype(args.dtype, "cpu", native=False)
+    if args.heads == "eagle3":
+        eagle3_training.check_args(args)
     if args.data == "self":
         dataset.read_seeds(args.seeds)
     else:  # a file, read now: its mistakes cost a second, not a model's load
@@ -405,6 +424,8 @@ def train_main(args, made, lesson):
     """llama2.c's run.c: the flags checked, the processes joined, the data built (rank 0, the
     others waiting), then the heads trained by the lesson's loop."""
     check_args(args)
+    if args.heads == "eagle3":
+        return train_eagle3(args, made, lesson)
     digest = dataset.file_digest(args.data) if args.data != "self" else None
     rank, world, device = distributed.init_distributed(args.device)
     # torchrun sets each rank's threads itself
@@ -440,6 +461,21 @@ def train_main(args, made, lesson):
         resume.clear_run(out)
     train_heads(model, data, out, args, lesson)
     distributed.leave(world)
+
+
+def train_eagle3(args, made, lesson):
+    """--heads eagle3: the model loaded and checked as for heads, then the layer trained by the
+    lesson's loop with the base model's features computed batch by batch
+    (specdec/training/eagle3.py); no data stage."""
+    device = pick_device(args.device)
+    if torch.device(device).type == "cpu":
+        cli.use_threads(args.threads)
+    model, tokenizer = checkpoint.load(prepare.model_path(args.model), device, torch.float32)
+    check_model_args(args, model)
+    out, _ = prepare.places(args, model, made)
+    if args.overwrite:
+        resume.clear_run(out)
+    eagle3_training.train(model, tokenizer, out, args, lesson)
 
 
 def cli_main(argv, lesson) -> int:

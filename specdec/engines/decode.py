@@ -115,21 +115,27 @@ class Row:
 # --- prefill --------------------------------------------------------------------------------------
 
 
-def prefill(model, cache, prompts):
+def prefill(model, cache, prompts, features=()):
     """Forward the prompts (lists of ids, one a cache row) past what the cache holds of them
     already (cache.length tokens: a conversation's earlier turns), right-padded into one forward
     (causal: no prompt sees the padding after it), and keep their entries. -> each prompt's last
-    logits (B, V), and its hidden states over the part forwarded, [(1, T_b, D)]."""
+    logits (B, V), and its hidden states over the part forwarded, [(1, T_b, D)]; with `features`
+    (drafters.features_of's layers), those layers' inputs instead, [(1, T_b, F*D)]."""
     dev = model.device
     cached = cache.length  # a conversation's earlier turns
     lengths = [len(p) for p in prompts]
     L = max(lengths)
     padded = torch.tensor([p[cached:] + [0] * (L - len(p)) for p in prompts], device=dev)
-    _, hidden = model(padded, torch.arange(cached, L, device=dev), None, cache, last_only=True)
+    positions = torch.arange(cached, L, device=dev)
+    if features:  # (B, T, D), (B, T, F*D)
+        _, hidden, fused = model(padded, positions, None, cache, last_only=True, features=features)
+    else:
+        _, hidden = model(padded, positions, None, cache, last_only=True)
     last = torch.tensor(lengths, device=dev) - 1 - cached  # (B,) each prompt's last token
     logits = model.lm_head(hidden[torch.arange(len(prompts), device=dev), last])  # (B, V)
     cache.keep(*[range(n - cached) for n in lengths])  # row b: slots [0, len(prompt b))
-    return logits, [hidden[b : b + 1, : n - cached] for b, n in enumerate(lengths)]
+    states = fused if features else hidden  # what the drafters' start() reads
+    return logits, [states[b : b + 1, : n - cached] for b, n in enumerate(lengths)]
 
 
 # --- one speculative step ------------------------------------------------------------------------
@@ -172,7 +178,13 @@ def step(model, cache, drafter, rows):
         positions = torch.tensor(cache.lengths, device=depth.device)[:, None] + depth  # (B, N)
     sizes = [len(d.tokens) for d in drafts]  # a row's tree smaller than the largest: its padding
     sizes = sizes if min(sizes) < tokens.shape[1] else None  # is left out where it can be
-    logits, hidden = model(tokens, positions, mask, cache, extra=extra, sizes=sizes)  # (B, N, V)
+    features = drafters_lib.features_of(drafter)  # EAGLE-3's layers, or () for every other
+    if features:  # (B, N, V), (B, N, D) and those layers' inputs (B, N, F*D)
+        logits, hidden, fused = model(
+            tokens, positions, mask, cache, extra=extra, sizes=sizes, features=features
+        )
+    else:  # (B, N, V), (B, N, D)
+        logits, hidden = model(tokens, positions, mask, cache, extra=extra, sizes=sizes)
     steps = []
     for b, (row, d) in enumerate(zip(rows, drafts)):
         if row is None:
@@ -189,6 +201,7 @@ def step(model, cache, drafter, rows):
             nodes=path,
             bonus=bonus,
             sources=[d.source[i] for i in path[1:]] + [0],
+            features=fused[b : b + 1, nodes] if features else None,  # (1, n, F*D)
         )
         steps.append(accepted)
     cache.keep(*[s.nodes if s else [] for s in steps])  # row b: its prompt, then what it kept
@@ -240,7 +253,8 @@ def generate(
     if cache is None:  # room for the reply, and a last step's tree past it
         cache = model.new_cache(len(prompt) + max_new_tokens + drafter.max_nodes)
     cached = cache.length
-    logits, hidden = prefill(model, cache, [prompt])  # (1, V), [(1, T, D)]
+    # (1, V), [(1, T, D)]: the hidden states, or the layers' inputs a drafter reads (features_of)
+    logits, hidden = prefill(model, cache, [prompt], drafters_lib.features_of(drafter))
     drafter.start(prompt, hidden[0], cache.max_len, cached)
     root = first_token(logits[0], temperature, top_p, generator)
     row = Row(drafter, choose_verifier(verify, temperature, top_p, generator), root)

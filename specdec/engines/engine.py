@@ -101,7 +101,8 @@ def generate_batch(
         picked = [queue.pop() for _ in free]
         whole = len(free) == len(rows) and cache.length == 0
         into = cache if whole else model.new_cache(max(len(w.prompt) for w in picked), len(picked))
-        logits, hidden = decode.prefill(model, into, [w.prompt for w in picked])  # (r, V)
+        reads = drafters_lib.features_of(drafter)  # the layers an EAGLE-3 drafter reads, or ()
+        logits, hidden = decode.prefill(model, into, [w.prompt for w in picked], reads)  # (r, V)
         if into is not cache:
             cache.put(free, into)
         for j, (slot, job) in enumerate(zip(free, picked)):

@@ -26,10 +26,10 @@ up to a power of two, S slots attended: a length bucket, a power of two), every 
     the same key: the loop reads them before then).
 Nothing inside reads a value back to the host (tests/test_graphs.py counts: none). A forward the
 static step cannot serve runs the readable model eagerly, counted by its reason in .fallbacks,
-never silent: a prefill (last_only: T tokens, any T), `layers`, `extra`, or a cache outside the
-buffers (made while another was in them, or not by new_cache). On a CPU nothing is captured
-(.enabled is False): the same static step runs eagerly, which is how the tests check it token for
-token against the readable model.
+never silent: a prefill (last_only: T tokens, any T), `layers`, `extra`, `features` (EAGLE-3's
+layer inputs), or a cache outside the buffers (made while another was in them, or not by
+new_cache). On a CPU nothing is captured (.enabled is False): the same static step runs eagerly,
+which is how the tests check it token for token against the readable model.
 
 Garbage in the slots S hides (other rows' gaps, earlier sequences) is multiplied by a zero
 weight, so it must be finite: it is, being keys and values some forward computed, or zeros.
@@ -266,8 +266,10 @@ class GraphedForward:
         self.owner = weakref.ref(cache)
         return cache
 
-    def why_eager(self, cache, last_only, layers, extra):
+    def why_eager(self, cache, last_only, layers, extra, features=()):
         """Why the static step cannot serve this forward (None: it can)."""
+        if features:
+            return "features"  # EAGLE-3's layer inputs: the layers run in segments
         if last_only:
             return "last_only"  # a prefill: T tokens, any T
         if layers is not None:
@@ -288,11 +290,15 @@ class GraphedForward:
         layers=None,
         extra=None,
         sizes=None,
+        features=(),
     ):
-        why = self.why_eager(cache, last_only, layers, extra)
+        why = self.why_eager(cache, last_only, layers, extra, features)
         if why:
             self.fallbacks[why] += 1
-            out = self.model(tokens, positions, mask, cache, last_only, layers, extra, sizes)
+            more = {"features": features} if features else {}  # (as a plain model is called)
+            out = self.model(
+                tokens, positions, mask, cache, last_only, layers, extra, sizes, **more
+            )
         else:
             B, N = tokens.shape
             start = cache.length

@@ -5,6 +5,7 @@ export.py; it imports the teaching files, never the scripts.
 
     SHIPPED, JOINT_KINDS, shipped                the heads trained for the default model
     find_heads, heads_folder, load_heads         --heads: a kind's name, a folder, none or auto
+    load_eagle3                                  --draft eagle3's layer: --heads auto or a folder
     parse_tree, load_tree                        --tree: a spec, or the tuned tree beside the heads
     tuned_tree_file, tuned_parallel              the files bench.py --tune-* saved for a machine
     DRAFT_DEFAULTS, parse_draft, draft_settings  --draft and the settings of its drafter
@@ -33,6 +34,7 @@ import torch
 
 from specdec.loading import checkpoint
 from specdec import drafters as drafters_lib
+from specdec import eagle3 as eagle3_lib
 from specdec.fast import exact
 from specdec.fast import graphs
 import heads as heads_lib
@@ -95,7 +97,7 @@ def find_heads(name, flag="--heads"):
     if name == "auto":
         folder = os.path.join(SHIPPED, "hydra++")
         return folder if os.path.isdir(folder) else None
-    if name in heads_lib.KINDS + JOINT_KINDS:
+    if name in heads_lib.KINDS + JOINT_KINDS + (eagle3_lib.KIND,):
         folder = os.path.join(SHIPPED, name)
         if os.path.isdir(folder):
             return folder
@@ -105,6 +107,7 @@ def find_heads(name, flag="--heads"):
             f"python -m specdec.training.joint --init {name.removesuffix('-2')} --out FOLDER"
             if name in JOINT_KINDS
             else f"train.py --heads {name} --out FOLDER"
+            + (" --data FILE" if name == eagle3_lib.KIND else "")
         )
         raise UsageError(
             f"{flag} {name}: no {name} heads are shipped in {SHIPPED}; train them with {how}, "
@@ -114,7 +117,7 @@ def find_heads(name, flag="--heads"):
         return name
     raise UsageError(
         f"{flag} {name}: not a heads folder nor one of none, auto, "
-        f"{', '.join(heads_lib.KINDS + JOINT_KINDS)}"
+        f"{', '.join(heads_lib.KINDS + JOINT_KINDS + (eagle3_lib.KIND,))}"
     )
 
 
@@ -162,6 +165,11 @@ def load_heads(name, model):
     folder = find_heads(name)
     if folder is None:
         return None, None
+    if eagle3_lib.is_eagle3(folder):
+        raise UsageError(
+            f"--heads {name}: {folder} holds an EAGLE-3 layer, which drafts with --draft eagle3; "
+            "add it, or give heads that train.py --heads medusa | hydra | hydra++ wrote"
+        )
     try:
         heads = checkpoint.load_heads(folder, model)
         if checkpoint.has_delta(folder):
@@ -173,6 +181,23 @@ def load_heads(name, model):
     except heads_lib.HeadsError as e:
         if name == "auto":
             return None, None  # shipped heads belong to the default model; another model runs plain
+        raise UsageError(f"--heads {name}: {e}") from None
+
+
+def load_eagle3(name, model):
+    """--heads with --draft eagle3: auto (or eagle3) = the shipped layer, a folder train.py
+    --heads eagle3 wrote, or none (plain decoding). Returns (the layer or None, its folder); auto
+    where none is shipped, or it was trained for another model, is plain decoding, as heads are."""
+    if name == "none":
+        return None, None
+    folder = os.path.join(SHIPPED, eagle3_lib.KIND) if name == "auto" else find_heads(name)
+    if name == "auto" and not os.path.isdir(folder):
+        return None, None
+    try:
+        return eagle3_lib.load(folder, model), folder
+    except heads_lib.HeadsError as e:
+        if name == "auto":
+            return None, None
         raise UsageError(f"--heads {name}: {e}") from None
 
 
@@ -569,7 +594,7 @@ def draft_flags(spec, given, heads, tree, draft_model):
     draft = DraftFlags(
         spec, kind, arg, draft_settings(kind, spec, given), given, heads, tree, draft_model
     )
-    with_heads = kind in ("heads", "heads+lookup")
+    with_heads = kind in ("heads", "heads+lookup", "eagle3")  # eagle3: its layer as the heads
     if heads == "none" and tree != "auto":
         raise UsageError("--tree needs draft heads; drop --tree or pass --heads")
     if not with_heads and tree != "auto":
@@ -667,6 +692,12 @@ def heads_or_plain(b):  # the heads' drafter; at --heads none (or none for this 
     return drafters_lib.HeadsDrafter(b.heads, b.tree)
 
 
+def eagle3(b):  # EAGLE-3's layer on its tree; at --heads none (or none for this model): plain
+    if b.heads is None:
+        return drafters_lib.Plain(b.model.device)
+    return eagle3_lib.Eagle3Drafter(b.heads, b.tree)
+
+
 def lookup(b):
     s = b.settings
     return drafters_lib.Lookup(s["gamma"], s["ngram"], s["matches"], b.model.device)
@@ -750,6 +781,7 @@ register("model", draft_model, {"gamma": 4})
 register("jacobi", jacobi, {"gamma": 4}, parallel=True)
 register("lookahead", lookahead, {"window": 4, "ngram": 3, "guesses": 4}, parallel=True)
 register("pass", pass_tokens, {"gamma": 2, "guesses": 2}, parallel=True)
+register("eagle3", eagle3)  # its layer comes as `heads`, with their --heads and --tree flags
 
 
 def make_drafter(kind, *build, **by_name):
@@ -811,6 +843,8 @@ def load_drafter(draft, model, tokenizer, *, quantize, decoding, generator, batc
     settings = draft.settings
     if kind in ("heads", "heads+lookup"):
         heads, folder = load_heads(draft.heads, model)
+    elif kind == "eagle3":
+        heads, folder = load_eagle3(draft.heads, model)
     else:
         heads, folder = None, None
     tree = load_tree(draft.tree, heads, folder, quantize)

@@ -41,6 +41,7 @@ RESUME_MAY_CHANGE = (
     "eval_every",
     "save_every",
     "epochs",
+    "eval_conversations",
 )
 NOT_RECORDED = (
     "resume",
