@@ -47,12 +47,19 @@ def prompts(base, limit):
 
 
 def serve_apart(base, heads, dtype, limit, max_tokens, weights_track=True):
-    """vLLM's engine on `base` (heads None: plain; else Medusa heads from the folder `heads`),
-    greedy on the first `limit` evaluation prompts, all at once, in a process of its own:
-    {vllm, ids, tokens, seconds, counters}. weights_track False turns off the loader's check that
+    """vLLM's engine on `base` (heads None: plain; else the draft in the folder `heads`: Medusa
+    heads or an EAGLE-3 layer, as specdec.export wrote them), greedy on the first `limit`
+    evaluation prompts, all at once, in a process of its own: {vllm, ids, tokens, seconds,
+    counters}. weights_track False turns off the loader's check that
     every parameter was in the checkpoint."""
     ids, eos = prompts(base, limit)
-    draft = {"draft": heads, "method": "medusa", "speculative_tokens": 3} if heads else {}
+    draft = {}
+    if heads:  # its method (medusa, eagle3) from the folder's config.json
+        draft = {
+            "draft": heads,
+            "method": in_vllm.speculative_method(heads),
+            "speculative_tokens": 3,
+        }
     return in_vllm.serve_apart(
         in_vllm.find_python("auto"),
         base,

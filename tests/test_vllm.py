@@ -1,9 +1,10 @@
-"""Medusa heads exported by specdec.export load and serve in vLLM itself: the default model greedy
-on 8 evaluation prompts through vLLM's engine, plain and with the shipped Medusa heads
-(speculative_config method medusa), fp32: every reply token-identical, and vLLM's own counter of
-accepted draft tokens above zero. Each engine runs in a process of its own
-(specdec/benching/in_vllm.py, vllm_worker.py). And bench.py runs vLLM beside our plain decoding
-(its vllm and vllm-medusa methods): their rows in the same table, the same replies.
+"""Medusa heads and the EAGLE-3 layer exported by specdec.export load and serve in vLLM itself: the
+default model greedy on 8 evaluation prompts through vLLM's engine, plain and with the shipped
+Medusa heads (speculative_config method medusa) or EAGLE-3 layer (eagle3), fp32: every reply
+token-identical, and vLLM's own counter of accepted draft tokens above zero. Each engine runs in a
+process of its own (specdec/benching/in_vllm.py, vllm_worker.py). And bench.py runs vLLM beside
+our plain decoding (its vllm and vllm-medusa methods): their rows in the same table, the same
+replies.
 
 Skipped where vLLM is not installed (requirements.txt leaves it out: it pins its own transformers
 and torch build). Run it in vLLM's virtual environment (README, "Serve with vLLM"), Intel OpenMP
@@ -43,6 +44,21 @@ def test_medusa_heads_in_vllm_keep_plain_greedy_replies_and_are_accepted(exporte
     counters = medusa["counters"]
     assert counters["drafts"] > 0 and counters["accepted"] > 0, counters
     assert sum(counters["accepted_per_pos"]) == counters["accepted"]
+
+
+def test_eagle3_layer_in_vllm_keeps_plain_greedy_replies_and_is_accepted(exported):
+    """The shipped EAGLE-3 layer, exported by specdec.export (LlamaForCausalLMEagle3), drafts in
+    vLLM's own eagle3 method on the default model: replies plain's, some drafts accepted."""
+    from specdec.benching import in_vllm
+
+    base, _ = exported
+    layer = in_vllm.exported("eagle3")
+    plain = vllm_medusa.serve_apart(base, None, "fp32", PROMPTS, NEW_TOKENS)
+    eagle3 = vllm_medusa.serve_apart(base, layer, "fp32", PROMPTS, NEW_TOKENS)
+    same = sum(a == b for a, b in zip(eagle3["ids"], plain["ids"]))
+    assert same == PROMPTS, f"{same} of {PROMPTS} replies identical to plain"
+    counters = eagle3["counters"]
+    assert counters["drafts"] > 0 and counters["accepted"] > 0, counters
 
 
 def test_bench_runs_vllm_beside_plain_decoding(capsys):
