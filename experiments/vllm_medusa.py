@@ -89,6 +89,26 @@ def export_default(folder):
     return base, heads
 
 
+def export_eagle3(folder):
+    """An EAGLE-3 layer for the default model exported as vLLM reads it (fp32): the shipped one
+    where there is one, else a fresh layer (eagle3.build: the base's own next-token guess one
+    layer on, the shipped heads' draft vocabulary), trained for nothing: a check of the format."""
+    layer = os.path.join(folder, "eagle3-layer")
+    if not os.path.isdir(os.path.join(catalog.SHIPPED, "eagle3")):
+        import torch
+
+        from specdec import eagle3
+
+        base, _ = checkpoint.load(checkpoint.DEFAULT, "cpu", torch.float32)
+        kept = load_file(os.path.join(catalog.find_heads("hydra++"), checkpoint.HEADS_WEIGHTS))
+        checkpoint.save_heads(eagle3.build(base, kept["kept_ids"]), layer)
+    out = os.path.join(folder, "eagle3")
+    argv = ["--heads", layer if os.path.isdir(layer) else "eagle3", "--out", out, "--dtype", "fp32"]
+    if code := export.cli_main(argv):
+        sys.exit(code)
+    return out
+
+
 def kept_form(heads, out):
     """vLLM's reduced form of the exported shipped heads (folder `heads`, the full vocabulary) into
     `out`: the LM head's rows of the 8,192 tokens the shipped heads keep, their token_map and
