@@ -513,6 +513,17 @@ def build_methods(
         reset = learns.reset if learns else None  # online heads start each repeat afresh
         return Entry(lesson.Method(name, run, greedy, depth, reset), learns=learns, **known)
 
+    def greedy_alone(name, d):
+        """A drafter `d` verified greedily on the base model, alone and in batches, as it is."""
+        return method(
+            name,
+            ours(looped, fast(model), d, "greedy", 0.0, eos),
+            greedy=True,
+            depth=d.max_depth,
+            batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
+            max_nodes=d.max_nodes,
+        )
+
     # vLLM's python, looked for once (a subprocess where it is not this one)
     asks_vllm = args.methods == "all" or set(VLLM) & set(named_methods(args.methods))
     vllm_here = vllm_python(args) if asks_vllm else None
@@ -603,14 +614,7 @@ def build_methods(
             )
         elif name == "lookup":
             d = drafters.Lookup(look["gamma"], look["ngram"], look["matches"], device)
-            methods[name] = method(
-                name,
-                ours(looped, fast(model), d, "greedy", 0.0, eos),
-                greedy=True,
-                depth=d.max_depth,
-                batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
-                max_nodes=d.max_nodes,
-            )
+            methods[name] = greedy_alone(name, d)
             notes.append(d.name)
         elif name == "eagle3":
             d, folder = eagle3_drafter(args, model, name in asked)
@@ -619,14 +623,7 @@ def build_methods(
                     f"eagle3: skipped (no EAGLE-3 layer for this model in {args.heads_dir})"
                 )
                 continue
-            methods[name] = method(
-                name,
-                ours(looped, fast(model), d, "greedy", 0.0, eos),
-                greedy=True,
-                depth=d.max_depth,
-                batch=ours_batched(fast(model), d, "greedy", 0.0, eos),
-                max_nodes=d.max_nodes,
-            )
+            methods[name] = greedy_alone(name, d)
             notes.append(
                 f"eagle3: {folder}, {d.name.removeprefix('eagle3, ')}, depth {d.max_depth}"
             )

@@ -44,6 +44,7 @@ from specdec.fast import kernels
 from specdec.fast.kernels import bucket
 from specdec.training import dataset, prepare
 from specdec.training.batches import kept_vocabulary, make_batches, split
+from specdec.training.evaluate import report
 from specdec.training.session import Session
 
 STEP_WEIGHT = 0.8  # step j's loss weighs STEP_WEIGHT ** j (EAGLE-3's training code)
@@ -218,13 +219,7 @@ def evaluate(module, plan, convs, bf16=False):
             right[..., j][valid[..., j]] = hit[:, 0]
         run = right[valid.all(-1)].long().cumprod(-1).sum(-1)  # (positions,)
         run_sum, run_n = run_sum + run.sum(), run_n + len(run)
-    count = count.clamp(min=1)
-    return dict(
-        top1=(top1 / count).tolist(),
-        top5=(top5 / count).tolist(),
-        rank_acceptance=(ranks / count[:, None]).tolist(),
-        chain_tau=1 + run_sum.item() / max(run_n, 1),
-    )
+    return report(top1, top5, ranks, count, run_sum, run_n)
 
 
 class Eagle3Session(Session):

@@ -50,6 +50,12 @@ def evaluate(heads, data, convs, to_kept, args, device, bf16=False):
         full = valid.all(-1)
         run = right[full].long().cumprod(-1).sum(-1)  # (positions,)
         run_sum, run_n = run_sum + run.sum(), run_n + len(run)
+    return report(top1, top5, ranks, count, run_sum, run_n)
+
+
+def report(top1, top5, ranks, count, run_sum, run_n):
+    """eval.json's numbers from the counts: hits at top-1 and top-5 (K,), by rank (K, R), over
+    count (K,) predictions a head; run_sum accepted drafts over run_n chains."""
     count = count.clamp(min=1)
     return dict(
         top1=(top1 / count).tolist(),
